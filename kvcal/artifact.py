@@ -1,0 +1,232 @@
+"""kvcal artifacts: a directory with ``kv_scales.safetensors`` (+ ``report.md``).
+
+Tensor names (float32), the names vLLM / SGLang / compressed-tensors load
+(see ``shared/docs/runtime-formats.md``):
+
+* ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale`` — static dequantization multipliers,
+  ``x ≈ q * scale``. Shape ``[1]`` (per-tensor), ``[H_kv, 1, 1]`` (per-head) or
+  ``[H_kv, 1, D]`` (per-channel; kvcal runtime only).
+* optional kvcal-only tensors beside them: ``{k,v}_zero_point`` (asymmetric static, same shape
+  as the scale), ``{k,v}_clip_ratio`` ``[H_kv]`` (dynamic formats: calibrated fraction of the
+  per-group absmax/min-max range), ``k_mean`` ``[H_kv, 1, D]`` (per-channel key centering).
+
+Metadata: one JSON document stored in the safetensors header under the key ``"kvcal"`` with
+``schema_version`` (:data:`SCHEMA_VERSION`). Writing is atomic: everything goes into a temporary
+sibling directory which is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcal.errors import ArtifactError
+
+SCHEMA_VERSION = 1
+SCALES_FILE = "kv_scales.safetensors"
+SIDES = ("k", "v")
+
+
+def tensor_name(layer: int, side: str, kind: str = "scale") -> str:
+    """Artifact tensor name, e.g. ``tensor_name(3, "k") == "model.layers.3.self_attn.k_scale"``."""
+    if side not in SIDES:
+        raise ValueError(f"side must be 'k' or 'v', got {side!r}")
+    return f"model.layers.{layer}.self_attn.{side}_{kind}"
+
+
+def config_hash(config_dict: dict) -> str:
+    """sha256 of a model config's architecture-defining fields (stable across save/load).
+
+    Only fields that change the shapes or meaning of K/V are hashed, so a model re-saved by a
+    different transformers version still matches its artifacts.
+    """
+    keys = (
+        "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "hidden_size", "head_dim", "rope_theta", "vocab_size", "max_position_embeddings",
+    )
+    sub = {k: config_dict.get(k) for k in keys}
+    return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class Artifact:
+    """A loaded artifact: ``tensors`` (name -> float32 tensor), ``metadata`` (dict), ``path``."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    metadata: dict
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.metadata["model"]["num_layers"])
+
+    def scale(self, layer: int, side: str) -> torch.Tensor | None:
+        return self.tensors.get(tensor_name(layer, side))
+
+    def get(self, layer: int, side: str, kind: str) -> torch.Tensor | None:
+        return self.tensors.get(tensor_name(layer, side, kind))
+
+
+def validate_scales(tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse zero, negative, NaN or Inf scales, naming the layer and side.
+
+    Raises :class:`ArtifactError`. Engines silently produce garbage (or fall back to 1.0) on such
+    scales, so kvcal never writes one.
+    """
+    for name, t in tensors.items():
+        if not name.endswith("_scale"):
+            continue
+        bad = ~torch.isfinite(t) | (t <= 0)
+        if bool(bad.any()):
+            vals = t[bad].flatten()[:3].tolist()
+            raise ArtifactError(
+                f"refusing to write {name}: scales must be finite and > 0, got {vals} "
+                f"({int(bad.sum())} bad of {t.numel()}); the calibration data for this layer is "
+                "probably degenerate (all zeros or non-finite activations)"
+            )
+
+
+def write_artifact(
+    out_dir: str | os.PathLike,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict,
+    extra_files: dict[str, str | bytes] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write an artifact directory atomically and return its path.
+
+    ``tensors``: name -> tensor (stored as contiguous float32). ``metadata``: JSON-serializable
+    dict (``schema_version`` is set here). ``extra_files``: file name -> text/bytes written beside
+    (e.g. ``report.md``). Raises :class:`ArtifactError` if ``out_dir`` exists and ``overwrite``
+    is False, if a scale is invalid, or if the location is not writable; nothing partial is left.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise ArtifactError(f"output directory {out} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"output path {out} exists and is not a directory")
+    validate_scales(tensors)
+    meta = dict(metadata)
+    meta["schema_version"] = SCHEMA_VERSION
+    payload = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in tensors.items()}
+    try:
+        meta_json = json.dumps(meta, allow_nan=False, default=_json_default)
+    except ValueError as e:
+        raise ArtifactError(f"artifact metadata holds a non-finite number: {e}") from None
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise ArtifactError(f"cannot write to {parent}: {e.strerror}; choose a writable --out") from None
+    try:
+        save_file(payload, str(tmp / SCALES_FILE), metadata={"kvcal": meta_json, "format": "pt"})
+        for fname, content in (extra_files or {}).items():
+            p = tmp / fname
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, bytes):
+                p.write_bytes(content)
+            else:
+                p.write_text(content, encoding="utf-8")
+        if out.exists():
+            old = parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ArtifactError(f"failed writing artifact to {out}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _json_default(o):
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def load_artifact(path: str | os.PathLike) -> Artifact:
+    """Load an artifact directory (or its ``kv_scales.safetensors`` file) strictly.
+
+    Raises :class:`ArtifactError` when the file is missing, truncated/corrupted, has no kvcal
+    metadata, has an unknown schema version, or lacks a k/v scale for a layer that the metadata
+    says is statically quantized.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    f = p / SCALES_FILE if p.is_dir() else p
+    if not f.exists():
+        raise ArtifactError(f"no artifact at {p}: expected {f} (run `kvcal calibrate --out DIR` first)")
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            header = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:  # safetensors raises several types for corrupted files
+        raise ArtifactError(f"{f} is corrupted or truncated ({type(e).__name__}: {e}); re-run calibration") from None
+    if "kvcal" not in header:
+        raise ArtifactError(f"{f} has no kvcal metadata in its header; it was not written by kvcal")
+    try:
+        meta = json.loads(header["kvcal"])
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{f}: kvcal metadata is not valid JSON ({e})") from None
+    ver = meta.get("schema_version")
+    if ver != SCHEMA_VERSION:
+        raise ArtifactError(f"{f}: schema_version {ver!r} is not supported (this kvcal reads {SCHEMA_VERSION})")
+    for field in ("model", "kv"):
+        if field not in meta:
+            raise ArtifactError(f"{f}: metadata lacks the {field!r} section")
+    n = int(meta["model"]["num_layers"])
+    for side in SIDES:
+        spec = meta["kv"].get(side)
+        if spec is None or spec.get("dynamic"):
+            continue
+        missing = [i for i in range(n) if tensor_name(i, side) not in tensors]
+        if missing:
+            raise ArtifactError(
+                f"{f}: missing {side}_scale for layers {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                f"({len(missing)} of {n}); the file is incomplete"
+            )
+    for name, t in tensors.items():
+        if name.endswith("_scale") and (not torch.isfinite(t).all() or (t <= 0).any()):
+            raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales")
+    return Artifact(path=p if p.is_dir() else p.parent, tensors=tensors, metadata=meta)
+
+
+def check_model_match(meta: dict, model_meta: dict) -> None:
+    """Refuse an artifact made for another model; the message says which field differs.
+
+    ``model_meta`` is the ``"model"`` section kvcal builds for the loaded model
+    (see :func:`kvcal.models.model_metadata`). Raises :class:`ArtifactError`.
+    """
+    a = meta["model"]
+    for key in ("num_layers", "num_kv_heads", "head_dim", "config_sha256"):
+        if a.get(key) != model_meta.get(key):
+            raise ArtifactError(
+                f"artifact was calibrated for a different model: {key} is {a.get(key)!r} in the artifact "
+                f"but {model_meta.get(key)!r} for the loaded model ({model_meta.get('id')}); "
+                "re-run `kvcal calibrate` for this model"
+            )
+
+
+def is_finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

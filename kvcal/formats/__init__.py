@@ -1,0 +1,1 @@
+"""Numeric formats, granularities, packing and memory accounting (torch only, no transformers)."""
