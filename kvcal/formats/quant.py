@@ -1,0 +1,506 @@
+"""Generic quantize / dequantize / fake-quant of K/V tensors ``[B, H_kv, S, D]`` (the torch spec).
+
+One meaning of ``scale`` everywhere: the dequantization multiplier,
+
+* int symmetric:   ``q = clamp(round(x / scale), -qmax, qmax)``, ``x̂ = q * scale``
+  (``qmax = 2^(b-1) - 1``: 127, 7, 3, 1 for int8/4/3/2);
+* int asymmetric:  ``q = clamp(round(x / scale + zero_point), 0, 2^b - 1)``,
+  ``x̂ = (q - zero_point) * scale`` with a floating-point ``zero_point`` (= ``-lo / scale``);
+* FP8:             ``q = fp8(clamp(x / scale, -max, max))``, ``x̂ = float(q) * scale``;
+* NVFP4:           per 16-channel block ``s_b = float(e4m3(amax_b / 6 / g)) * g`` with the fp32
+  global scale ``g = amax / (448 * 6)`` (NVIDIA's recipe), ``q = e2m1(clamp(x / s_b, -6, 6))``,
+  ``x̂ = e2m1 * s_b``.
+
+``round`` is round-half-to-even (``torch.round``); ``e2m1()`` rounds to the nearest of
+``0, .5, 1, 1.5, 2, 3, 4, 6`` with ties to the even code.
+
+Where parameters come from:
+
+* **Static** granularities (per-tensor ``[1,1,1,1]``, per-head ``[1,H,1,1]``, per-channel
+  ``[1,H,1,D]``) take the calibrated ``scale`` (and ``zero_point``); without one, the range of
+  ``x`` itself is used (an oracle, useful for search and tests).
+* **Dynamic** granularities (per-token ``[B,H,S,1]``, per-token-group ``[B,H,S,ceil(D/g)]``,
+  per-channel-token-group ``[B,H,ceil(S/g),D]``) compute each group's range when called and
+  shrink it by ``clip_ratio`` (``[1,H,1,1]``-broadcastable, default 1): symmetric ranges use
+  ``clip_ratio * absmax``; asymmetric ranges ``[lo, hi]`` keep their centre and are shrunk to
+  ``clip_ratio * (max - min)`` (``lo = min + (1 - c)/2 * (max - min)``). Values outside the clipped
+  range saturate.
+
+Parameters are rounded to their storage dtype *before* quantizing, so the stored scale / zero
+point are exactly the ones used: scales round **up** (never saturating the group's own extreme),
+zero points to nearest. Asymmetric scales are at least ``|lo| / 2^(m+1)`` (``m`` = mantissa bits
+of the zero-point dtype: 2048 for fp16, 256 for bf16) so that the stored zero point is exact to
+within half a unit; for groups whose range is tiny next to their offset this widens the step — the
+price of a 16-bit zero point. With that, every value inside the (clipped) range dequantizes to within
+half a quantization step. A group whose range is zero gets ``scale = 1``.
+
+Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
+quantizing them would silently poison a whole group), non-positive / non-finite scales or clip
+ratios, a scale that overflows its storage dtype, or parameters of the wrong shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcal.formats.fp8 import FP8_FORMATS, quantize_fp8
+from kvcal.formats.granularity import PerChannelTokenGroup, PerTokenGroup
+from kvcal.formats.packing import pack, unpack
+from kvcal.formats.spec import DEFAULTS, QFormat, TensorQuantSpec
+
+#: e2m1 magnitudes by 3-bit code (OCP MX spec, FP4 E2M1).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized K or V tensor as the cache stores it.
+
+    * ``data``: payload, tokens padded to whole token groups and channels to whole channel groups
+      and packing units (``S_pad, D_pad = spec.padded_dims(S, D)``): FP8 dtype ``[B,H,S_pad,D_pad]``;
+      int8 ``int8`` (symmetric) / ``uint8`` (asymmetric) ``[B,H,S_pad,D_pad]``; int4/int3/int2/nvfp4
+      ``uint8 [B,H,S_pad,spec.row_bytes(D)]`` packed (:mod:`kvcal.formats.packing`; symmetric codes
+      stored offset by ``2^(b-1)``; nvfp4 codes are sign<<3 | e2m1 index).
+    * ``scale``: ``spec.scale_dtype``; static: the calibrated parameter (``[1,1,1,1]``,
+      ``[1,H,1,1]`` or ``[1,H,1,D]``); dynamic: ``granularity.scale_shape(B,H,S,D)``.
+      NVFP4: the block scales, ``float8_e4m3fn [B,H,S,D_pad/16]`` (multiply by ``global_scale``).
+    * ``zero_point``: same shape/dtype as ``scale`` for asymmetric ints, else ``None``.
+    * ``global_scale``: NVFP4 fp32 outer scale (``[1,1,1,1]``), else ``None``.
+    * ``shape``: logical ``(B, H, S, D)``; ``dtype``: the input's dtype (what dequantize returns).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    zero_point: torch.Tensor | None
+    shape: tuple[int, int, int, int]
+    spec: TensorQuantSpec
+    dtype: torch.dtype
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of scales, zero points and global scale held by this tensor."""
+        return sum(t.numel() * t.element_size() for t in (self.scale, self.zero_point, self.global_scale) if t is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload_nbytes + self.param_nbytes
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+def _check_input(x: torch.Tensor, check_finite: bool = True) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"expected a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim != 4:
+        raise ValueError(f"expected a K/V tensor [B, H_kv, S, D], got shape {tuple(x.shape)}")
+    if check_finite and x.numel():
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            n_nan = int(torch.isnan(x).sum())
+            raise ValueError(
+                f"input holds {n_nan} NaN and {int(bad.sum()) - n_nan} Inf values of {x.numel()}; "
+                "KV quantization needs finite activations (check the model / capture dtype)"
+            )
+
+
+def _as_param(t, name: str, positive: bool) -> torch.Tensor:
+    t = torch.as_tensor(t, dtype=torch.float32) if not isinstance(t, torch.Tensor) else t
+    if not torch.isfinite(t.float()).all() or (positive and bool((t <= 0).any())):
+        raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}; got {t.flatten()[:4].tolist()}")
+    return t
+
+
+def _clip_view(clip_ratio, H: int, ndim: int, device) -> torch.Tensor | None:
+    """clip_ratio -> float32 ``[1, H|1, 1, 1(, 1)]``; ``None`` stays ``None``."""
+    if clip_ratio is None:
+        return None
+    c = _as_param(clip_ratio, "clip_ratio", positive=True).to(device=device, dtype=torch.float32)
+    if c.numel() not in (1, H):
+        raise ValueError(f"clip_ratio must be a scalar or hold one value per KV head ({H}), got shape {tuple(c.shape)}")
+    return c.reshape(1, -1, *([1] * (ndim - 2)))
+
+
+# ---- parameter rounding ------------------------------------------------------------------------
+
+def round_scale_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round positive fp32 scales up to the next value representable in ``dtype`` (returned in
+    ``dtype``). Raises ``ValueError`` if a scale overflows ``dtype``."""
+    if dtype == torch.float32:
+        return s.float()
+    r = s.to(dtype)
+    low = r.float() < s
+    if bool(low.any()):
+        bumped = (r.view(torch.int16) + 1).view(dtype)  # next representable value for positive r
+        r = torch.where(low, bumped, r)
+    if not torch.isfinite(r).all():
+        raise ValueError(
+            f"a scale ({float(s.max()):.4g}) overflows {dtype}; use scale_dtype=torch.float32 "
+            "or check the input's range"
+        )
+    return r
+
+
+def zero_point_limit(dtype: torch.dtype) -> float:
+    """Largest |zero point| stored in ``dtype`` with a spacing <= 1 (2^(mantissa bits + 1))."""
+    return float(2 ** (_MANTISSA_BITS[dtype] + 1))
+
+
+_MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
+
+
+def params_from_range(
+    spec: TensorQuantSpec,
+    amax: torch.Tensor | None = None,
+    amin: torch.Tensor | None = None,
+    clip_ratio: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stored ``(scale, zero_point)`` from observed ranges (same shapes as the inputs).
+
+    Symmetric specs (FP8, symmetric ints) take ``amax`` = absmax; asymmetric ints take the
+    signed ``amin`` and ``amax``. ``clip_ratio`` broadcasts against them. This is the exact
+    arithmetic :func:`quantize` uses, so calibration code computing static parameters from
+    streaming statistics gets identical results. Returns tensors in ``spec.scale_dtype``
+    (``zero_point`` is ``None`` when symmetric). Not for NVFP4 (see :func:`nvfp4_global_scale`).
+    """
+    kind = spec.format.kind
+    if kind not in ("int", "fp8"):
+        raise ValueError(f"params_from_range is for int/fp8 formats, not {spec.format.value}")
+    c = None if clip_ratio is None else torch.as_tensor(clip_ratio, dtype=torch.float32)
+    if spec.symmetric:
+        if amax is None:
+            raise ValueError("symmetric specs need amax (the absolute maximum)")
+        a = amax.float().abs()
+        if c is not None:
+            a = a * c.to(a.device)
+        qmax = FP8_FORMATS[spec.format.value].max if kind == "fp8" else float(spec.qmax)
+        s = a / qmax
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return round_scale_up(s, spec.scale_dtype), None
+    if amax is None or amin is None:
+        raise ValueError("asymmetric specs need both amin and amax")
+    mn, mx = amin.float(), amax.float()
+    if c is not None:
+        t = (1.0 - c.to(mn.device)) * 0.5 * (mx - mn)
+        lo, hi = mn + t, mx - t
+    else:
+        lo, hi = mn, mx
+    s = (hi - lo) / float(spec.qmax)
+    s = torch.maximum(s, lo.abs() / zero_point_limit(spec.scale_dtype))
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    s_r = round_scale_up(s, spec.scale_dtype)
+    zp = (-lo / s_r.float()).to(spec.scale_dtype)
+    return s_r, zp
+
+
+def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """NVFP4 fp32 global (outer) scale ``amax / (448 * 6)`` as ``[1,1,1,1]`` (1.0 for amax 0)."""
+    a = torch.as_tensor(amax, dtype=torch.float32).reshape(1, 1, 1, 1)
+    g = a / (E4M3_MAX * E2M1_MAX)
+    return torch.where(g > 0, g, torch.ones_like(g))
+
+
+# ---- grouping ------------------------------------------------------------------------------------
+
+class _Layout:
+    """Maps ``[B,H,S,D]`` to a grouped view whose reduction over ``red`` gives one group per
+    parameter, and stored parameters back to shapes that broadcast against that view."""
+
+    def __init__(self, spec: TensorQuantSpec, shape):
+        self.B, self.H, self.S, self.D = shape
+        self.spec = spec
+        self.gran = spec.granularity
+        tg, cg = spec.token_group or 1, spec.channel_group or 1
+        self.S_g = -(-self.S // tg) * tg
+        self.D_g = -(-self.D // cg) * cg
+        self.S_pad, self.D_pad = spec.padded_dims(self.S, self.D)
+        assert self.S_pad == self.S_g
+        if isinstance(self.gran, PerTokenGroup):
+            self.red = (4,)
+        elif isinstance(self.gran, PerChannelTokenGroup):
+            self.red = (3,)
+        else:
+            self.red = self.gran.reduce_dims()
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicate-pad ``[B,H,S,D]`` to ``[B,H,S_g,D_g]`` (padding never widens a group's range)."""
+        ds, dd = self.S_g - self.S, self.D_g - self.D
+        if (ds or dd) and x.numel():
+            x = F.pad(x, (0, dd, 0, ds), mode="replicate")
+        elif ds or dd:
+            x = x.new_zeros(self.B, self.H, self.S_g, self.D_g)
+        return x
+
+    def group(self, x: torch.Tensor) -> torch.Tensor:
+        B, H = self.B, self.H
+        if isinstance(self.gran, PerTokenGroup):
+            g = self.gran.group_size
+            return x.reshape(B, H, self.S_g, self.D_g // g, g)
+        if isinstance(self.gran, PerChannelTokenGroup):
+            g = self.gran.group_size
+            return x.reshape(B, H, self.S_g // g, g, self.D_g)
+        return x
+
+    def ungroup(self, xg: torch.Tensor) -> torch.Tensor:
+        return xg.reshape(self.B, self.H, self.S_g, self.D_g)
+
+    def to_stored(self, pg: torch.Tensor) -> torch.Tensor:
+        return pg.squeeze(self.red[0]) if len(self.red) == 1 and xg_is_5d(self.gran) else pg
+
+    def from_stored(self, p: torch.Tensor) -> torch.Tensor:
+        if xg_is_5d(self.gran):
+            return p.unsqueeze(self.red[0])
+        return p
+
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.gran.scale_shape(self.B, self.H, self.S, self.D)
+
+    def check_param(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        want = self.stored_shape()
+        try:
+            return torch.broadcast_to(p, want)
+        except RuntimeError:
+            raise ValueError(
+                f"{name} of shape {tuple(p.shape)} does not fit granularity {self.gran.name} "
+                f"(expected {want} for input {(self.B, self.H, self.S, self.D)})"
+            ) from None
+
+
+def xg_is_5d(gran) -> bool:
+    return isinstance(gran, (PerTokenGroup, PerChannelTokenGroup))
+
+
+# ---- the core: grouped fp32 view -> codes and back ------------------------------------------------
+
+def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale, x_for_static):
+    """Returns fp32 params broadcastable to xg: (s, zp|None, block_scale_fp8|None, global|None),
+    plus the stored tensors (scale, zero_point)."""
+    kind = spec.format.kind
+    if kind == "nvfp4":
+        if scale is not None or zero_point is not None:
+            raise ValueError("nvfp4 block scales are computed per block; pass global_scale (and clip_ratio) only")
+        if global_scale is None:
+            if xg.numel() == 0:
+                raise ValueError("cannot derive an nvfp4 global scale from an empty tensor; pass global_scale")
+            gs = nvfp4_global_scale(xg.abs().amax())
+        else:
+            gs = _as_param(global_scale, "global_scale", positive=True).float().reshape(1, 1, 1, 1)
+        gs = gs.to(xg.device)
+        c = _clip_view(clip_ratio, lay.H, xg.ndim, xg.device)
+        bamax = xg.abs().amax(dim=4, keepdim=True) if xg.numel() else xg.new_zeros(*xg.shape[:4], 1)
+        if c is not None:
+            bamax = bamax * c
+        enc = (bamax / E2M1_MAX / gs.unsqueeze(-1)).clamp(max=E4M3_MAX)
+        bs8 = enc.to(torch.float8_e4m3fn)
+        s = bs8.float() * gs.unsqueeze(-1)
+        return s, None, (lay.to_stored(bs8), None, gs)
+
+    if scale is not None:
+        if clip_ratio is not None:
+            raise ValueError("pass either a calibrated scale or a clip_ratio, not both")
+        s_st = lay.check_param(_as_param(scale, "scale", positive=True), "scale").to(spec.scale_dtype)
+        zp_st = None
+        if spec.symmetric:
+            if zero_point is not None:
+                raise ValueError("symmetric specs take no zero_point; set symmetric=False for asymmetric")
+        else:
+            if zero_point is None:
+                raise ValueError("asymmetric static quantization needs a zero_point as well as a scale")
+            zp_st = lay.check_param(_as_param(zero_point, "zero_point", positive=False), "zero_point")
+            zp_st = zp_st.to(spec.scale_dtype)
+        s_st, zp_st = s_st.to(xg.device), None if zp_st is None else zp_st.to(xg.device)
+    else:
+        if zero_point is not None:
+            raise ValueError("a zero_point needs its scale; pass both or neither")
+        if lay.gran.static and x_for_static.numel() == 0:
+            raise ValueError("cannot compute a static scale from an empty tensor; pass scale=")
+        c = _clip_view(clip_ratio, lay.H, xg.ndim, xg.device)
+        red = lay.red
+        if spec.symmetric:
+            amax = xg.abs().amax(dim=red, keepdim=True) if xg.numel() else _empty_stat(xg, lay)
+            s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c)
+        else:
+            if xg.numel():
+                mn, mx = torch.aminmax(xg, dim=red[0], keepdim=True) if len(red) == 1 else (
+                    xg.amin(dim=red, keepdim=True), xg.amax(dim=red, keepdim=True))
+            else:
+                mn = mx = _empty_stat(xg, lay)
+            s_g, zp_g = params_from_range(spec, amax=mx, amin=mn, clip_ratio=c)
+        s_st = lay.to_stored(s_g)
+        zp_st = None if zp_g is None else lay.to_stored(zp_g)
+    s = lay.from_stored(s_st.float())
+    zp = None if zp_st is None else lay.from_stored(zp_st.float())
+    return s, zp, (s_st, zp_st, None)
+
+
+def _empty_stat(xg, lay):
+    shape = list(xg.shape)
+    for d in lay.red:
+        shape[d] = 1
+    return xg.new_zeros(shape)
+
+
+def _codes(xg, s, zp, spec):
+    """fp32 grouped input -> codes (fp32 integers for int, e2m1 code for nvfp4, fp8 tensor)."""
+    kind = spec.format.kind
+    if kind == "fp8":
+        return quantize_fp8(xg, s, FP8_FORMATS[spec.format.value])
+    if kind == "nvfp4":
+        y = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+        a = y.abs()
+        idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+               + (a >= 3.5) + (a > 5.0))
+        sign = ((y < 0) & (idx > 0)).to(torch.uint8) << 3
+        return idx | sign
+    if spec.symmetric:
+        return torch.round(xg / s).clamp_(spec.qmin, spec.qmax)
+    return torch.round(xg / s + zp).clamp_(0, spec.qmax)
+
+
+_E2M1_TABLE = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+
+
+def _dequant_codes(q, s, zp, spec):
+    kind = spec.format.kind
+    if kind == "fp8":
+        return q.float() * s
+    if kind == "nvfp4":
+        return _E2M1_TABLE.to(q.device)[q.long()] * s
+    if spec.symmetric:
+        return q.float() * s
+    return (q.float() - zp) * s
+
+
+# ---- public API ---------------------------------------------------------------------------------
+
+def quantize(
+    x: torch.Tensor,
+    spec: TensorQuantSpec,
+    *,
+    scale: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
+    clip_ratio: torch.Tensor | float | None = None,
+    global_scale: torch.Tensor | float | None = None,
+    check_finite: bool = True,
+) -> QuantizedTensor:
+    """Quantize ``x [B, H_kv, S, D]`` (any float dtype) to packed storage.
+
+    ``scale`` / ``zero_point``: calibrated parameters, broadcastable to
+    ``spec.granularity.scale_shape(B,H,S,D)`` (stored at ``spec.scale_dtype``). ``clip_ratio``:
+    scalar or ``[H]``-sized, shrinks ranges computed from ``x`` (see module docstring); not with
+    ``scale``. ``global_scale``: NVFP4 fp32 outer scale (default ``amax(x) / 2688``).
+    ``check_finite=False`` skips the NaN/Inf check (results for non-finite inputs are then
+    undefined). 16-bit specs return ``data = x`` cast to fp16/bf16 with no parameters.
+    Raises ``ValueError`` (see module docstring).
+    """
+    _check_input(x, check_finite)
+    shape = tuple(x.shape)
+    if not spec.is_quantized:
+        dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
+        return QuantizedTensor(x.to(dt), None, None, shape, spec, x.dtype)
+    lay = _Layout(spec, shape)
+    x32 = x.float()
+    xg = lay.group(lay.pad(x32))
+    s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
+    q = lay.ungroup(_codes(xg, s, zp, spec))  # [B,H,S_g,D_g]
+    kind = spec.format.kind
+    if kind == "fp8":
+        data = F.pad(q.float(), (0, lay.D_pad - lay.D_g)).to(q.dtype) if lay.D_pad > lay.D_g else q
+    elif kind == "nvfp4":
+        data = pack(F.pad(q, (0, lay.D_pad - lay.D_g)), 4)
+    else:
+        if spec.symmetric:
+            q = q + 2 ** (spec.bits - 1) if spec.bits < 8 else q
+        q = F.pad(q, (0, lay.D_pad - lay.D_g)) if lay.D_pad > lay.D_g else q
+        if spec.bits == 8:
+            data = q.to(torch.int8 if spec.symmetric else torch.uint8)
+        else:
+            data = pack(q.to(torch.uint8), spec.bits)
+    return QuantizedTensor(data.contiguous(), s_st.contiguous(), None if zp_st is None else zp_st.contiguous(),
+                           shape, spec, x.dtype, gs)
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dequantize to ``[B, H_kv, S, D]`` in ``dtype`` (default: the quantized input's dtype).
+    Computation is fp32 (see module docstring for the formulas)."""
+    spec = qt.spec
+    dtype = dtype or qt.dtype
+    if not spec.is_quantized:
+        return qt.data.to(dtype)
+    lay = _Layout(spec, qt.shape)
+    kind = spec.format.kind
+    d = qt.data
+    if kind == "fp8":
+        q = d[..., : lay.D_g]
+    elif kind == "nvfp4":
+        q = unpack(d, 4, lay.D_g)
+    elif spec.bits == 8:
+        q = d[..., : lay.D_g]
+    else:
+        q = unpack(d, spec.bits, lay.D_g).to(torch.int16)
+        if spec.symmetric:
+            q = q - 2 ** (spec.bits - 1)
+    qg = lay.group(q)
+    if kind == "nvfp4":
+        s = lay.from_stored(qt.scale.float()) * qt.global_scale.float().reshape(1, 1, 1, 1, 1)
+        zp = None
+    else:
+        s = lay.from_stored(qt.scale.float())
+        zp = None if qt.zero_point is None else lay.from_stored(qt.zero_point.float())
+    out = lay.ungroup(_dequant_codes(qg, s, zp, spec))
+    return out[:, :, : lay.S, : lay.D].to(dtype)
+
+
+def fake_quant(
+    x: torch.Tensor,
+    spec: TensorQuantSpec,
+    *,
+    scale: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
+    clip_ratio: torch.Tensor | float | None = None,
+    global_scale: torch.Tensor | float | None = None,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """``dequantize(quantize(x, ...))`` computed without packing (the fast path for search).
+
+    Same arguments and errors as :func:`quantize`; returns ``x``'s shape and dtype; bit-identical
+    to the packed round trip."""
+    _check_input(x, check_finite)
+    if not spec.is_quantized:
+        dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
+        return x.to(dt).to(x.dtype)
+    lay = _Layout(spec, tuple(x.shape))
+    x32 = x.float()
+    xg = lay.group(lay.pad(x32))
+    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
+    y = lay.ungroup(_dequant_codes(_codes(xg, s, zp, spec), s, zp, spec))
+    return y[:, :, : lay.S, : lay.D].to(x.dtype)
+
+
+def quant_step(qt: QuantizedTensor) -> torch.Tensor:
+    """Per-element quantization step (fp32 ``[B,H,S,D]``) for int formats: the scale broadcast
+    to every element (error bounds in tests are half of this)."""
+    spec = qt.spec
+    if spec.format.kind != "int":
+        raise ValueError("quant_step is defined for int formats (uniform grids)")
+    lay = _Layout(spec, qt.shape)
+    s = lay.from_stored(qt.scale.float())
+    xg_shape = lay.group(torch.empty(lay.B, lay.H, lay.S_g, lay.D_g, device="meta")).shape
+    s = lay.ungroup(s.expand(xg_shape) if xg_is_5d(lay.gran) else s.expand(lay.B, lay.H, lay.S_g, lay.D_g))
+    return s[:, :, : lay.S, : lay.D]
+
+
+__all__ = [
+    "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
+    "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "E2M1_VALUES",
+    "DEFAULTS",
+]
