@@ -383,11 +383,11 @@ class _JsonlParser:
         if not isinstance(messages, list) or not messages:
             got = "an empty list" if isinstance(messages, list) else _type_name(messages)
             raise _err(path, lineno, f'"messages" must be a non-empty list of {{"role", "content"}} objects, '
-                                     f"got {got}")
+                                     f'got {got}; write [{{"role": "user", "content": "..."}}, ...]')
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
-                raise _err(path, lineno, f"messages[{i}] must be an object like "
-                                         f'{{"role": "user", "content": "..."}}, got {_type_name(m)}')
+                raise _err(path, lineno, f"messages[{i}] must be an object, got {_type_name(m)}; write it as "
+                                         '{"role": "user", "content": "..."}')
             for key in ("role", "content"):
                 if key not in m:
                     raise _err(path, lineno, f'messages[{i}] has no "{key}"; every message needs '
