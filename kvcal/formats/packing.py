@@ -45,12 +45,13 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return c.to(torch.uint8)
     lead = c.shape[:-1]
-    c = c.reshape(*lead, -1, vpu)  # [..., N/vpu, vpu]
+    units = c.shape[-1] // vpu
+    c = c.reshape(*lead, units, vpu)  # [..., N/vpu, vpu]
     shifts = torch.arange(vpu, dtype=torch.int32, device=c.device) * bits
     w = (c << shifts).sum(-1)  # [..., N/vpu]  bits are disjoint, so sum == or
     if bits == 3:
         w = torch.stack([w & 255, (w >> 8) & 255, (w >> 16) & 255], dim=-1)  # [..., N/8, 3]
-    return w.reshape(*lead, -1).to(torch.uint8)
+    return w.reshape(*lead, units * bpu).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
@@ -67,13 +68,14 @@ def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tenso
         out = packed
     else:
         lead = packed.shape[:-1]
-        p = packed.to(torch.int32).reshape(*lead, -1, bpu)  # [..., units, bpu]
+        units = packed.shape[-1] // bpu
+        p = packed.to(torch.int32).reshape(*lead, units, bpu)  # [..., units, bpu]
         if bits == 3:
             w = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # [..., units]
         else:
             w = p[..., 0]
         shifts = torch.arange(vpu, dtype=torch.int32, device=p.device) * bits
-        out = ((w.unsqueeze(-1) >> shifts) & (2**bits - 1)).reshape(*lead, -1).to(torch.uint8)
+        out = ((w.unsqueeze(-1) >> shifts) & (2**bits - 1)).reshape(*lead, units * vpu).to(torch.uint8)
     return out if n is None else out[..., :n]
 
 

@@ -219,7 +219,8 @@ class _Layout:
         self.B, self.H, self.S, self.D = shape
         self.spec = spec
         self.gran = spec.granularity
-        tg, cg = spec.token_group or 1, spec.channel_group or 1
+        tg, cg = spec.token_group or 1, spec.effective_channel_group(self.D)
+        self.cg = cg
         self.S_g = -(-self.S // tg) * tg
         self.D_g = -(-self.D // cg) * cg
         self.S_pad, self.D_pad = spec.padded_dims(self.S, self.D)
@@ -243,7 +244,7 @@ class _Layout:
     def group(self, x: torch.Tensor) -> torch.Tensor:
         B, H = self.B, self.H
         if isinstance(self.gran, PerTokenGroup):
-            g = self.gran.group_size
+            g = self.cg
             return x.reshape(B, H, self.S_g, self.D_g // g, g)
         if isinstance(self.gran, PerChannelTokenGroup):
             g = self.gran.group_size

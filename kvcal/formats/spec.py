@@ -212,6 +212,11 @@ class TensorQuantSpec:
         g = self.granularity
         return g.group_size if isinstance(g, PerTokenGroup) else None
 
+    def effective_channel_group(self, D: int) -> int:
+        """Channel group size actually used for head_dim ``D``: ``min(group_size, D)``, 1 if ungrouped."""
+        g = self.channel_group
+        return 1 if g is None else (min(g, D) if D > 0 else g)
+
     @property
     def token_group(self) -> int | None:
         """Group size along S (``channel_token_group``), else ``None``."""
@@ -220,8 +225,11 @@ class TensorQuantSpec:
 
     def padded_dims(self, S: int, D: int) -> tuple[int, int]:
         """``(S_pad, D_pad)``: tokens rounded up to whole token groups and channels rounded up to
-        whole channel groups and then to whole packing units (see :data:`PACK_UNITS`)."""
-        tg, cg = self.token_group or 1, self.channel_group or 1
+        whole channel groups and then to whole packing units (see :data:`PACK_UNITS`).
+
+        A channel group never spans heads: a group size larger than ``D`` acts as ``D`` (one group
+        per token and head, no padding)."""
+        tg, cg = self.token_group or 1, self.effective_channel_group(D)
         s_pad = -(-S // tg) * tg
         d_pad = -(-D // cg) * cg
         vpu = PACK_UNITS[self.bits][0] if self.is_quantized else 1

@@ -1,0 +1,278 @@
+"""Exact KV-cache memory accounting, in bytes — the allocation contract of the runtime cache.
+
+Allocation contract (what ``kvcal.runtime``'s cache must allocate, byte for byte)
+--------------------------------------------------------------------------------
+For a cache with capacity ``T`` tokens (``context``) and batch ``B``, for every layer and each
+side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`` = KV heads,
+``D`` = head_dim:
+
+1. **Unquantized side** (``fp16``/``bf16``): one buffer ``[B, H, T, D]`` of 2-byte elements.
+   Nothing else (window and sinks do not apply).
+2. **Quantized side**: split the ``T`` positions into
+
+   * ``n_sink = min(sink_tokens, T)`` first tokens: buffer ``[B, H, n_sink, D]`` in ``dtype16``;
+   * ``n_win = min(residual_window, T - n_sink)`` most recent tokens: buffer
+     ``[B, H, n_win, D]`` in ``dtype16``;
+   * ``n_q = T - n_sink - n_win`` quantized tokens (token groups start right after the sinks):
+
+     - payload ``[B, H, S_pad, row_bytes]`` (1-byte elements: ``uint8``/``int8``/fp8 dtype),
+       where ``S_pad, D_pad = s.padded_dims(n_q, D)`` (tokens rounded up to whole token groups:
+       a partially filled group is allocated whole) and ``row_bytes = s.row_bytes(D)``
+       (``D_pad`` values packed: 8-bit 1/byte, 4-bit 2/byte, 2-bit 4/byte, 3-bit 8 per 3 bytes);
+     - dynamic granularities: ``scale`` of shape ``s.granularity.scale_shape(B, H, n_q, D)`` at
+       ``s.scale_dtype`` (per-token ``[B,H,n_q,1]``, per-token-group ``[B,H,n_q,ceil(D/g)]``
+       — a channel group larger than ``D`` acts as ``D``, no padding —,
+       per-channel-token-group ``[B,H,ceil(n_q/g),D]``), plus a ``zero_point`` of the same shape
+       and dtype when asymmetric; NVFP4: block scales ``float8_e4m3fn [B,H,n_q,ceil(D/16)]``.
+
+   * per-layer metadata, independent of ``B`` and ``T``:
+
+     - static granularities: ``scale`` of shape ``scale_shape(1, H, 1, D)`` (per-tensor
+       ``[1,1,1,1]``, per-head ``[1,H,1,1]``, per-channel ``[1,H,1,D]``) at ``s.scale_dtype``,
+       plus a ``zero_point`` of the same shape/dtype when asymmetric;
+     - dynamic granularities: the calibrated ``clip_ratio`` ``float32 [H]``;
+     - NVFP4 additionally: the global scale ``float32 [1]``.
+
+:func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
+:class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns
+for the ``n_q`` quantized tokens, plus the 16-bit buffers and the per-layer metadata.
+:func:`bytes_per_token` is the marginal cost of one more quantized token of one sequence, summed
+over layers and sides: payload plus per-token parameters, with per-channel-token-group parameters
+amortized over their ``g`` tokens (so it can be fractional); it excludes 16-bit windows and
+per-layer metadata, which :func:`cache_bytes` adds.
+
+Example (SmolLM2-135M: 30 layers, 3 KV heads, D = 64): 16-bit = 2 sides x 30 x 3 x 64 x 2 bytes =
+23040 bytes/token; fp8 per-tensor = 11520 bytes/token + 2 x 30 x 4 bytes of static scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
+from kvcal.formats.spec import DEFAULTS, KVCacheConfig, QFormat, TensorQuantSpec
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers that size a KV cache.
+
+    ``num_layers`` (decoder layers with a KV cache), ``num_kv_heads`` (H_kv), ``head_dim`` (D),
+    ``max_position_embeddings`` (default context; ``None`` if unknown). Raises ``ValueError`` for
+    non-positive sizes."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelShape.{name} must be a positive integer, got {v!r}")
+
+
+def model_shape(config) -> ModelShape:
+    """A :class:`ModelShape` from a ``ModelShape``, an HF ``config.json`` dict, or a config object
+    (e.g. ``transformers.PretrainedConfig``; duck-typed, transformers is not imported).
+
+    Reads ``num_hidden_layers``, ``num_key_value_heads`` (default ``num_attention_heads``),
+    ``head_dim`` (default ``hidden_size // num_attention_heads``), ``max_position_embeddings``;
+    uses ``text_config`` when present. Raises ``ValueError`` naming a missing field."""
+    if isinstance(config, ModelShape):
+        return config
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    text = get("text_config")
+    if text is not None:
+        return model_shape(text)
+
+    def need(k):
+        v = get(k)
+        if v is None:
+            raise ValueError(f"model config lacks {k!r}; cannot size the KV cache")
+        return int(v)
+
+    n_heads = get("num_attention_heads")
+    kv = get("num_key_value_heads") or n_heads
+    hd = get("head_dim")
+    if not hd:
+        hd = need("hidden_size") // need("num_attention_heads")
+    if kv is None:
+        raise ValueError("model config lacks 'num_key_value_heads' and 'num_attention_heads'")
+    mpe = get("max_position_embeddings")
+    return ModelShape(need("num_hidden_layers"), int(kv), int(hd), None if mpe is None else int(mpe))
+
+
+
+
+def _sb(spec: TensorQuantSpec) -> int:
+    return spec.scale_dtype.itemsize
+
+
+def _n_params(spec: TensorQuantSpec) -> int:
+    """Scale tensors per group: 1, or 2 with a zero point."""
+    return 2 if spec.has_zero_point else 1
+
+
+def side_bytes_per_token(spec: TensorQuantSpec, H: int, D: int) -> Fraction:
+    """Marginal bytes of one quantized token of one sequence for one layer's side (exact)."""
+    if not spec.is_quantized:
+        return Fraction(H * D * 2)
+    g = spec.granularity
+    payload = spec.row_bytes(D)
+    if spec.format is QFormat.NVFP4:
+        params = Fraction(-(-D // DEFAULTS["nvfp4_block"]))  # 1-byte fp8 block scales
+    elif isinstance(g, PerToken):
+        params = Fraction(_n_params(spec) * _sb(spec))
+    elif isinstance(g, PerTokenGroup):
+        params = Fraction(_n_params(spec) * _sb(spec) * -(-D // g.group_size))
+    elif isinstance(g, PerChannelTokenGroup):
+        params = Fraction(_n_params(spec) * _sb(spec) * D, g.group_size)
+    else:  # static: per-layer metadata only
+        params = Fraction(0)
+    return H * (payload + params)
+
+
+def side_static_bytes(spec: TensorQuantSpec, H: int, D: int) -> int:
+    """Per-layer metadata bytes of one side (independent of batch and context)."""
+    if not spec.is_quantized:
+        return 0
+    g = spec.granularity
+    n = 0
+    if g.static:
+        shape = g.scale_shape(1, H, 1, D)
+        numel = 1
+        for d in shape:
+            numel *= d
+        n += _n_params(spec) * numel * _sb(spec)
+    else:
+        n += H * DEFAULTS["clip_ratio_dtype"].itemsize
+    if spec.format is QFormat.NVFP4:
+        n += DEFAULTS["global_scale_dtype"].itemsize
+    return n
+
+
+def side_cache_bytes(
+    spec: TensorQuantSpec, H: int, D: int, context: int, batch: int, residual_window: int = 0,
+    sink_tokens: int = 0, dtype16_bytes: int = 2,
+) -> dict:
+    """Bytes one layer's side allocates (see the module contract), as a dict with keys
+    ``payload``, ``params`` (per-token/group scales and zero points), ``dense16`` (sink + window
+    buffers, or the whole buffer of an unquantized side), ``static`` (per-layer metadata)."""
+    T, B = context, batch
+    if not spec.is_quantized:
+        return {"payload": 0, "params": 0, "dense16": B * H * T * D * 2, "static": 0}
+    n_sink = min(sink_tokens, T)
+    n_win = min(residual_window, T - n_sink)
+    n_q = T - n_sink - n_win
+    s_pad, _ = spec.padded_dims(n_q, D)
+    payload = B * H * s_pad * spec.row_bytes(D)
+    g = spec.granularity
+    params = 0
+    if not g.static:
+        numel = 1
+        for d in g.scale_shape(B, H, n_q, D):
+            numel *= d
+        if spec.format is QFormat.NVFP4:
+            params = numel  # fp8 block scales, 1 byte
+        else:
+            params = _n_params(spec) * numel * _sb(spec)
+    dense = B * H * (n_sink + n_win) * D * dtype16_bytes
+    return {"payload": payload, "params": params, "dense16": dense, "static": side_static_bytes(spec, H, D)}
+
+
+def _layer_configs(shape: ModelShape, kv_config) -> list[KVCacheConfig]:
+    if isinstance(kv_config, KVCacheConfig):
+        return [kv_config] * shape.num_layers
+    if isinstance(kv_config, Sequence) and all(isinstance(c, KVCacheConfig) for c in kv_config):
+        if len(kv_config) != shape.num_layers:
+            raise ValueError(f"got {len(kv_config)} per-layer configs for a model with {shape.num_layers} layers")
+        return list(kv_config)
+    raise ValueError(f"kv_config must be a KVCacheConfig or one per layer, got {type(kv_config).__name__}")
+
+
+def bytes_per_token(model_config, kv_config: KVCacheConfig | Sequence[KVCacheConfig]) -> float:
+    """Marginal cache bytes of one more quantized token of one sequence (all layers, K and V).
+
+    ``model_config``: anything :func:`model_shape` accepts. ``kv_config``: one
+    :class:`KVCacheConfig` for every layer, or a list with one per layer. Per-channel-token-group
+    scales are amortized over their group (the result may be fractional). Excludes windows/sinks
+    and per-layer metadata (see :func:`cache_bytes`). Raises ``ValueError`` on bad inputs."""
+    return float(bytes_per_token_exact(model_config, kv_config))
+
+
+def bytes_per_token_exact(model_config, kv_config) -> Fraction:
+    """:func:`bytes_per_token` as an exact ``Fraction``."""
+    shp = model_shape(model_config)
+    H, D = shp.num_kv_heads, shp.head_dim
+    total = Fraction(0)
+    for c in _layer_configs(shp, kv_config):
+        total += side_bytes_per_token(c.key, H, D) + side_bytes_per_token(c.value, H, D)
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Breakdown of :func:`cache_bytes` (all in bytes; ints except ``bytes_per_token``)."""
+
+    model: ModelShape
+    context: int
+    batch: int
+    bytes_per_token: float
+    payload: int
+    params: int
+    dense16: int
+    static: int
+    total: int
+    config: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": {
+                "num_layers": self.model.num_layers, "num_kv_heads": self.model.num_kv_heads,
+                "head_dim": self.model.head_dim, "max_position_embeddings": self.model.max_position_embeddings,
+            },
+            "context": self.context, "batch": self.batch, "bytes_per_token": self.bytes_per_token,
+            "bytes": {"payload": self.payload, "scales_and_zero_points": self.params,
+                      "dense16_window_and_sinks": self.dense16, "per_layer_metadata": self.static,
+                      "total": self.total},
+            "kv_config": self.config,
+        }
+
+
+def memory_report(model_config, kv_config, context: int, batch: int = 1) -> MemoryReport:
+    """Full breakdown of the cache allocation for ``batch`` sequences of capacity ``context``
+    tokens. Raises ``ValueError`` for a negative context or a batch < 1."""
+    if not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    shp = model_shape(model_config)
+    H, D = shp.num_kv_heads, shp.head_dim
+    acc = {"payload": 0, "params": 0, "dense16": 0, "static": 0}
+    cfgs = _layer_configs(shp, kv_config)
+    for c in cfgs:
+        for spec in (c.key, c.value):
+            part = side_cache_bytes(spec, H, D, context, batch, c.residual_window, c.sink_tokens,
+                                    c.dtype16.itemsize)
+            for k in acc:
+                acc[k] += part[k]
+    conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
+    return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
+                        acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)
+
+
+def cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> int:
+    """Exact bytes the runtime cache allocates for ``batch`` sequences of ``context`` tokens
+    (the module's allocation contract): payload, scales/zero points, 16-bit sinks and residual
+    window, and per-layer metadata. Raises ``ValueError`` on bad inputs."""
+    return memory_report(model_config, kv_config, context, batch).total
+
+
+__all__ = [
+    "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
+    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes",
+]

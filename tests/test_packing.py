@@ -1,0 +1,45 @@
+"""Bit packing: golden byte layouts and exact round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcal.formats.packing import pack, packed_size, unpack
+
+
+def test_golden_layouts():
+    assert pack(torch.tensor([1, 2]), 4).tolist() == [0x21]  # element 0 in the low nibble
+    assert pack(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])
+    w = sum(int(c) << (3 * i) for i, c in enumerate(codes))
+    assert pack(codes, 3).tolist() == [w & 255, (w >> 8) & 255, w >> 16]
+    assert pack(torch.tensor([0, 255]), 8).tolist() == [0, 255]
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([8, 4, 3, 2]), units=st.integers(0, 12), lead=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_round_trip_exact(bits, units, lead, seed):
+    n = units * {8: 1, 4: 2, 3: 8, 2: 4}[bits]
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (lead, 2, n), generator=g, dtype=torch.uint8)
+    p = pack(codes, bits)
+    assert p.dtype == torch.uint8 and p.shape[-1] == packed_size(n, bits) == n * bits // 8
+    assert torch.equal(unpack(p, bits), codes)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="multiple of 2"):
+        pack(torch.tensor([1, 2, 3]), 4)
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        pack(torch.tensor([4, 0, 0, 0]), 2)
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack(torch.tensor([-1, 0]), 4)
+    with pytest.raises(ValueError, match="bits=5"):
+        pack(torch.zeros(8, dtype=torch.uint8), 5)
+    with pytest.raises(ValueError, match="uint8"):
+        unpack(torch.zeros(4, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        unpack(torch.zeros(4, dtype=torch.uint8), 3)
