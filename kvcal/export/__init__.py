@@ -1,0 +1,127 @@
+"""Exporters: kvcal artifacts in the exact form each serving engine loads.
+
+Targets (one module each, registered by name; see ``shared/docs/runtime-formats.md``):
+
+=====================  ==========================================================================
+``vllm``               ``model.layers.{i}.self_attn.{k,v}_scale`` + compressed-tensors
+(``compressed-tensors``) ``quantization_config.kv_cache_scheme`` (per-tensor ``[1]`` or per-head
+                       ``[H_kv,1,1]`` with ``strategy: "attn_head"``)
+``modelopt``           ``...self_attn.k_proj.k_scale`` / ``...v_proj.v_scale`` + ``hf_quant_config.json``
+``trtllm-legacy``      ``transformer.layers.{i}.attention.kv_cache_scaling_factor`` (max of K, V) + reciprocal
+``sglang-json``        ``--quantization-param-path`` JSON, one entry per TP rank and layer (max of K, V)
+=====================  ==========================================================================
+
+Python API: :func:`export`, :func:`get_target`, :func:`target_names`, :func:`targets_that_can_load`;
+engine name rules for checks in :mod:`kvcal.export.rules`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kvcal import __version__
+from kvcal.artifact import Artifact, load_artifact
+from kvcal.export import modelopt, sglang, trtllm, vllm  # noqa: F401  (register the targets)
+from kvcal.export.base import (
+    MANIFEST,
+    ExportContext,
+    ExportError,
+    ExportResult,
+    Target,
+    check_loadable,
+    clipping_warning,
+    get_target,
+    prepare_scales,
+    stage_output,
+    target_names,
+    targets_that_can_load,
+)
+
+__all__ = [
+    "ExportError", "ExportResult", "Target", "export", "get_target", "target_names", "targets_that_can_load",
+]
+
+
+def export(
+    artifact: str | os.PathLike | Artifact,
+    target: str,
+    out: str | os.PathLike,
+    model_dir: str | os.PathLike | None = None,
+    tp: int = 1,
+    headroom: float | None = None,
+    overwrite: bool = False,
+) -> ExportResult:
+    """Export an artifact for ``target`` into the new directory ``out`` (written atomically).
+
+    ``artifact``: an artifact directory/file or a loaded :class:`Artifact`. ``model_dir``: a HF
+    safetensors checkpoint to merge into (a linked copy is written to ``out``; the source is never
+    modified). ``tp``: tensor-parallel size (ranks in the ``sglang-json`` file; checkpoints are
+    TP-agnostic). ``headroom``: margin ``>= 1`` so every scale ``>= observed max / 448 x margin``.
+
+    Raises :class:`ExportError` (a :class:`kvcal.errors.KvcalError`) when the target cannot load the
+    artifact (the message lists the targets that can), ``out`` exists without ``overwrite``,
+    ``out`` is the source checkpoint, or the checkpoint does not match the artifact.
+    """
+    from kvcal.export.checkpoint import check_matches, open_checkpoint
+
+    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    t = get_target(target)
+    check_loadable(t, art.metadata)
+    if not isinstance(tp, int) or tp < 1:
+        raise ExportError(f"--tp must be a positive integer, got {tp!r}")
+    out = Path(out)
+    notes: list[str] = []
+    ckpt = None
+    if model_dir is not None:
+        if not t.accepts_model_dir:
+            raise ExportError(f"{t.name} writes standalone tensors (TensorRT-LLM's converter owns its rank files); "
+                              "drop --model-dir, or use --target modelopt for a Hugging Face checkpoint")
+        ckpt = open_checkpoint(model_dir)
+        src, dst = ckpt.path.resolve(), out.resolve()
+        if dst == src or src in dst.parents or dst in src.parents:
+            raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
+        notes += check_matches(art.metadata, ckpt.config, ckpt.path)
+    prep = prepare_scales(art, headroom)
+    nkv = art.metadata["model"].get("num_kv_heads")
+    if tp > 1 and t.name != "sglang-json":
+        notes.append(f"--tp {tp}: checkpoints are TP-agnostic (the engine slices per-head scales per rank)")
+    if nkv and prep.granularity == "head" and tp > 1 and nkv % tp and tp % nkv:
+        raise ExportError(f"--tp {tp} does not divide the {nkv} KV heads (nor they it); per-head scales cannot be sliced")
+    ctx = ExportContext(art, prep, ckpt.path if ckpt else None, ckpt.config if ckpt else None, tp, ckpt=ckpt)
+    ctx.notes += prep.notes + notes
+    engines = t.non_saturating if prep.granularity == "tensor" else ()
+    warn = clipping_warning(prep, engines)
+    if warn:
+        ctx.warnings.append(warn)
+    kv = art.metadata["kv"]
+    if kv.get("residual_window") or kv.get("sink_tokens"):
+        ctx.warnings.append(
+            f"artifact was calibrated with residual_window={kv.get('residual_window', 0)}, "
+            f"sink_tokens={kv.get('sink_tokens', 0)} kept in full precision; engines quantize every token, so "
+            "kvcal's quality estimates for this artifact do not carry over"
+        )
+    result: dict = {}
+
+    def fill(staging: Path) -> None:
+        serve = t.write(ctx, staging)
+        manifest = {
+            "kvcal_version": __version__,
+            "target": t.name,
+            "artifact": str(art.path),
+            "model_dir": str(ckpt.path) if ckpt else None,
+            "tp": tp,
+            "headroom": headroom,
+            "source_format": prep.format,
+            "granularity": prep.granularity,
+            "notes": ctx.notes,
+            "warnings": ctx.warnings,
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        result["serve"] = serve
+        result["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+
+    stage_output(out, overwrite, fill)
+    return ExportResult(out, t.name, result["files"], ctx.tensors, ctx.notes, ctx.warnings,
+                        result["serve"].replace("{out}", str(out)))

@@ -1,0 +1,355 @@
+"""Exporter machinery shared by every target: registry, load checks, scale conversion, atomic output.
+
+A target (one module per engine) subclasses :class:`Target`, states which artifacts it can load
+(:meth:`Target.can_load`) and writes its files into a staging directory (:meth:`Target.write`).
+:func:`kvcal.export.export` does the rest: refuse unloadable artifacts naming the targets that can
+load them, convert scales into the engine convention (:func:`prepare_scales`), stage everything
+in a temporary sibling of ``--out`` and rename it into place only when complete.
+
+Scale convention on output: the *OCP e4m3fn* dequantization multiplier every engine expects in a
+checkpoint (``x ≈ q * scale``, ``scale = clip_amax / 448``; INT8: ``clip_amax / 127``), float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvcal.artifact import Artifact, tensor_name
+from kvcal.errors import KvcalError
+
+FP8_E4M3_MAX = 448.0  # OCP float8_e4m3fn, the convention of every engine's checkpoint scales
+FP8_E4M3FNUZ_MAX = 240.0  # AMD float8_e4m3fnuz
+INT8_MAX = 127.0  # kvcal symmetric INT8 (compressed-tensors would use 127.5)
+FORMAT_MAX = {"fp8_e4m3": FP8_E4M3_MAX, "fp8_e4m3fnuz": FP8_E4M3FNUZ_MAX, "fp8_e5m2": 57344.0, "int8": INT8_MAX}
+MANIFEST = "kvcal-export.json"
+#: relative tolerance when deciding whether calibration clipped (scale*max vs observed amax)
+CLIP_RTOL = 1e-5
+
+
+class ExportError(KvcalError):
+    """An artifact that a target cannot load, or an unusable ``--out`` / ``--model-dir``."""
+
+
+@dataclass
+class PreparedScales:
+    """Per-layer scales in the engine convention, ready for a target to name and write.
+
+    ``k`` / ``v``: layer -> float32 tensor, shape ``[1]`` (per-tensor) or ``[H_kv, 1, 1]``
+    (per-head); ``q``: optional layer -> query scale passed through from the artifact;
+    ``amax``: layer -> side -> observed absmax tensor shaped like the scale (None when the artifact
+    has no statistics); ``fmt_max``: the output format's max (448 for FP8, 127 for INT8);
+    ``clipped``: layer -> side -> ratio observed amax / (scale * fmt_max) for each exported scale
+    that clips (> 1), after headroom; ``notes``: conversions applied, for the user.
+    """
+
+    num_layers: int
+    granularity: str
+    format: str
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    q: dict[int, torch.Tensor]
+    amax: dict[int, dict[str, torch.Tensor | None]]
+    fmt_max: float
+    clipped: dict[int, dict[str, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def combined(self, layer: int) -> torch.Tensor:
+        """One scale per layer shared by K and V (legacy JSON / TRT-LLM): ``max(k, v)``, shape
+        ``[1]`` float32. The max never clips a value either side's scale represented."""
+        return torch.maximum(self.k[layer].amax().reshape(1), self.v[layer].amax().reshape(1))
+
+
+@dataclass
+class ExportContext:
+    """Inputs a target's :meth:`Target.write` may use: the artifact, prepared scales, the
+    optional checkpoint ``model_dir`` (``Path``) and its parsed ``config`` dict, ``tp`` size."""
+
+    artifact: Artifact
+    scales: PreparedScales
+    model_dir: Path | None
+    config: dict | None
+    tp: int
+    ckpt: object = None  # kvcal.export.checkpoint.Checkpoint when model_dir is given
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # exported name -> tensor
+
+
+@dataclass
+class ExportResult:
+    """What :func:`kvcal.export.export` wrote: ``out`` dir, ``target`` name, ``files`` (relative
+    paths), ``tensors`` (exported name -> float32 tensor, or the JSON values), ``notes`` and
+    ``warnings`` (human-readable lines), and ``serve`` (a command line that uses the output)."""
+
+    out: Path
+    target: str
+    files: list[str]
+    tensors: dict[str, torch.Tensor]
+    notes: list[str]
+    warnings: list[str]
+    serve: str
+
+
+class Target:
+    """Base class of an export target. Subclasses set ``name``, ``aliases``, ``engines`` (who
+    loads it), ``formats`` / ``granularities`` (what it can load), ``non_saturating`` (engines
+    among those that cast to FP8 without saturating: SGLang) and implement :meth:`write`."""
+
+    name = "base"
+    order = 99  # position in listings
+    aliases: tuple[str, ...] = ()
+    engines: tuple[str, ...] = ()
+    formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e4m3fnuz")
+    granularities: tuple[str, ...] = ("tensor",)
+    non_saturating: tuple[str, ...] = ()
+    accepts_model_dir = True
+    description = ""
+
+    def can_load(self, meta: dict) -> str | None:
+        """``None`` if this target's engines can load the artifact described by ``meta`` (the
+        artifact metadata dict), else a one-line reason."""
+        reason = engine_common_reason(meta)
+        if reason:
+            return reason
+        kv = meta["kv"]
+        fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
+        if fmt not in self.formats:
+            return f"{self.name} loads {'/'.join(self.formats)} scales, not {fmt}"
+        if gran not in self.granularities:
+            return f"{self.name} loads per-{' or per-'.join(self.granularities)} scales, not per-{gran}"
+        return None
+
+    def write(self, ctx: ExportContext, staging: Path) -> str:
+        """Write this target's files into the empty directory ``staging``; return the serve
+        command line. Exported tensors go into ``ctx.tensors``; lines for the user into
+        ``ctx.notes`` / ``ctx.warnings``."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Target] = {}
+
+
+def register(target: Target) -> Target:
+    """Register ``target`` under its name and aliases (used by the per-engine modules)."""
+    for n in (target.name, *target.aliases):
+        assert n not in _REGISTRY, f"duplicate export target {n}"
+        _REGISTRY[n] = target
+    return target
+
+
+def target_names() -> list[str]:
+    """All registered names, canonical names first then aliases, e.g. ``['vllm', 'modelopt', ...]``."""
+    canon = [t.name for t in sorted(dict.fromkeys(_REGISTRY.values()), key=lambda t: (t.order, t.name))]
+    return canon + [n for n in _REGISTRY if n not in canon]
+
+
+def get_target(name: str) -> Target:
+    """Look a target up by name or alias; raises :class:`ExportError` listing the valid names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ExportError(f"unknown export target {name!r}; choose one of {', '.join(target_names())}") from None
+
+
+def targets_that_can_load(meta: dict) -> list[str]:
+    """Names (canonical + aliases) of the registered targets that can load this artifact."""
+    return [n for n in target_names() if _REGISTRY[n].can_load(meta) is None]
+
+
+def describe_kv(meta: dict) -> str:
+    """Human summary of an artifact's KV format, e.g. ``static per-channel int4 K / ... V``."""
+    kv = meta.get("kv", {})
+    parts = []
+    for side in ("k", "v"):
+        s = kv.get(side)
+        if not s:
+            continue
+        kind = "dynamic" if s.get("dynamic") else "static"
+        sym = "" if s.get("symmetric", True) else " asymmetric"
+        g = s.get("granularity")
+        gs = f"(g={s['group_size']})" if s.get("group_size") else ""
+        parts.append(f"{kind}{sym} per-{g}{gs} {s.get('format')} {side.upper()}")
+    return " / ".join(parts) or "no quantized K/V"
+
+
+def engine_common_reason(meta: dict) -> str | None:
+    """Checks every engine target shares (runtime-formats.md): static symmetric scales for both K
+    and V in one format, measured post-RoPE (engines quantize the cache, i.e. post-RoPE keys)."""
+    kv = meta.get("kv", {})
+    k, v = kv.get("k"), kv.get("v")
+    if not k or not v:
+        return "engines quantize both K and V; this artifact quantizes only " + ("K" if k else "V")
+    for side, s in (("K", k), ("V", v)):
+        if s.get("dynamic"):
+            return (f"{side} uses a dynamic per-{s.get('granularity')} format whose scales are computed at "
+                    "runtime; engines load static scales only (their dynamic modes ignore checkpoint scales)")
+        if not s.get("symmetric", True):
+            return f"{side} is asymmetric (zero points); engines load symmetric scales only"
+    if (k.get("format"), k.get("granularity")) != (v.get("format"), v.get("granularity")):
+        return "K and V use different formats/granularities; engines use one KV-cache dtype for both"
+    if kv.get("key_position", "post_rope") != "post_rope":
+        return ("K scales were measured pre-RoPE; engines quantize post-RoPE keys "
+                "(recalibrate with post-RoPE key capture)")
+    return None
+
+
+def check_loadable(target: Target, meta: dict) -> None:
+    """Raise :class:`ExportError` if ``target`` cannot load the artifact, listing the targets
+    that can (or saying none can, and what to recalibrate with)."""
+    reason = target.can_load(meta)
+    if reason is None:
+        return
+    ok = targets_that_can_load(meta)
+    alt = (f"targets that can load it: {', '.join(ok)}" if ok else
+           "no export target can load it (use the kvcal runtime, or recalibrate with "
+           "--format fp8_e4m3 --granularity tensor|head)")
+    raise ExportError(f"cannot export {describe_kv(meta)} to {target.name}: {reason}; {alt}")
+
+
+def _amax_like(values, scale: torch.Tensor) -> torch.Tensor | None:
+    """Observed absmax list (per head or ``[1]``) shaped like ``scale`` (``[1]`` or ``[H,1,1]``)."""
+    if values is None:
+        return None
+    a = torch.as_tensor(values, dtype=torch.float32).flatten()
+    if a.numel() == 0 or not torch.isfinite(a).all():
+        return None
+    if scale.numel() == 1:
+        return a.max().reshape(scale.shape)
+    if a.numel() == scale.numel():
+        return a.reshape(scale.shape)
+    return a.max().expand(scale.shape).clone()
+
+
+def prepare_scales(artifact: Artifact, headroom: float | None = None) -> PreparedScales:
+    """Convert an artifact's static K/V scales into the engine convention.
+
+    * ``fp8_e4m3fnuz`` artifacts (clip = ``scale * 240``) are re-expressed in the OCP e4m3fn
+      convention engines store in checkpoints: ``scale * 240 / 448`` (= clip / 448). vLLM and
+      SGLang double loaded scales on FNUZ (ROCm) hardware (vLLM ``kv_cache.py`` /
+      ``llama.py load_kv_cache_scales``: ``scaling_factor *= 2``), so there the effective clip
+      is ``1.07 x`` the calibrated one (no clipping); on OCP hardware it is exactly the calibrated
+      clip. Exporting ``scale / 2`` instead would clip 7% of the range on NVIDIA GPUs and give
+      NaN in SGLang there.
+    * ``headroom`` (``>= 1``): raise each scale to at least ``observed_amax / fmt_max * headroom``
+      (engines that cast without saturating — SGLang — turn larger values into NaN/Inf).
+
+    Returns :class:`PreparedScales` (float32 ``[1]`` or ``[H_kv,1,1]`` per layer and side).
+    Raises :class:`ExportError` for a bad ``headroom``.
+    """
+    meta = artifact.metadata
+    kv = meta["kv"]
+    fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
+    if headroom is not None and not (headroom >= 1.0 and headroom < float("inf")):
+        raise ExportError(f"--headroom must be a finite margin >= 1.0 (e.g. 1.25), got {headroom}")
+    conv = 1.0
+    notes = []
+    out_fmt_max = FORMAT_MAX.get(fmt, FP8_E4M3_MAX)
+    if fmt == "fp8_e4m3fnuz":
+        conv = FP8_E4M3FNUZ_MAX / FP8_E4M3_MAX
+        out_fmt_max = FP8_E4M3_MAX
+        notes.append(
+            "artifact calibrated for ROCm fp8_e4m3fnuz (max 240): scales exported in the OCP e4m3fn "
+            "convention engines expect (scale x 240/448 = clip/448); vLLM/SGLang double them on FNUZ "
+            "hardware at load time, giving 1.07x the calibrated clip range there (nothing clips)"
+        )
+    stats = {int(e["layer"]): e for e in meta.get("layers", []) if isinstance(e, dict) and "layer" in e}
+    n = artifact.num_layers
+    p = PreparedScales(n, gran, fmt, {}, {}, {}, {}, out_fmt_max, notes=notes)
+    raised = 0
+    for i in range(n):
+        p.amax[i] = {}
+        for side in ("k", "v"):
+            s = artifact.scale(i, side)
+            assert s is not None  # load_artifact guarantees static scales exist for every layer
+            s = s.detach().to(torch.float32).clone()
+            if gran == "head":
+                s = s.reshape(-1, 1, 1)
+            else:
+                s = s.reshape(1)
+            s = s * conv
+            amax = _amax_like((stats.get(i, {}).get(side) or {}).get("amax"), s)
+            p.amax[i][side] = amax
+            if headroom is not None and amax is not None:
+                floor = amax / out_fmt_max * headroom
+                if bool((floor > s).any()):
+                    raised += 1
+                s = torch.maximum(s, floor)
+            if amax is not None:
+                ratio = float((amax / (s * out_fmt_max)).max())
+                if ratio > 1.0 + CLIP_RTOL:
+                    p.clipped.setdefault(i, {})[side] = ratio
+            getattr(p, side)[i] = s.contiguous()
+        q = artifact.tensors.get(tensor_name(i, "k").replace("k_scale", "q_scale"))
+        if q is not None:
+            p.q[i] = q.detach().to(torch.float32).clone() * conv
+    if headroom is not None:
+        if all(p.amax[i][s] is None for i in range(n) for s in ("k", "v")):
+            notes.append("--headroom ignored: the artifact records no observed amax per layer")
+        else:
+            notes.append(f"--headroom {headroom}: raised {raised} of {2 * n} K/V scales to observed max / "
+                         f"{out_fmt_max:g} x {headroom}")
+    return p
+
+
+def clipping_warning(p: PreparedScales, engines: tuple[str, ...]) -> str | None:
+    """A warning line when exported scales clip observed values and an engine in ``engines``
+    casts without saturating (SGLang: ``x / scale`` above 448 becomes NaN/Inf), else ``None``."""
+    if not p.clipped or not engines:
+        return None
+    worst = max(r for d in p.clipped.values() for r in d.values())
+    items = [f"{s.upper()}{i}" for i, d in sorted(p.clipped.items()) for s in sorted(d)]
+    more = f" (+{len(items) - 8} more)" if len(items) > 8 else ""
+    return (
+        f"calibration clipped {len(items)} K/V scales ({', '.join(items[:8])}{more}; observed max up to "
+        f"{worst:.2f}x the representable range) and {'/'.join(engines)} writes FP8 without saturating, so those "
+        f"values become NaN/Inf there; re-export with --headroom {max(1.1, round(worst * 1.1, 2))} "
+        "(scale >= observed max / 448 x margin)"
+    )
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write ``obj`` as indented JSON (``allow_nan=False``) with a trailing newline."""
+    path.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def stage_output(out: Path, overwrite: bool, fill) -> None:
+    """Create ``out`` atomically: ``fill(staging_dir)`` populates a temporary sibling directory
+    which replaces ``out`` only if ``fill`` returns normally; on any error nothing is left.
+
+    Raises :class:`ExportError` if ``out`` exists and ``overwrite`` is False, or on OS errors.
+    """
+    if out.exists() and not overwrite:
+        raise ExportError(f"output directory {out} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"output path {out} exists and is not a directory")
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise ExportError(f"cannot write to {parent}: {e.strerror}; choose a writable --out") from None
+    try:
+        fill(tmp)
+        if out.exists():
+            old = parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"failed writing {out}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

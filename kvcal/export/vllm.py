@@ -1,0 +1,118 @@
+"""vLLM / compressed-tensors target (also loaded by SGLang when per-tensor).
+
+Names (runtime-formats.md, vLLM ``weight_utils.maybe_remap_kv_scale_name`` default rule; what
+llm-compressor writes): ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale`` (optional
+``.q_scale`` when the artifact has query statistics), float32, shape ``[1]`` for ``strategy:
+"tensor"`` or ``[H_kv, 1, 1]`` for ``strategy: "attn_head"`` (vLLM
+``compressed_tensors/compressed_tensors.py`` KV-cache method; FlashAttention-3 backend only).
+Float32 rather than the model dtype: vLLM copies any float dtype into an fp32 parameter
+(``kv_cache.py``), and rounding a scale to bf16 can lower it and clip.
+
+``config.json`` gets ``quantization_config.kv_cache_scheme`` (a compressed-tensors
+``QuantizationArgs``): merged into an existing compressed-tensors config, or a KV-only config
+(``config_groups: {}``) is created. Without a quantization config vLLM creates no k/v scale
+parameters and silently uses 1.0.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from kvcal.export.base import ExportContext, ExportError, Target, register, write_json
+from kvcal.export.checkpoint import SCALES_SHARD, merge_into_copy
+from kvcal.export.rules import VLLM_KV_QUANT_METHODS, is_kv_scale_name
+
+
+def kv_cache_scheme(granularity: str) -> dict:
+    """compressed-tensors ``QuantizationArgs`` for static symmetric FP8 KV, as a JSON dict."""
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "attn_head" if granularity == "head" else "tensor",
+        "dynamic": False,
+    }
+
+
+def kv_only_quantization_config(granularity: str) -> dict:
+    """A compressed-tensors ``QuantizationConfig`` that quantizes only the KV cache."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "quantization_status": "frozen",
+        "config_groups": {},
+        "ignore": [],
+        "kv_cache_scheme": kv_cache_scheme(granularity),
+    }
+
+
+def scale_names(layer: int) -> dict[str, str]:
+    """Golden names for one layer: side (``k``/``v``/``q``) -> checkpoint tensor name."""
+    return {s: f"model.layers.{layer}.self_attn.{s}_scale" for s in ("k", "v", "q")}
+
+
+class VllmTarget(Target):
+    name = "vllm"
+    order = 0
+    aliases = ("compressed-tensors",)
+    engines = ("vLLM", "SGLang")
+    granularities = ("tensor", "head")
+    non_saturating = ("SGLang",)  # SGLang loads the same names (per-tensor only)
+    description = "compressed-tensors checkpoint names + quantization_config.kv_cache_scheme"
+
+    def write(self, ctx: ExportContext, staging: Path) -> str:
+        from safetensors.torch import save_file
+
+        p = ctx.scales
+        for i in range(p.num_layers):
+            names = scale_names(i)
+            ctx.tensors[names["k"]] = p.k[i]
+            ctx.tensors[names["v"]] = p.v[i]
+            if i in p.q:
+                ctx.tensors[names["q"]] = p.q[i]
+        scheme = kv_cache_scheme(p.granularity)
+        if ctx.model_dir is None:
+            save_file(ctx.tensors, str(staging / SCALES_SHARD), metadata={"format": "pt", "producer": "kvcal"})
+            write_json(staging / "quantization_config.json",
+                       {"quantization_config": kv_only_quantization_config(p.granularity)})
+            ctx.notes.append(f"standalone export: {SCALES_SHARD} + quantization_config.json; pass --model-dir to "
+                             "get a checkpoint vLLM loads directly")
+        else:
+            cfg = copy.deepcopy(ctx.config)
+            qc = cfg.get("quantization_config")
+            method = (qc or {}).get("quant_method")
+            if qc is None:
+                cfg["quantization_config"] = kv_only_quantization_config(p.granularity)
+                ctx.notes.append("config.json: added a KV-only compressed-tensors quantization_config")
+            elif method == "compressed-tensors":
+                old = qc.get("kv_cache_scheme")
+                if old and old != scheme:
+                    ctx.notes.append(f"config.json: replaced kv_cache_scheme {old}")
+                qc["kv_cache_scheme"] = scheme
+            elif method in VLLM_KV_QUANT_METHODS and p.granularity == "tensor":
+                ctx.notes.append(f"config.json kept (quant_method={method} creates the KV scale parameters itself)")
+            else:
+                raise ExportError(
+                    f"--model-dir is quantized with quant_method={method!r}: vLLM would "
+                    + ("not load per-head KV scales with it (needs compressed-tensors 'attn_head')"
+                       if method in VLLM_KV_QUANT_METHODS else
+                       f"create no KV scale parameters (only {', '.join(sorted(VLLM_KV_QUANT_METHODS))} do) and use 1.0")
+                    + "; export with a compatible checkpoint or use the standalone export"
+                )
+            want_q = bool(p.q)
+            ctx.notes += merge_into_copy(
+                ctx.ckpt, staging, ctx.tensors,
+                is_stale=lambda n: is_kv_scale_name(n) or (want_q and n.endswith(".q_scale")),
+                replace_files={"config.json": cfg},
+            )
+        cmd = "vllm serve {out} --kv-cache-dtype fp8"
+        if p.granularity == "head":
+            ctx.notes.append("per-head scales need vLLM's FlashAttention-3 backend (Hopper); SGLang loads "
+                             "per-tensor scales only")
+            cmd = "VLLM_ATTENTION_BACKEND=FLASH_ATTN " + cmd
+        return cmd
+
+
+TARGET = register(VllmTarget())

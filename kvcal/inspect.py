@@ -1,0 +1,348 @@
+"""``kvcal inspect``: what an artifact, an exported directory or a checkpoint holds, and what each
+engine would load from it under its naming rules (:mod:`kvcal.export.rules`).
+
+Recognised inputs (:func:`inspect_path`):
+
+* a kvcal artifact directory (``kv_scales.safetensors``) or that file;
+* a Hugging Face checkpoint directory (``config.json`` + safetensors, e.g. ``kvcal export --model-dir``);
+* a standalone export directory (``kvcal-kv-scales.safetensors`` / ``kv_cache_scales.safetensors``);
+* an SGLang ``--quantization-param-path`` JSON file, or a directory holding ``kv_cache_scales.json``.
+
+Per-layer scales are the stored dequantization multipliers (float lists: one value per-tensor,
+``H_kv`` per-head) as the engine reads them, before any engine-side FNUZ doubling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+from kvcal.export.rules import (
+    EngineLoad,
+    is_kv_scale_name,
+    simulate_sglang,
+    simulate_sglang_json,
+    simulate_trtllm,
+    simulate_vllm,
+    vllm_remap,
+)
+
+JSON_NAME = "kv_cache_scales.json"
+
+
+class InspectError(KvcalError):
+    """A path ``kvcal inspect`` cannot read."""
+
+
+@dataclass
+class Inspection:
+    """Result of :func:`inspect_path`.
+
+    ``kind``: ``artifact`` | ``checkpoint`` | ``standalone`` | ``sglang-json``; ``layers``: one dict
+    per layer ``{"layer": i, "k": [float] | None, "v": [float] | None}`` (``k`` and ``v`` are the
+    same list where one value is shared, e.g. the JSON); ``engines``: engine name ->
+    :class:`~kvcal.export.rules.EngineLoad`; ``exportable`` (artifacts): target -> ``None`` if it
+    can load the artifact, else the reason; ``corpus``: the artifact's corpus summary.
+    """
+
+    path: Path
+    kind: str
+    num_layers: int
+    format: str | None = None
+    granularity: str | None = None
+    layers: list[dict] = field(default_factory=list)
+    engines: dict[str, EngineLoad] = field(default_factory=dict)
+    exportable: dict[str, str | None] = field(default_factory=dict)
+    corpus: dict | None = None
+    model: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise InspectError(f"{p} is not readable JSON ({e})") from None
+
+
+def _kv_tensors(files: list[Path]) -> dict:
+    """Load only the KV-scale-like tensors (and q scales) from safetensors ``files``."""
+    from safetensors import safe_open
+
+    from kvcal.export.checkpoint import read_header
+
+    out = {}
+    for f in files:
+        header, _ = read_header(f)
+        names = [n for n in header if n != "__metadata__" and (is_kv_scale_name(n) or vllm_remap(n))]
+        if not names:
+            continue
+        with safe_open(str(f), framework="pt") as fh:
+            for n in names:
+                out[n] = fh.get_tensor(n)
+    return out
+
+
+def _stored_layers(tensors: dict, n: int) -> list[dict]:
+    """Per-layer K/V values stored under any engine-recognised name (vLLM names first, then the
+    legacy TensorRT-LLM shared factor)."""
+    from kvcal.export.rules import _TRTLLM_LEGACY
+
+    rows = [{"layer": i, "k": None, "v": None} for i in range(n)]
+    for name, t in sorted(tensors.items()):
+        vals = [float(x) for x in t.float().flatten().tolist()]
+        r = vllm_remap(name)
+        if r is not None and r.layer < n and r.param in ("k_scale", "v_scale"):
+            rows[r.layer][r.param[0]] = vals[:1] if r.rule == "output_scale" else vals
+            if r.rule == "kv_scale":
+                rows[r.layer]["v"] = vals
+        elif (m := _TRTLLM_LEGACY.match(name)) and int(m.group(1)) < n:
+            rows[int(m.group(1))]["k"] = rows[int(m.group(1))]["v"] = vals
+    return rows
+
+
+def _num_layers_from_names(tensors: dict) -> int:
+    import re
+
+    idx = [int(m.group(1)) for n in tensors if (m := re.search(r"layers\.(\d+)\.", n))]
+    return max(idx) + 1 if idx else 0
+
+
+def _granularity(rows: list[dict]) -> str | None:
+    sizes = {len(r[s]) for r in rows for s in ("k", "v") if r[s]}
+    if not sizes:
+        return None
+    return "tensor" if sizes == {1} else "head"
+
+
+def _fmt_from_configs(qc: dict | None, hq: dict | None) -> str | None:
+    scheme = (qc or {}).get("kv_cache_scheme")
+    if scheme:
+        t = "fp8_e4m3" if (scheme.get("type"), scheme.get("num_bits")) == ("float", 8) else (
+            f"{scheme.get('type')}{scheme.get('num_bits')}")
+        kind = "dynamic" if scheme.get("dynamic") else "static"
+        return f"{t} ({kind}, kv_cache_scheme strategy={scheme.get('strategy')})"
+    algo = ((hq or {}).get("quantization") or {}).get("kv_cache_quant_algo")
+    return f"{algo} (hf_quant_config.json)" if algo else None
+
+
+def inspect_path(path: str | os.PathLike, tp: int | None = None) -> Inspection:
+    """Inspect ``path`` (see module docstring). ``tp``: TP size the SGLang JSON is checked against
+    (default: the number of ranks in the file). Raises :class:`InspectError` for an unknown path."""
+    p = Path(path)
+    if not p.exists():
+        raise InspectError(f"{p} does not exist")
+    if p.is_file() and p.suffix == ".json":
+        return _inspect_json(p, tp)
+    if (p.is_dir() and (p / "kv_scales.safetensors").is_file()) or (p.is_file() and p.suffix == ".safetensors"
+                                                                    and _has_kvcal_meta(p)):
+        return _inspect_artifact(p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return _inspect_checkpoint(p, tp)
+    if p.is_dir() and list(p.glob("*.safetensors")):
+        return _inspect_standalone(p)
+    if p.is_dir() and (p / JSON_NAME).is_file():
+        return _inspect_json(p / JSON_NAME, tp)
+    raise InspectError(f"{p} is not a kvcal artifact, an exported directory, a checkpoint or a scales JSON")
+
+
+def _has_kvcal_meta(f: Path) -> bool:
+    from kvcal.export.checkpoint import read_header
+
+    try:
+        header, _ = read_header(f)
+    except KvcalError:
+        return False
+    return "kvcal" in (header.get("__metadata__") or {})
+
+
+def _inspect_artifact(p: Path) -> Inspection:
+    from kvcal.artifact import load_artifact
+    from kvcal.export import target_names
+    from kvcal.export.base import get_target
+    from kvcal.export.vllm import kv_only_quantization_config
+
+    art = load_artifact(p)
+    meta = art.metadata
+    n = art.num_layers
+    kv = meta["kv"]
+    k = kv.get("k") or {}
+    ins = Inspection(art.path, "artifact", n, k.get("format"), k.get("granularity"),
+                     corpus=meta.get("corpus"), model=meta.get("model"))
+    for i in range(n):
+        row = {"layer": i}
+        for side in ("k", "v"):
+            t = art.scale(i, side)
+            row[side] = [float(x) for x in t.flatten().tolist()] if t is not None else None
+        ins.layers.append(row)
+    nkv = meta["model"].get("num_kv_heads")
+    qc = kv_only_quantization_config(k.get("granularity", "tensor"))
+    scales = {name: t for name, t in art.tensors.items() if name.endswith(("k_scale", "v_scale"))}
+    ins.engines["vLLM"] = simulate_vllm(scales, n, nkv, qc)
+    ins.engines["SGLang"] = simulate_sglang(scales, n, nkv, qc)
+    ins.engines["TensorRT-LLM"] = simulate_trtllm(scales, n)
+    ins.notes.append("engine rows: the artifact's names as if copied into a checkpoint with a compressed-tensors "
+                     "kv_cache_scheme; use `kvcal export` to produce what each engine loads")
+    for name in target_names():
+        ins.exportable[name] = get_target(name).can_load(meta)
+    return ins
+
+
+def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
+    from kvcal.export.checkpoint import INDEX, text_config
+
+    cfg = _read_json(p / "config.json")
+    tc = text_config(cfg)
+    n = int(tc.get("num_hidden_layers", 0))
+    nkv = tc.get("num_key_value_heads", tc.get("num_attention_heads"))
+    if (p / INDEX).is_file():
+        files = [p / f for f in sorted(set(_read_json(p / INDEX).get("weight_map", {}).values()))]
+    else:
+        files = sorted(p.glob("*.safetensors"))
+    tensors = _kv_tensors(files)
+    qc = cfg.get("quantization_config")
+    hq = _read_json(p / "hf_quant_config.json") if (p / "hf_quant_config.json").is_file() else None
+    ins = Inspection(p, "checkpoint", n, _fmt_from_configs(qc, hq), model={"model_type": tc.get("model_type")})
+    ins.layers = _stored_layers(tensors, n)
+    ins.granularity = _granularity(ins.layers)
+    ins.engines["vLLM"] = simulate_vllm(tensors, n, nkv, qc)
+    ins.engines["SGLang"] = simulate_sglang(tensors, n, nkv, qc)
+    ins.engines["TensorRT-LLM"] = simulate_trtllm(tensors, n, hq)
+    if (p / JSON_NAME).is_file():
+        doc = _read_json(p / JSON_NAME)
+        ranks = len((doc.get("kv_cache") or {}).get("scaling_factor") or {})
+        ins.engines["SGLang (--quantization-param-path)"] = simulate_sglang_json(
+            doc, n, tp or ranks, tc.get("model_type"))
+    _add_manifest_notes(p, ins)
+    return ins
+
+
+def _inspect_standalone(p: Path) -> Inspection:
+    files = sorted(p.glob("*.safetensors"))
+    tensors = _kv_tensors(files)
+    n = _num_layers_from_names(tensors)
+    qc = None
+    if (p / "quantization_config.json").is_file():
+        qc = _read_json(p / "quantization_config.json").get("quantization_config")
+    hq = _read_json(p / "hf_quant_config.json") if (p / "hf_quant_config.json").is_file() else None
+    ins = Inspection(p, "standalone", n, _fmt_from_configs(qc, hq))
+    ins.layers = _stored_layers(tensors, n)
+    ins.granularity = _granularity(ins.layers)
+    nkv = len(ins.layers[0]["k"]) if ins.layers and ins.layers[0]["k"] else None
+    ins.engines["vLLM"] = simulate_vllm(tensors, n, nkv, qc)
+    ins.engines["SGLang"] = simulate_sglang(tensors, n, nkv, qc)
+    ins.engines["TensorRT-LLM"] = simulate_trtllm(tensors, n, hq)
+    ins.notes.append("standalone tensors: layer count inferred from the names; engines see them once merged "
+                     "into a checkpoint (kvcal export --model-dir)")
+    _add_manifest_notes(p, ins)
+    return ins
+
+
+def _inspect_json(f: Path, tp: int | None) -> Inspection:
+    doc = _read_json(f)
+    kv = doc.get("kv_cache")
+    if not isinstance(kv, dict) or not isinstance(kv.get("scaling_factor"), dict):
+        raise InspectError(f"{f} is not a --quantization-param-path JSON (no kv_cache.scaling_factor)")
+    sf = kv["scaling_factor"]
+    rank0 = sf.get("0") or next(iter(sf.values()), {})
+    n = len(rank0)
+    ins = Inspection(f, "sglang-json", n, kv.get("dtype"), "tensor", model={"model_type": doc.get("model_type")})
+    for i in range(n):
+        v = rank0.get(str(i))
+        vals = [float(v)] if v is not None else None
+        ins.layers.append({"layer": i, "k": vals, "v": vals})
+    ins.engines["SGLang"] = simulate_sglang_json(doc, n, tp or len(sf), doc.get("model_type"))
+    vl = EngineLoad("vLLM", problems=["--quantization-param-path was removed in vLLM 0.8: nothing loads, 1.0 is used"])
+    ins.engines["vLLM"] = vl
+    ins.notes.append(f"{len(sf)} TP rank(s) in the file; one scale per layer shared by K and V")
+    _add_manifest_notes(f.parent, ins)
+    return ins
+
+
+def _add_manifest_notes(d: Path, ins: Inspection) -> None:
+    from kvcal.export.base import MANIFEST
+
+    if (d / MANIFEST).is_file():
+        m = _read_json(d / MANIFEST)
+        ins.notes.append(f"exported by kvcal {m.get('kvcal_version')} for target {m.get('target')} from "
+                         f"{m.get('source_format')} per-{m.get('granularity')} artifact {m.get('artifact')}")
+        ins.notes += [f"export warning: {w}" for w in m.get("warnings", [])]
+
+
+# ---- text ---------------------------------------------------------------------------------------
+
+
+def _fmt_vals(vals: list[float] | None) -> str:
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return f"{vals[0]:.6g}"
+    return f"[{len(vals)} heads] {min(vals):.4g}..{max(vals):.4g}"
+
+
+def _engine_line(e: EngineLoad, n: int) -> list[str]:
+    lines = []
+    loaded = e.count("loaded")
+    if e.problems:
+        head = f"  {e.engine}: NOT LOADED"
+    elif loaded == n and n:
+        head = f"  {e.engine}: loads K and V scales for all {n} layers"
+    else:
+        parts = [f"{loaded}/{n} layers loaded"]
+        for st, label in (("copied", "one scale copied to both"), ("fallback", "fall back to 1.0"),
+                          ("missing", "have no scale"), ("error", "startup error")):
+            c = e.count(st)
+            if c:
+                layers = [x.layer for x in e.layers if x.status == st]
+                parts.append(f"{c} {label} (layers {_ranges(layers)})")
+        head = f"  {e.engine}: " + ", ".join(parts)
+    lines.append(head)
+    lines += [f"      {m}" for m in e.problems + e.notes]
+    msgs = sorted({x.message for x in e.layers if x.status == "error" and x.message})
+    lines += [f"      {m}" for m in msgs[:3]]
+    return lines
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def render(ins: Inspection) -> str:
+    """Human-readable report of an :class:`Inspection` (what ``kvcal inspect`` prints)."""
+    L = [f"{ins.path} ({ins.kind})"]
+    mt = (ins.model or {}).get("id") or (ins.model or {}).get("model_type")
+    L.append(f"format: {ins.format or 'unknown'}   granularity: {ins.granularity or 'unknown'}   "
+             f"layers: {ins.num_layers}" + (f"   model: {mt}" if mt else ""))
+    if ins.corpus:
+        c = ins.corpus
+        pct = c.get("length_percentiles") or {}
+        L.append(f"corpus: {c.get('path')}  samples={c.get('samples')} tokens={c.get('tokens')} "
+                 f"length p50/p90/p99/max={pct.get('p50')}/{pct.get('p90')}/{pct.get('p99')}/{pct.get('max')}"
+                 + (f"  truncated={c.get('truncated')}" if c.get("truncated") else ""))
+    L.append("")
+    L.append(f"{'layer':>5}  {'K scale':<28} {'V scale':<28}")
+    for r in ins.layers:
+        L.append(f"{r['layer']:>5}  {_fmt_vals(r['k']):<28} {_fmt_vals(r['v']):<28}")
+    L.append("")
+    L.append("engines (naming rules of shared/docs/runtime-formats.md):")
+    for e in ins.engines.values():
+        L += _engine_line(e, ins.num_layers)
+    if ins.exportable:
+        L.append("")
+        L.append("kvcal export targets:")
+        for name, reason in ins.exportable.items():
+            L.append(f"  {name}: {'ok' if reason is None else 'no - ' + reason}")
+    if ins.notes:
+        L.append("")
+        L += [f"note: {x}" for x in ins.notes]
+    return "\n".join(L)

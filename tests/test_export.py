@@ -1,0 +1,452 @@
+"""Exporters: golden names per target, engine remapping rules, checkpoint merges, TP JSON, FNUZ,
+SGLang headroom, refusals, atomic output, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+from export_helpers import H_KV, L, make_artifact, make_checkpoint
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kvcal.cli import main
+from kvcal.errors import KvcalError
+from kvcal.export import ExportError, export, get_target, targets_that_can_load
+from kvcal.export.checkpoint import INDEX, SCALES_SHARD, SINGLE_RENAMED
+from kvcal.export.rules import simulate_sglang, simulate_sglang_json, simulate_trtllm, simulate_vllm
+from kvcal.inspect import inspect_path
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-sharded", sharded=True)
+
+
+@pytest.fixture(scope="module")
+def single_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-single", sharded=False)
+
+
+@pytest.fixture
+def art(tmp_path):
+    return make_artifact(tmp_path / "art")
+
+
+def tensors_in(path):
+    with safe_open(str(path), framework="pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+def checkpoint_tensors(d):
+    """All tensors an engine would read: every tensor of every shard the index lists."""
+    index = json.loads((d / INDEX).read_text())
+    out = {}
+    for f in sorted(set(index["weight_map"].values())):
+        out.update(tensors_in(d / f))
+    return out
+
+
+def vllm_names(i):
+    return {"k": f"model.layers.{i}.self_attn.k_scale", "v": f"model.layers.{i}.self_attn.v_scale"}
+
+
+# ---- golden names per target -----------------------------------------------------------------------
+
+
+def test_vllm_golden_names_and_kv_cache_scheme(tmp_path, art):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+
+    path, truth = art
+    res = export(path, "vllm", tmp_path / "out")
+    t = tensors_in(tmp_path / "out" / SCALES_SHARD)
+    assert set(t) == {n for i in range(L) for n in vllm_names(i).values()}
+    for i in range(L):
+        for side in "kv":
+            x = t[vllm_names(i)[side]]
+            assert x.dtype == torch.float32 and tuple(x.shape) == (1,)
+            assert torch.equal(x, truth[(i, side)][0])
+    qc = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["quantization_config"]
+    args = QuantizationArgs(**qc["kv_cache_scheme"])
+    assert (args.num_bits, args.type, args.strategy, args.dynamic, args.symmetric) == (8, "float", "tensor", False, True)
+    assert QuantizationConfig.model_validate(qc).kv_cache_scheme == args
+    assert res.serve.startswith("vllm serve") and "--kv-cache-dtype fp8" in res.serve
+    assert get_target("compressed-tensors") is get_target("vllm")
+
+
+def test_vllm_per_head_attn_head(tmp_path):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    path, truth = make_artifact(tmp_path / "art", granularity="head")
+    export(path, "vllm", tmp_path / "out")
+    t = tensors_in(tmp_path / "out" / SCALES_SHARD)
+    for i in range(L):
+        x = t[vllm_names(i)["k"]]
+        assert tuple(x.shape) == (H_KV, 1, 1) and torch.equal(x, truth[(i, "k")][0])
+    qc = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["quantization_config"]
+    assert QuantizationArgs(**qc["kv_cache_scheme"]).strategy == "attn_head"
+    vl = simulate_vllm(t, L, H_KV, qc)
+    assert vl.all_loaded
+    sg = simulate_sglang(t, L, H_KV, qc)  # SGLang loads scalars only: must be reported, not silently passed
+    assert sg.count("error") == L
+
+
+def test_modelopt_golden_names(tmp_path, art):
+    path, truth = art
+    export(path, "modelopt", tmp_path / "out")
+    t = tensors_in(tmp_path / "out" / SCALES_SHARD)
+    want = {f"model.layers.{i}.self_attn.{p}" for i in range(L) for p in ("k_proj.k_scale", "v_proj.v_scale")}
+    assert set(t) == want
+    assert torch.equal(t["model.layers.2.self_attn.v_proj.v_scale"], truth[(2, "v")][0])
+    hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
+    assert hq["producer"]["name"] == "modelopt" and hq["quantization"]["kv_cache_quant_algo"] == "FP8"
+
+
+def test_trtllm_legacy_golden_names(tmp_path, art):
+    path, truth = art
+    export(path, "trtllm-legacy", tmp_path / "out")
+    t = tensors_in(tmp_path / "out" / "kv_cache_scales.safetensors")
+    assert set(t) == {f"transformer.layers.{i}.attention.{n}" for i in range(L)
+                      for n in ("kv_cache_scaling_factor", "kv_cache_rcp_scaling_factor")}
+    for i in range(L):
+        s = t[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]
+        want = torch.maximum(truth[(i, "k")][0], truth[(i, "v")][0])
+        assert s.dtype == torch.float32 and tuple(s.shape) == (1,) and torch.equal(s, want)
+        assert torch.allclose(t[f"transformer.layers.{i}.attention.kv_cache_rcp_scaling_factor"], 1 / want)
+    q = json.loads((tmp_path / "out" / "quantization.json").read_text())
+    assert q["quantization"]["kv_cache_quant_algo"] == "FP8"
+    assert simulate_trtllm(t, L).all_loaded
+
+
+def test_sglang_json_tp2(tmp_path, art):
+    path, truth = art
+    res = export(path, "sglang-json", tmp_path / "out", tp=2)
+    doc = json.loads((tmp_path / "out" / "kv_cache_scales.json").read_text())
+    assert doc["model_type"] == "llama" and doc["kv_cache"]["dtype"] == "float8_e4m3fn"
+    sf = doc["kv_cache"]["scaling_factor"]
+    assert list(sf) == ["0", "1"]
+    for r in ("0", "1"):
+        assert list(sf[r]) == [str(i) for i in range(L)]
+        for i in range(L):
+            want = float(torch.maximum(truth[(i, "k")][0], truth[(i, "v")][0]))
+            assert sf[r][str(i)] == want
+    assert simulate_sglang_json(doc, L, tp_size=2, model_type="llama").all_loaded
+    assert simulate_sglang_json(doc, L, tp_size=1, model_type="llama").problems  # rank count must equal TP
+    assert simulate_sglang_json(doc, L, tp_size=2, model_type="qwen2").problems
+    assert "--tp 2" in res.serve and "--quantization-param-path" in res.serve
+
+
+# ---- engine remapping rules (the independent reference) -------------------------------------------
+
+
+CT_QC = {"quant_method": "compressed-tensors", "config_groups": {},
+         "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+
+
+@pytest.mark.parametrize(
+    "names, status, k, v",
+    [
+        ({"model.layers.0.self_attn.k_scale": 0.5, "model.layers.0.self_attn.v_scale": 0.25}, "loaded", 0.5, 0.25),
+        ({"model.layers.0.self_attn.k_proj.k_scale": 0.5, "model.layers.0.self_attn.v_proj.v_scale": 0.25},
+         "loaded", 0.5, 0.25),
+        ({"model.layers.0.self_attn.qkv_proj.k_scale": 0.5, "model.layers.0.self_attn.qkv_proj.v_scale": 0.25},
+         "loaded", 0.5, 0.25),
+        ({"model.layers.0.self_attn.kv_scale": 0.5}, "copied", 0.5, 0.5),  # deprecated single scale
+        ({"model.layers.0.self_attn.k_scale": 0.5}, "copied", 0.5, 0.5),  # only one
+        ({}, "fallback", 1.0, 1.0),  # none: silent 1.0
+        ({"model.layers.0.self_attn.k_proj.v_scale": 0.5, "model.layers.0.attention.k_scale": 0.5},
+         "fallback", 1.0, 1.0),  # near-miss names are not loaded
+    ],
+)
+def test_vllm_simulator_rules(names, status, k, v):
+    tensors = {n: torch.tensor([x]) for n, x in names.items()}
+    lay = simulate_vllm(tensors, 1, H_KV, CT_QC).layers[0]
+    assert (lay.status, lay.k, lay.v) == (status, [k], [v])
+
+
+def test_vllm_simulator_shapes_and_config():
+    old = {"model.layers.0.self_attn.k_proj.output_scale": torch.tensor([0.5, 9.0]),
+           "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([0.25])}
+    assert simulate_vllm(old, 1, H_KV, CT_QC).layers[0].k == [0.5]  # first element only
+    per_head = {vllm_names(0)["k"]: torch.ones(H_KV, 1, 1), vllm_names(0)["v"]: torch.ones(H_KV, 1, 1)}
+    assert simulate_vllm(per_head, 1, H_KV, CT_QC).layers[0].status == "error"  # needs attn_head
+    ok = {n: torch.tensor([0.1]) for n in vllm_names(0).values()}
+    assert simulate_vllm(ok, 1, H_KV, None).layers[0].status == "fallback"  # no quantization_config
+    assert simulate_vllm(ok, 1, H_KV, {"quant_method": "awq"}).problems
+
+
+@pytest.mark.parametrize("target", ["vllm", "modelopt"])
+def test_merged_checkpoint_engines_find_every_layer(tmp_path, art, sharded_ckpt, target):
+    path, truth = art
+    out = tmp_path / "merged"
+    export(path, target, out, model_dir=sharded_ckpt)
+    tensors = checkpoint_tensors(out)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg.get("quantization_config") if target == "vllm" else {"quant_method": "modelopt"}
+    engines = [simulate_vllm(tensors, L, H_KV, qc), simulate_sglang(tensors, L, H_KV, qc)]
+    if target == "modelopt":
+        engines.append(simulate_trtllm(tensors, L, json.loads((out / "hf_quant_config.json").read_text())))
+    for rep in engines:
+        assert rep.all_loaded, (rep.engine, rep.problems, [x.message for x in rep.layers])
+        for lay in rep.layers:
+            if rep.engine == "TensorRT-LLM":
+                assert lay.k == [float(torch.maximum(truth[(lay.layer, "k")][0], truth[(lay.layer, "v")][0]))]
+            else:
+                assert lay.k == truth[(lay.layer, "k")][0].tolist() and lay.v == truth[(lay.layer, "v")][0].tolist()
+
+
+# ---- checkpoint merges ---------------------------------------------------------------------------------
+
+
+def test_sharded_two_file_merge(tmp_path, art, sharded_ckpt):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    path, _ = art
+    src_index = json.loads((sharded_ckpt / INDEX).read_text())
+    src_files = sorted(os.listdir(sharded_ckpt))
+    src_cfg = (sharded_ckpt / "config.json").read_bytes()
+    shards = sorted(set(src_index["weight_map"].values()))
+    assert len(shards) == 2
+    out = tmp_path / "merged"
+    export(path, "vllm", out, model_dir=sharded_ckpt)
+    for s in shards:  # weights hard-linked, never rewritten
+        assert os.stat(out / s).st_ino == os.stat(sharded_ckpt / s).st_ino
+    index = json.loads((out / INDEX).read_text())
+    for name, f in src_index["weight_map"].items():
+        assert index["weight_map"][name] == f
+    for i in range(L):
+        for n in vllm_names(i).values():
+            assert index["weight_map"][n] == SCALES_SHARD
+    sizes = sum(t.numel() * t.element_size() for t in checkpoint_tensors(out).values())
+    assert index["metadata"]["total_size"] == sizes
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert QuantizationConfig.model_validate(qc).kv_cache_scheme.strategy == "tensor"
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == L
+    assert (out / "generation_config.json").is_file()
+    # the source is untouched
+    assert sorted(os.listdir(sharded_ckpt)) == src_files
+    assert (sharded_ckpt / "config.json").read_bytes() == src_cfg
+
+
+def test_single_file_checkpoint_gets_an_index(tmp_path, art, single_ckpt):
+    path, _ = art
+    out = tmp_path / "merged"
+    res = export(path, "vllm", out, model_dir=single_ckpt)
+    assert not (out / "model.safetensors").exists()  # transformers would load it alone and miss the scales
+    assert os.stat(out / SINGLE_RENAMED).st_ino == os.stat(single_ckpt / "model.safetensors").st_ino
+    index = json.loads((out / INDEX).read_text())
+    names = set(load_file(single_ckpt / "model.safetensors"))
+    assert {n for n, f in index["weight_map"].items() if f == SINGLE_RENAMED} == names
+    assert any("index" in n for n in res.notes)
+
+
+def test_existing_scales_replaced_and_config_merged(tmp_path, art, single_ckpt):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    path, truth = art
+    src = tmp_path / "fp8ckpt"
+    src.mkdir()
+    weights = load_file(single_ckpt / "model.safetensors")
+    stale = {f"model.layers.{i}.self_attn.{s}_scale": torch.tensor([1.0], dtype=torch.bfloat16)
+             for i in range(L) for s in "kv"}
+    stale["model.layers.0.self_attn.kv_scale"] = torch.tensor([2.0])
+    save_file({**weights, **stale}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((single_ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                        "strategy": "channel", "symmetric": True,
+                                                                        "dynamic": False}}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                            "dynamic": True},
+    }
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "merged"
+    res = export(path, "vllm", out, model_dir=src)
+    assert any("replaced 9 existing KV-scale tensors" in n for n in res.notes)
+    shard = tensors_in(out / SINGLE_RENAMED)
+    assert set(shard) == set(weights)  # stale scales gone from the copied shard ...
+    for n, t in weights.items():  # ... every weight byte-identical
+        assert torch.equal(shard[n], t)
+    assert set(tensors_in(src / "model.safetensors")) == set(weights) | set(stale)  # source untouched
+    tensors = checkpoint_tensors(out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)
+    assert parsed.kv_cache_scheme.dynamic is False and "group_0" in parsed.config_groups and qc["ignore"] == ["lm_head"]
+    rep = simulate_vllm(tensors, L, H_KV, qc)
+    assert rep.all_loaded  # one scale per name, no duplicates, the new values
+    assert rep.layers[0].k == truth[(0, "k")][0].tolist()
+
+
+def test_checkpoint_mismatch_and_overlap_refused(tmp_path, sharded_ckpt):
+    path, _ = make_artifact(tmp_path / "art", num_layers=3)
+    with pytest.raises(ExportError, match="num_layers is 3 in the artifact but 4 in config.json"):
+        export(path, "vllm", tmp_path / "o", model_dir=sharded_ckpt)
+    path4, _ = make_artifact(tmp_path / "art4")
+    with pytest.raises(ExportError, match="overlaps"):
+        export(path4, "vllm", sharded_ckpt / "sub", model_dir=sharded_ckpt)
+    with pytest.raises(ExportError, match="standalone"):
+        export(path4, "trtllm-legacy", tmp_path / "o", model_dir=sharded_ckpt)
+    assert not (tmp_path / "o").exists()
+
+
+# ---- conversions and warnings ------------------------------------------------------------------------
+
+
+def test_fnuz_artifact_exported_in_ocp_convention(tmp_path):
+    path, truth = make_artifact(tmp_path / "art", fmt="fp8_e4m3fnuz")
+    res = export(path, "vllm", tmp_path / "out")
+    t = tensors_in(tmp_path / "out" / SCALES_SHARD)
+    assert any("fnuz" in n for n in res.notes)
+    for i in range(L):
+        s_fnuz = truth[(i, "k")][0]
+        clip = s_fnuz * 240.0  # the calibrated clip point
+        s = t[vllm_names(i)["k"]]
+        assert torch.allclose(s * 448.0, clip, rtol=1e-6)  # OCP hardware: exactly the calibrated clip
+        rocm = 2 * s  # vLLM/SGLang double loaded scales on FNUZ hardware
+        assert bool((rocm * 240.0 >= clip).all())  # ROCm: nothing the calibration kept is clipped
+    doc_res = export(path, "sglang-json", tmp_path / "json")
+    assert doc_res.tensors["0"].item() == pytest.approx(
+        float(torch.maximum(truth[(0, "k")][0], truth[(0, "v")][0])) * 240 / 448, rel=1e-6)
+
+
+def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
+    path, truth = make_artifact(tmp_path / "art", clip=0.8)  # calibration clipped 20% of the range
+    res = export(path, "sglang-json", tmp_path / "a")
+    assert res.warnings and "without saturating" in res.warnings[0] and "--headroom" in res.warnings[0]
+    assert export(path, "vllm", tmp_path / "b").warnings  # SGLang loads this checkpoint too
+    assert not export(path, "trtllm-legacy", tmp_path / "c").warnings  # TensorRT-LLM saturates
+    res = export(path, "sglang-json", tmp_path / "d", headroom=1.1)
+    assert not res.warnings
+    for i in range(L):
+        amax = max(max(truth[(i, "k")][1]), max(truth[(i, "v")][1]))
+        assert res.tensors[str(i)].item() >= amax / 448 * 1.1 * (1 - 1e-6)
+    unclipped, _ = make_artifact(tmp_path / "art2", clip=1.0)
+    assert not export(unclipped, "sglang-json", tmp_path / "e").warnings
+    with pytest.raises(ExportError, match="headroom"):
+        export(unclipped, "sglang-json", tmp_path / "f", headroom=0.5)
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+
+
+def test_refuses_per_channel_int4_for_vllm(tmp_path):
+    path, _ = make_artifact(tmp_path / "art", fmt="int4", granularity="channel")
+    with pytest.raises(ExportError) as e:
+        export(path, "vllm", tmp_path / "out")
+    msg = str(e.value)
+    assert "per-channel int4" in msg and "vllm" in msg and "no export target can load it" in msg
+    assert "\n" not in msg and not (tmp_path / "out").exists()
+
+
+def test_refusal_lists_targets_that_can_load(tmp_path):
+    path, _ = make_artifact(tmp_path / "art", fmt="int8")
+    with pytest.raises(ExportError, match="targets that can load it: trtllm-legacy"):
+        export(path, "vllm", tmp_path / "out")
+    assert export(path, "trtllm-legacy", tmp_path / "t").tensors
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"key_position": "pre_rope"}, "pre-RoPE"),
+        ({"dynamic": True}, "dynamic"),
+        ({"symmetric": False}, "asymmetric"),
+        ({"fmt": "fp8_e5m2"}, "fp8_e5m2"),
+        ({"granularity": "head"}, "per-head"),  # for the per-tensor-only targets
+    ],
+)
+def test_can_load_table(tmp_path, kwargs, reason):
+    path, _ = make_artifact(tmp_path / "art", **kwargs)
+    from kvcal.artifact import load_artifact
+
+    meta = load_artifact(path).metadata
+    assert get_target("sglang-json").can_load(meta) is not None
+    assert reason in get_target("sglang-json").can_load(meta)
+    if kwargs == {"granularity": "head"}:
+        assert targets_that_can_load(meta) == ["vllm", "compressed-tensors"]
+
+
+# ---- output handling -----------------------------------------------------------------------------------
+
+
+def test_out_exists_refused_unless_overwrite(tmp_path, art):
+    path, _ = art
+    export(path, "vllm", tmp_path / "out")
+    with pytest.raises(ExportError, match="--overwrite"):
+        export(path, "vllm", tmp_path / "out")
+    export(path, "modelopt", tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "hf_quant_config.json").is_file()
+    assert not (tmp_path / "out" / "quantization_config.json").exists()
+
+
+def test_failed_export_leaves_nothing(tmp_path, art, monkeypatch):
+    path, _ = art
+    tgt = get_target("vllm")
+
+    def boom(ctx, staging):
+        (staging / "partial").write_text("x")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tgt, "write", boom)
+    with pytest.raises(ExportError, match="nothing was written"):
+        export(path, "vllm", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------
+
+
+def test_cli_export_and_refusal(tmp_path, art):
+    path, _ = art
+    r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "sglang-json",
+                                  "--out", str(tmp_path / "o"), "--tp", "2"])
+    assert r.exit_code == 0, r.output
+    assert "serve: python -m sglang.launch_server" in r.output and "--tp 2" in r.output
+    bad, _ = make_artifact(tmp_path / "int4", fmt="int4", granularity="channel")
+    r = CliRunner().invoke(main, ["export", "--artifact", str(bad), "--target", "vllm", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2
+    assert r.output.startswith("error: cannot export") and r.output.count("\n") == 1
+    assert "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "tgi", "--out", str(tmp_path / "y")])
+    assert r.exit_code == 2 and "unknown export target 'tgi'" in r.output
+
+
+def test_export_error_is_kvcal_error():
+    assert issubclass(ExportError, KvcalError)
+
+
+# ---- round trip: export -> inspect -> same numbers ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("target, combined", [("vllm", False), ("modelopt", False),
+                                              ("trtllm-legacy", True), ("sglang-json", True)])
+def test_round_trip_export_inspect(tmp_path, art, target, combined):
+    path, truth = art
+    export(path, target, tmp_path / "out", tp=2)
+    ins = inspect_path(tmp_path / "out")
+    assert ins.num_layers == L
+    for row in ins.layers:
+        i = row["layer"]
+        k, v = truth[(i, "k")][0], truth[(i, "v")][0]
+        if combined:
+            m = torch.maximum(k, v).tolist()
+            assert row["k"] == m and row["v"] == m
+        else:
+            assert row["k"] == k.tolist() and row["v"] == v.tolist()
+
+
+def test_round_trip_merged_checkpoint(tmp_path, sharded_ckpt):
+    path, truth = make_artifact(tmp_path / "art", granularity="head")
+    export(path, "vllm", tmp_path / "out", model_dir=sharded_ckpt)
+    ins = inspect_path(tmp_path / "out")
+    assert ins.kind == "checkpoint" and ins.granularity == "head"
+    assert [r["k"] for r in ins.layers] == [truth[(i, "k")][0].flatten().tolist() for i in range(L)]
+    assert ins.engines["vLLM"].all_loaded
+    assert ins.engines["SGLang"].count("error") == L  # per-head: SGLang cannot load it, and says so
