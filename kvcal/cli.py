@@ -39,3 +39,121 @@ def main():
 
 
 # ---- commands are registered below, one block each -------------------------------------------
+
+
+# ---- export ------------------------------------------------------------------------------------
+@main.command("export")
+@click.option("--artifact", required=True, type=click.Path(), help="kvcal artifact directory (kv_scales.safetensors).")
+@click.option("--target", required=True,
+              help="vllm (= compressed-tensors), modelopt, trtllm-legacy or sglang-json (= quantization-param-path).")
+@click.option("--out", required=True, type=click.Path(), help="New output directory (written atomically).")
+@click.option("--model-dir", default=None, type=click.Path(),
+              help="HF safetensors checkpoint to merge into (a linked copy goes to --out; the source is untouched).")
+@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel ranks (sglang-json entries).")
+@click.option("--headroom", default=None, type=float,
+              help="Margin >= 1: every scale >= observed max / 448 x MARGIN (for engines that do not saturate).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@user_errors
+def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite):
+    """Export an artifact in the exact form a serving engine loads (optionally merged into a checkpoint)."""
+    from kvcal.export import export
+
+    res = export(artifact, target, out, model_dir=model_dir, tp=tp, headroom=headroom, overwrite=overwrite)
+    click.echo(f"wrote {res.out} ({res.target}): {', '.join(res.files)}")
+    for note in res.notes:
+        click.echo(f"note: {note}")
+    for warn in res.warnings:
+        click.echo(f"warning: {warn}", err=True)
+    click.echo(f"serve: {res.serve}")
+
+
+# ---- inspect -----------------------------------------------------------------------------------
+@main.command("inspect")
+@click.argument("path", type=click.Path())
+@click.option("--tp", default=None, type=int, help="TP size to check a --quantization-param-path JSON against.")
+@user_errors
+def inspect_cmd(path, tp):
+    """Show what an artifact, export or checkpoint holds and what vLLM / SGLang / TensorRT-LLM would load."""
+    from kvcal.inspect import inspect_path, render
+
+    click.echo(render(inspect_path(path, tp=tp)))
+
+
+# ---- memory ------------------------------------------------------------------------------------
+@main.command("memory")
+@click.option("--model", "model", default="smollm2-135m", show_default=True,
+              help="Embedded model name, HF model dir, config.json file or .gguf (no weights are loaded).")
+@click.option("--format", "fmt", required=True,
+              help="Preset (fp16, bf16, fp8, fp8_head, fp8_e5m2, int8, int4, kivi4, kivi3, kivi2, int2, nvfp4) "
+                   "or a storage format (e.g. fp8_e4m3fnuz, int3) applied to K and V.")
+@click.option("--granularity", default=None,
+              help="Override both sides: tensor, head, channel, token, token_group, channel_token_group.")
+@click.option("--group-size", default=None, type=int, help="Group size of grouped granularities (both sides).")
+@click.option("--symmetric/--asymmetric", default=None, help="Override integer symmetry (both sides).")
+@click.option("--residual-window", default=0, show_default=True, type=int, help="Recent tokens kept in 16 bits.")
+@click.option("--sinks", default=0, show_default=True, type=int, help="First tokens kept in 16 bits.")
+@click.option("--context", default=None, type=int, help="Tokens per sequence [default: the model's max positions].")
+@click.option("--batch", default=1, show_default=True, type=int, help="Sequences in the cache.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full breakdown as JSON.")
+@user_errors
+def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, sinks, context, batch, as_json):
+    """Print KV-cache bytes per token and total cache bytes for a model and KV format (exact)."""
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from kvcal.formats.granularity import granularity_from_name
+    from kvcal.formats.memory import memory_report, model_shape
+    from kvcal.formats.spec import PRESETS, KVCacheConfig, TensorQuantSpec
+
+    try:
+        p = Path(model).expanduser()
+        if p.suffix == ".json" and p.is_file():
+            shape = model_shape(json.loads(p.read_text(encoding="utf-8")))
+        else:
+            from kvcal.models import load_model_config
+
+            shape = model_shape(load_model_config(model))
+        if fmt in PRESETS:
+            cfg = PRESETS[fmt]
+        else:
+            kind_int = fmt.startswith("int")
+            gran = granularity or ("token_group" if kind_int else "tensor")
+            side = TensorQuantSpec(fmt, granularity_from_name(gran, group_size), symmetric=not kind_int)
+            cfg = KVCacheConfig(side, side)
+        sides = []
+        for s in (cfg.key, cfg.value):
+            if s.is_quantized and granularity is not None and s.format.value != "nvfp4":
+                s = replace(s, granularity=granularity_from_name(granularity, group_size), scale_dtype=None)
+            elif group_size is not None:
+                s = s.with_group_size(group_size)
+            if symmetric is not None and s.format.kind == "int":
+                s = replace(s, symmetric=symmetric)
+            sides.append(s)
+        cfg = replace(cfg, key=sides[0], value=sides[1], residual_window=residual_window, sink_tokens=sinks)
+        ctx = context if context is not None else shape.max_position_embeddings
+        if ctx is None:
+            raise ValueError("the model config has no max_position_embeddings; pass --context")
+        rep = memory_report(shape, cfg, ctx, batch)
+    except (ValueError, json.JSONDecodeError, OSError) as e:
+        raise KvcalError(str(e)) from None
+    if as_json:
+        click.echo(json.dumps({"model_id": model, "format": fmt, **rep.to_dict()}, indent=2))
+        return
+
+    def desc(s):
+        if not s.is_quantized:
+            return s.format.value
+        g = s.granularity
+        gs = f"(g={g.group_size})" if hasattr(g, "group_size") else ""
+        sym = "sym" if s.symmetric else "asym"
+        return f"{s.format.value} {g.name}{gs} {sym}, {str(s.scale_dtype).replace('torch.', '')} scales"
+
+    b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    bpt = rep.bytes_per_token
+    click.echo(f"model: {model} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim})")
+    click.echo(f"kv: K {desc(cfg.key)} | V {desc(cfg.value)} | residual window {residual_window}, sinks {sinks}")
+    click.echo(f"bytes per token: {bpt:g} ({b16 / bpt:.2f}x smaller than 16-bit {b16})")
+    click.echo(f"cache bytes (context {ctx}, batch {batch}): {rep.total} ({rep.total / 2**20:.2f} MiB)")
+    click.echo(f"  payload {rep.payload}, scales/zero points {rep.params}, 16-bit window+sinks {rep.dense16}, "
+               f"per-layer metadata {rep.static}")
