@@ -41,6 +41,37 @@ def main():
 # ---- commands are registered below, one block each -------------------------------------------
 
 
+@main.command()
+@click.option("--corpus", required=True, type=click.Path(), help="JSONL(.gz) or .txt calibration corpus.")
+@click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
+@click.option("--out", default=None, type=click.Path(), help="Artifact directory (default artifacts/<model>-fp8).")
+@click.option("--max-samples", default=64, show_default=True, type=int, help="Samples used (seeded subset).")
+@click.option("--max-seq-len", default=512, show_default=True, type=int, help="Tokens per sample (longer ones are truncated and counted).")
+@click.option("--format", "fmt", default="fp8_e4m3", show_default=True,
+              type=click.Choice(["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]), help="KV-cache storage format.")
+@click.option("--granularity", default="tensor", show_default=True, type=click.Choice(["tensor", "head"]),
+              help="One scale per layer (tensor) or per KV head (head).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--strict", is_flag=True, help="Refuse samples longer than --max-seq-len instead of truncating.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@user_errors
+def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, device, seed, batch_size,
+              strict, overwrite, quiet):
+    """Calibrate static K/V scales on a deployment corpus and write an artifact."""
+    from kvcal.calibrate import CalibrateConfig
+    from kvcal.calibrate import calibrate as run
+
+    cfg = CalibrateConfig(corpus=corpus, out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
+                          format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
+                          strict=strict, overwrite=overwrite)
+    res = run(cfg, log=click.echo, progress=not quiet)
+    click.echo(res["table"])
+    click.echo(f"artifact: {res['out']}  (kv_scales.safetensors, report.md)")
+
+
 # ---- export ------------------------------------------------------------------------------------
 @main.command("export")
 @click.option("--artifact", required=True, type=click.Path(), help="kvcal artifact directory (kv_scales.safetensors).")

@@ -20,27 +20,26 @@ class SequenceReservoir:
             raise ValueError("reservoir capacity must be > 0 and max_tokens > 1")
         self.capacity, self.max_tokens = capacity, max_tokens
         self.gen = torch.Generator().manual_seed(seed)
-        self.items: list[tuple[int, list]] = []  # (sample index, per-layer tensors)
+        self.items: list[tuple[int, list] | None] = []  # slot -> (sample index, per-layer tensors)
         self.seen = 0
 
     def offer(self) -> int | None:
         """Decide for the next sample: return the slot to fill (or append), or None to skip."""
         self.seen += 1
         if len(self.items) < self.capacity:
-            return len(self.items)
+            self.items.append(None)  # reserved until put()
+            return len(self.items) - 1
         j = int(torch.randint(0, self.seen, (1,), generator=self.gen))
         return j if j < self.capacity else None
 
     def put(self, slot: int, sample_index: int, layers: list) -> None:
-        entry = (sample_index, layers)
-        if slot == len(self.items):
-            self.items.append(entry)
-        else:
-            self.items[slot] = entry
+        """Fill a slot returned by :meth:`offer` (several offers may precede their puts)."""
+        self.items[slot] = (sample_index, layers)
 
     def sequences(self) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
         """Kept sequences in sample order: ``[seq][layer] -> (q, k, v)``."""
-        return [layers for _, layers in sorted(self.items, key=lambda t: t[0])]
+        kept = [it for it in self.items if it is not None]
+        return [layers for _, layers in sorted(kept, key=lambda t: t[0])]
 
     def state_dict(self) -> dict:
         return {"items": self.items, "seen": self.seen, "gen": self.gen.get_state(),

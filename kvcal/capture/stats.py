@@ -16,6 +16,18 @@ import torch
 HIST_EDGES = torch.cat([torch.zeros(1, dtype=torch.float64), torch.exp2(torch.arange(-24, 24.001, 0.25, dtype=torch.float64))])
 
 
+def histogram_abs(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """Counts of ``|x|`` per row on :data:`HIST_EDGES` (bin 0 = [0, 2^-24), then quarter octaves).
+
+    ``x`` ``[H, N]`` float; returns int64 ``[H, bins]``. Uses ``floor(4·log2|x|) + 97`` which equals
+    bucketizing on the edges (edges are exact powers of 2^(1/4) in float64 but the floor is taken
+    in float32: a value within float32 rounding of an edge may land one bin over).
+    """
+    a = x.abs().float()
+    idx = torch.floor(torch.log2(a) * 4).add_(97).clamp_(0, bins - 1).long()  # log2(0) = -inf -> bin 0
+    return torch.zeros(x.shape[0], bins, dtype=torch.int64).scatter_add_(1, idx, torch.ones_like(idx))
+
+
 class TensorStats:
     """Running statistics of one activation tensor family (e.g. layer 3 keys).
 
@@ -25,8 +37,9 @@ class TensorStats:
 
     FIELDS = ("absmax", "min", "max", "sum", "sumsq", "count", "hist")
 
-    def __init__(self, num_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, head_dim: int, track_hist: bool = True):
         H, D = num_heads, head_dim
+        self.track_hist = track_hist
         self.num_heads, self.head_dim = H, D
         self.absmax = torch.zeros(H, D, dtype=torch.float64)
         self.min = torch.full((H, D), float("inf"), dtype=torch.float64)
@@ -40,21 +53,24 @@ class TensorStats:
         B, H, S, D = x.shape
         if (H, D) != (self.num_heads, self.head_dim):
             raise ValueError(f"expected [B,{self.num_heads},S,{self.head_dim}], got {list(x.shape)}")
-        xt = x.detach().to("cpu", torch.float64).permute(1, 0, 2, 3).reshape(H, B * S, D)  # [H, N, D]
+        xt = x.detach().to("cpu", torch.float32).permute(1, 0, 2, 3).reshape(H, B * S, D)  # [H, N, D]
         if mask is not None:
             keep = mask.to("cpu").reshape(B * S).bool()
-            xt = xt[:, keep]
+            if not bool(keep.all()):
+                xt = xt[:, keep]
         if xt.shape[1] == 0:
             return
-        self.absmax = torch.maximum(self.absmax, xt.abs().amax(1))
-        self.min = torch.minimum(self.min, xt.amin(1))
-        self.max = torch.maximum(self.max, xt.amax(1))
-        self.sum += xt.sum(1)
-        self.sumsq += (xt * xt).sum(1)
+        # min/max/absmax are exact in the input precision; sums accumulate in float64
+        mn, mx = xt.amin(1).double(), xt.amax(1).double()
+        self.absmax = torch.maximum(self.absmax, torch.maximum(mx.abs(), mn.abs()))
+        self.min = torch.minimum(self.min, mn)
+        self.max = torch.maximum(self.max, mx)
+        xd = xt.double()
+        self.sum += xd.sum(1)
+        self.sumsq += (xd * xd).sum(1)
         self.count += xt.shape[1]
-        a = xt.abs().reshape(H, -1)
-        idx = torch.bucketize(a, HIST_EDGES[1:-1], right=True)  # [H, N*D] in 0..bins-1
-        self.hist += torch.zeros_like(self.hist).scatter_add_(1, idx, torch.ones_like(idx))
+        if self.track_hist:
+            self.hist += histogram_abs(xt.reshape(H, -1), self.hist.shape[1])
 
     def merge(self, other: TensorStats) -> TensorStats:
         self.absmax = torch.maximum(self.absmax, other.absmax)
@@ -72,7 +88,7 @@ class TensorStats:
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor]) -> TensorStats:
         H, D = sd["absmax"].shape
-        s = cls(H, D)
+        s = cls(H, D, track_hist=bool(sd["hist"].any()))
         for f in cls.FIELDS:
             setattr(s, f, sd[f].clone())
         return s
@@ -95,7 +111,7 @@ class LayerStats:
     def __init__(self, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int):
         self.k = [TensorStats(num_kv_heads, head_dim) for _ in range(num_layers)]
         self.v = [TensorStats(num_kv_heads, head_dim) for _ in range(num_layers)]
-        self.q = [TensorStats(num_q_heads, head_dim) for _ in range(num_layers)]
+        self.q = [TensorStats(num_q_heads, head_dim, track_hist=False) for _ in range(num_layers)]
         self.fired = torch.zeros(num_layers, dtype=torch.int64)
 
     def update(self, layer: int, q, k, v, mask=None) -> None:

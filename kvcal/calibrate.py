@@ -1,0 +1,298 @@
+"""The main job: corpus → capture → static scale search (K and V separately) → artifact.
+
+``calibrate(CalibrateConfig)`` is what ``kvcal calibrate`` runs. Steps:
+
+1. load the model and tokenizer (offline) and the corpus (chat template applied), print its
+   deployment shape;
+2. split samples into a calibration part and a held-out part (seeded);
+3. one forward pass through the decoder layers (no LM head) with the attention hook: streaming
+   statistics over every calibration token and two bounded reservoirs of real (q, k, v)
+   sequences (calibration and held-out);
+4. per layer, choose the K scale by attention KL and the V scale by attention-output error,
+   never worse than absmax or unity on the held-out part;
+5. write the artifact atomically (``kv_scales.safetensors`` + ``report.md``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvcal import __version__
+from kvcal.capture.hooks import attention_scaling, capture_kv
+from kvcal.capture.reservoir import SequenceReservoir
+from kvcal.capture.stats import LayerStats
+from kvcal.errors import KvcalError
+
+FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
+GRANULARITIES = ("tensor", "head")
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """Options of ``kvcal calibrate`` (defaults in one place).
+
+    ``max_seq_len`` (tokens) caps each sample; ``reservoir`` / ``heldout_reservoir`` bound how many
+    captured sequences (each at most ``search_tokens`` tokens) the search sees; ``max_queries`` is
+    how many query positions per sequence the attention objectives evaluate.
+    """
+
+    corpus: str
+    out: str | None = None
+    model: str | None = None
+    max_samples: int | None = 64
+    max_seq_len: int = 512
+    format: str = "fp8_e4m3"
+    granularity: str = "tensor"
+    device: str = "cpu"
+    seed: int = 0
+    heldout_fraction: float = 0.25
+    batch_size: int = 8
+    reservoir: int = 12
+    heldout_reservoir: int = 6
+    search_tokens: int = 512
+    max_queries: int = 128
+    strict: bool = False
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise KvcalError(f"--format {self.format!r} is not supported by this calibrator; choose one of {', '.join(FORMATS)}")
+        if self.granularity not in GRANULARITIES:
+            raise KvcalError(f"--granularity {self.granularity!r}: choose one of {', '.join(GRANULARITIES)}")
+        if self.max_seq_len < 2:
+            raise KvcalError("--max-seq-len must be at least 2 tokens")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise KvcalError("--max-samples must be at least 1")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise KvcalError("heldout_fraction must be in [0, 1)")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise KvcalError(f"--device {self.device!r}: choose cpu or cuda")
+
+
+@dataclass
+class CaptureResult:
+    """What one capture pass produced (all on CPU)."""
+
+    stats: LayerStats
+    calib: SequenceReservoir
+    heldout: SequenceReservoir
+    scaling: dict[int, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+def split_heldout(n: int, fraction: float, seed: int) -> set[int]:
+    """Indices of held-out samples: ``round(n·fraction)`` (at least 1 when n ≥ 2 and fraction > 0)."""
+    if n < 2 or fraction <= 0:
+        return set()
+    k = min(n - 1, max(1, round(n * fraction)))
+    g = torch.Generator().manual_seed(seed)
+    return set(torch.randperm(n, generator=g)[:k].tolist())
+
+
+def _batches(samples: list[torch.Tensor], batch_size: int) -> list[list[int]]:
+    """Sample indices grouped by similar length (less padding), in a deterministic order."""
+    order = sorted(range(len(samples)), key=lambda i: (len(samples[i]), i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def run_capture(
+    model,
+    samples: list[torch.Tensor],
+    heldout_idx: set[int],
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    num_q_heads: int,
+    head_dim: int,
+    batch_size: int = 8,
+    reservoir: int = 12,
+    heldout_reservoir: int = 6,
+    search_tokens: int = 512,
+    seed: int = 0,
+    pad_id: int = 0,
+    progress: bool = True,
+) -> CaptureResult:
+    """One forward pass over ``samples`` (1-D int64 token ids) through the decoder (no LM head).
+
+    Statistics cover calibration samples only (held-out samples are seen by the held-out
+    reservoir alone). Padding positions are masked out of every statistic. Raises
+    ``FloatingPointError`` (layer named) on NaN/Inf activations and ``KvcalError`` if some
+    attention layer never fired.
+    """
+    from tqdm.auto import tqdm
+
+    stats = LayerStats(num_layers, num_kv_heads, num_q_heads, head_dim)
+    res_c = SequenceReservoir(max(reservoir, 1), search_tokens, seed)
+    res_h = SequenceReservoir(max(heldout_reservoir, 1), search_tokens, seed + 1)
+    result = CaptureResult(stats, res_c, res_h)
+    device = next(model.parameters()).device
+    base = model.base_model if hasattr(model, "base_model") else model
+    state: dict = {}
+
+    def on_layer(layer, q, k, v, module):
+        if layer >= num_layers:
+            raise KvcalError(f"attention layer index {layer} >= num_hidden_layers {num_layers}")
+        result.scaling.setdefault(layer, attention_scaling(module, head_dim))
+        mask = state["mask"]
+        stats.update(layer, q, k, v, mask & state["is_calib"][:, None])
+        for row, (slot, T) in state["keep"].items():
+            state["pending"][row][layer] = (
+                q[row, :, :T].float().cpu().clone(), k[row, :, :T].float().cpu().clone(),
+                v[row, :, :T].float().cpu().clone(),
+            )
+
+    t0 = time.perf_counter()
+    batches = _batches(samples, batch_size)
+    total_tokens = sum(len(s) for s in samples)
+    bar = tqdm(total=total_tokens, unit="tok", desc="capture", disable=not progress)
+    with torch.no_grad(), capture_kv(model, on_layer):
+        for idx in batches:
+            L = max(len(samples[i]) for i in idx)
+            ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
+            mask = torch.zeros(len(idx), L, dtype=torch.bool)
+            for r, i in enumerate(idx):
+                ids[r, : len(samples[i])] = samples[i]
+                mask[r, : len(samples[i])] = True
+            is_calib = torch.tensor([i not in heldout_idx for i in idx])
+            keep = {}
+            for r, i in enumerate(idx):
+                res = res_h if i in heldout_idx else res_c
+                slot = res.offer()
+                if slot is not None:
+                    keep[r] = (slot, min(len(samples[i]), search_tokens))
+            state.update(mask=mask, is_calib=is_calib, keep=keep, pending={r: [None] * num_layers for r in keep})
+            base(input_ids=ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
+            for r, (slot, _) in keep.items():
+                i = idx[r]
+                (res_h if i in heldout_idx else res_c).put(slot, i, state["pending"][r])
+            bar.update(int(mask.sum()))
+    bar.close()
+    missing = [i for i in range(num_layers) if int(stats.fired[i]) == 0]
+    if missing:
+        raise KvcalError(f"attention layers {missing} never fired during capture; this architecture's "
+                         "attention does not go through transformers' attention interface")
+    result.seconds = time.perf_counter() - t0
+    result.tokens = total_tokens
+    return result
+
+
+def _sequence_caches(res: SequenceReservoir, layer: int, scaling: float, max_queries: int):
+    from kvcal.search.objectives import SequenceCache
+
+    return [SequenceCache(*seq[layer], scaling, max_queries) for seq in res.sequences()]
+
+
+def search_scales(cap: CaptureResult, fmt_name: str, per_head: bool, max_queries: int = 128,
+                  progress: bool = True) -> list[dict]:
+    """Per layer: choose K and V static scales. Returns ``[{"layer", "k": SideChoice, "v": SideChoice}]``."""
+    from tqdm.auto import tqdm
+
+    from kvcal.formats.fp8 import get_fp8_format
+    from kvcal.search.static_scales import choose_static_fp8
+
+    fmt = get_fp8_format(fmt_name)
+    out = []
+    n = len(cap.stats.k)
+    for layer in tqdm(range(n), desc="search", disable=not progress):
+        calib = _sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries)
+        held = _sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else []
+        row = {"layer": layer}
+        for side in ("k", "v"):
+            st = getattr(cap.stats, side)[layer].finalize()
+            row[side] = choose_static_fp8(calib, held, st["head_absmax"], side, fmt, per_head)
+        out.append(row)
+    return out
+
+
+def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress: bool = True,
+              model=None, tokenizer=None) -> dict:
+    """Run the whole calibration and write the artifact; returns ``{"out", "metadata", "table"}``.
+
+    ``model`` / ``tokenizer``: already-loaded objects for ``cfg.model`` (tests, notebooks);
+    loaded offline when None. Raises :class:`KvcalError` (bad corpus, model, options, or output
+    location); nothing is written unless the whole run succeeds.
+    """
+    from kvcal.artifact import tensor_name, write_artifact
+    from kvcal.corpus import format_shape, load_corpus
+    from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
+    from kvcal.report.markdown import layer_table, render_calibration_report
+
+    out = cfg.out or f"artifacts/{(cfg.model or 'smollm2-135m').replace('/', '_')}-{cfg.format.split('_')[0]}"
+    from pathlib import Path
+
+    if Path(out).exists() and not cfg.overwrite:
+        raise KvcalError(f"output directory {out} already exists; pass --overwrite to replace it")
+    torch.manual_seed(cfg.seed)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+    corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
+                         strict=cfg.strict, seed=cfg.seed)
+    shape = corpus.shape()
+    log(format_shape(shape))
+    if model is None:
+        model = load_model(cfg.model, device=cfg.device)
+    conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    mmeta = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
+    held_idx = split_heldout(len(corpus.samples), cfg.heldout_fraction, cfg.seed)
+    log(f"model: {mmeta['id']} ({mmeta['architecture']}, {mmeta['num_layers']} layers, "
+        f"{mmeta['num_kv_heads']} KV heads × head_dim {mmeta['head_dim']}); weights: {mmeta['weight_precision']}")
+    log(f"split: {len(corpus.samples) - len(held_idx)} calibration / {len(held_idx)} held-out samples (seed {cfg.seed})")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    cap = run_capture(
+        model, corpus.samples, held_idx, num_layers=mmeta["num_layers"], num_kv_heads=mmeta["num_kv_heads"],
+        num_q_heads=int(conf.num_attention_heads), head_dim=head_dim_of(conf), batch_size=cfg.batch_size,
+        reservoir=cfg.reservoir, heldout_reservoir=cfg.heldout_reservoir, search_tokens=cfg.search_tokens,
+        seed=cfg.seed, pad_id=pad, progress=progress,
+    )
+    t1 = time.perf_counter()
+    rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
+    search_s = time.perf_counter() - t1
+
+    H = mmeta["num_kv_heads"]
+    tensors, layers_meta = {}, []
+    for r in rows:
+        lm = {"layer": r["layer"]}
+        for side in ("k", "v"):
+            ch = r[side]
+            s = ch.scale if cfg.granularity == "tensor" else ch.scale.view(H, 1, 1)
+            tensors[tensor_name(r["layer"], side)] = s.reshape(-1) if cfg.granularity == "tensor" else s
+            lm[side] = {"scale": ch.scale.tolist(), "amax": ch.amax.tolist(), "clip_ratio": ch.clip_ratio.tolist(),
+                        "candidate": ch.label, "heldout": ch.heldout, "calib": ch.calib}
+        layers_meta.append(lm)
+    side_spec = {"format": cfg.format, "granularity": cfg.granularity, "group_size": None,
+                 "symmetric": True, "dynamic": False}
+    meta = {
+        "kvcal_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": mmeta,
+        "kv": {"quantized_tensors": ["k", "v"], "key_position": "post_rope", "k": dict(side_spec),
+               "v": dict(side_spec), "residual_window": 0, "sink_tokens": 0},
+        "calibration": {
+            "method": "attention-aware static scale search",
+            "objective_k": "attention KL (nats per query, causal, real captured queries of every GQA head)",
+            "objective_v": "relative attention-output error sum|P(V^-V)|^2 / sum|PV|^2",
+            "candidates": "absmax, unity, otf (amax/200 K, amax/100 V), clip 0.95..0.5, headroom 1.25..4",
+            "selection": "best on calibration split, then lowest held-out error among {best, absmax, unity}",
+            "seed": cfg.seed, "max_seq_len": cfg.max_seq_len, "heldout_fraction": cfg.heldout_fraction,
+            "calib_samples": len(corpus.samples) - len(held_idx), "heldout_samples": len(held_idx),
+            "reservoir_sequences": {"calib": len(cap.calib.items), "heldout": len(cap.heldout.items)},
+            "search_tokens": cfg.search_tokens, "max_queries": cfg.max_queries,
+            "capture_seconds": round(cap.seconds, 2), "search_seconds": round(search_s, 2),
+            "device": cfg.device, "context_regime": f"prefill of samples up to {cfg.max_seq_len} tokens, batch {cfg.batch_size}",
+        },
+        "corpus": {"path": str(corpus.path), "sha256": corpus.sha256, "format": corpus.format,
+                   "samples": shape["samples"], "tokens": shape["tokens"],
+                   "length_percentiles": {k: shape[k] for k in ("p50", "p90", "p99", "max")},
+                   "truncated": shape["truncated"]},
+        "layers": layers_meta,
+    }
+    report = render_calibration_report(meta)
+    path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
+    table = layer_table(meta)
+    return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg)}
+

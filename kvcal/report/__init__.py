@@ -1,0 +1,1 @@
+"""Reports: plain-words disclosure (markdown/HTML) and plots. Drawing only, no computation."""

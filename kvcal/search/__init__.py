@@ -1,0 +1,1 @@
+"""Attention-aware objectives and the scale search (torch only)."""

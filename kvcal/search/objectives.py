@@ -1,0 +1,107 @@
+"""Attention-visible error objectives, computed on real captured sequences (torch only).
+
+Shapes for one layer and one sequence: ``q [H_q, T, D]`` (post-RoPE queries, all heads),
+``k, v [H_kv, T, D]`` (post-RoPE keys and values as cached). Query head ``j`` reads KV head
+``j // (H_q // H_kv)`` (GQA). Scores are ``q·kᵀ · scaling`` with a causal mask.
+
+* **Keys — attention KL** (nats): ``KL(P ‖ P̂)`` of each query's causal attention distribution with
+  exact vs quantized keys, summed over the query heads of each KV head's group and the evaluated
+  query positions. Key error acts before softmax, so this is what the model sees.
+* **Keys — centered score error**: ``Δs = q·(k̂ − k)ᵀ·scaling`` minus its mean over the keys each
+  query can see (softmax ignores a per-query constant); sum of squares. Cheaper proxy
+  (HeadQ/SMAQ 2026, see ``shared/docs/prior-art.md``).
+* **Values — attention-output error**: ``‖P·(V̂ − V)‖²`` relative to ``‖P·V‖²`` with the real
+  attention weights ``P`` (value error enters after softmax, through the weighted sum).
+* **Tensor MSE**: ``‖x̂ − x‖²``, kept only as a comparison (what llm-compressor's ``mse`` observer uses).
+
+Errors are returned as per-KV-head *sums* with their normalizers, so errors over the whole
+calibration split are summed before any choice (never an average of per-batch optima).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def query_positions(T: int, max_queries: int | None) -> torch.Tensor:
+    """Evaluated query positions: all ``T`` if ``max_queries`` is None or ``>= T``, else
+    ``max_queries`` evenly spaced positions (always including the last). int64 ``[Tq]``."""
+    if max_queries is None or max_queries >= T:
+        return torch.arange(T)
+    return torch.linspace(0, T - 1, max_queries).round().long().unique()
+
+
+def _group(q: torch.Tensor, h_kv: int) -> torch.Tensor:
+    """``[H_q, ...] -> [H_kv, G, ...]`` grouping query heads by the KV head they read."""
+    return q.reshape(h_kv, q.shape[0] // h_kv, *q.shape[1:])
+
+
+def causal_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, qpos: torch.Tensor) -> torch.Tensor:
+    """Masked scores ``[H_kv, G, Tq, T]`` (float32; ``-inf`` where key position > query position)."""
+    h_kv, T = k.shape[0], k.shape[1]
+    qg = _group(q[:, qpos].float(), h_kv)  # [H_kv, G, Tq, D]
+    s = torch.einsum("hgqd,htd->hgqt", qg, k.float()) * scaling
+    mask = torch.arange(T)[None, :] > qpos[:, None]  # [Tq, T]
+    return s.masked_fill(mask, float("-inf"))
+
+
+def attention_kl(logp_ref: torch.Tensor, scores_hat: torch.Tensor) -> torch.Tensor:
+    """``Σ KL(P ‖ P̂)`` per KV head, nats, float64 ``[H_kv]``.
+
+    ``logp_ref``: exact log-probabilities ``[H_kv, G, Tq, T]`` (``-inf`` masked); ``scores_hat``:
+    masked scores with quantized keys, same shape.
+    """
+    logp_hat = torch.log_softmax(scores_hat, dim=-1)
+    p = logp_ref.exp()
+    diff = (logp_ref - logp_hat).masked_fill(p == 0, 0.0)
+    return (p * diff).sum(dim=(1, 2, 3)).double()
+
+
+def centered_score_error(scores_ref: torch.Tensor, scores_hat: torch.Tensor) -> torch.Tensor:
+    """Σ over visible (query, key) of the squared score error minus its per-query mean; ``[H_kv]`` f64."""
+    vis = torch.isfinite(scores_ref)
+    d = torch.where(vis, scores_hat - scores_ref, torch.zeros_like(scores_ref))
+    n = vis.sum(-1, keepdim=True).clamp_min(1)
+    d = torch.where(vis, d - d.sum(-1, keepdim=True) / n, d)
+    return (d * d).sum(dim=(1, 2, 3)).double()
+
+
+def output_error(p: torch.Tensor, v: torch.Tensor, v_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention-output error per KV head: ``(Σ‖P·(V̂−V)‖², Σ‖P·V‖²)``, each float64 ``[H_kv]``.
+
+    ``p`` ``[H_kv, G, Tq, T]`` exact attention weights; ``v``, ``v_hat`` ``[H_kv, T, D]``.
+    """
+    o = torch.einsum("hgqt,htd->hgqd", p, v.float())
+    do = torch.einsum("hgqt,htd->hgqd", p, (v_hat.float() - v.float()))
+    return (do * do).sum(dim=(1, 2, 3)).double(), (o * o).sum(dim=(1, 2, 3)).double()
+
+
+def tensor_mse(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """Σ (x̂ − x)² per head for ``[H, T, D]`` tensors, float64 ``[H]``."""
+    d = x_hat.double() - x.double()
+    return (d * d).sum(dim=(1, 2))
+
+
+class SequenceCache:
+    """Per-sequence exact quantities reused across candidates: masked scores, log-probs, P.
+
+    Built once per (layer, sequence); holds ``[H_kv, G, Tq, T]`` float32 tensors.
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                 max_queries: int | None = 128):
+        self.q, self.k, self.v, self.scaling = q, k, v, scaling
+        self.qpos = query_positions(k.shape[1], max_queries)
+        self.scores = causal_scores(q, k, scaling, self.qpos)
+        self.logp = torch.log_softmax(self.scores, dim=-1)
+        self.p = self.logp.exp()
+        self.num_queries = self.qpos.numel() * (q.shape[0] // k.shape[0])  # per KV head
+
+    def key_kl(self, k_hat: torch.Tensor) -> torch.Tensor:
+        return attention_kl(self.logp, causal_scores(self.q, k_hat, self.scaling, self.qpos))
+
+    def key_centered(self, k_hat: torch.Tensor) -> torch.Tensor:
+        return centered_score_error(self.scores, causal_scores(self.q, k_hat, self.scaling, self.qpos))
+
+    def value_error(self, v_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return output_error(self.p, self.v, v_hat)
