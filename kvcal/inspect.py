@@ -275,12 +275,13 @@ def _add_manifest_notes(d: Path, ins: Inspection) -> None:
 # ---- text ---------------------------------------------------------------------------------------
 
 
-def _fmt_vals(vals: list[float] | None) -> str:
+def _fmt_vals(vals: list[float] | None, granularity: str | None) -> str:
     if not vals:
         return "-"
     if len(vals) == 1:
         return f"{vals[0]:.6g}"
-    return f"[{len(vals)} heads] {min(vals):.4g}..{max(vals):.4g}"
+    unit = {"head": "heads", "channel": "head x channel"}.get(granularity or "", "values")
+    return f"[{len(vals)} {unit}] {min(vals):.4g}..{max(vals):.4g}"
 
 
 def _engine_line(e: EngineLoad, n: int) -> list[str]:
@@ -332,7 +333,7 @@ def render(ins: Inspection) -> str:
     L.append("")
     L.append(f"{'layer':>5}  {'K scale':<28} {'V scale':<28}")
     for r in ins.layers:
-        L.append(f"{r['layer']:>5}  {_fmt_vals(r['k']):<28} {_fmt_vals(r['v']):<28}")
+        L.append(f"{r['layer']:>5}  {_fmt_vals(r['k'], ins.granularity):<28} {_fmt_vals(r['v'], ins.granularity):<28}")
     L.append("")
     L.append("engines (naming rules of shared/docs/runtime-formats.md):")
     for e in ins.engines.values():

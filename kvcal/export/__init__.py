@@ -95,6 +95,9 @@ def export(
     warn = clipping_warning(prep, engines)
     if warn:
         ctx.warnings.append(warn)
+    if engines and all(prep.amax[i][s] is None for i in range(prep.num_layers) for s in ("k", "v")):
+        ctx.notes.append(f"the artifact records no observed amax, so clipping cannot be checked; "
+                         f"{'/'.join(engines)} does not saturate: consider --headroom")
     kv = art.metadata["kv"]
     if kv.get("residual_window") or kv.get("sink_tokens"):
         ctx.warnings.append(

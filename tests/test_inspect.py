@@ -1,0 +1,88 @@
+"""``kvcal inspect``: artifacts, checkpoints, exports and scales JSON, with per-engine load verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from export_helpers import L, make_artifact, make_checkpoint
+from safetensors.torch import load_file, save_file
+
+from kvcal.cli import main
+from kvcal.export import export
+from kvcal.inspect import InspectError, inspect_path, render
+
+
+@pytest.fixture(scope="module")
+def plain_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", sharded=False)
+
+
+def test_inspect_artifact(tmp_path):
+    path, truth = make_artifact(tmp_path / "art")
+    ins = inspect_path(path)
+    assert (ins.kind, ins.format, ins.granularity, ins.num_layers) == ("artifact", "fp8_e4m3", "tensor", L)
+    assert ins.layers[1]["k"] == truth[(1, "k")][0].tolist()
+    assert all(reason is None for reason in ins.exportable.values())
+    text = render(ins)
+    assert "corpus: calibration_sets/chat.jsonl" in text and "samples=64" in text
+    assert f"{truth[(0, 'v')][0].item():.6g}" in text
+    assert "vLLM: loads K and V scales for all 4 layers" in text
+
+
+def test_inspect_per_channel_int4_artifact(tmp_path):
+    path, _ = make_artifact(tmp_path / "art", fmt="int4", granularity="channel")
+    ins = inspect_path(path)
+    assert all(reason is not None for reason in ins.exportable.values())
+    assert ins.engines["vLLM"].count("error") == L
+    text = render(ins)
+    assert "[32 head x channel]" in text and "[32 heads]" not in text and "startup error" in text
+
+
+def test_inspect_plain_checkpoint_says_engines_fall_back(plain_ckpt):
+    ins = inspect_path(plain_ckpt)
+    assert ins.kind == "checkpoint" and all(r["k"] is None for r in ins.layers)
+    vl = ins.engines["vLLM"]
+    assert vl.problems and vl.count("fallback") == L
+    text = render(ins)
+    assert "vLLM: NOT LOADED" in text and "no quantization_config" in text
+
+
+def test_inspect_checkpoint_with_misnamed_scales(tmp_path, plain_ckpt):
+    d = tmp_path / "ck"
+    d.mkdir()
+    w = load_file(plain_ckpt / "model.safetensors")
+    extra = {"model.layers.0.self_attn.k_scale": torch.tensor([0.1]),  # layer 0: only K -> copied
+             "model.layers.1.self_attn.attention.k_scale": torch.tensor([0.1])}  # not a recognised name
+    save_file({**w, **extra}, str(d / "model.safetensors"))
+    cfg = json.loads((plain_ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
+                                  "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    ins = inspect_path(d)
+    vl = ins.engines["vLLM"]
+    assert vl.layers[0].status == "copied" and vl.count("fallback") == L - 1
+    assert "fall back to 1.0 (layers 1-3)" in render(ins)
+
+
+def test_inspect_json_tp_mismatch(tmp_path):
+    path, _ = make_artifact(tmp_path / "art")
+    export(path, "sglang-json", tmp_path / "out", tp=2)
+    f = tmp_path / "out" / "kv_cache_scales.json"
+    assert inspect_path(f).engines["SGLang"].all_loaded
+    bad = inspect_path(f, tp=4).engines["SGLang"]
+    assert bad.problems and "TP=4" in bad.problems[0]
+    assert inspect_path(f).engines["vLLM"].problems  # removed in vLLM 0.8
+
+
+def test_inspect_cli(tmp_path):
+    path, _ = make_artifact(tmp_path / "art")
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0 and "kvcal export targets:" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "Traceback" not in r.output
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InspectError):
+        inspect_path(tmp_path / "empty")
