@@ -450,3 +450,17 @@ def test_round_trip_merged_checkpoint(tmp_path, sharded_ckpt):
     assert [r["k"] for r in ins.layers] == [truth[(i, "k")][0].flatten().tolist() for i in range(L)]
     assert ins.engines["vLLM"].all_loaded
     assert ins.engines["SGLang"].count("error") == L  # per-head: SGLang cannot load it, and says so
+
+
+def test_q_scale_passed_through_when_artifact_has_query_stats(tmp_path):
+    from kvcal.artifact import load_artifact, write_artifact
+
+    path, _ = make_artifact(tmp_path / "art")
+    a = load_artifact(path)
+    tensors = {**a.tensors, **{f"model.layers.{i}.self_attn.q_scale": torch.tensor([0.02 + i]) for i in range(L)}}
+    write_artifact(tmp_path / "art_q", tensors, a.metadata)
+    res = export(tmp_path / "art_q", "vllm", tmp_path / "out")
+    t = tensors_in(tmp_path / "out" / SCALES_SHARD)
+    assert torch.equal(t["model.layers.3.self_attn.q_scale"], torch.tensor([3.02]))
+    assert "model.layers.0.self_attn.q_scale" in res.tensors
+    assert "model.layers.0.self_attn.q_scale" not in tensors_in(tmp_path / "art" / "kv_scales.safetensors")
