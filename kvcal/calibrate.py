@@ -141,7 +141,7 @@ def run_capture(
         result.scaling.setdefault(layer, attention_scaling(module, head_dim))
         mask = state["mask"]
         stats.update(layer, q, k, v, mask & state["is_calib"][:, None])
-        for row, (slot, T) in state["keep"].items():
+        for row, (_slot, T) in state["keep"].items():
             state["pending"][row][layer] = (
                 q[row, :, :T].float().cpu().clone(), k[row, :, :T].float().cpu().clone(),
                 v[row, :, :T].float().cpu().clone(),
@@ -210,6 +210,26 @@ def search_scales(cap: CaptureResult, fmt_name: str, per_head: bool, max_queries
     return out
 
 
+def plan_from_choices(rows: list[dict], fmt: str, granularity: str, num_kv_heads: int):
+    """Build the :class:`~kvcal.plan.KVPlan` and the per-layer metadata from :func:`search_scales` rows."""
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.plan import KVPlan, LayerPlan, SidePlan
+
+    spec = TensorQuantSpec(fmt, granularity)
+    layers, layers_meta = [], []
+    for r in rows:
+        lm, sides = {"layer": r["layer"]}, {}
+        for side in ("k", "v"):
+            ch = r[side]
+            shape = (1, 1, 1, 1) if granularity == "tensor" else (1, num_kv_heads, 1, 1)
+            sides[side] = SidePlan(spec, scale=ch.scale.reshape(shape).float())
+            lm[side] = {"scale": ch.scale.tolist(), "amax": ch.amax.tolist(), "clip_ratio": ch.clip_ratio.tolist(),
+                        "candidate": ch.label, "heldout": ch.heldout, "calib": ch.calib}
+        layers.append(LayerPlan(sides["k"], sides["v"]))
+        layers_meta.append(lm)
+    return KVPlan(layers), layers_meta
+
+
 def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress: bool = True,
               model=None, tokenizer=None) -> dict:
     """Run the whole calibration and write the artifact; returns ``{"out", "metadata", "table"}``.
@@ -218,7 +238,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     loaded offline when None. Raises :class:`KvcalError` (bad corpus, model, options, or output
     location); nothing is written unless the whole run succeeds.
     """
-    from kvcal.artifact import tensor_name, write_artifact
+    from kvcal.artifact import write_artifact
     from kvcal.corpus import format_shape, load_corpus
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
     from kvcal.report.markdown import layer_table, render_calibration_report
@@ -253,25 +273,13 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
     search_s = time.perf_counter() - t1
 
-    H = mmeta["num_kv_heads"]
-    tensors, layers_meta = {}, []
-    for r in rows:
-        lm = {"layer": r["layer"]}
-        for side in ("k", "v"):
-            ch = r[side]
-            s = ch.scale if cfg.granularity == "tensor" else ch.scale.view(H, 1, 1)
-            tensors[tensor_name(r["layer"], side)] = s.reshape(-1) if cfg.granularity == "tensor" else s
-            lm[side] = {"scale": ch.scale.tolist(), "amax": ch.amax.tolist(), "clip_ratio": ch.clip_ratio.tolist(),
-                        "candidate": ch.label, "heldout": ch.heldout, "calib": ch.calib}
-        layers_meta.append(lm)
-    side_spec = {"format": cfg.format, "granularity": cfg.granularity, "group_size": None,
-                 "symmetric": True, "dynamic": False}
+    plan, layers_meta = plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"])
+    tensors = plan.to_tensors()
     meta = {
         "kvcal_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": mmeta,
-        "kv": {"quantized_tensors": ["k", "v"], "key_position": "post_rope", "k": dict(side_spec),
-               "v": dict(side_spec), "residual_window": 0, "sink_tokens": 0},
+        "kv": plan.kv_metadata(),
         "calibration": {
             "method": "attention-aware static scale search",
             "objective_k": "attention KL (nats per query, causal, real captured queries of every GQA head)",

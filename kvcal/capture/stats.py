@@ -122,7 +122,7 @@ class LayerStats:
 
     def merge(self, other: LayerStats) -> LayerStats:
         for side in ("q", "k", "v"):
-            for a, b in zip(getattr(self, side), getattr(other, side)):
+            for a, b in zip(getattr(self, side), getattr(other, side), strict=True):
                 a.merge(b)
         self.fired += other.fired
         return self

@@ -1,0 +1,190 @@
+"""A quantization plan: for every layer and side, the spec and the calibrated parameters.
+
+The one object the optimizer produces, the artifact stores, and the runtime cache / evaluation
+consume. Torch + formats only (no transformers, no safetensors).
+
+Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
+
+* ``spec``: :class:`~kvcal.formats.spec.TensorQuantSpec` (format, granularity, symmetric);
+* static granularities: ``scale`` (and ``zero_point`` when asymmetric) shaped
+  ``spec.granularity.scale_shape(1, H, 1, D)`` — ``[1,1,1,1]`` / ``[1,H,1,1]`` / ``[1,H,1,D]``;
+* dynamic granularities: ``clip_ratio`` ``[H]`` (fraction of each group's range, 1 = min/max);
+* ``mean`` (keys only, optional): per-channel centering ``[1,H,1,D]`` subtracted before
+  quantizing and added back after dequantizing — exact under softmax because it shifts every
+  score of a query by the same constant (SageAttention; ModelOpt FP8 "affine").
+
+Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
+squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
+``[H]``, ``k_mean`` ``[H,1,D]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
+from kvcal.formats.quant import fake_quant
+from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
+
+SIDES = ("k", "v")
+
+
+def _name(layer: int, side: str, kind: str) -> str:
+    return f"model.layers.{layer}.self_attn.{side}_{kind}"
+
+
+def _squeeze_static(t: torch.Tensor, spec: TensorQuantSpec) -> torch.Tensor:
+    """``[1,1,1,1] -> [1]``, ``[1,H,1,1] -> [H,1,1]``, ``[1,H,1,D] -> [H,1,D]`` (engine layout)."""
+    if isinstance(spec.granularity, PerTensor):
+        return t.reshape(1)
+    return t.reshape(t.shape[1:])
+
+
+def _unsqueeze_static(t: torch.Tensor, spec: TensorQuantSpec, H: int, D: int) -> torch.Tensor:
+    return t.reshape(spec.granularity.scale_shape(1, H, 1, D))
+
+
+@dataclass
+class SidePlan:
+    """One layer's K or V: spec plus calibrated parameters (see module docstring for shapes)."""
+
+    spec: TensorQuantSpec
+    scale: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    clip_ratio: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantize-dequantize ``x [B, H, S, D]`` with this plan; same shape and dtype."""
+        if not self.spec.is_quantized:
+            return fake_quant(x, self.spec)
+        xc = x - self.mean.to(x.dtype) if self.mean is not None else x
+        if self.spec.dynamic:
+            y = fake_quant(xc, self.spec, clip_ratio=self.clip_ratio)
+        else:
+            y = fake_quant(xc, self.spec, scale=self.scale, zero_point=self.zero_point)
+        return y + self.mean.to(x.dtype) if self.mean is not None else y
+
+
+@dataclass
+class LayerPlan:
+    k: SidePlan
+    v: SidePlan
+
+    def side(self, s: str) -> SidePlan:
+        return self.k if s == "k" else self.v
+
+
+@dataclass
+class KVPlan:
+    """Plan for every layer. ``sink_tokens`` first tokens and (runtime only) the ``residual_window``
+    most recent tokens stay in 16 bits; ``key_position`` is ``"post_rope"`` (what engines cache)."""
+
+    layers: list[LayerPlan]
+    residual_window: int = 0
+    sink_tokens: int = 0
+    key_position: str = "post_rope"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def kv_config(self, layer: int = 0) -> KVCacheConfig:
+        lp = self.layers[layer]
+        return KVCacheConfig(lp.k.spec, lp.v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens)
+
+    def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.
+
+        Every token is quantized except the first ``sink_tokens`` (kept in 16 bits, as the runtime
+        cache keeps them). The residual window is NOT applied here: under Protocol A every key/value
+        that attention reads is quantized (a recent window would make any method look lossless).
+        """
+        sp = self.layers[layer].side(side)
+        n = min(self.sink_tokens, x.shape[2])
+        if n == 0:
+            return sp.fake_quant(x)
+        head = x[:, :, :n].to(torch.bfloat16).to(x.dtype)
+        return torch.cat([head, sp.fake_quant(x[:, :, n:])], dim=2)
+
+    # ---- artifact tensors ------------------------------------------------------------------
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Artifact tensors (float32) named as in the module docstring."""
+        out = {}
+        for i, lp in enumerate(self.layers):
+            for s in SIDES:
+                sp = lp.side(s)
+                if sp.scale is not None:
+                    out[_name(i, s, "scale")] = _squeeze_static(sp.scale.float(), sp.spec)
+                if sp.zero_point is not None:
+                    out[_name(i, s, "zero_point")] = _squeeze_static(sp.zero_point.float(), sp.spec)
+                if sp.clip_ratio is not None:
+                    out[_name(i, s, "clip_ratio")] = sp.clip_ratio.float().reshape(-1)
+                if sp.mean is not None:
+                    out[_name(i, s, "mean")] = sp.mean.float().reshape(sp.mean.shape[1:])
+        return out
+
+    def kv_metadata(self) -> dict:
+        """The artifact's ``"kv"`` section (specs of layer 0; per-layer specs under ``layer_specs``
+        when layers differ, e.g. after bit allocation)."""
+        k0, v0 = self.layers[0].k.spec, self.layers[0].v.spec
+        meta = {
+            "quantized_tensors": [s for s, sp in (("k", k0), ("v", v0)) if sp.is_quantized],
+            "key_position": self.key_position,
+            "k": k0.to_dict(),
+            "v": v0.to_dict(),
+            "residual_window": self.residual_window,
+            "sink_tokens": self.sink_tokens,
+            "key_centering": any(lp.k.mean is not None for lp in self.layers),
+        }
+        if any(lp.k.spec != k0 or lp.v.spec != v0 for lp in self.layers):
+            meta["layer_specs"] = [{"k": lp.k.spec.to_dict(), "v": lp.v.spec.to_dict()} for lp in self.layers]
+        return meta
+
+    @classmethod
+    def from_artifact(cls, tensors: dict[str, torch.Tensor], metadata: dict) -> KVPlan:
+        """Rebuild the plan from an artifact's tensors and metadata (see :func:`kvcal.artifact.load_artifact`).
+
+        Raises ``ValueError`` naming the missing tensor when a static side lacks its scale."""
+        m, kv = metadata["model"], metadata["kv"]
+        L, H, D = int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"])
+        specs = kv.get("layer_specs") or [{"k": kv["k"], "v": kv["v"]}] * L
+        layers = []
+        for i in range(L):
+            sides = {}
+            for s in SIDES:
+                d = dict(specs[i][s])
+                spec = TensorQuantSpec.from_dict(d)
+                sp = SidePlan(spec)
+                if spec.is_quantized and not spec.dynamic:
+                    name = _name(i, s, "scale")
+                    if name not in tensors:
+                        raise ValueError(f"artifact lacks {name} required by its {spec.format.value} "
+                                         f"{spec.granularity.name} spec")
+                    sp.scale = _unsqueeze_static(tensors[name].float(), spec, H, D)
+                    zp = tensors.get(_name(i, s, "zero_point"))
+                    sp.zero_point = None if zp is None else _unsqueeze_static(zp.float(), spec, H, D)
+                cr = tensors.get(_name(i, s, "clip_ratio"))
+                if cr is not None and spec.dynamic:
+                    sp.clip_ratio = cr.float().reshape(-1)
+                mean = tensors.get(_name(i, s, "mean"))
+                if mean is not None:
+                    sp.mean = mean.float().reshape(1, H, 1, D)
+                sides[s] = sp
+            layers.append(LayerPlan(sides["k"], sides["v"]))
+        return cls(layers, int(kv.get("residual_window", 0)), int(kv.get("sink_tokens", 0)),
+                   kv.get("key_position", "post_rope"))
+
+    @classmethod
+    def uniform(cls, num_layers: int, config: KVCacheConfig, key_position: str = "post_rope") -> KVPlan:
+        """Same spec on every layer with no calibrated parameters: dynamic sides use min/max
+        (clip_ratio 1); static sides must have scales set before use."""
+        return cls([LayerPlan(SidePlan(config.key), SidePlan(config.value)) for _ in range(num_layers)],
+                   config.residual_window, config.sink_tokens, key_position)
+
+
+def static_granularities() -> tuple[type, ...]:
+    return (PerTensor, PerHead, PerChannel)
