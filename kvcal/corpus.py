@@ -173,26 +173,27 @@ class Corpus:
 
 
 def format_shape(shape: dict) -> str:
-    """Multi-line human-readable summary of :meth:`Corpus.shape` (lengths in tokens)."""
-    n = shape["samples"]
+    """Multi-line human-readable summary of :meth:`Corpus.shape` (lengths in tokens).
+
+    Missing keys (e.g. a shape read back from older artifact metadata) print as 0 / "?".
+    """
+    g = shape.get
+    n = int(g("samples", 0))
     sel = ""
-    if shape.get("available", n) > n:
-        sel = f" (seeded subset of {shape['available']:,}, seed {shape.get('seed', 0)})"
-    fmt = shape["format"]
-    if fmt == "mixed" and shape.get("formats"):
-        fmt += " (" + ", ".join(f"{k} {v}" for k, v in shape["formats"].items()) + ")"
-    mst = shape.get("max_seq_len", 0)
-    out = [
-        f"corpus     {shape['path']}  [{fmt}]  sha256 {shape['sha256'][:12]}",
-        f"samples    {n:,}{sel}  from {shape.get('lines', 0):,} lines; "
-        f"{shape.get('skipped_empty', 0):,} empty lines skipped, "
-        f"{shape.get('dropped_short', 0):,} samples under {shape.get('min_tokens', 2)} tokens dropped",
-        f"tokens     {shape['tokens']:,} total, mean {shape['mean']:.1f} per sample",
-        f"length     p50 {shape['p50']:.0f}  p90 {shape['p90']:.0f}  p99 {shape['p99']:.0f}  "
-        f"max {shape['max']:,}  min {shape.get('min', 0):,} tokens",
-        f"truncated  {shape['truncated']:,} of {n:,} samples cut to max_seq_len {mst:,} tokens",
-    ]
-    return "\n".join(out)
+    if g("available", n) > n:
+        sel = f" (seeded subset of {g('available'):,}, seed {g('seed', 0)})"
+    fmt = str(g("format", "?"))
+    if fmt == "mixed" and g("formats"):
+        fmt += " (" + ", ".join(f"{k} {v}" for k, v in g("formats").items()) + ")"
+    return "\n".join([
+        f"corpus     {g('path', '?')}  [{fmt}]  sha256 {str(g('sha256', '?'))[:12]}",
+        f"samples    {n:,}{sel}  from {g('lines', 0):,} lines; {g('skipped_empty', 0):,} empty lines "
+        f"skipped, {g('dropped_short', 0):,} samples under {g('min_tokens', 2)} tokens dropped",
+        f"tokens     {g('tokens', 0):,} total, mean {g('mean', 0.0):.1f} per sample",
+        f"length     p50 {g('p50', 0):.0f}  p90 {g('p90', 0):.0f}  p99 {g('p99', 0):.0f}  "
+        f"max {g('max', 0):,}  min {g('min', 0):,} tokens",
+        f"truncated  {g('truncated', 0):,} of {n:,} samples cut to max_seq_len {g('max_seq_len', 0):,} tokens",
+    ])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,8 +394,9 @@ class _JsonlParser:
                     raise _err(path, lineno, f'messages[{i}] has no "{key}"; every message needs '
                                              '"role" and "content" strings')
                 if not isinstance(m[key], str):
-                    raise _err(path, lineno, f'messages[{i}].{key} must be a string, got {_type_name(m[key])}; '
-                                             "flatten content parts into one string")
+                    fix = ('use "system", "user", "assistant" or "tool"' if key == "role"
+                           else "flatten content parts into one string")
+                    raise _err(path, lineno, f"messages[{i}].{key} must be a string, got {_type_name(m[key])}; {fix}")
         self._need_chat(lineno, "messages")
         agp = messages[-1]["role"] != "assistant"
         return self._chat(lineno, messages, agp)
@@ -535,7 +537,7 @@ def load_corpus(
     gz = ext.endswith(".gz")
     enc = _Encoder(tokenizer, max_seq_len)
     keep = _Reservoir(max_samples, seed)
-    counts = {"lines": 0, "empty": 0, "short": 0}
+    counts = {"lines": 0, "empty": 0, "short": 0, "docs": 0}
     seen_formats: set[str] = set()
 
     def offer(lineno: int, ids: list[int], truncated: bool, fmt: str) -> None:
@@ -555,6 +557,7 @@ def load_corpus(
 
         docs = _txt_documents(counted(_lines(p, spath, gz)), _has_titles(p, gz))
         for start, doc in docs:
+            counts["docs"] += 1
             try:
                 ids = enc.ids(doc, True)
             except Exception as e:
@@ -574,9 +577,12 @@ def load_corpus(
             except json.JSONDecodeError as e:
                 raise _err(spath, lineno, f"invalid JSON ({e.msg} at column {e.colno}); each line must be "
                                           f"one JSON object, e.g. {_EXAMPLE}") from None
-            except (ValueError, RecursionError) as e:
-                raise _err(spath, lineno, f"invalid JSON ({type(e).__name__}: {_one_line(e, 80)}); each "
-                                          f"line must be one JSON object, e.g. {_EXAMPLE}") from None
+            except RecursionError:
+                raise _err(spath, lineno, "invalid JSON (nested too deeply); each line must be one flat JSON "
+                                          f"object, e.g. {_EXAMPLE}") from None
+            except ValueError as e:
+                raise _err(spath, lineno, f"invalid JSON ({_one_line(e, 80)}); each line must be one JSON "
+                                          f"object, e.g. {_EXAMPLE}") from None
             lfmt, s, special = parser.parse(lineno, rec)
             try:
                 s.encode("utf-8")
@@ -590,8 +596,8 @@ def load_corpus(
                                           f"{_one_line(e)})") from None
             cut = n_tokens > max_seq_len
             if cut and strict:
-                n = f"{n_tokens:,}" if exact else f"more than {n_tokens:,}"
-                raise _err(spath, lineno, f"sample is {n} tokens, longer than max_seq_len={max_seq_len:,}; "
+                n = n_tokens if exact else len(enc.ids(s, special))  # error path: count them all
+                raise _err(spath, lineno, f"sample is {n:,} tokens, longer than max_seq_len={max_seq_len:,}; "
                                           "shorten it, raise --max-seq-len, or drop --strict to keep its "
                                           "first max_seq_len tokens")
             offer(lineno, ids[:max_seq_len], cut, lfmt)
@@ -602,10 +608,12 @@ def load_corpus(
     for *_, f in chosen:
         formats[f] = formats.get(f, 0) + 1
     if not chosen:
-        what = "windows" if fmt == "txt" else "samples"
-        raise _err(spath, None, f"no samples: {counts['lines']:,} lines, {counts['empty']:,} empty, "
-                                f"{counts['short']:,} {what} shorter than min_tokens={min_tokens} tokens; "
-                                "add samples with text in them")
+        if fmt == "txt":
+            what = f"{counts['docs']:,} documents, {counts['short']:,} windows"
+        else:
+            what = f"{counts['empty']:,} empty, {counts['short']:,} samples"
+        raise _err(spath, None, f"no samples: {counts['lines']:,} lines, {what} shorter than "
+                                f"min_tokens={min_tokens} tokens; add samples with text in them")
     return Corpus(
         path=spath,
         sha256=sha,
