@@ -1,0 +1,113 @@
+"""Kernel dispatch: the one place that chooses between the torch reference and Triton kernels.
+
+The torch implementation (:mod:`kvcal.formats.quant`) is the spec; Triton kernels
+(:mod:`kvcal.kernels.triton_quant`, imported lazily so kvcal works without triton) reproduce it bit
+for bit for the dynamic integer layouts the runtime cache writes on every token:
+
+* int8/int4/int3/int2, symmetric or asymmetric, fp16/bf16/fp32 scales;
+* per-token and per-token-group (``g`` a power of two dividing ``D``), with fused packing;
+* per-channel-token-group (KIVI keys; ``g`` and ``D`` powers of two).
+
+Everything else (FP8, NVFP4, static granularities, padded layouts) runs the torch reference.
+
+Backend choice: argument ``backend`` or env ``KVCAL_KERNELS`` = ``auto`` (default: Triton for CUDA
+tensors when triton is importable, else torch), ``torch``, or ``triton`` (forces Triton where
+supported; on CPU this needs ``TRITON_INTERPRET=1``, which the parity tests use).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from kvcal.formats import quant as _ref
+from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
+from kvcal.formats.quant import QuantizedTensor
+from kvcal.formats.spec import TensorQuantSpec
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def triton_supports(spec: TensorQuantSpec, shape: tuple[int, int, int, int]) -> str | None:
+    """``None`` if the Triton kernels cover ``spec`` for a ``[B,H,S,D]`` input, else the reason."""
+    B, H, S, D = shape
+    if spec.format.kind != "int":
+        return f"{spec.format.value} runs on the torch reference"
+    g = spec.granularity
+    if B * H * S == 0:
+        return "empty input"
+    if isinstance(g, PerChannelTokenGroup):
+        if not (_pow2(g.group_size) and _pow2(D)):
+            return "channel_token_group needs power-of-two group size and head_dim"
+        return None
+    if isinstance(g, (PerToken, PerTokenGroup)):
+        gs = spec.effective_channel_group(D) if isinstance(g, PerTokenGroup) else D
+        if not _pow2(gs) or D % gs:
+            return "token groups must be a power of two dividing head_dim"
+        return None
+    return f"static granularity {g.name} runs on the torch reference"
+
+
+def _resolve(backend: str | None, device: torch.device, spec, shape) -> str:
+    b = backend or os.environ.get("KVCAL_KERNELS", "auto")
+    if b not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {b!r}; choose one of {BACKENDS}")
+    if b == "torch":
+        return "torch"
+    reason = triton_supports(spec, shape)
+    if b == "auto":
+        return "triton" if reason is None and device.type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise ValueError("backend 'triton' requested but triton is not installed (pip install kvcal[triton])")
+    return "torch" if reason is not None else "triton"
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: TensorQuantSpec,
+    *,
+    scale: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
+    clip_ratio: torch.Tensor | float | None = None,
+    global_scale: torch.Tensor | float | None = None,
+    backend: str | None = None,
+) -> QuantizedTensor:
+    """Same contract as :func:`kvcal.formats.quant.quantize`, dispatched to Triton when supported
+    (dynamic int layouts without given parameters). Raises ``ValueError`` like the reference."""
+    _ref._check_input(x)
+    use = "torch"
+    if scale is None and zero_point is None and global_scale is None:
+        use = _resolve(backend, x.device, spec, tuple(x.shape))
+    if use == "torch":
+        return _ref.quantize(x, spec, scale=scale, zero_point=zero_point, clip_ratio=clip_ratio,
+                             global_scale=global_scale, check_finite=False)
+    from kvcal.kernels.triton_quant import quantize_triton
+
+    H = x.shape[1]
+    c = _ref._clip_view(clip_ratio, H, 4, x.device)
+    c = torch.ones(H, device=x.device) if c is None else c.reshape(-1).expand(H).contiguous()
+    return quantize_triton(x, spec, c)
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Same contract as :func:`kvcal.formats.quant.dequantize`, dispatched like :func:`quantize`."""
+    dtype = dtype or qt.dtype
+    if _resolve(backend, qt.data.device, qt.spec, qt.shape) == "torch":
+        return _ref.dequantize(qt, dtype)
+    from kvcal.kernels.triton_quant import dequantize_triton
+
+    return dequantize_triton(qt, dtype)
+
+
+__all__ = ["quantize", "dequantize", "triton_supports", "triton_available", "BACKENDS"]
