@@ -1,0 +1,129 @@
+"""Artifact writing/loading: atomicity, refusal of bad scales, strict loading."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from kvcal.artifact import SCALES_FILE, check_model_match, load_artifact, tensor_name, write_artifact
+from kvcal.errors import ArtifactError
+
+META = {"model": {"id": "t", "num_layers": 2, "num_kv_heads": 3, "head_dim": 8, "config_sha256": "abc"},
+        "kv": {"k": {"format": "fp8_e4m3", "granularity": "tensor", "dynamic": False},
+               "v": {"format": "fp8_e4m3", "granularity": "tensor", "dynamic": False}}}
+
+
+def tensors(v=0.01):
+    return {tensor_name(i, s): torch.tensor([v]) for i in range(2) for s in ("k", "v")}
+
+
+def test_round_trip_and_schema(tmp_path):
+    out = write_artifact(tmp_path / "a", tensors(), META, extra_files={"report.md": "hi"})
+    art = load_artifact(out)
+    assert art.metadata["schema_version"] == 1
+    assert torch.equal(art.scale(1, "v"), torch.tensor([0.01]))
+    assert (out / "report.md").read_text() == "hi"
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # no temp dirs left
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_scales_refused_naming_layer_and_side(tmp_path, bad):
+    t = tensors()
+    t[tensor_name(1, "v")] = torch.tensor([bad])
+    with pytest.raises(ArtifactError, match=r"model\.layers\.1\.self_attn\.v_scale"):
+        write_artifact(tmp_path / "a", t, META)
+    assert not (tmp_path / "a").exists() and os.listdir(tmp_path) == []
+
+
+def test_existing_dir_needs_overwrite(tmp_path):
+    write_artifact(tmp_path / "a", tensors(), META)
+    with pytest.raises(ArtifactError, match="--overwrite"):
+        write_artifact(tmp_path / "a", tensors(0.02), META)
+    write_artifact(tmp_path / "a", tensors(0.02), META, overwrite=True)
+    assert float(load_artifact(tmp_path / "a").scale(0, "k")) == pytest.approx(0.02)
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+
+
+def test_truncated_and_foreign_files_refused(tmp_path):
+    out = write_artifact(tmp_path / "a", tensors(), META)
+    f = out / SCALES_FILE
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactError, match="corrupted or truncated"):
+        load_artifact(out)
+    from safetensors.torch import save_file
+
+    save_file(tensors(), str(f))
+    with pytest.raises(ArtifactError, match="no kvcal metadata"):
+        load_artifact(out)
+    with pytest.raises(ArtifactError, match="no artifact"):
+        load_artifact(tmp_path / "missing")
+
+
+def test_missing_layer_refused(tmp_path):
+    t = tensors()
+    del t[tensor_name(1, "k")]
+    out = write_artifact(tmp_path / "a", t, META)
+    with pytest.raises(ArtifactError, match=r"missing k_scale for layers \[1\]"):
+        load_artifact(out)
+
+
+def test_model_mismatch_names_the_field():
+    other = dict(META["model"], num_kv_heads=4)
+    with pytest.raises(ArtifactError, match="num_kv_heads is 3 in the artifact but 4"):
+        check_model_match(META, other)
+
+
+def test_non_finite_metadata_refused(tmp_path):
+    meta = json.loads(json.dumps(META))
+    meta["layers"] = [{"x": float("nan")}]
+    with pytest.raises(ArtifactError, match="non-finite"):
+        write_artifact(tmp_path / "a", tensors(), meta)
+    assert os.listdir(tmp_path) == []
+
+
+def test_read_only_location(tmp_path, monkeypatch):
+    """A location we may not write to (simulated: CI runs as root, which ignores permissions)."""
+    import tempfile
+
+    def deny(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", deny)
+    with pytest.raises(ArtifactError, match="cannot write to .*Permission denied; choose a writable --out"):
+        write_artifact(tmp_path / "a", tensors(), META)
+    assert not (tmp_path / "a").exists()
+
+
+def test_disk_full_during_write_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import safetensors.torch as st
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(st, "save_file", full)
+    with pytest.raises(ArtifactError, match="No space left on device; nothing was written"):
+        write_artifact(tmp_path / "a", tensors(), META)
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_full_on_overwrite_keeps_the_old_artifact(tmp_path, monkeypatch):
+    import errno
+
+    write_artifact(tmp_path / "a", tensors(0.5), META)
+
+    def full(path, content, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    import pathlib
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    with pytest.raises(ArtifactError):
+        write_artifact(tmp_path / "a", tensors(0.25), META, extra_files={"report.md": "x"}, overwrite=True)
+    assert float(load_artifact(tmp_path / "a").scale(0, "k")) == 0.5
+    assert sorted(os.listdir(tmp_path)) == ["a"]

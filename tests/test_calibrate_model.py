@@ -1,0 +1,81 @@
+"""End to end on the embedded SmolLM2-135M: calibrate on real prompts, check the artifact."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcal.artifact import load_artifact, tensor_name
+from kvcal.calibrate import CalibrateConfig, calibrate
+from kvcal.cli import main
+
+pytestmark = pytest.mark.model
+
+
+def _check(meta: dict, tensors: dict, granularity: str):
+    assert meta["model"]["num_layers"] == 30
+    assert meta["kv"]["key_position"] == "post_rope"
+    assert meta["kv"]["k"]["format"] == "fp8_e4m3" and meta["kv"]["k"]["granularity"] == granularity
+    shape = (1,) if granularity == "tensor" else (3, 1, 1)
+    for i in range(30):
+        for side in ("k", "v"):
+            s = tensors[tensor_name(i, side)]
+            assert tuple(s.shape) == shape and s.dtype == torch.float32
+            assert torch.isfinite(s).all() and (s > 0).all()
+            h = meta["layers"][i][side]["heldout"]
+            assert h["chosen"] <= h["absmax"] + 1e-12, (i, side, h)
+            assert h["chosen"] <= h["unity"] + 1e-12, (i, side, h)
+    assert len(meta["layers"]) == 30
+
+
+def test_calibrate_mt_bench_chat_template(tmp_path, shared_data, smollm_model, smollm_tokenizer):
+    out = tmp_path / "art"
+    cfg = CalibrateConfig(corpus=str(shared_data / "mt_bench_questions.jsonl"), out=str(out), max_samples=12,
+                          max_seq_len=160, reservoir=4, heldout_reservoir=3, max_queries=48, seed=0)
+    res = calibrate(cfg, log=lambda s: None, progress=False, model=smollm_model, tokenizer=smollm_tokenizer)
+    art = load_artifact(out)
+    _check(art.metadata, art.tensors, "tensor")
+    corp = art.metadata["corpus"]
+    assert corp["format"] == "turns" and corp["samples"] == 12
+    # chat template applied: every MT-Bench sample starts with <|im_start|> (id 1)
+    assert art.metadata["calibration"]["heldout_samples"] == 3
+    report = (out / "report.md").read_text()
+    assert "Weight precision" in report and "Q4_1" in report and "fp8_e4m3" in report
+    assert "mt_bench_questions.jsonl" in report
+    assert res["table"].count("\n") == 30
+
+
+def test_calibrate_wikitext_per_head(tmp_path, shared_data, smollm_model, smollm_tokenizer):
+    out = tmp_path / "art_head"
+    cfg = CalibrateConfig(corpus=str(shared_data / "wikitext2_valid.txt"), out=str(out), max_samples=10,
+                          max_seq_len=192, granularity="head", reservoir=4, heldout_reservoir=3, max_queries=48)
+    calibrate(cfg, log=lambda s: None, progress=False, model=smollm_model, tokenizer=smollm_tokenizer)
+    art = load_artifact(out)
+    _check(art.metadata, art.tensors, "head")
+    assert art.metadata["corpus"]["format"] == "txt"
+
+
+def test_cli_calibrate_bad_corpus_is_one_line_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine sample"}\n{"text": oops}\n')
+    out = tmp_path / "never"
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(bad), "--out", str(out), "--quiet"])
+    assert r.exit_code == 2
+    err = r.output.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "bad.jsonl:2" in err[0]
+    assert "Traceback" not in r.output
+    assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+def test_cli_refuses_existing_output(tmp_path):
+    corpus = tmp_path / "c.jsonl.gz"
+    with gzip.open(corpus, "wt") as f:
+        f.write(json.dumps({"text": "hello there"}) + "\n")
+    out = tmp_path / "exists"
+    out.mkdir()
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(out), "--quiet"])
+    assert r.exit_code == 2 and "--overwrite" in r.output
