@@ -1,0 +1,461 @@
+"""``QuantizedKVCache``: a transformers ``Cache`` that stores K/V as a :class:`~kvcal.plan.KVPlan` says.
+
+Use::
+
+    cache = QuantizedKVCache.from_artifact("artifacts/smollm2-135m-fp8", model)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=64)
+
+What one layer's side (K or V, spec ``s``, ``H`` KV heads, head_dim ``D``, batch ``B``) holds
+------------------------------------------------------------------------------------------------
+Token order of a sequence is ``[sinks | quantized | window]``:
+
+* **sinks**: the first ``n_sink = plan.sink_tokens`` tokens, ``dtype16 [B,H,n_sink,D]`` (bf16);
+* **quantized**: a :class:`~kvcal.formats.quant.QuantizedTensor` laid out in preallocated buffers —
+  payload ``[B,H,S_pad,row_bytes]`` (real ``float8_e4m3fn`` / ``int8`` / packed ``uint8`` codes),
+  dynamic scales (and zero points) ``granularity.scale_shape(B,H,n_q,D)`` at ``s.scale_dtype``;
+  static scales / zero points ``[1,H,1,D]``-style and dynamic ``clip_ratio float32 [H]`` once per
+  layer; NVFP4 adds a ``float32 [1]`` global scale;
+* **window**: the most recent tokens, ``dtype16 [B,H,residual_window,D]``.
+
+Write policy (each entry is quantized when it is written; the *window* delays that):
+
+* tokens after the sinks enter the window; when it would hold more than ``residual_window``
+  tokens the oldest leave it and are quantized (from their 16-bit values). Per-token and static
+  granularities evict token by token.
+* per-channel-token-group sides (KIVI keys, group ``g``) with ``residual_window >= g`` evict whole
+  groups: when the window overflows, the oldest ``g·k`` tokens are quantized together (KIVI
+  style), so the window holds between ``residual_window - g + 1`` and ``residual_window`` tokens
+  and a group is never quantized before it is full;
+* with ``residual_window < g`` such a side has nowhere to hold an incomplete group in 16 bits
+  (the allocation contract gives it none), so the open group is quantized in place and, each
+  time a token joins it, re-quantized from its dequantized members plus the new tokens
+  (documented approximation; prefill of a whole sequence is exact).
+
+Reads dequantize everything (``update`` returns ``[B,H,t,D]`` in the model's dtype), so the
+attention of the step that writes tokens already sees them quantized — a prefill through this
+cache with ``residual_window = 0`` is Protocol A (``KVPlan.fake_quant``) bit for bit.
+
+Unquantized sides (``fp16``/``bf16`` spec) hold one ``[B,H,t,D]`` 16-bit buffer (no window or
+sinks), as the contract says.
+
+Allocation (the contract of :mod:`kvcal.formats.memory`, byte for byte)
+-------------------------------------------------------------------------
+``max_cache_len=T`` preallocates every buffer for ``T`` tokens at the first ``update`` (server
+style), so ``allocated_bytes() == cache_bytes(model, plan configs, T, B)``. Without it the
+buffers grow to exactly the contract's sizes for the current length ``t``, so
+``allocated_bytes() == cache_bytes(..., context=t, batch=B)`` after every update. Before the first
+update only per-layer metadata is held (``cache_bytes(context=0)``). A plan with key centering
+additionally holds ``k_mean float32 [1,H,1,D]`` per layer, which the contract does not list
+(``allocated_bytes(include_centering=False)`` leaves it out).
+
+Left padding: pad positions are cached like any token and masked by attention. Sinks are the
+first cache slots of each row, so with left padding the pads, not the prompt's first tokens, are
+the sinks (use ``sink_tokens = 0`` or equal-length prompts when that matters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.errors import ArtifactError
+from kvcal.formats.fp8 import FP8_FORMATS
+from kvcal.formats.granularity import PerChannelTokenGroup
+from kvcal.formats.quant import QuantizedTensor, dequantize, nvfp4_global_scale, quantize
+from kvcal.formats.spec import DEFAULTS, QFormat
+from kvcal.plan import KVPlan, SidePlan
+
+try:  # transformers is a runtime dependency of this layer (style: runtime adds transformers)
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as e:  # pragma: no cover
+    raise ImportError("kvcal.runtime needs transformers") from e
+
+
+def _payload_dtype(spec) -> torch.dtype:
+    kind = spec.format.kind
+    if kind == "fp8":
+        return FP8_FORMATS[spec.format.value].dtype
+    if spec.bits == 8 and spec.symmetric:
+        return torch.int8
+    return torch.uint8
+
+
+def _scale_last(spec, D: int) -> int:
+    """Size of the last dim of a dynamic scale tensor."""
+    return spec.granularity.scale_shape(1, 1, 1, D)[3] if spec.format is not QFormat.NVFP4 else -(-D // 16)
+
+
+class _Side:
+    """Storage of one side (K or V) of one layer. Not thread-safe; shapes in the module docstring."""
+
+    def __init__(self, sp: SidePlan, H: int, D: int, sink_tokens: int, residual_window: int,
+                 dtype16: torch.dtype = DEFAULTS["dtype16"]):
+        self.sp, self.spec, self.H, self.D = sp, sp.spec, H, D
+        self.quantized = self.spec.is_quantized
+        self.sinks = sink_tokens if self.quantized else 0
+        self.R = residual_window if self.quantized else 0
+        self.dtype16 = dtype16 if self.quantized else (
+            torch.float16 if self.spec.format is QFormat.FP16 else torch.bfloat16)
+        self.tg = self.spec.token_group  # tokens per group along S (KIVI keys) or None
+        self.B = 0
+        self.dtype = None
+        self.n_sink = self.n_win = self.n_q = 0  # tokens held in each region
+        self.sink = self.win = self.data = self.scale = self.zp = None  # batch-major buffers
+        # per-layer metadata (independent of B and T)
+        self.static_scale = self.static_zp = self.clip = self.global_scale = None
+        self.mean = None
+        if self.quantized:
+            spec = self.spec
+            if spec.dynamic:
+                cr = sp.clip_ratio
+                self.clip = (torch.ones(H) if cr is None else cr.reshape(-1).expand(H)).to(
+                    DEFAULTS["clip_ratio_dtype"]).clone()
+                self._clip_arg = None if cr is None else self.clip
+            else:
+                if sp.scale is None:
+                    raise ValueError(f"static {spec.format.value} {spec.granularity.name} side has no scale; "
+                                     "calibrate it or set SidePlan.scale")
+                want = spec.granularity.scale_shape(1, H, 1, D)
+                try:
+                    self.static_scale = torch.broadcast_to(sp.scale, want).to(spec.scale_dtype).clone()
+                    if spec.has_zero_point:
+                        if sp.zero_point is None:
+                            raise ValueError("asymmetric static side has no zero_point")
+                        self.static_zp = torch.broadcast_to(sp.zero_point, want).to(spec.scale_dtype).clone()
+                except RuntimeError:
+                    raise ValueError(f"scale of shape {tuple(sp.scale.shape)} does not fit {spec.granularity.name} "
+                                     f"for H={H}, D={D} (expected {want})") from None
+            if spec.format is QFormat.NVFP4:
+                self.global_scale = torch.zeros(1, dtype=DEFAULTS["global_scale_dtype"])  # set at first write
+            if sp.mean is not None:
+                self.mean = sp.mean.float().reshape(1, H, 1, D).clone()
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    def sizes(self, t: int) -> tuple[int, int, int, int]:
+        """Contract sizes for capacity ``t``: (sink slots, window slots, payload rows, scale rows)."""
+        if not self.quantized:
+            return 0, t, 0, 0
+        ns = min(self.sinks, t)
+        nw = min(self.R, t - ns)
+        nq = t - ns - nw
+        s_pad, _ = self.spec.padded_dims(nq, self.D)
+        rows = -(-nq // self.tg) if self.tg else nq
+        return ns, nw, s_pad, rows
+
+    def metadata_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale) if t is not None]
+
+    def batch_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.sink, self.win, self.data, self.scale, self.zp) if t is not None]
+
+    def nbytes(self, include_centering: bool = True) -> int:
+        ts = self.metadata_tensors() + self.batch_tensors()
+        if include_centering and self.mean is not None:
+            ts.append(self.mean)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def _move(self, device):
+        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        if self.quantized and self.spec.dynamic:
+            self._clip_arg = None if self.sp.clip_ratio is None else self.clip
+
+    def init(self, B: int, device, dtype: torch.dtype):
+        self.B, self.dtype, self.device = B, dtype, device
+        self._move(device)
+        D, H = self.D, self.H
+        self.sink = torch.empty(B, H, 0, D, dtype=self.dtype16, device=device) if self.quantized else None
+        self.win = torch.empty(B, H, 0, D, dtype=self.dtype16, device=device)
+        if self.quantized:
+            spec = self.spec
+            self.data = torch.empty(B, H, 0, spec.row_bytes(D), dtype=_payload_dtype(spec), device=device)
+            if spec.dynamic:
+                sdt = DEFAULTS["nvfp4_block_scale_dtype"] if spec.format is QFormat.NVFP4 else spec.scale_dtype
+                self.scale = torch.empty(B, H, 0, _scale_last(spec, D), dtype=sdt, device=device)
+                if spec.has_zero_point:
+                    self.zp = torch.empty(B, H, 0, _scale_last(spec, D), dtype=spec.scale_dtype, device=device)
+
+    def reserve(self, t: int):
+        """Grow buffers (zero-filled) to the contract sizes for capacity ``t`` (never shrinks)."""
+        ns, nw, s_pad, rows = self.sizes(t)
+
+        def grow(buf, n):
+            if buf is None or buf.shape[2] >= n:
+                return buf
+            pad = torch.zeros(*buf.shape[:2], n - buf.shape[2], buf.shape[3], dtype=buf.dtype, device=buf.device)
+            return torch.cat([buf, pad], dim=2)
+
+        self.sink = grow(self.sink, ns)
+        self.win = grow(self.win, nw)
+        self.data = grow(self.data, s_pad)
+        self.scale = grow(self.scale, rows)
+        self.zp = grow(self.zp, rows)
+
+    # ---- write ----------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.n_sink + self.n_q + self.n_win
+
+    def append(self, x: torch.Tensor) -> None:
+        """Write new tokens ``x [B,H,s,D]`` (the model's dtype). Buffers must be reserved."""
+        if not self.quantized:
+            s = x.shape[2]
+            self.win[:, :, self.n_win : self.n_win + s] = x.to(self.dtype16)
+            self.n_win += s
+            return
+        k = min(self.sinks - self.n_sink, x.shape[2])
+        if k > 0:
+            self.sink[:, :, self.n_sink : self.n_sink + k] = x[:, :, :k].to(self.dtype16)
+            self.n_sink += k
+            x = x[:, :, k:]
+        if x.shape[2] == 0:
+            return
+        tail = self.win[:, :, : self.n_win].to(x.dtype)
+        comb = torch.cat([tail, x], dim=2) if self.n_win else x  # [B,H,m,D]
+        m = comb.shape[2]
+        if m <= self.R:
+            e = 0
+        elif self.tg and self.R >= self.tg:
+            e = -(-(m - self.R) // self.tg) * self.tg
+        else:
+            e = m - self.R
+        if e:
+            self._quantize_into(comb[:, :, :e])
+        keep = comb[:, :, e:]
+        self.n_win = keep.shape[2]
+        if self.n_win:
+            self.win[:, :, : self.n_win] = keep.to(self.dtype16)
+
+    def _params(self):
+        if self.spec.dynamic:
+            kw = {"clip_ratio": self._clip_arg}
+            if self.spec.format is QFormat.NVFP4:
+                kw["global_scale"] = self.global_scale.reshape(1, 1, 1, 1)
+            return kw
+        return {"scale": self.static_scale, "zero_point": self.static_zp}
+
+    def _quantize_into(self, x: torch.Tensor) -> None:
+        """Quantize ``x [B,H,e,D]`` (tokens leaving the window) into the payload after ``n_q``."""
+        spec = self.spec
+        if self.mean is not None:
+            x = x - self.mean.to(x.dtype)
+        q0 = self.n_q
+        if self.tg and q0 % self.tg:  # open group (residual_window < g): re-quantize it whole
+            g0 = q0 - q0 % self.tg
+            old = self._qt(g0, q0)
+            prev = dequantize(old, x.dtype)  # centered values, like x
+            x = torch.cat([prev, x], dim=2)
+            q0 = g0
+        if spec.format is QFormat.NVFP4 and float(self.global_scale) == 0.0:
+            self.global_scale.copy_(nvfp4_global_scale(x.abs().amax()).reshape(1))
+        qt = quantize(x, spec, **self._params())
+        e = x.shape[2]
+        s_pad = qt.data.shape[2]
+        self.data[:, :, q0 : q0 + s_pad] = qt.data
+        if spec.dynamic:
+            r0 = q0 // self.tg if self.tg else q0
+            n = qt.scale.shape[2]
+            self.scale[:, :, r0 : r0 + n] = qt.scale
+            if self.zp is not None:
+                self.zp[:, :, r0 : r0 + n] = qt.zero_point
+        self.n_q = q0 + e
+
+    def _qt(self, a: int, b: int) -> QuantizedTensor:
+        """The stored tokens ``[a, b)`` of the quantized region (``a`` on a group boundary)."""
+        spec = self.spec
+        s_pad, _ = spec.padded_dims(b - a, self.D)
+        data = self.data[:, :, a : a + s_pad]
+        if spec.dynamic:
+            r0, r1 = (a // self.tg, -(-b // self.tg)) if self.tg else (a, b)
+            scale = self.scale[:, :, r0:r1]
+            zp = None if self.zp is None else self.zp[:, :, r0:r1]
+        else:
+            scale, zp = self.static_scale, self.static_zp
+        gs = self.global_scale.reshape(1, 1, 1, 1) if self.global_scale is not None else None
+        return QuantizedTensor(data, scale, zp, (self.B, self.H, b - a, self.D), spec, self.dtype, gs)
+
+    # ---- read -----------------------------------------------------------------------------------
+    def read(self) -> torch.Tensor:
+        """All held tokens dequantized, ``[B,H,t,D]`` in the model's dtype."""
+        if not self.quantized:
+            return self.win[:, :, : self.n_win].to(self.dtype)
+        parts = []
+        if self.n_sink:
+            parts.append(self.sink[:, :, : self.n_sink].to(self.dtype))
+        if self.n_q:
+            y = dequantize(self._qt(0, self.n_q), self.dtype)
+            parts.append(y + self.mean.to(self.dtype) if self.mean is not None else y)
+        if self.n_win:
+            parts.append(self.win[:, :, : self.n_win].to(self.dtype))
+        if not parts:
+            return torch.empty(self.B, self.H, 0, self.D, dtype=self.dtype, device=self.device)
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    # ---- batch ops ------------------------------------------------------------------------------
+    def map_batch(self, fn) -> None:
+        for name in ("sink", "win", "data", "scale", "zp"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t))
+        if self.win is not None:
+            self.B = self.win.shape[0]
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One decoder layer's quantized K/V storage (a transformers ``CacheLayerMixin``)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, plan: KVPlan, layer_idx: int, num_kv_heads: int, head_dim: int,
+                 max_cache_len: int | None = None):
+        super().__init__()
+        lp = plan.layers[layer_idx]
+        self.layer_idx = layer_idx
+        self.max_cache_len = max_cache_len
+        self.k = _Side(lp.k, num_kv_heads, head_dim, plan.sink_tokens, plan.residual_window)
+        self.v = _Side(lp.v, num_kv_heads, head_dim, plan.sink_tokens, plan.residual_window)
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        if H != self.k.H or D != self.k.D:
+            raise ValueError(f"layer {self.layer_idx}: key states have {H} heads x head_dim {D}, the plan "
+                             f"was built for {self.k.H} x {self.k.D}")
+        self.device = key_states.device
+        for side, x in ((self.k, key_states), (self.v, value_states)):
+            side.init(B, x.device, x.dtype)
+            if self.max_cache_len is not None:
+                side.reserve(self.max_cache_len)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``[B,H,s,D]`` new keys/values; return all cached keys/values dequantized ``[B,H,t,D]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = self.cumulative_length + key_states.shape[-2]
+        if self.max_cache_len is not None and t > self.max_cache_len:
+            raise ValueError(f"QuantizedKVCache is full: {t} tokens > max_cache_len {self.max_cache_len}")
+        for side, x in ((self.k, key_states), (self.v, value_states)):
+            side.reserve(t)
+            side.append(x)
+        self.cumulative_length = t
+        return self.k.read(), self.v.read()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1 if self.max_cache_len is None else self.max_cache_len
+
+    def reset(self) -> None:
+        for side in (self.k, self.v):
+            if side.B:
+                side.init(side.B, side.device, side.dtype)
+                if self.max_cache_len is not None:
+                    side.reserve(self.max_cache_len)
+            side.n_sink = side.n_win = side.n_q = 0
+            if side.global_scale is not None:
+                side.global_scale.zero_()
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("QuantizedKVCache cannot be cropped (quantized groups are not reversible)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for side in (self.k, self.v):
+            side.map_batch(lambda t: t.index_select(0, indices.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for side in (self.k, self.v):
+            side.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def offload(self):  # buffers stay where they are
+        return None
+
+    def prefetch(self):
+        return None
+
+    def nbytes(self, include_centering: bool = True) -> int:
+        return self.k.nbytes(include_centering) + self.v.nbytes(include_centering)
+
+
+class QuantizedKVCache(Cache):
+    """A transformers ``Cache`` storing every layer's K/V as ``plan`` says (module docstring).
+
+    ``plan``: :class:`~kvcal.plan.KVPlan` (post-RoPE keys). ``model_config``: the model's
+    transformers config (or its text config). ``max_cache_len``: preallocate this many tokens per
+    sequence at the first update (``None``: grow exactly). Raises ``ValueError`` if the plan's
+    layer count / scale shapes do not fit the config or the model has non-full-attention layers.
+    """
+
+    def __init__(self, plan: KVPlan, model_config, max_cache_len: int | None = None):
+        from kvcal.formats.memory import model_shape
+
+        cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+        shp = model_shape(cfg)
+        if plan.num_layers != shp.num_layers:
+            raise ValueError(f"plan has {plan.num_layers} layers, the model {shp.num_layers}")
+        if plan.key_position != "post_rope":
+            raise ValueError(f"the runtime cache stores post-RoPE keys; plan key_position is {plan.key_position!r}")
+        lt = getattr(cfg, "layer_types", None)
+        if lt is not None and any(t != "full_attention" for t in lt):
+            raise ValueError(f"QuantizedKVCache supports full-attention layers only, got {sorted(set(lt))}")
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive integer or None, got {max_cache_len!r}")
+        self.plan, self.shape, self.max_cache_len = plan, shp, max_cache_len
+        layers = [QuantizedKVLayer(plan, i, shp.num_kv_heads, shp.head_dim, max_cache_len)
+                  for i in range(shp.num_layers)]
+        super().__init__(layers=layers)
+
+    @classmethod
+    def from_artifact(cls, path_or_artifact, model, max_cache_len: int | None = None) -> QuantizedKVCache:
+        """Build the cache for ``model`` from a kvcal artifact directory / file or a loaded
+        :class:`~kvcal.artifact.Artifact`. Loading is strict: raises :class:`ArtifactError` naming
+        the field (num_layers, num_kv_heads, head_dim, config_sha256) when the artifact was made
+        for another model, or naming the missing/ill-shaped tensor."""
+        from kvcal.artifact import Artifact, check_model_match, load_artifact
+        from kvcal.models import model_metadata
+
+        art = path_or_artifact if isinstance(path_or_artifact, Artifact) else load_artifact(path_or_artifact)
+        mm = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
+        check_model_match(art.metadata, mm)
+        try:
+            plan = KVPlan.from_artifact(art.tensors, art.metadata)
+            return cls(plan, model.config, max_cache_len)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ArtifactError(f"{art.path}: cannot build the runtime cache: {e}") from None
+
+    def kv_configs(self) -> list:
+        """One :class:`~kvcal.formats.spec.KVCacheConfig` per layer (for the memory accounting)."""
+        return [self.plan.kv_config(i) for i in range(self.plan.num_layers)]
+
+    @property
+    def batch_size(self) -> int:
+        b = self.layers[0].k.B
+        return b if b else -1
+
+    def allocated_bytes(self, include_centering: bool = True) -> int:
+        """Bytes of every tensor the cache holds (``nbytes`` sum over layers and sides)."""
+        return sum(layer.nbytes(include_centering) for layer in self.layers)
+
+    def expected_bytes(self) -> int:
+        """:func:`kvcal.formats.memory.cache_bytes` for this cache's capacity and batch (the
+        current length when growing; ``max_cache_len`` when preallocated)."""
+        from kvcal.formats.memory import cache_bytes
+
+        ctx = self.max_cache_len if (self.max_cache_len is not None and self.layers[0].is_initialized) \
+            else self.get_seq_length()
+        return cache_bytes(self.shape, self.kv_configs(), ctx, max(self.layers[0].k.B, 1))
+
+
+__all__ = ["QuantizedKVCache", "QuantizedKVLayer"]
