@@ -1,0 +1,318 @@
+"""What the report shows, pulled out of artifact metadata and an evaluation JSON (no drawing).
+
+Everything here reads plain dicts and tolerates missing optional keys: a section whose inputs are
+absent returns ``None`` / an empty list and the report says so. The only arithmetic is reshaping,
+the clip threshold ``clip_ratio x amax``, the outlier rule (:data:`OUTLIER_FACTOR`) and the exact
+memory accounting, which comes from :mod:`kvcal.formats.memory`.
+
+Inputs
+------
+* artifact metadata (``kvcal.artifact``): ``model``, ``kv``, ``calibration``, ``corpus``,
+  ``layers[i].{k,v}.{scale, amax, clip_ratio, candidate, heldout{chosen, absmax, unity}}``; optional
+  per-channel ranges ``layers[i].{k,v}.channel_absmax`` ``[H][D]`` or artifact tensors
+  ``model.layers.{i}.self_attn.{k,v}_channel_absmax`` ``[H, D]`` (float32).
+* evaluation JSON (``kvcal evaluate --json``, schema ``kvcal-eval/1``): ``artifact``, ``corpus``,
+  ``model``, ``regimes``, ``results[]``, ``per_layer``, ``memory``, ``notes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+#: A channel (or head) is an outlier when its absmax exceeds this multiple of the median of its
+#: peers (the channels of the same layer and head; or, without per-channel data, the same side's
+#: per-head/per-layer absmax over all layers).
+OUTLIER_FACTOR = 4.0
+METRICS = ("ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree", "greedy_agree", "tokens")
+SIDE_NAMES = {"k": "keys", "v": "values"}
+
+
+def load_eval(path: str | os.PathLike | None) -> dict | None:
+    """Read an evaluation JSON (``None`` passes through). Raises :class:`KvcalError` if unreadable."""
+    from kvcal.errors import KvcalError
+
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            ev = json.load(f)
+    except OSError as e:
+        raise KvcalError(f"cannot read evaluation JSON {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise KvcalError(f"{path} is not valid JSON ({e}); pass the file written by `kvcal evaluate --json`") from None
+    if not isinstance(ev, dict) or not isinstance(ev.get("results", []), list):
+        raise KvcalError(f"{path} is not a kvcal evaluation (expected an object with a 'results' list)")
+    schema = ev.get("schema")
+    if schema is not None and not str(schema).startswith("kvcal-eval/"):
+        raise KvcalError(f"{path}: schema {schema!r} is not a kvcal evaluation (kvcal-eval/1)")
+    return ev
+
+
+# ---- what is quantized -----------------------------------------------------------------------
+def side_rows(meta: dict) -> list[dict]:
+    """One row per side: ``side, quantized, format, bits, granularity, group_size, symmetric,
+    dynamic, scale_dtype`` (``quantized`` False for a 16-bit side)."""
+    kv = meta.get("kv", {})
+    q = set(kv.get("quantized_tensors", [s for s in ("k", "v") if s in kv]))
+    rows = []
+    for side in ("k", "v"):
+        s = kv.get(side) or {}
+        fmt = s.get("format", "?")
+        quant = side in q and fmt not in ("fp16", "bf16")
+        rows.append({"side": side, "quantized": quant, "format": fmt, "bits": s.get("bits"),
+                     "granularity": s.get("granularity") if quant else "-",
+                     "group_size": s.get("group_size"), "symmetric": s.get("symmetric"),
+                     "dynamic": s.get("dynamic"), "scale_dtype": s.get("scale_dtype") if quant else "-"})
+    return rows
+
+
+def quantized_label(meta: dict) -> str:
+    """``"K and V"``, ``"K only"``, ``"V only"`` or ``"neither"``."""
+    q = [r["side"] for r in side_rows(meta) if r["quantized"]]
+    return {("k", "v"): "K and V", ("k",): "K only (V in 16 bits)", ("v",): "V only (K in 16 bits)"}.get(
+        tuple(q), "neither (16-bit cache)")
+
+
+# ---- per-layer ranges ------------------------------------------------------------------------
+def _as_rows(x) -> list[float]:
+    if x is None:
+        return []
+    if isinstance(x, (int, float)):
+        return [float(x)]
+    return [float(v) for v in x]
+
+
+def _channel_absmax(meta: dict, tensors: dict | None, layer: int, side: str):
+    lm = meta["layers"][layer][side]
+    if lm.get("channel_absmax") is not None:
+        return [[float(v) for v in row] for row in lm["channel_absmax"]]
+    if tensors:
+        t = tensors.get(f"model.layers.{layer}.self_attn.{side}_channel_absmax")
+        if t is not None:
+            return t.reshape(t.shape[0], -1).tolist()
+    return None
+
+
+def _clip(ratio: list[float], amax: list[float]) -> list[float]:
+    """Clip threshold ``clip_ratio x amax`` with a length-1 side broadcast."""
+    if len(ratio) == len(amax):
+        return [r * a for r, a in zip(ratio, amax, strict=True)]
+    if len(ratio) == 1:
+        return [ratio[0] * a for a in amax]
+    if len(amax) == 1:
+        return [r * amax[0] for r in ratio]
+    return []
+
+
+def layer_ranges(meta: dict, tensors: dict | None = None) -> dict | None:
+    """Per side: ``amax`` ``[L][H or 1]`` (calibration absmax), ``clip`` ``[L][...]`` (chosen clip
+    threshold ``clip_ratio x amax``, the value that maps to the format maximum), ``clip_ratio``,
+    ``candidate`` ``[L]``, ``channel_absmax`` ``[L][H][D]`` or ``None``, and ``outliers``: a list of
+    ``(layer, head, channel)`` (channel-level data) or ``(layer, head, None)`` (head-level), with
+    ``outlier_level`` ``"channel"`` / ``"head"`` / ``"layer"``. ``None`` without ``layers``."""
+    layers = meta.get("layers") or []
+    if not layers:
+        return None
+    out = {}
+    for side in ("k", "v"):
+        if not all(side in lm for lm in layers):
+            continue
+        amax = [_as_rows(lm[side].get("amax")) for lm in layers]
+        ratio = [_as_rows(lm[side].get("clip_ratio")) for lm in layers]
+        clip = [_clip(rr, aa) for rr, aa in zip(ratio, amax, strict=True)]
+        cand = [",".join(sorted(set(lm[side].get("candidate") or []))) for lm in layers]
+        chans = [_channel_absmax(meta, tensors, i, side) for i in range(len(layers))]
+        have_ch = all(c is not None for c in chans)
+        outliers = []
+        if have_ch:
+            level = "channel"
+            for i, heads in enumerate(chans):
+                for h, row in enumerate(heads):
+                    med = statistics.median(row) if row else 0.0
+                    outliers += [(i, h, d) for d, x in enumerate(row) if med > 0 and x > OUTLIER_FACTOR * med]
+        else:
+            flat = [x for row in amax for x in row]
+            med = statistics.median(flat) if flat else 0.0
+            level = "head" if any(len(r) > 1 for r in amax) else "layer"
+            for i, row in enumerate(amax):
+                outliers += [(i, h, None) for h, x in enumerate(row) if med > 0 and x > OUTLIER_FACTOR * med]
+        out[side] = {"amax": amax, "clip": clip, "clip_ratio": ratio, "candidate": cand,
+                     "channel_absmax": chans if have_ch else None, "outliers": outliers,
+                     "outlier_level": level}
+    return out or None
+
+
+def heldout_errors(meta: dict) -> dict | None:
+    """Per side: ``{"chosen": [L], "absmax": [L], "unity": [L]}`` held-out errors from calibration
+    (keys: attention KL in nats/query; values: relative attention-output error)."""
+    layers = meta.get("layers") or []
+    out = {}
+    for side in ("k", "v"):
+        hs = [lm.get(side, {}).get("heldout") for lm in layers]
+        if not hs or any(h is None for h in hs):
+            continue
+        out[side] = {w: [h.get(w) for h in hs] for w in ("chosen", "absmax", "unity") if all(w in h for h in hs)}
+    return out or None
+
+
+def mean_or_none(xs) -> float | None:
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return sum(xs) / len(xs) if xs else None
+
+
+# ---- evaluation results ----------------------------------------------------------------------
+def tested_method(ev: dict | None) -> str | None:
+    """Name of the method that is the artifact under test (``artifact.method`` / ``name``)."""
+    if not ev:
+        return None
+    a = ev.get("artifact") or {}
+    for key in ("method", "name", "label"):
+        if isinstance(a.get(key), str):
+            return a[key]
+    return None
+
+
+def results(ev: dict | None) -> list[dict]:
+    """Evaluation results sorted by (mode, context, batch, method); missing metrics are ``None``."""
+    if not ev:
+        return []
+    rows = []
+    for r in ev.get("results") or []:
+        row = {k: r.get(k) for k in ("method", "mode", "context", "batch", "status", "criteria", *METRICS)}
+        rows.append(row)
+    order = {"teacher_forced": 0, "decode": 1}
+    return sorted(rows, key=lambda r: (order.get(r["mode"], 2), r["context"] or 0, r["batch"] or 0, str(r["method"])))
+
+
+def verdict(ev: dict | None) -> dict | None:
+    """``{"method", "status": "PASS"|"FAIL"|"NOT JUDGED", "failed": [rows]}`` for the method under
+    test (or every judged method when the JSON does not name one)."""
+    rs = results(ev)
+    if not rs:
+        return None
+    m = tested_method(ev)
+    mine = [r for r in rs if r["method"] == m] if m else [r for r in rs if r["status"] in ("PASS", "FAIL")]
+    judged = [r for r in mine if r["status"] in ("PASS", "FAIL")]
+    failed = [r for r in judged if r["status"] == "FAIL"]
+    status = "FAIL" if failed else ("PASS" if judged else "NOT JUDGED")
+    return {"method": m, "status": status, "failed": failed, "judged": len(judged)}
+
+
+def regimes(ev: dict | None) -> dict:
+    """``{"contexts": [...], "batches": [...], "modes": [...], "pairs": [(context, batch)]}``."""
+    pairs = set()
+    for r in (ev or {}).get("regimes") or []:
+        if isinstance(r, dict) and r.get("context") is not None:
+            pairs.add((int(r["context"]), int(r.get("batch") or 1)))
+    rs = results(ev)
+    for r in rs:
+        if r["context"] is not None:
+            pairs.add((int(r["context"]), int(r["batch"] or 1)))
+    return {"contexts": sorted({c for c, _ in pairs}), "batches": sorted({b for _, b in pairs}),
+            "modes": sorted({r["mode"] for r in rs if r["mode"]}), "pairs": sorted(pairs)}
+
+
+def quality_series(ev: dict | None, metric: str) -> dict[str, tuple[list[int], list[float]]]:
+    """``label -> (contexts, values)`` of ``metric`` per (method, mode[, batch]), for plotting."""
+    rs = [r for r in results(ev) if r.get(metric) is not None and r["context"] is not None]
+    multi_batch = len({r["batch"] for r in rs}) > 1
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for r in rs:
+        suffix = f", batch {r['batch']}" if multi_batch else ""
+        label = f"{r['method']} ({r['mode'] or '?'}{suffix})"
+        xs, ys = series.setdefault(label, ([], []))
+        xs.append(int(r["context"]))
+        ys.append(float(r[metric]))
+    return series
+
+
+def per_layer_eval(ev: dict | None) -> dict | None:
+    """``method -> {"k_attention_kl": [L], "v_output_error": [L]}`` from the evaluation, if present."""
+    pl = (ev or {}).get("per_layer")
+    return pl if isinstance(pl, dict) and pl else None
+
+
+def criteria_text(c) -> str:
+    if c is None:
+        return ""
+    if isinstance(c, dict):
+        return ", ".join(f"{k}{v}" if isinstance(v, str) and v[:1] in "<>=" else f"{k}<={v}" for k, v in c.items())
+    if isinstance(c, (list, tuple)):
+        return ", ".join(map(str, c))
+    return str(c)
+
+
+# ---- corpora ---------------------------------------------------------------------------------
+def corpus_summary(c: dict | None) -> dict:
+    """Normalise a corpus section (artifact: ``length_percentiles`` nested; evaluation: flat)."""
+    c = c or {}
+    pct = c.get("length_percentiles") or {}
+    get = lambda k: c.get(k, pct.get(k))  # noqa: E731
+    path = c.get("path")
+    return {"path": path, "domain": c.get("domain") or (Path(path).stem if path else None),
+            "sha256": c.get("sha256"), "format": c.get("format"), "samples": c.get("samples"),
+            "tokens": c.get("tokens"), "p50": get("p50"), "p90": get("p90"), "p99": get("p99"),
+            "max": get("max"), "truncated": c.get("truncated")}
+
+
+def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_contexts: list[int]) -> list[str]:
+    """Plain sentences relating the calibration corpus to the evaluation corpus."""
+    if not ev:
+        return ["No evaluation corpus given: run `kvcal evaluate --json` and pass it with `--eval`."]
+    out = []
+    same_hash = cal.get("sha256") and cal.get("sha256") == ev.get("sha256")
+    same_path = cal.get("path") and ev.get("path") and Path(cal["path"]).name == Path(ev["path"]).name
+    if same_hash:
+        out.append("The evaluation corpus is **the same file** as the calibration corpus (same sha256): quality "
+                   "figures are in-domain and may be optimistic; held-out samples were split off at calibration.")
+    elif same_path:
+        out.append("The evaluation corpus has the same file name as the calibration corpus but a different "
+                   "content hash: check that they are the intended pair.")
+    else:
+        out.append(f"Different corpora: calibration `{cal.get('domain') or '?'}` vs evaluation "
+                   f"`{ev.get('domain') or '?'}` (out-of-sample; domain shift is part of what is measured).")
+    if cal.get("p50") and ev.get("p50"):
+        out.append(f"Median sample length: calibration {cal['p50']} vs evaluation {ev['p50']} tokens "
+                   f"({ev['p50'] / cal['p50']:.2f}x).")
+    if cal_max_len and eval_contexts and max(eval_contexts) > cal_max_len:
+        out.append(f"Evaluation contexts reach {max(eval_contexts)} tokens while calibration samples were capped at "
+                   f"{cal_max_len}: scales were not observed at the longest evaluated positions.")
+    return out
+
+
+# ---- memory ----------------------------------------------------------------------------------
+def memory_summary(meta: dict, contexts: list[int] | None = None, batches: list[int] | None = None) -> dict | None:
+    """Exact accounting (:mod:`kvcal.formats.memory`) for the artifact's cache vs 16-bit.
+
+    Returns ``{"bytes_per_token", "bytes_per_token_16", "ratio", "contexts", "batches",
+    "cache_bytes": {batch: [bytes per context]}, "cache_bytes_16": {...}}`` or ``None`` when the
+    metadata lacks the model shape or kv config."""
+    from kvcal.formats.memory import ModelShape, bytes_per_token_exact, cache_bytes
+    from kvcal.formats.spec import PRESETS
+    from kvcal.planner import artifact_kv_config
+
+    m = meta.get("model") or {}
+    try:
+        shape = ModelShape(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]),
+                           int(m.get("max_position_embeddings") or 0) or None)
+        cfg = artifact_kv_config(meta)
+    except Exception:
+        return None
+    mmax = shape.max_position_embeddings or 8192
+    if not contexts:
+        contexts, c = [], 256
+        while c < mmax:
+            contexts.append(c)
+            c *= 2
+        contexts.append(mmax)
+    batches = batches or [1, 8, 32]
+    b16, bq = bytes_per_token_exact(shape, PRESETS["bf16"]), bytes_per_token_exact(shape, cfg)
+    return {
+        "bytes_per_token": float(bq), "bytes_per_token_16": float(b16), "ratio": float(b16 / bq),
+        "capacity_gain_pct": float((b16 / bq - 1) * 100), "contexts": list(contexts), "batches": list(batches),
+        "cache_bytes": {b: [cache_bytes(shape, cfg, c, b) for c in contexts] for b in batches},
+        "cache_bytes_16": {b: [cache_bytes(shape, PRESETS["bf16"], c, b) for c in contexts] for b in batches},
+    }

@@ -1,0 +1,446 @@
+"""The disclosure report: ``report.md`` + ``report.html`` (PNG figures embedded as base64).
+
+:func:`build_report` turns artifact metadata (+ an optional evaluation JSON) into a list of blocks
+(:class:`Heading`, :class:`Para`, :class:`Bullets`, :class:`Table`, :class:`Figure`, :class:`Pre`);
+:func:`to_markdown` / :func:`to_html` render them; :func:`write_report` writes both files (the
+markdown links ``figures/*.png`` written beside it; the HTML is self-contained).
+
+What it states (the issue's acceptance list): which tensors are quantized and each one's format
+and granularity; the weight precision, separately; calibration vs evaluation corpus (domain,
+length percentiles side by side); context/concurrency regimes tested; cache bytes per token and
+capacity gained vs 16-bit; quality figures with baselines and PASS/FAIL; and the plots of
+:mod:`kvcal.report.plots`.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcal.report import data as D
+
+
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Para:
+    text: str
+
+
+@dataclass
+class Bullets:
+    items: list[str]
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Figure:
+    name: str
+    caption: str
+    png: bytes
+
+
+@dataclass
+class Pre:
+    text: str
+
+
+@dataclass
+class Report:
+    """A rendered-independent report: ``title`` and ordered ``blocks``; ``figures`` by name."""
+
+    title: str
+    blocks: list = field(default_factory=list)
+
+    @property
+    def figures(self) -> dict[str, Figure]:
+        return {b.name: b for b in self.blocks if isinstance(b, Figure)}
+
+    def add(self, *blocks) -> None:
+        self.blocks.extend(b for b in blocks if b is not None)
+
+
+# ---- formatting helpers ----------------------------------------------------------------------
+def _num(x, spec: str = ".4g") -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def _sci(x) -> str:
+    return "–" if x is None else f"{x:.3e}"
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "–"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:g} B"
+
+
+def _gran(row: dict) -> str:
+    if not row["quantized"]:
+        return "–"
+    g = row["granularity"] or "?"
+    if row.get("group_size"):
+        g += f" (group {row['group_size']})"
+    return g
+
+
+# ---- sections --------------------------------------------------------------------------------
+def _what_is_quantized(rep: Report, meta: dict) -> None:
+    kv = meta.get("kv") or {}
+    m = meta.get("model") or {}
+    rep.add(Heading("What is quantized (KV cache)"))
+    rep.add(Para(f"**Quantized tensors: {D.quantized_label(meta)}** of every attention layer "
+                 f"({_num(m.get('num_layers'))} layers × {_num(m.get('num_kv_heads'))} KV heads × head_dim "
+                 f"{_num(m.get('head_dim'))}). Queries and all other activations stay in the model's compute precision."))
+    rows = []
+    for r in D.side_rows(meta):
+        rows.append([
+            "K (keys)" if r["side"] == "k" else "V (values)",
+            "yes" if r["quantized"] else "no (16-bit)",
+            r["format"], _num(r["bits"]), _gran(r),
+            "–" if not r["quantized"] else ("symmetric" if r["symmetric"] else "asymmetric"),
+            "–" if not r["quantized"] else ("dynamic (per write)" if r["dynamic"] else "static (calibrated)"),
+            r["scale_dtype"] or "–",
+        ])
+    rep.add(Table(["tensor", "quantized", "KV format", "bits", "granularity", "symmetry", "scales", "scale dtype"], rows))
+    items = []
+    if kv.get("key_position"):
+        items.append(f"Keys are quantized **{kv['key_position'].replace('_', '-')}** (what the cache stores).")
+    items.append(f"Kept in 16 bits: residual window {_num(kv.get('residual_window', 0))} most recent tokens, "
+                 f"{_num(kv.get('sink_tokens', 0))} sink tokens.")
+    if kv.get("key_centering"):
+        items.append("Keys are centred per channel (k_mean subtracted before quantization).")
+    if kv.get("layer_specs"):
+        kinds = sorted({f"K {s['k'].get('format')} / V {s['v'].get('format')}" for s in kv["layer_specs"]})
+        items.append(f"Per-layer formats differ (mixed precision): {'; '.join(kinds)}.")
+    items.append("`scale` is the dequantization multiplier: x ≈ q · scale.")
+    rep.add(Bullets(items))
+
+
+def _weights(rep: Report, meta: dict) -> None:
+    m = meta.get("model") or {}
+    rep.add(Heading("Model weights (separate from the KV cache)"))
+    kv_fmts = " / ".join(f"{'K' if r['side'] == 'k' else 'V'} {r['format']}" for r in D.side_rows(meta))
+    rep.add(Bullets([
+        f"Model: `{m.get('id', '?')}` ({m.get('architecture', '?')}, model_type {m.get('model_type', '?')}), "
+        f"config sha256 `{(m.get('config_sha256') or '?')[:16]}…`, max context {_num(m.get('max_position_embeddings'))}.",
+        f"**Weight precision: {m.get('weight_precision', 'not recorded')}.**",
+        f"The KV-cache precision ({kv_fmts}) is a separate choice: the figures below change only the cache.",
+    ]))
+
+
+def _corpora(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
+    cal = D.corpus_summary(meta.get("corpus"))
+    evc = D.corpus_summary(ev.get("corpus")) if ev and ev.get("corpus") else None
+    rep.add(Heading("Calibration and evaluation corpora"))
+    fields = [("path", "path"), ("domain", "domain"), ("format", "format"), ("sha256", "sha256"),
+              ("samples", "samples"), ("tokens", "tokens"), ("p50", "length p50"), ("p90", "length p90"),
+              ("p99", "length p99"), ("max", "length max"), ("truncated", "truncated")]
+
+    def cell(c, k):
+        if c is None:
+            return "not evaluated"
+        v = c.get(k)
+        if k == "sha256" and v:
+            return f"`{v[:12]}…`"
+        if k == "path" and v:
+            return f"`{v}`"
+        return _num(v)
+
+    rep.add(Table(["", "calibration", "evaluation"], [[lab, cell(cal, k), cell(evc, k)] for k, lab in fields]))
+    cal_meta = meta.get("calibration") or {}
+    items = D.corpus_relation(cal, evc, cal_meta.get("max_seq_len"), reg["contexts"])
+    if cal_meta:
+        items.append(f"Calibration split: {_num(cal_meta.get('calib_samples'))} calibration / "
+                     f"{_num(cal_meta.get('heldout_samples'))} held-out samples (seed {_num(cal_meta.get('seed'))}); "
+                     f"samples capped at {_num(cal_meta.get('max_seq_len'))} tokens.")
+    rep.add(Bullets(items))
+
+
+def _regimes(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
+    rep.add(Heading("Context and concurrency regimes"))
+    cal = meta.get("calibration") or {}
+    items = [f"Calibrated on: {cal.get('context_regime', 'not recorded')}."]
+    if ev:
+        items.append(f"Evaluated contexts: {', '.join(map(str, reg['contexts'])) or 'none recorded'} tokens; "
+                     f"batches (concurrent sequences): {', '.join(map(str, reg['batches'])) or 'none recorded'}; "
+                     f"modes: {', '.join(reg['modes']) or 'none recorded'}.")
+        if reg["pairs"]:
+            items.append("Context × batch pairs run: " + ", ".join(f"{c}×{b}" for c, b in reg["pairs"]) + ".")
+    else:
+        items.append("No evaluation given: quality at serving contexts/concurrency is **not** established by this "
+                     "report (run `kvcal evaluate --json` and re-render with `--eval`).")
+    rep.add(Bullets(items))
+
+
+def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict) -> dict | None:
+    rep.add(Heading("Memory: cache bytes per token and capacity"))
+    mem = D.memory_summary(meta, batches=reg["batches"] or None)
+    if mem is None:
+        rep.add(Para("The artifact metadata lacks the model shape or kv config; memory cannot be computed."))
+        return None
+    rep.add(Bullets([
+        f"**{mem['bytes_per_token']:g} bytes per token** (all layers, K+V) vs {mem['bytes_per_token_16']:g} at 16 bits: "
+        f"**{mem['ratio']:.2f}× smaller**, i.e. {mem['capacity_gain_pct']:.0f}% more tokens in the same memory.",
+        "Exact accounting (`kvcal.formats.memory.cache_bytes`): payload, scales/zero points, 16-bit window and "
+        "sinks, per-layer metadata. Weights and activations are not included (see `kvcal plan`).",
+    ]))
+    rows = []
+    show_ctx = reg["contexts"] or [c for c in mem["contexts"] if c >= 1024]
+    sub = D.memory_summary(meta, contexts=show_ctx, batches=reg["batches"] or [1, 8])
+    for b in sub["batches"]:
+        for c, q, f in zip(sub["contexts"], sub["cache_bytes"][b], sub["cache_bytes_16"][b], strict=True):
+            rows.append([_num(c), _num(b), f"{q:,}", _bytes(q), _bytes(f), f"{f / q:.2f}×" if q else "–"])
+    rep.add(Table(["context", "batch", "cache bytes", "cache", "16-bit", "saving"], rows))
+    em = (ev or {}).get("memory")
+    if isinstance(em, dict) and isinstance(em.get("bytes_per_token"), dict) and em["bytes_per_token"]:
+        rep.add(Para("Bytes per token reported by the evaluation run, per method:"))
+        rep.add(Table(["method", "bytes/token"], [[str(k), _num(v, "g")] for k, v in em["bytes_per_token"].items()]))
+    return mem
+
+
+def _quality(rep: Report, ev: dict | None) -> None:
+    rep.add(Heading("Quality with baselines"))
+    if not ev:
+        rep.add(Para("No evaluation JSON given. The calibration held-out errors below are attention-level only; "
+                     "they do not establish model-level quality."))
+        return
+    v = D.verdict(ev)
+    mine = D.tested_method(ev)
+    if v:
+        who = f"`{v['method']}`" if v["method"] else "judged methods"
+        extra = ""
+        if v["failed"]:
+            extra = " — failed at " + ", ".join(f"{r['mode']} ctx {r['context']} batch {r['batch']}" for r in v["failed"])
+        rep.add(Para(f"**Verdict for {who}: {v['status']}**{extra}."))
+    rows = []
+    for r in D.results(ev):
+        name = f"**{r['method']}**" if mine and r["method"] == mine else str(r["method"])
+        st = r["status"] or "–"
+        rows.append([name, str(r["mode"] or "–"), _num(r["context"]), _num(r["batch"]), _num(r["ppl"], ".4f"),
+                     _num(r["delta_ppl"], "+.4f"), _sci(r["kl_mean"]), _sci(r["kl_p999"]),
+                     _num(r["top1_agree"], ".4f"), _num(r["greedy_agree"], ".3f"), _num(r["tokens"]),
+                     f"**{st}**" if st in ("PASS", "FAIL") else st, D.criteria_text(r["criteria"]) or "–"])
+    if rows:
+        rep.add(Table(["method", "mode", "context", "batch", "ppl", "Δppl", "KL mean", "KL p99.9", "top-1 agree",
+                       "greedy agree", "tokens", "status", "criteria"], rows))
+    else:
+        rep.add(Para("The evaluation JSON holds no results."))
+    rep.add(Para("Units: perplexity exp(mean NLL); Δppl vs the 16-bit cache on the same windows; KL(P16 ‖ Pquant) of "
+                 "the next-token distribution in nats; agreement as fractions. Teacher-forced = every key/value "
+                 "attention reads is quantized in one pass; decode = token by token through the quantized cache."))
+    notes = [str(n) for n in (ev.get("notes") or [])]
+    if notes:
+        rep.add(Bullets(notes))
+
+
+def _calibration_detail(rep: Report, meta: dict) -> None:
+    from kvcal.report.markdown import layer_table
+
+    cal = meta.get("calibration") or {}
+    rep.add(Heading("Calibration method and per-layer scales"))
+    items = []
+    for key, lab in (("objective_k", "Keys objective"), ("objective_v", "Values objective"),
+                     ("candidates", "Candidates"), ("selection", "Selection")):
+        if cal.get(key):
+            items.append(f"{lab}: {cal[key]}.")
+    he = D.heldout_errors(meta)
+    if he:
+        for side, unit in (("k", "attention KL, nats/query"), ("v", "relative output error")):
+            if side in he:
+                parts = ", ".join(f"{w} {_sci(D.mean_or_none(ys))}" for w, ys in he[side].items())
+                items.append(f"Mean held-out {D.SIDE_NAMES[side]} error ({unit}): {parts}.")
+    if items:
+        rep.add(Bullets(items))
+    try:
+        rep.add(Pre(layer_table(meta)))
+    except (KeyError, TypeError, IndexError):
+        pass
+
+
+def _figures(rep: Report, meta: dict, ev: dict | None, tensors: dict | None, mem: dict | None) -> None:
+    from kvcal.report import plots as P
+
+    rep.add(Heading("Figures"))
+    ranges = D.layer_ranges(meta, tensors)
+    specs = [
+        ("kv_ranges", "Per-layer / per-head key and value ranges (calibration absmax), outliers marked "
+         f"(> {D.OUTLIER_FACTOR:g}× the median of their peers).", lambda: P.plot_kv_ranges(ranges)),
+        ("clip_vs_absmax", "Chosen clip threshold (value mapped to the format maximum) vs observed absmax per layer.",
+         lambda: P.plot_clip_vs_absmax(ranges)),
+        ("layer_errors", "Per-layer error before/after calibration: held-out error with the chosen scale vs absmax "
+         "and unity scales" + (", and per-layer error on the evaluation corpus per method" if D.per_layer_eval(ev) else "")
+         + ".", lambda: P.plot_layer_errors(D.heldout_errors(meta), D.per_layer_eval(ev))),
+        ("quality_vs_context", "Quality vs context length per method (solid: teacher-forced, dashed: decode).",
+         lambda: P.plot_quality_vs_context({m: D.quality_series(ev, m) for m in ("delta_ppl", "kl_mean")})),
+        ("memory", "KV-cache memory vs context × batch (exact accounting).", lambda: P.plot_memory(mem)),
+    ]
+    missing = []
+    for name, caption, make in specs:
+        fig = make()
+        if fig is None:
+            missing.append(name)
+            continue
+        rep.add(Figure(name, caption, P.fig_to_png(fig)))
+    if missing:
+        rep.add(Para(f"Not drawn (inputs absent): {', '.join(missing)}."))
+
+
+def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None,
+                 artifact_path: str | None = None) -> Report:
+    """The full disclosure report for an artifact's metadata and an optional evaluation dict.
+
+    ``tensors``: the artifact's tensors (for optional per-channel ranges). Missing optional keys
+    are reported as absent, never raise."""
+    m = meta.get("model") or {}
+    rep = Report(f"KV-cache disclosure report: {m.get('id', 'model')}")
+    reg = D.regimes(ev)
+    head = [f"Artifact: `{artifact_path}`" if artifact_path else None,
+            f"created {meta.get('created', '?')} by kvcal {meta.get('kvcal_version', '?')}"]
+    rep.add(Para(" — ".join(h for h in head if h)))
+    v = D.verdict(ev)
+    summary = [f"KV cache: {D.quantized_label(meta)}; "
+               + "; ".join(f"{'K' if r['side'] == 'k' else 'V'} {r['format']} {_gran(r)}" for r in D.side_rows(meta))
+               + f". Weights: {m.get('weight_precision', 'not recorded')} (separate)."]
+    if v:
+        summary.append(f"Acceptance: **{v['status']}**" + (f" for `{v['method']}`" if v["method"] else "") + ".")
+    rep.add(Bullets(summary))
+    _what_is_quantized(rep, meta)
+    _weights(rep, meta)
+    _corpora(rep, meta, ev, reg)
+    _regimes(rep, meta, ev, reg)
+    mem = _memory(rep, meta, ev, reg)
+    _quality(rep, ev)
+    _figures(rep, meta, ev, tensors, mem)
+    _calibration_detail(rep, meta)
+    return rep
+
+
+# ---- renderers -------------------------------------------------------------------------------
+def _md_cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(rep: Report, figure_dir: str | None = "figures") -> str:
+    """Markdown text; figures link ``{figure_dir}/{name}.png`` (or are embedded as data URIs when
+    ``figure_dir`` is None)."""
+    out = [f"# {rep.title}", ""]
+    for b in rep.blocks:
+        if isinstance(b, Heading):
+            out += ["#" * b.level + " " + b.text, ""]
+        elif isinstance(b, Para):
+            out += [b.text, ""]
+        elif isinstance(b, Bullets):
+            out += [f"- {i}" for i in b.items] + [""]
+        elif isinstance(b, Table):
+            out.append("| " + " | ".join(_md_cell(h) for h in b.header) + " |")
+            out.append("|" + "---|" * len(b.header))
+            out += ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in b.rows]
+            out.append("")
+        elif isinstance(b, Figure):
+            src = (f"{figure_dir}/{b.name}.png" if figure_dir
+                   else "data:image/png;base64," + base64.b64encode(b.png).decode())
+            out += [f"![{b.name}]({src})", "", f"*{b.caption}*", ""]
+        elif isinstance(b, Pre):
+            out += ["```", b.text, "```", ""]
+    return "\n".join(out)
+
+
+def _inline(s: str) -> str:
+    s = html.escape(s, quote=False)
+    s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
+    s = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", s)
+    s = re.sub(r"(?<![\w*])\*([^*]+)\*(?![\w*])", r"<em>\1</em>", s)
+    return s
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.6em 0;font-size:.85em}th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}pre{background:#f7f7f7;padding:.6em;overflow-x:auto;
+font-size:.75em}figure{margin:1em 0}img{max-width:100%}figcaption{font-size:.85em;color:#555}
+code{background:#f3f3f3;padding:0 3px}"""
+
+
+def to_html(rep: Report) -> str:
+    """Self-contained HTML (figures as base64 PNG ``<img>``)."""
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>{html.escape(rep.title)}</title><style>{_CSS}</style></head><body>",
+           f"<h1>{html.escape(rep.title)}</h1>"]
+    for b in rep.blocks:
+        if isinstance(b, Heading):
+            out.append(f"<h{b.level}>{_inline(b.text)}</h{b.level}>")
+        elif isinstance(b, Para):
+            out.append(f"<p>{_inline(b.text)}</p>")
+        elif isinstance(b, Bullets):
+            out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in b.items) + "</ul>")
+        elif isinstance(b, Table):
+            out.append("<table><thead><tr>" + "".join(f"<th>{_inline(h)}</th>" for h in b.header) + "</tr></thead><tbody>")
+            for r in b.rows:
+                cls = ""
+                if "**FAIL**" in r:
+                    cls = ' style="background:#fde8e8"'
+                out.append(f"<tr{cls}>" + "".join(f"<td>{_inline(str(c))}</td>" for c in r) + "</tr>")
+            out.append("</tbody></table>")
+        elif isinstance(b, Figure):
+            data = base64.b64encode(b.png).decode()
+            out.append(f'<figure id="{b.name}"><img alt="{b.name}" src="data:image/png;base64,{data}">'
+                       f"<figcaption>{_inline(b.caption)}</figcaption></figure>")
+        elif isinstance(b, Pre):
+            out.append(f"<pre>{html.escape(b.text)}</pre>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dict | None = None,
+                 out: str | os.PathLike | None = None) -> dict:
+    """Render ``report.md`` (+ ``figures/*.png``) and ``report.html`` for an artifact directory.
+
+    ``eval_json``: path to (or dict of) ``kvcal evaluate --json`` output. ``out``: output directory
+    (default: the artifact directory; ``report.md`` there is replaced by this fuller report).
+    Returns ``{"markdown", "html", "figures": [paths]}``. Raises :class:`KvcalError` for a bad
+    artifact or evaluation file or an unwritable location."""
+    from kvcal.artifact import load_artifact
+    from kvcal.errors import KvcalError
+
+    art = load_artifact(artifact)
+    ev = eval_json if isinstance(eval_json, dict) or eval_json is None else D.load_eval(eval_json)
+    rep = build_report(art.metadata, ev, art.tensors, artifact_path=str(artifact))
+    od = Path(out) if out is not None else art.path
+    try:
+        figdir = od / "figures"
+        figdir.mkdir(parents=True, exist_ok=True)
+        figs = []
+        for name, f in rep.figures.items():
+            p = figdir / f"{name}.png"
+            p.write_bytes(f.png)
+            figs.append(str(p))
+        md, ht = od / "report.md", od / "report.html"
+        md.write_text(to_markdown(rep), encoding="utf-8")
+        ht.write_text(to_html(rep), encoding="utf-8")
+    except OSError as e:
+        raise KvcalError(f"cannot write the report to {od}: {e.strerror or e}; choose a writable --out") from None
+    return {"markdown": str(md), "html": str(ht), "figures": figs}

@@ -1,0 +1,107 @@
+"""Literal fixtures for the report / notebook tests: a small synthetic artifact (4 layers, 2 KV
+heads, head_dim 8) and an evaluation JSON of schema ``kvcal-eval/1``. No model is loaded."""
+
+from __future__ import annotations
+
+import copy
+
+L, H, D = 4, 2, 8
+
+
+def make_meta(per_head: bool = False, channel_absmax: bool = False) -> dict:
+    """Artifact metadata shaped like ``kvcal.calibrate`` writes it."""
+    gran = "head" if per_head else "tensor"
+    layers = []
+    for i in range(L):
+        lm = {"layer": i}
+        for side, base in (("k", 10.0), ("v", 1.0)):
+            amax = [base * (i + 1) + h for h in range(H)] if per_head else [base * (i + 1)]
+            if i == 3 and side == "k":
+                amax = [a * 20 for a in amax]  # an outlier layer
+            ratio = [0.8] * len(amax)
+            lm[side] = {
+                "scale": [r * a / 448 for r, a in zip(ratio, amax, strict=True)], "amax": amax, "clip_ratio": ratio,
+                "candidate": ["clip0.8"] * len(amax),
+                "heldout": {"chosen": 1e-4 * (i + 1), "absmax": 2e-4 * (i + 1), "unity": 5e-2},
+                "calib": {"chosen": 1e-4, "absmax": 2e-4, "unity": 5e-2},
+            }
+            if channel_absmax:
+                rows = [[1.0 + 0.1 * d for d in range(D)] for _ in range(H)]
+                if side == "k":
+                    rows[1][5] = 50.0  # an outlier channel in head 1 of every layer
+                lm[side]["channel_absmax"] = rows
+        layers.append(lm)
+    spec = {"format": "fp8_e4m3", "granularity": gran, "group_size": None, "symmetric": True,
+            "scale_dtype": "float32", "dynamic": False, "bits": 8}
+    return {
+        "kvcal_version": "0.1.0", "created": "2025-01-01T00:00:00+00:00",
+        "model": {"id": "tiny-llama", "config_sha256": "ab" * 32, "architecture": "LlamaForCausalLM",
+                  "model_type": "llama", "num_layers": L, "num_attention_heads": 4, "num_kv_heads": H,
+                  "head_dim": D, "max_position_embeddings": 4096,
+                  "weight_precision": "GGUF Q4_1 weights, dequantized to float32 for computation"},
+        "kv": {"quantized_tensors": ["k", "v"], "key_position": "post_rope", "k": dict(spec), "v": dict(spec),
+               "residual_window": 0, "sink_tokens": 0, "key_centering": False},
+        "calibration": {"method": "attention-aware static scale search", "objective_k": "attention KL",
+                        "objective_v": "relative output error", "candidates": "absmax, unity, clip",
+                        "selection": "held-out guard", "seed": 0, "max_seq_len": 512, "heldout_fraction": 0.25,
+                        "calib_samples": 48, "heldout_samples": 16,
+                        "reservoir_sequences": {"calib": 12, "heldout": 6}, "search_tokens": 512,
+                        "max_queries": 128, "capture_seconds": 1.0, "search_seconds": 2.0, "device": "cpu",
+                        "context_regime": "prefill of samples up to 512 tokens, batch 8"},
+        "corpus": {"path": "calibration_sets/chat.jsonl", "sha256": "cd" * 32, "format": "chat-jsonl",
+                   "samples": 64, "tokens": 20000,
+                   "length_percentiles": {"p50": 280, "p90": 480, "p99": 512, "max": 512}, "truncated": 3},
+        "layers": layers,
+    }
+
+
+def make_tensors(meta: dict) -> dict:
+    import torch
+
+    t = {}
+    for lm in meta["layers"]:
+        for side in ("k", "v"):
+            s = torch.tensor(lm[side]["scale"], dtype=torch.float32)
+            t[f"model.layers.{lm['layer']}.self_attn.{side}_scale"] = s if s.numel() == 1 else s.reshape(-1, 1, 1)
+    return t
+
+
+def make_artifact(path, **kw):
+    from kvcal.artifact import write_artifact
+
+    meta = make_meta(**kw)
+    return write_artifact(path, make_tensors(meta), meta)
+
+
+_RESULT = {"ppl": 16.0, "delta_ppl": 0.0, "kl_mean": 0.0, "kl_p999": 0.0, "top1_agree": 1.0,
+           "greedy_agree": 1.0, "tokens": 4000, "status": None, "criteria": None}
+
+EVAL = {
+    "schema": "kvcal-eval/1",
+    "artifact": {"path": "artifacts/tiny-fp8", "method": "artifact"},
+    "corpus": {"path": "shared/data/wiki.txt", "sha256": "ef" * 32, "format": "txt", "samples": 8,
+               "tokens": 65536, "p50": 8192, "p90": 8192, "p99": 8192, "max": 8192},
+    "model": {"id": "tiny-llama"},
+    "regimes": [{"context": 1024, "batch": 1}, {"context": 4096, "batch": 1}],
+    "results": [],
+    "per_layer": {"artifact": {"k_attention_kl": [1e-4, 2e-4, 3e-4, 4e-4], "v_output_error": [1e-3] * 4},
+                  "fp8-absmax": {"k_attention_kl": [2e-4, 3e-4, 4e-4, 9e-4], "v_output_error": [2e-3] * 4}},
+    "memory": {"bytes_per_token": {"16-bit": 256, "artifact": 128}, "cache_bytes": {}},
+    "notes": ["CPU run: memory and quality only, no throughput."],
+}
+for _ctx in (1024, 4096):
+    for _m, _mode, _dppl, _kl, _st in (
+        ("16-bit", "teacher_forced", 0.0, 0.0, None),
+        ("fp8-absmax", "teacher_forced", 0.06, 3e-3, "FAIL"),
+        ("artifact", "teacher_forced", 0.02, 1e-3, "PASS"),
+        ("artifact", "decode", 0.03, 1.5e-3, "PASS"),
+    ):
+        EVAL["results"].append({**_RESULT, "method": _m, "mode": _mode, "context": _ctx, "batch": 1,
+                                "ppl": 16.0 + _dppl, "delta_ppl": _dppl, "kl_mean": _kl, "kl_p999": 10 * _kl,
+                                "status": _st, "criteria": {"kl_mean": "<=2e-3", "delta_ppl": "<=0.05"} if _st else None})
+
+
+def make_eval(**changes) -> dict:
+    ev = copy.deepcopy(EVAL)
+    ev.update(changes)
+    return ev
