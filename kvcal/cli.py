@@ -188,3 +188,45 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
     click.echo(f"cache bytes (context {ctx}, batch {batch}): {rep.total} ({rep.total / 2**20:.2f} MiB)")
     click.echo(f"  payload {rep.payload}, scales/zero points {rep.params}, 16-bit window+sinks {rep.dense16}, "
                f"per-layer metadata {rep.static}")
+
+
+# ---- plan --------------------------------------------------------------------------------------
+@main.command("plan")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Embedded model name, HF model dir, config.json file or .gguf (no weights are loaded).")
+@click.option("--gpu-mem", required=True, help="GPU memory: 80GiB (2^30), 80GB (10^9), 24G (= GiB) or bytes.")
+@click.option("--weights-dtype", default="bf16", show_default=True,
+              type=click.Choice(["fp32", "bf16", "fp16", "fp8", "int8", "int4", "nvfp4"]),
+              help="Weight precision used to size the weights (independent of the KV-cache precision).")
+@click.option("--kv-config", default="fp8,int4,kivi2", show_default=True,
+              help="Comma-separated cache precisions: presets and/or artifact directories (16-bit is always shown).")
+@click.option("--reserve", default="10%", show_default=True,
+              help="Activations/runtime overhead reserve: a percentage of --gpu-mem or a size (e.g. 4GiB).")
+@click.option("--params", default=None, type=int, help="Override the parameter count computed from the config.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@user_errors
+def plan_cmd(model, gpu_mem, weights_dtype, kv_config, reserve, params, as_json):
+    """Max context per concurrency (and max concurrency per context) for 16-bit vs each cache precision."""
+    import json
+
+    from kvcal.planner import PlanConfig, load_config, plan_capacity, render_plan
+
+    cfg = PlanConfig(gpu_mem=gpu_mem, weights_dtype=weights_dtype, reserve=reserve, kv_configs=kv_config,
+                     params=params)
+    plan = plan_capacity(load_config(model), cfg, model_id=model)
+    click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else render_plan(plan))
+
+
+# ---- report ------------------------------------------------------------------------------------
+@main.command("report")
+@click.option("--artifact", required=True, type=click.Path(), help="kvcal artifact directory.")
+@click.option("--eval", "eval_json", default=None, type=click.Path(),
+              help="Evaluation JSON from `kvcal evaluate --json` (adds quality figures and the verdict).")
+@click.option("--out", default=None, type=click.Path(), help="Output directory [default: the artifact directory].")
+@user_errors
+def report_cmd(artifact, eval_json, out):
+    """Render the disclosure report (report.md + figures/ and a self-contained report.html)."""
+    from kvcal.report.disclosure import write_report
+
+    res = write_report(artifact, eval_json, out)
+    click.echo(f"wrote {res['markdown']} ({len(res['figures'])} figures) and {res['html']}")

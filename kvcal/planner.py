@@ -282,6 +282,23 @@ def max_batch(shape, kv_config, context: int, budget: int) -> int:
     return int((budget - static) // per_seq)
 
 
+def load_config(model: str):
+    """A model's config for planning: a ``config.json`` path is read as a dict; anything else goes
+    through :func:`kvcal.models.load_model_config` (no weights loaded). Raises :class:`KvcalError`."""
+    import json
+    from pathlib import Path
+
+    p = Path(model).expanduser()
+    if p.suffix == ".json":
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise KvcalError(f"cannot read model config {p}: {e}") from None
+    from kvcal.models import load_model_config
+
+    return load_model_config(model)
+
+
 def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> CapacityPlan:
     """The capacity table for ``model_config`` (HF config dict/object) under ``cfg``.
 
@@ -389,5 +406,5 @@ def render_plan(plan: CapacityPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PlanConfig", "CapacityPlan", "plan_capacity", "render_plan", "param_count", "parse_size",
+__all__ = ["load_config", "PlanConfig", "CapacityPlan", "plan_capacity", "render_plan", "param_count", "parse_size",
            "parse_reserve", "max_context", "max_batch", "artifact_kv_config", "WEIGHT_BYTES"]
