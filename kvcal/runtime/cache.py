@@ -59,7 +59,6 @@ import torch
 
 from kvcal.errors import ArtifactError
 from kvcal.formats.fp8 import FP8_FORMATS
-from kvcal.formats.granularity import PerChannelTokenGroup
 from kvcal.formats.quant import QuantizedTensor, dequantize, nvfp4_global_scale, quantize
 from kvcal.formats.spec import DEFAULTS, QFormat
 from kvcal.plan import KVPlan, SidePlan

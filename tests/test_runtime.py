@@ -1,0 +1,249 @@
+"""Runtime cache (kvcal.runtime.QuantizedKVCache) on tiny random Llama models.
+
+"Identical" means: a prefill through the cache with ``residual_window = 0`` gives logits
+``torch.equal`` to Protocol A (``KVPlan.fake_quant`` through the attention hook) — the same K/V
+values reach the same attention call. Decoding token by token reads the same quantized values, but
+attention then runs on a 1-token query instead of the full causal matmul, so logits agree to fp32
+reassociation only (documented bound ``1e-5`` absolute on logits of magnitude ~1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcal.capture.hooks import attention_hook
+from kvcal.errors import ArtifactError
+from kvcal.evaluate import plan_hook
+from kvcal.formats.memory import cache_bytes
+from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec, preset
+from kvcal.plan import KVPlan
+from kvcal.runtime import QuantizedKVCache
+
+H, D, L = 2, 16, 2
+DECODE_TOL = 1e-5
+
+
+def tiny_model(seed: int = 0, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=L,
+                      num_attention_heads=4, num_key_value_heads=H, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=None, eos_token_id=None, **kw)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def make_plan(name: str, sinks: int = 0, window: int = 0, num_layers: int = L, seed: int = 0) -> KVPlan:
+    """A uniform plan; static sides get seeded positive scales (and zero points) of the right shape."""
+    kv = preset(name) if name in ("bf16", "fp16") else preset(name, sink_tokens=sinks, residual_window=window)
+    plan = KVPlan.uniform(num_layers, kv)
+    g = torch.Generator().manual_seed(seed)
+    for lp in plan.layers:
+        for sp in (lp.k, lp.v):
+            if sp.spec.is_quantized and not sp.spec.dynamic:
+                shape = sp.spec.granularity.scale_shape(1, H, 1, D)
+                if sp.spec.format.kind == "fp8":
+                    sp.scale = 0.004 * (1 + torch.rand(shape, generator=g))
+                else:
+                    sp.scale = 0.1 * (1 + torch.rand(shape, generator=g))
+                if sp.spec.has_zero_point:
+                    sp.zero_point = torch.full(shape, float(sp.spec.qmax // 2))
+    return plan
+
+
+PREFILL_PRESETS = ["fp8", "fp8_head", "int8", "int4", "kivi4", "kivi2", "kivi3", "nvfp4", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("name", PREFILL_PRESETS)
+def test_prefill_equals_protocol_a(model, name):
+    plan = make_plan(name, sinks=0 if name == "bf16" else 3)
+    ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(1))
+    cache = QuantizedKVCache(plan, model.config)
+    with torch.no_grad():
+        a = model(ids, cache=cache, use_cache=True).logits
+        with attention_hook(model, plan_hook(plan)):
+            b = model(ids, use_cache=False).logits
+    assert torch.equal(a, b)
+    assert cache.get_seq_length() == 45
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_head", "int8", "int4", "bf16"])
+def test_decode_equals_protocol_a_per_token_formats(model, name):
+    """Token-by-token decode reads exactly the quantized values Protocol A uses (per-token and static
+    formats quantize each token independently), so logits agree to fp32 reassociation."""
+    plan = make_plan(name, sinks=0 if name == "bf16" else 2)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    cache = QuantizedKVCache(plan, model.config)
+    with torch.no_grad():
+        outs = [model(ids[:, :8], cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(8, 39):
+            outs.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
+        a = torch.stack(outs, 1)
+        with attention_hook(model, plan_hook(plan)):
+            b = model(ids[:, :39], use_cache=False).logits[:, 7:]
+    assert (a - b).abs().max().item() <= DECODE_TOL
+
+
+def test_stored_representation(model):
+    plan = make_plan("fp8")
+    cache = QuantizedKVCache(plan, model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 10)), cache=cache, use_cache=True)
+    side = cache.layers[0].k
+    assert side.data.dtype == torch.float8_e4m3fn and tuple(side.data.shape) == (2, H, 10, D)
+    plan4 = make_plan("kivi4", window=32)
+    c4 = QuantizedKVCache(plan4, model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 70)), cache=c4, use_cache=True)
+    k, v = c4.layers[1].k, c4.layers[1].v
+    assert k.data.dtype == torch.uint8 and k.data.shape[-1] == D // 2  # two int4 codes per byte
+    assert k.scale.dtype == torch.float16 and k.zp is not None
+    # keys: 70 tokens, window 32, groups of 32 -> one full group quantized, 38 in 16 bits? no: the
+    # window never holds more than 32, so two groups (64) are quantized and 6 stay in the window
+    assert (k.n_q, k.n_win) == (64, 6)
+    assert (v.n_q, v.n_win) == (38, 32)  # values quantize token by token
+
+
+def test_kivi_window_holds_incomplete_groups(model):
+    plan = make_plan("kivi4", window=40)
+    cache = QuantizedKVCache(plan, model.config)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids[:, :5], cache=cache, use_cache=True)
+        for t in range(5, 120):
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            k = cache.layers[0].k
+            assert k.n_q % 32 == 0 and 40 - 32 < k.n_win <= 40 or k.n_q == 0
+            assert k.length == t + 1
+
+
+CASES = [
+    ("fp8", 0, 0), ("fp8_head", 4, 16), ("int8", 1, 8), ("int4", 0, 0), ("kivi4", 0, 0), ("kivi4", 4, 32),
+    ("kivi2", 2, 64), ("kivi3", 0, 0), ("nvfp4", 0, 0), ("bf16", 0, 0), ("fp16", 0, 0),
+]
+
+
+@pytest.mark.parametrize("name,sinks,window", CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_allocated_bytes_equal_accounting(model, name, sinks, window, batch):
+    plan = make_plan(name, sinks, window)
+    ids = torch.randint(0, 128, (batch, 50), generator=torch.Generator().manual_seed(4))
+    grow = QuantizedKVCache(plan, model.config)
+    assert grow.allocated_bytes() == cache_bytes(model.config, grow.kv_configs(), 0, 1)
+    static = QuantizedKVCache(plan, model.config, max_cache_len=77)
+    with torch.no_grad():
+        for cache in (grow, static):
+            model(ids[:, :37], cache=cache, use_cache=True)
+    assert grow.allocated_bytes() == cache_bytes(model.config, grow.kv_configs(), 37, batch)
+    assert static.allocated_bytes() == cache_bytes(model.config, static.kv_configs(), 77, batch)
+    with torch.no_grad():
+        for t in range(37, 50):
+            for cache in (grow, static):
+                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            assert grow.allocated_bytes() == cache_bytes(model.config, grow.kv_configs(), t + 1, batch)
+    assert static.allocated_bytes() == cache_bytes(model.config, static.kv_configs(), 77, batch)
+    assert static.allocated_bytes() == static.expected_bytes() and grow.allocated_bytes() == grow.expected_bytes()
+
+
+def test_allocated_bytes_mixed_layers(model):
+    """Per-layer specs (bit allocation): layer 0 int8/int4 static keys, layer 1 kivi2."""
+    p8, p2 = make_plan("int4", 2, 8), make_plan("kivi2", 2, 8)
+    plan = KVPlan([p8.layers[0], p2.layers[1]], residual_window=8, sink_tokens=2)
+    cache = QuantizedKVCache(plan, model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 61)), cache=cache, use_cache=True)
+    assert cache.allocated_bytes() == cache_bytes(model.config, cache.kv_configs(), 61, 2)
+
+
+def test_generate_batch2_left_padding(model):
+    g = torch.Generator().manual_seed(5)
+    p1, p2 = torch.randint(1, 128, (1, 12), generator=g), torch.randint(1, 128, (1, 7), generator=g)
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    ids[0], ids[1, 5:] = p1[0], p2[0]
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    for name in ("bf16", "fp8", "int8"):
+        plan = make_plan(name)
+        both = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(plan, model.config),
+                              max_new_tokens=12, do_sample=False)
+        a1 = model.generate(p1, cache=QuantizedKVCache(plan, model.config), max_new_tokens=12, do_sample=False)
+        a2 = model.generate(p2, cache=QuantizedKVCache(plan, model.config), max_new_tokens=12, do_sample=False)
+        assert torch.equal(both[0, 12:], a1[0, 12:]), name
+        assert torch.equal(both[1, 12:], a2[0, 7:]), name
+    # grouped keys with a window: runs, stays in vocabulary, fills the cache as expected
+    plan = make_plan("kivi4", sinks=1, window=32)
+    cache = QuantizedKVCache(plan, model.config, max_cache_len=64)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=40, do_sample=False)
+    assert out.shape == (2, 52) and int(out.max()) < 128
+    assert cache.get_seq_length() == 51 and cache.allocated_bytes() == cache.expected_bytes()
+
+
+def test_beam_search_reorders(model):
+    plan = make_plan("int8", sinks=1, window=4)
+    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(6))
+    out = model.generate(ids, cache=QuantizedKVCache(plan, model.config), num_beams=3, max_new_tokens=6,
+                         do_sample=False)
+    assert out.shape == (1, 15)
+
+
+def test_capacity_and_shape_errors(model):
+    cache = QuantizedKVCache(make_plan("fp8"), model.config, max_cache_len=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="max_cache_len 8"):
+        model(torch.randint(0, 128, (1, 9)), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="3 layers"):
+        QuantizedKVCache(make_plan("fp8", num_layers=3), model.config)
+    bad = make_plan("fp8_head")
+    bad.layers[0].k.scale = torch.ones(1, H + 1, 1, 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        QuantizedKVCache(bad, model.config)
+    unscaled = KVPlan.uniform(L, KVCacheConfig(TensorQuantSpec("fp8_e4m3"), TensorQuantSpec("fp8_e4m3")))
+    with pytest.raises(ValueError, match="no scale"):
+        QuantizedKVCache(unscaled, model.config)
+
+
+# ---- strict loading from artifacts -----------------------------------------------------------------
+
+def write_tiny_artifact(tmp_path, model, plan, name="art", **model_overrides):
+    from kvcal.artifact import write_artifact
+    from kvcal.models import model_metadata
+
+    mm = model_metadata(model.config)
+    mm.update(model_overrides)
+    meta = {"model": mm, "kv": plan.kv_metadata(), "layers": []}
+    return write_artifact(tmp_path / name, plan.to_tensors(), meta)
+
+
+def test_from_artifact_roundtrip(tmp_path, model):
+    plan = make_plan("fp8_head", sinks=2)
+    path = write_tiny_artifact(tmp_path, model, plan)
+    cache = QuantizedKVCache.from_artifact(path, model)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        a = model(ids, cache=cache, use_cache=True).logits
+        with attention_hook(model, plan_hook(plan)):
+            b = model(ids, use_cache=False).logits
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 3), ("num_kv_heads", 4), ("head_dim", 32),
+                                         ("config_sha256", "0" * 64)])
+def test_from_artifact_refuses_other_model(tmp_path, model, field, value):
+    plan = make_plan("fp8", num_layers=value if field == "num_layers" else L)  # a complete 3-layer file
+    path = write_tiny_artifact(tmp_path, model, plan, **{field: value})
+    with pytest.raises(ArtifactError, match=field):
+        QuantizedKVCache.from_artifact(path, model)
+
+
+def test_from_artifact_refuses_other_config(tmp_path, model):
+    """Same layer/head/dim numbers, different architecture (hidden size): the config hash catches it."""
+    path = write_tiny_artifact(tmp_path, model, make_plan("fp8"))
+    other = tiny_model()
+    other.config.hidden_size = 96  # only the hashed config differs
+    with pytest.raises(ArtifactError, match="config_sha256"):
+        QuantizedKVCache.from_artifact(path, other)
