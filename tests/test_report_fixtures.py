@@ -8,15 +8,17 @@ import copy
 L, H, D = 4, 2, 8
 
 
-def make_meta(per_head: bool = False, channel_absmax: bool = False) -> dict:
+def make_meta(per_head: bool = False, channel_absmax: bool = False, num_layers: int = L, num_kv_heads: int = H,
+              head_dim: int = D, max_pos: int = 4096) -> dict:
     """Artifact metadata shaped like ``kvcal.calibrate`` writes it."""
+    L, H, D = num_layers, num_kv_heads, head_dim
     gran = "head" if per_head else "tensor"
     layers = []
     for i in range(L):
         lm = {"layer": i}
         for side, base in (("k", 10.0), ("v", 1.0)):
             amax = [base * (i + 1) + h for h in range(H)] if per_head else [base * (i + 1)]
-            if i == 3 and side == "k":
+            if i == 3 and side == "k" and L == 4:
                 amax = [a * 20 for a in amax]  # an outlier layer
             ratio = [0.8] * len(amax)
             lm[side] = {
@@ -37,7 +39,7 @@ def make_meta(per_head: bool = False, channel_absmax: bool = False) -> dict:
         "kvcal_version": "0.1.0", "created": "2025-01-01T00:00:00+00:00",
         "model": {"id": "tiny-llama", "config_sha256": "ab" * 32, "architecture": "LlamaForCausalLM",
                   "model_type": "llama", "num_layers": L, "num_attention_heads": 4, "num_kv_heads": H,
-                  "head_dim": D, "max_position_embeddings": 4096,
+                  "head_dim": D, "max_position_embeddings": max_pos,
                   "weight_precision": "GGUF Q4_1 weights, dequantized to float32 for computation"},
         "kv": {"quantized_tensors": ["k", "v"], "key_position": "post_rope", "k": dict(spec), "v": dict(spec),
                "residual_window": 0, "sink_tokens": 0, "key_centering": False},

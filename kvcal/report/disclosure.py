@@ -311,11 +311,11 @@ def _figures(rep: Report, meta: dict, ev: dict | None, tensors: dict | None, mem
 
 
 def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None,
-                 artifact_path: str | None = None) -> Report:
+                 artifact_path: str | None = None, figures: bool = True) -> Report:
     """The full disclosure report for an artifact's metadata and an optional evaluation dict.
 
-    ``tensors``: the artifact's tensors (for optional per-channel ranges). Missing optional keys
-    are reported as absent, never raise."""
+    ``tensors``: the artifact's tensors (for optional per-channel ranges). ``figures=False`` skips
+    drawing (text and tables only). Missing optional keys are reported as absent, never raise."""
     m = meta.get("model") or {}
     rep = Report(f"KV-cache disclosure report: {m.get('id', 'model')}")
     reg = D.regimes(ev)
@@ -335,7 +335,8 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
     _regimes(rep, meta, ev, reg)
     mem = _memory(rep, meta, ev, reg)
     _quality(rep, ev)
-    _figures(rep, meta, ev, tensors, mem)
+    if figures:
+        _figures(rep, meta, ev, tensors, mem)
     _calibration_detail(rep, meta)
     return rep
 

@@ -1,0 +1,162 @@
+"""Disclosure report: content from synthetic artifact metadata + evaluation JSON (no model)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+from test_report_fixtures import make_artifact, make_eval, make_meta, make_tensors
+
+from kvcal.report import data as D
+from kvcal.report.disclosure import build_report, to_html, to_markdown, write_report
+
+FIGS = {"kv_ranges", "clip_vs_absmax", "layer_errors", "quality_vs_context", "memory"}
+
+
+@pytest.fixture(scope="module")
+def full_report():
+    meta = make_meta(per_head=True, channel_absmax=True)
+    return build_report(meta, make_eval(), make_tensors(meta), artifact_path="artifacts/tiny-fp8")
+
+
+def test_report_states_the_disclosure_items(full_report):
+    md = to_markdown(full_report)
+    # which tensors, format and granularity of each
+    assert "**Quantized tensors: K and V**" in md
+    assert "| K (keys) | yes | fp8_e4m3 | 8 | head | symmetric | static (calibrated) | float32 |" in md
+    assert "| V (values) | yes | fp8_e4m3 | 8 | head |" in md
+    # weight precision stated separately and labelled as such
+    assert "## Model weights (separate from the KV cache)" in md
+    assert "**Weight precision: GGUF Q4_1 weights, dequantized to float32 for computation.**" in md
+    # corpora side by side, with the relation spelled out
+    assert "| length p50 | 280 | 8,192 |" in md and "| length p99 | 512 | 8,192 |" in md
+    assert "Different corpora: calibration `chat` vs evaluation `wiki`" in md
+    assert "Evaluation contexts reach 4096 tokens while calibration samples were capped at 512" in md
+    # regimes
+    assert "Evaluated contexts: 1024, 4096 tokens; batches (concurrent sequences): 1" in md
+    # memory: 16-bit = 2 sides x 4 layers x 2 heads x 8 x 2 B = 256; fp8 = 128 (+ 64 B of per-head scales)
+    assert "**128 bytes per token** (all layers, K+V) vs 256 at 16 bits: **2.00× smaller**" in md
+    assert "| 1,024 | 1 | 131,136 | 128.06 KiB | 256.00 KiB | 2.00× |" in md
+    # quality with baselines and PASS/FAIL
+    assert "**Verdict for `artifact`: PASS**" in md
+    assert re.search(r"\| fp8-absmax \| teacher_forced \| 1,024 \| 1 \| 16\.0600 \| \+0\.0600 .*\*\*FAIL\*\*", md)
+    assert re.search(r"\| \*\*artifact\*\* \| decode \| 4,096 \| 1 \| .*\*\*PASS\*\* \| kl_mean<=2e-3", md)
+    assert "| 16-bit | teacher_forced | 1,024 |" in md
+    assert "CPU run: memory and quality only" in md
+    assert set(full_report.figures) == FIGS
+    assert "Not drawn" not in md
+
+
+def test_figures_are_pngs_and_html_is_self_contained(full_report):
+    for f in full_report.figures.values():
+        assert f.png.startswith(b"\x89PNG\r\n\x1a\n") and len(f.png) > 5000
+    html = to_html(full_report)
+    srcs = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
+    assert len(srcs) == len(FIGS)
+    assert base64.b64decode(srcs[0]).startswith(b"\x89PNG")
+    assert 'src="figures/' not in html and "<strong>FAIL</strong>" in html
+    assert "<h2>Model weights (separate from the KV cache)</h2>" in html
+    assert "<script" not in html
+    md_inline = to_markdown(full_report, figure_dir=None)
+    assert md_inline.count("](data:image/png;base64,") == len(FIGS)
+
+
+def test_ranges_and_outliers():
+    r = D.layer_ranges(make_meta(per_head=True, channel_absmax=True))
+    assert r["k"]["outlier_level"] == "channel" and r["k"]["outliers"] == [(i, 1, 5) for i in range(4)]
+    assert r["v"]["outliers"] == []
+    assert r["k"]["clip"][0] == pytest.approx([0.8 * 10, 0.8 * 11])
+    per_tensor = D.layer_ranges(make_meta())
+    assert per_tensor["k"]["outlier_level"] == "layer" and per_tensor["k"]["outliers"] == [(3, 0, None)]
+    assert per_tensor["k"]["channel_absmax"] is None
+    # per-channel ranges may come from artifact tensors instead of metadata
+    import torch
+
+    t = {f"model.layers.{i}.self_attn.k_channel_absmax": torch.ones(2, 8) for i in range(4)}
+    t["model.layers.2.self_attn.k_channel_absmax"][0, 3] = 9.0
+    assert D.layer_ranges(make_meta(), t)["k"]["outliers"] == [(2, 0, 3)]
+
+
+def test_report_without_evaluation_says_so():
+    md = to_markdown(build_report(make_meta(), figures=False))
+    assert "No evaluation JSON given" in md and "not evaluated" in md
+    assert "quality at serving contexts/concurrency is **not** established" in md
+    assert "Verdict" not in md and "fp8_e4m3 tensor" in md
+
+
+def test_failing_artifact_is_reported_as_failure():
+    ev = make_eval()
+    for r in ev["results"]:
+        if r["method"] == "artifact" and r["mode"] == "decode" and r["context"] == 4096:
+            r.update(status="FAIL", kl_mean=9e-3)
+    rep = build_report(make_meta(), ev, figures=False)
+    md = to_markdown(rep)
+    assert "**Verdict for `artifact`: FAIL** — failed at decode ctx 4096 batch 1." in md
+    assert "Acceptance: **FAIL** for `artifact`." in md
+    assert 'style="background:#fde8e8"' in to_html(rep)
+
+
+def test_k_only_and_same_corpus():
+    meta = make_meta()
+    meta["kv"]["quantized_tensors"] = ["k"]
+    meta["kv"]["v"] = {"format": "bf16", "granularity": "tensor", "symmetric": True, "dynamic": False, "bits": 16}
+    ev = make_eval(corpus={**meta["corpus"], "p50": 280, "p90": 480, "p99": 512, "max": 512})
+    md = to_markdown(build_report(meta, ev, figures=False))
+    assert "**Quantized tensors: K only (V in 16 bits)**" in md
+    assert "| V (values) | no (16-bit) | bf16 | 16 | – |" in md
+    assert "**the same file** as the calibration corpus" in md
+    assert "vs 256 at 16 bits: **1.33× smaller**" in md  # 16-bit 256 -> K 64 + V 128 = 192
+
+
+@pytest.mark.parametrize("ev", [
+    {"results": [{"method": "x"}]},
+    {"schema": "kvcal-eval/1", "results": [], "per_layer": {}, "memory": None},
+    {"results": [{"method": "a", "mode": "decode", "context": 512, "ppl": 3.0, "status": "PASS",
+                  "criteria": "kl_mean<=1e-3"}], "regimes": [{"context": 512}], "per_layer": {"a": {}}},
+])
+def test_tolerates_missing_optional_keys(ev):
+    for meta in (make_meta(), {"model": {"id": "m"}, "kv": {}}, {}):
+        md = to_markdown(build_report(meta, ev, figures=False))
+        assert md.startswith("# KV-cache disclosure report")
+    from kvcal.report import plots as P  # every figure function copes with the partial inputs
+
+    P.plot_quality_vs_context({m: D.quality_series(ev, m) for m in ("delta_ppl", "kl_mean")})
+    P.plot_layer_errors(D.heldout_errors({}), D.per_layer_eval(ev))
+
+
+def test_write_report_and_cli(tmp_path):
+    from kvcal.cli import main
+
+    art = make_artifact(tmp_path / "art")
+    res = write_report(art)  # default: into the artifact directory, no evaluation
+    assert res["markdown"] == str(art / "report.md") and (art / "figures" / "kv_ranges.png").exists()
+    assert "Not drawn (inputs absent): quality_vs_context." in (art / "report.md").read_text()
+    ev = tmp_path / "eval.json"
+    ev.write_text(json.dumps(make_eval()))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--eval", str(ev), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "5 figures" in r.output
+    md = (out / "report.md").read_text()
+    assert "![memory](figures/memory.png)" in md and (out / "figures" / "memory.png").exists()
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 5
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--eval", str(bad)])
+    assert r.exit_code == 2 and "is not valid JSON" in r.output
+    bad.write_text(json.dumps({"schema": "other/1", "results": []}))
+    r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--eval", str(bad)])
+    assert r.exit_code == 2 and "not a kvcal evaluation" in r.output
+    r = CliRunner().invoke(main, ["report", "--artifact", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and r.output.startswith("error: no artifact at")
+
+
+def test_calibration_report_still_renders():
+    from kvcal.report.markdown import layer_table, render_calibration_report
+
+    meta = make_meta(per_head=True)
+    assert "Weight precision" in render_calibration_report(meta)
+    assert len(layer_table(meta).splitlines()) == 5
