@@ -30,6 +30,7 @@ from kvcal.errors import KvcalError
 
 FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
 GRANULARITIES = ("tensor", "head")
+PRESET_NAMES = ("fp8", "int8", "int4", "int2", "k4v2")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,18 @@ class CalibrateConfig:
     ``max_seq_len`` (tokens) caps each sample; ``reservoir`` / ``heldout_reservoir`` bound how many
     captured sequences (each at most ``search_tokens`` tokens) the search sees; ``max_queries`` is
     how many query positions per sequence the attention objectives evaluate.
+
+    ``preset``: ``fp8`` (default: static FP8 scales, ``format``/``granularity`` apply) or an
+    integer preset from :data:`kvcal.search.presets.INT_PRESETS` (``int8``, ``int4``, ``int2``,
+    ``k4v2``); ``bits``: an average budget in bits per cached element *including* every scale,
+    zero point, 16-bit sink and per-layer metadata at ``budget_context`` tokens — per-layer K/V
+    formats are then allocated from measured sensitivity (overrides ``preset``).
+    ``sink_tokens``: first tokens kept in 16 bits and excluded from statistics (``None``: 1, kept
+    only if it lowers the held-out error; integer paths only). ``residual_window``: recent tokens
+    kept in 16 bits by the runtime cache (recorded, counted in the budget; not used by Protocol A).
+    ``key_centering``: per-channel key mean for dynamic keys (``auto`` keeps it per head where it
+    helps on held-out). ``objective_k``: key objective of the integer search (``kl``,
+    ``centered``, ``out``, ``mse``).
     """
 
     corpus: str
@@ -58,8 +71,29 @@ class CalibrateConfig:
     max_queries: int = 128
     strict: bool = False
     overwrite: bool = False
+    preset: str = "fp8"
+    bits: float | None = None
+    sink_tokens: int | None = None
+    residual_window: int = 0
+    key_centering: str = "auto"
+    objective_k: str = "kl"
+    budget_context: int = 4096
 
     def __post_init__(self):
+        if self.preset not in PRESET_NAMES:
+            raise KvcalError(f"--preset {self.preset!r}: choose one of {', '.join(PRESET_NAMES)}")
+        if self.bits is not None and not 2.0 <= self.bits <= 16.0:
+            raise KvcalError(f"--bits {self.bits}: choose an average between 2 and 16 bits per cached element")
+        if self.sink_tokens is not None and self.sink_tokens < 0:
+            raise KvcalError("--sinks must be >= 0")
+        if self.residual_window < 0:
+            raise KvcalError("--residual-window must be >= 0")
+        if self.key_centering not in ("auto", "on", "off"):
+            raise KvcalError(f"--key-centering {self.key_centering!r}: choose auto, on or off")
+        if self.objective_k not in ("kl", "centered", "out", "mse"):
+            raise KvcalError(f"objective_k {self.objective_k!r}: choose kl, centered, out or mse")
+        if self.budget_context < 1:
+            raise KvcalError("budget_context must be >= 1 token")
         if self.format not in FORMATS:
             raise KvcalError(f"--format {self.format!r} is not supported by this calibrator; choose one of {', '.join(FORMATS)}")
         if self.granularity not in GRANULARITIES:
@@ -117,13 +151,15 @@ def run_capture(
     seed: int = 0,
     pad_id: int = 0,
     progress: bool = True,
+    stats_skip_first: int = 0,
 ) -> CaptureResult:
     """One forward pass over ``samples`` (1-D int64 token ids) through the decoder (no LM head).
 
     Statistics cover calibration samples only (held-out samples are seen by the held-out
     reservoir alone). Padding positions are masked out of every statistic. Raises
     ``FloatingPointError`` (layer named) on NaN/Inf activations and ``KvcalError`` if some
-    attention layer never fired.
+    attention layer never fired. ``stats_skip_first``: the first tokens of every sample (attention
+    sinks kept in 16 bits) are left out of the statistics (the reservoirs keep them).
     """
     from tqdm.auto import tqdm
 
@@ -140,7 +176,7 @@ def run_capture(
             raise KvcalError(f"attention layer index {layer} >= num_hidden_layers {num_layers}")
         result.scaling.setdefault(layer, attention_scaling(module, head_dim))
         mask = state["mask"]
-        stats.update(layer, q, k, v, mask & state["is_calib"][:, None])
+        stats.update(layer, q, k, v, mask & state["is_calib"][:, None] & state["pos_ok"][None, :])
         for row, (_slot, T) in state["keep"].items():
             state["pending"][row][layer] = (
                 q[row, :, :T].float().cpu().clone(), k[row, :, :T].float().cpu().clone(),
@@ -166,7 +202,7 @@ def run_capture(
                 slot = res.offer()
                 if slot is not None:
                     keep[r] = (slot, min(len(samples[i]), search_tokens))
-            state.update(mask=mask, is_calib=is_calib, keep=keep, pending={r: [None] * num_layers for r in keep})
+            state.update(mask=mask, is_calib=is_calib, pos_ok=torch.arange(L) >= stats_skip_first, keep=keep, pending={r: [None] * num_layers for r in keep})
             base(input_ids=ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
             for r, (slot, _) in keep.items():
                 i = idx[r]
@@ -230,6 +266,159 @@ def plan_from_choices(rows: list[dict], fmt: str, granularity: str, num_kv_heads
     return KVPlan(layers), layers_meta
 
 
+# ---- integer presets and bit allocation ---------------------------------------------------------
+
+@dataclass
+class IntSearchResult:
+    """What :func:`search_int` chose: the plan, per-layer metadata and a summary for the artifact."""
+
+    plan: object
+    layers_meta: list[dict]
+    summary: dict
+
+
+def _key_mean_bytes(res) -> int:
+    return 0 if res.plan.mean is None else int(res.plan.mean.numel()) * 4
+
+
+def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | None = None, sinks: int | None = None,
+               residual_window: int = 0, key_centering: str = "auto", objective_k: str = "kl",
+               max_queries: int = 128, budget_context: int = 4096, progress: bool = True,
+               cache: dict | None = None, log: Callable[[str], None] = lambda s: None) -> IntSearchResult:
+    """Integer KV plan from a capture: fixed ``preset`` specs, or per-layer specs under ``bits``.
+
+    Per layer and side the parameters come from :func:`kvcal.search.optimizer.search_side`
+    (clip ratios / static ranges / centering, guarded on held-out). With ``bits``, every menu spec
+    (:data:`kvcal.search.presets.ALLOC_MENU`) is first searched on a coarse grid to measure its
+    held-out attention-output error, :func:`kvcal.search.allocate.allocate` picks per-layer specs
+    under the exact byte budget at ``budget_context`` tokens, and the chosen specs are refined.
+    ``sinks``: ``None`` tries 1 sink token and keeps it only if the summed held-out output error
+    is lower than with 0. ``cache``: dict reused across calls on the same capture (benchmarks).
+    Raises :class:`KvcalError` for an infeasible budget.
+    """
+    from tqdm.auto import tqdm
+
+    from kvcal.formats.memory import cache_bytes
+    from kvcal.formats.spec import KVCacheConfig
+    from kvcal.plan import KVPlan, LayerPlan
+    from kvcal.search import allocate as al
+    from kvcal.search.optimizer import search_side, side_error
+    from kvcal.search.presets import ALLOC_MENU, INT_PRESETS, spec_label
+
+    cache = {} if cache is None else cache
+    L = len(cap.stats.k)
+    H, D = cap.stats.k[0].num_heads, cap.stats.k[0].head_dim
+    s_try = 1 if sinks is None else sinks
+    obj = {"k": objective_k, "v": "out"}
+
+    def caches(layer):
+        key = ("caches", layer, max_queries)
+        if key not in cache:
+            cache[key] = (_sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries),
+                          _sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else [])
+        return cache[key]
+
+    def run(layer, side, spec, refine):
+        key = ("search", layer, side, spec, refine, s_try, key_centering, obj[side], max_queries)
+        if key not in cache:
+            cal, held = caches(layer)
+            st = getattr(cap.stats, side)[layer].finalize()
+            cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
+                                     centering=key_centering if side == "k" else "off", refine=refine)
+        return cache[key]
+
+    t0 = time.perf_counter()
+    alloc_meta = None
+    if bits is not None:
+        items = []
+        for layer in tqdm(range(L), desc="sensitivity", disable=not progress):
+            for side in ("k", "v"):
+                rs = [run(layer, side, sp, False) for sp in ALLOC_MENU[side]]
+                costs = tuple(al.side_cost(sp, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r))
+                              for sp, r in zip(ALLOC_MENU[side], rs, strict=True))
+                items.append(al.Item(layer, side, ALLOC_MENU[side], costs, tuple(r.heldout_out for r in rs)))
+        budget = al.budget_bytes(bits, L, H, D, budget_context)
+        try:
+            choice = al.allocate(items, budget)
+        except ValueError as e:
+            raise KvcalError(f"--bits {bits}: {e}") from None
+        specs = [[None, None] for _ in range(L)]
+        for it, j in zip(items, choice, strict=True):
+            specs[it.layer][0 if it.side == "k" else 1] = it.specs[j]
+        alloc_meta = {"budget_bits": bits, "budget_context": budget_context, "budget_bytes": float(budget),
+                      "sensitivity": "held-out relative attention-output error per (layer, side, spec)",
+                      "menu": {s: [spec_label(sp) for sp in ALLOC_MENU[s]] for s in ("k", "v")},
+                      "table": [{"layer": it.layer, "side": it.side, "errors": [float(e) for e in it.errors],
+                                 "bytes": list(it.costs), "chosen": spec_label(it.specs[j])}
+                                for it, j in zip(items, choice, strict=True)]}
+    else:
+        specs = [list(INT_PRESETS[preset]) for _ in range(L)]
+    results = []
+    for layer in tqdm(range(L), desc="search", disable=not progress):
+        results.append({side: run(layer, side, specs[layer][i], True) for i, side in enumerate(("k", "v"))})
+    # sinks: keep only where the summed held-out output error says so
+    sink_meta = {"tried": s_try}
+    final_sinks = s_try
+    if sinks is None and s_try > 0:
+        tot = {0: 0.0, s_try: 0.0}
+        for layer, r in enumerate(results):
+            cal, held = caches(layer)
+            for side in ("k", "v"):
+                for n in (0, s_try):
+                    a, b = side_error(held or cal, side, r[side].plan, "out", n)
+                    tot[n] += float(a.sum() / b.sum())
+        final_sinks = s_try if tot[s_try] < tot[0] else 0
+        sink_meta.update({"heldout_out_sum_with": tot[s_try], "heldout_out_sum_without": tot[0]})
+    sink_meta["kept"] = final_sinks
+    plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
+                  sink_tokens=final_sinks)
+    configs = [KVCacheConfig(r["k"].spec, r["v"].spec, residual_window=residual_window, sink_tokens=final_sinks)
+               for r in results]
+    total = cache_bytes({"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H},
+                        configs, budget_context) + sum(_key_mean_bytes(r["k"]) for r in results)
+    avg = al.average_bits(total, L, H, D, budget_context)
+    if bits is not None:
+        assert avg <= bits + 1e-12, (avg, bits)
+    layers_meta = [{"layer": i, "k": r["k"].to_meta(), "v": r["v"].to_meta()} for i, r in enumerate(results)]
+    summary = {
+        "preset": preset if bits is None else None, "bits_budget": bits, "sinks": sink_meta,
+        "average_bits": avg, "average_bits_context": budget_context, "cache_bytes_at_context": total,
+        "key_bits_mean": sum(r["k"].spec.bits for r in results) / L,
+        "value_bits_mean": sum(r["v"].spec.bits for r in results) / L,
+        "centered_layers": [i for i, r in enumerate(results) if r["k"].plan.mean is not None],
+        "objective_k": obj["k"], "objective_v": "out", "search_seconds": round(time.perf_counter() - t0, 2),
+        "heldout": {s: {"chosen": sum(r[s].heldout for r in results) / L,
+                        "minmax": sum(r[s].heldout_minmax for r in results) / L} for s in ("k", "v")},
+    }
+    if alloc_meta is not None:
+        summary["allocation"] = alloc_meta
+    return IntSearchResult(plan, layers_meta, summary)
+
+
+def render_int_report(meta: dict) -> str:
+    """``report.md`` for integer artifacts: specs, parameters chosen per layer, held-out errors."""
+    kv, cal, m = meta["kv"], meta["calibration"], meta["model"]
+    rows = []
+    for lm in meta["layers"]:
+        k, v = lm["k"], lm["v"]
+        rows.append(f"| {lm['layer']} | {k['spec']['format']} {k['spec']['granularity']} | {', '.join(sorted(set(k['label'])))} | "
+                    f"{k['heldout']:.3e} | {k['heldout_minmax']:.3e} | {v['spec']['format']} {v['spec']['granularity']} | "
+                    f"{', '.join(sorted(set(v['label'])))} | {v['heldout']:.3e} | {v['heldout_minmax']:.3e} |")
+    return f"""# KV-cache calibration report (integer)
+
+- Model `{m["id"]}` ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); weights {m["weight_precision"]}.
+- Preset: {cal.get("preset")}; bit budget: {cal.get("bits_budget")}; average bits per cached element including all
+  metadata at {cal["average_bits_context"]} tokens: **{cal["average_bits"]:.4f}**.
+- Keys quantized {kv["key_position"].replace("_", "-")}; sink tokens in 16 bits: {kv["sink_tokens"]}; residual window (runtime): {kv["residual_window"]}.
+- Key objective: {cal["objective_k"]} (attention KL, nats/query, when `kl`); value objective: relative attention-output error.
+- Every choice is compared with plain min/max on held-out data and kept only where it is lower.
+
+| layer | K spec | K pick | K held-out | K min/max | V spec | V pick | V held-out | V min/max |
+|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+"""
+
+
 def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress: bool = True,
               model=None, tokenizer=None) -> dict:
     """Run the whole calibration and write the artifact; returns ``{"out", "metadata", "table"}``.
@@ -243,7 +432,9 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
     from kvcal.report.markdown import layer_table, render_calibration_report
 
-    out = cfg.out or f"artifacts/{(cfg.model or 'smollm2-135m').replace('/', '_')}-{cfg.format.split('_')[0]}"
+    int_path = cfg.bits is not None or cfg.preset != "fp8"
+    tag = (f"bits{cfg.bits:g}" if cfg.bits is not None else cfg.preset) if int_path else cfg.format.split('_')[0]
+    out = cfg.out or f"artifacts/{(cfg.model or 'smollm2-135m').replace('/', '_')}-{tag}"
     from pathlib import Path
 
     if Path(out).exists() and not cfg.overwrite:
@@ -268,7 +459,10 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         num_q_heads=int(conf.num_attention_heads), head_dim=head_dim_of(conf), batch_size=cfg.batch_size,
         reservoir=cfg.reservoir, heldout_reservoir=cfg.heldout_reservoir, search_tokens=cfg.search_tokens,
         seed=cfg.seed, pad_id=pad, progress=progress,
+        stats_skip_first=(1 if cfg.sink_tokens is None else cfg.sink_tokens) if int_path else 0,
     )
+    if int_path:
+        return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
     t1 = time.perf_counter()
     rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
     search_s = time.perf_counter() - t1
@@ -303,4 +497,52 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
     table = layer_table(meta)
     return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg)}
+
+
+def _corpus_meta(corpus, shape) -> dict:
+    return {"path": str(corpus.path), "sha256": corpus.sha256, "format": corpus.format,
+            "samples": shape["samples"], "tokens": shape["tokens"],
+            "length_percentiles": {k: shape[k] for k in ("p50", "p90", "p99", "max")},
+            "truncated": shape["truncated"]}
+
+
+def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress) -> dict:
+    """Integer preset / ``--bits`` branch of :func:`calibrate` (after capture)."""
+    from kvcal.artifact import write_artifact
+
+    res = search_int(cap, preset=None if cfg.bits is not None else cfg.preset, bits=cfg.bits,
+                     sinks=cfg.sink_tokens, residual_window=cfg.residual_window, key_centering=cfg.key_centering,
+                     objective_k=cfg.objective_k, max_queries=cfg.max_queries, budget_context=cfg.budget_context,
+                     progress=progress, log=log)
+    plan = res.plan
+    meta = {
+        "kvcal_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": mmeta,
+        "kv": plan.kv_metadata(),
+        "calibration": {
+            "method": "attention-aware integer search (clip ratios, static per-channel ranges, key centering, "
+                      "sinks" + (", bit allocation" if cfg.bits is not None else "") + ")",
+            **res.summary,
+            "selection": "coarse grid + scipy bounded refinement per KV head on the calibration split (errors "
+                         "summed over all sequences), then the lower held-out error of {chosen, plain min/max}",
+            "seed": cfg.seed, "max_seq_len": cfg.max_seq_len, "heldout_fraction": cfg.heldout_fraction,
+            "calib_samples": len(corpus.samples) - len(held_idx), "heldout_samples": len(held_idx),
+            "reservoir_sequences": {"calib": len(cap.calib.items), "heldout": len(cap.heldout.items)},
+            "search_tokens": cfg.search_tokens, "max_queries": cfg.max_queries,
+            "capture_seconds": round(cap.seconds, 2), "device": cfg.device,
+            "context_regime": f"prefill of samples up to {cfg.max_seq_len} tokens, batch {cfg.batch_size}",
+        },
+        "corpus": _corpus_meta(corpus, shape),
+        "layers": res.layers_meta,
+    }
+    report = render_int_report(meta)
+    path = write_artifact(out, plan.to_tensors(), meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
+    s = res.summary
+    table = (f"preset {s['preset']} bits {s['bits_budget']}: average {s['average_bits']:.4f} bits/element incl. "
+             f"metadata at {s['average_bits_context']} tokens; K bits {s['key_bits_mean']:.2f}, V bits "
+             f"{s['value_bits_mean']:.2f}; sinks {plan.sink_tokens}; held-out K {s['heldout']['k']['chosen']:.3e} "
+             f"(min/max {s['heldout']['k']['minmax']:.3e}), V {s['heldout']['v']['chosen']:.3e} "
+             f"(min/max {s['heldout']['v']['minmax']:.3e})")
+    return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg), "plan": plan}
 

@@ -51,6 +51,23 @@ def main():
               type=click.Choice(["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]), help="KV-cache storage format.")
 @click.option("--granularity", default="tensor", show_default=True, type=click.Choice(["tensor", "head"]),
               help="One scale per layer (tensor) or per KV head (head).")
+@click.option("--preset", default="fp8", show_default=True,
+              type=click.Choice(["fp8", "int8", "int4", "int2", "k4v2"]),
+              help="fp8: static FP8 scales (engine-loadable; --format/--granularity apply). int8: dynamic per-token "
+                   "int8 with calibrated clip ratios and key centering. int4: int4 keys static per channel, values "
+                   "per token. int2: KIVI-layout int2 with calibrated clips. k4v2: int4 keys, int2 values.")
+@click.option("--bits", default=None, type=float,
+              help="Average bits per cached element INCLUDING scales/zero points/sinks/metadata; per-layer K/V "
+                   "formats are allocated from measured sensitivity (overrides --preset).")
+@click.option("--sinks", "sinks", default=None, type=int,
+              help="First tokens kept in 16 bits and excluded from statistics [integer paths; default: 1 if it "
+                   "helps on held-out data].")
+@click.option("--residual-window", default=0, show_default=True, type=int,
+              help="Recent tokens the runtime cache keeps in 16 bits (recorded, counted in --bits).")
+@click.option("--key-centering", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
+              help="Per-channel key mean subtraction for dynamic keys (auto: per head where it helps on held-out).")
+@click.option("--budget-context", default=4096, show_default=True, type=int,
+              help="Context (tokens) at which --bits amortizes per-layer metadata and sink tokens.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--batch-size", default=8, show_default=True, type=int)
@@ -58,15 +75,16 @@ def main():
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @user_errors
-def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, device, seed, batch_size,
-              strict, overwrite, quiet):
-    """Calibrate static K/V scales on a deployment corpus and write an artifact."""
+def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
+              key_centering, budget_context, device, seed, batch_size, strict, overwrite, quiet):
+    """Calibrate K/V quantization on a deployment corpus and write an artifact."""
     from kvcal.calibrate import CalibrateConfig
     from kvcal.calibrate import calibrate as run
 
     cfg = CalibrateConfig(corpus=corpus, out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
                           format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
-                          strict=strict, overwrite=overwrite)
+                          strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
+                          residual_window=residual_window, key_centering=key_centering, budget_context=budget_context)
     res = run(cfg, log=click.echo, progress=not quiet)
     click.echo(res["table"])
     click.echo(f"artifact: {res['out']}  (kv_scales.safetensors, report.md)")
@@ -230,3 +248,66 @@ def report_cmd(artifact, eval_json, out):
 
     res = write_report(artifact, eval_json, out)
     click.echo(f"wrote {res['markdown']} ({len(res['figures'])} figures) and {res['html']}")
+
+
+# ---- evaluate ----------------------------------------------------------------------------------
+def _int_list(ctx, param, value):
+    try:
+        out = [int(x) for x in str(value).split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not out:
+        raise click.BadParameter("give at least one value")
+    return tuple(out)
+
+
+@main.command("evaluate")
+@click.option("--artifact", required=True, type=click.Path(), help="kvcal artifact directory under test.")
+@click.option("--corpus", required=True, type=click.Path(), help="Evaluation text (.txt, tokenized at once) or JSONL corpus.")
+@click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
+@click.option("--context", "contexts", default="1024", show_default=True, callback=_int_list,
+              help="Context regimes in tokens, comma-separated (up to the model's maximum, e.g. 1024,4096,8192).")
+@click.option("--batch", "batches", default="1", show_default=True, callback=_int_list,
+              help="Batch (concurrency) regimes for decode mode, comma-separated (e.g. 1,8).")
+@click.option("--windows", default=8, show_default=True, type=int, help="Evaluation windows per context.")
+@click.option("--decode-tokens", default=128, show_default=True, type=int,
+              help="Positions decoded one token at a time through the runtime cache after each prefill.")
+@click.option("--greedy-tokens", default=32, show_default=True, type=int,
+              help="Greedy-generation agreement length (0 disables).")
+@click.option("--mode", "modes", default="teacher_forced,decode", show_default=True,
+              help="teacher_forced and/or decode, comma-separated.")
+@click.option("--baselines/--no-baselines", default=True, show_default=True,
+              help="Evaluate 16-bit, FP8 unity, FP8 absmax and KIVI int4/int2 side by side.")
+@click.option("--accept", default=None,
+              help="Acceptance criteria for every method, e.g. 'kl_mean<=2e-3,delta_ppl<=0.05' "
+                   "[default: per precision, see kvcal.evaluate.DEFAULT_ACCEPT].")
+@click.option("--json", "json_path", default=None, type=click.Path(), help="Write every figure as JSON (kvcal-eval/1).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@user_errors
+def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tokens, greedy_tokens, modes,
+                 baselines, accept, json_path, device, quiet):
+    """Evaluate an artifact teacher-forced (Protocol A) and in decode mode through the runtime cache;
+    exit 1 when the artifact fails its acceptance criteria."""
+    from pathlib import Path
+
+    from kvcal.evaluate import EvalConfig, evaluate, render_table, to_json
+
+    cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
+                     windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
+                     accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device)
+    doc = evaluate(cfg, log=(lambda s: None) if quiet else click.echo, progress=not quiet)
+    click.echo(render_table(doc))
+    for note in doc["notes"]:
+        click.echo(f"note: {note}")
+    if json_path:
+        p = Path(json_path)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(to_json(doc), encoding="utf-8")
+        except OSError as e:
+            raise KvcalError(f"cannot write {p}: {e}") from None
+        click.echo(f"wrote {p}")
+    click.echo(f"artifact: {'PASS' if doc['passed'] else 'FAIL'}")
+    if not doc["passed"]:
+        sys.exit(1)

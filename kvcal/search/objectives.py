@@ -2,20 +2,37 @@
 
 Shapes for one layer and one sequence: ``q [H_q, T, D]`` (post-RoPE queries, all heads),
 ``k, v [H_kv, T, D]`` (post-RoPE keys and values as cached). Query head ``j`` reads KV head
-``j // (H_q // H_kv)`` (GQA). Scores are ``q·kᵀ · scaling`` with a causal mask.
+``j // (H_q // H_kv)`` (GQA). Scores are ``s_ij = q_i·k_jᵀ · scaling`` for ``j <= i`` (causal),
+``P = softmax(s)`` over the visible keys, ``O = P·V``. Quantized tensors wear a hat.
 
-* **Keys — attention KL** (nats): ``KL(P ‖ P̂)`` of each query's causal attention distribution with
-  exact vs quantized keys, summed over the query heads of each KV head's group and the evaluated
-  query positions. Key error acts before softmax, so this is what the model sees.
-* **Keys — centered score error**: ``Δs = q·(k̂ − k)ᵀ·scaling`` minus its mean over the keys each
-  query can see (softmax ignores a per-query constant); sum of squares. Cheaper proxy
-  (HeadQ/SMAQ 2026, see ``shared/docs/prior-art.md``).
-* **Values — attention-output error**: ``‖P·(V̂ − V)‖²`` relative to ``‖P·V‖²`` with the real
-  attention weights ``P`` (value error enters after softmax, through the weighted sum).
-* **Tensor MSE**: ``‖x̂ − x‖²``, kept only as a comparison (what llm-compressor's ``mse`` observer uses).
+* **Keys — attention KL** (nats; what the model sees, since key error acts *before* softmax)::
+
+      KL_i = Σ_j P_ij (log P_ij − log P̂_ij),   P̂ = softmax(q·k̂ᵀ·scaling)
+
+  summed over the query heads of each KV head's group and the evaluated query positions.
+  Source: the attention-KL criterion of KVQuant's / HeadQ's analyses; kvcal uses it as the
+  primary key objective (``shared/docs/prior-art.md``, "Attention-visible error").
+* **Keys — centered score error** (cheaper proxy)::
+
+      Δs_ij = q_i·(k̂_j − k_j)ᵀ·scaling,   e = Σ_i Σ_{j<=i} (Δs_ij − mean_{j'<=i} Δs_ij')²
+
+  softmax ignores a per-query constant, so the mean over the visible keys is removed (HeadQ /
+  SMAQ 2026). To second order ``KL_i ≈ ½ Var_{P_i}(Δs_i)``; this proxy weights keys uniformly.
+* **Keys — output error** (used by bit allocation, same unit as the value objective)::
+
+      e = Σ_i ‖(P̂_i − P_i)·V‖² / Σ_i ‖P_i·V‖²
+
+* **Values — attention-output error** (value error enters after softmax, through the weighted
+  sum; weights ∝ P², SMAQ/HeadQ)::
+
+      e = Σ_i ‖P_i·(V̂ − V)‖² / Σ_i ‖P_i·V‖²
+
+* **Tensor MSE**: ``Σ (x̂ − x)² / Σ x²``, kept only as a comparison (llm-compressor's ``mse``
+  observer minimizes ``Σ|x̂ − x|^2.4``; ModelOpt's weight MSE search).
 
 Errors are returned as per-KV-head *sums* with their normalizers, so errors over the whole
 calibration split are summed before any choice (never an average of per-batch optima).
+:meth:`SequenceCache.head` gives a one-KV-head view, so per-head scalar searches cost ``1/H_kv``.
 """
 
 from __future__ import annotations
@@ -105,3 +122,19 @@ class SequenceCache:
 
     def value_error(self, v_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return output_error(self.p, self.v, v_hat)
+
+    def key_output_error(self, k_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Σ‖(P̂−P)·V‖², Σ‖P·V‖²)`` per KV head (float64 ``[H_kv]``) for quantized keys."""
+        p_hat = torch.softmax(causal_scores(self.q, k_hat, self.scaling, self.qpos), dim=-1)
+        o = torch.einsum("hgqt,htd->hgqd", self.p, self.v.float())
+        do = torch.einsum("hgqt,htd->hgqd", p_hat - self.p, self.v.float())
+        return (do * do).sum(dim=(1, 2, 3)).double(), (o * o).sum(dim=(1, 2, 3)).double()
+
+    def head(self, h: int) -> SequenceCache:
+        """A view restricted to KV head ``h`` (and its query group); no recomputation."""
+        g = self.q.shape[0] // self.k.shape[0]
+        out = object.__new__(SequenceCache)
+        out.q, out.k, out.v, out.scaling = self.q[h * g : (h + 1) * g], self.k[h : h + 1], self.v[h : h + 1], self.scaling
+        out.qpos, out.scores, out.logp, out.p = self.qpos, self.scores[h : h + 1], self.logp[h : h + 1], self.p[h : h + 1]
+        out.num_queries = self.num_queries
+        return out

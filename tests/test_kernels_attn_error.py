@@ -1,0 +1,75 @@
+"""Fused attention-KL kernel: Triton (under TRITON_INTERPRET=1) vs the torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvcal.formats.granularity import PerChannel, PerHead, PerToken, PerTokenGroup
+from kvcal.formats.spec import TensorQuantSpec
+from kvcal.kernels import attn_error
+from kvcal.search.objectives import SequenceCache
+from kvcal.search.optimizer import make_plan
+
+
+def _cache(seed=0, Hq=4, Hk=2, T=40, D=16, tq=11):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(Hq, T, D, generator=g) * 2
+    k = torch.randn(Hk, T, D, generator=g) + torch.linspace(-2, 3, D)  # channel offsets
+    k[:, :, 3] *= 6  # an outlier channel
+    v = torch.randn(Hk, T, D, generator=g)
+    return SequenceCache(q, k, v, D**-0.5, tq)
+
+
+def _stats(c):
+    k = c.k
+    return {"min": k.amin(1).double(), "max": k.amax(1).double(), "mean": k.mean(1).double(),
+            "std": k.std(1).double()}
+
+
+PLANS = {
+    "static_channel_asym": lambda c: make_plan(TensorQuantSpec("int4", PerChannel(), symmetric=False),
+                                               torch.tensor([0.9, 0.8]), family="shrink", stats=_stats(c)),
+    "static_head_sym": lambda c: make_plan(TensorQuantSpec("int8", PerChannel(), symmetric=True),
+                                           torch.tensor([3.0, 2.0]), family="std", stats=_stats(c)),
+    "dyn_token_asym_clip_center": lambda c: make_plan(TensorQuantSpec("int4", PerTokenGroup(64), symmetric=False),
+                                                      torch.tensor([0.9, 0.75]), mean=c.k.mean(1)),
+    "dyn_token_sym_fp32": lambda c: make_plan(TensorQuantSpec("int4", PerToken(), symmetric=True,
+                                                              scale_dtype=torch.float32), torch.tensor([1.0, 0.8])),
+}
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+@pytest.mark.parametrize("sinks", [0, 1])
+def test_triton_parity(interpret, name, sinks):
+    c = _cache()
+    plan = PLANS[name](c)
+    ref = attn_error.key_kl_torch(c, plan, sinks)
+    got = attn_error.key_kl(c, plan, sinks, backend="triton")
+    assert got.shape == ref.shape == (2,)
+    assert torch.isfinite(got).all() and (ref > 0).all()
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-6)
+
+
+def test_dispatch_falls_back_for_unsupported_and_cpu_auto():
+    c = _cache(1)
+    grouped = make_plan(TensorQuantSpec("int4", PerTokenGroup(8), symmetric=False), torch.tensor([1.0, 1.0]))
+    assert attn_error.triton_supports(grouped, 16) is not None
+    fp8 = TensorQuantSpec("fp8_e4m3", PerHead())
+    from kvcal.plan import SidePlan
+
+    assert attn_error.triton_supports(SidePlan(fp8, scale=torch.ones(1, 2, 1, 1)), 16) is not None
+    # auto on CPU tensors uses the torch reference: identical numbers
+    assert torch.equal(attn_error.key_kl(c, grouped, 0), attn_error.key_kl_torch(c, grouped, 0))
+    with pytest.raises(ValueError, match="backend"):
+        attn_error.key_kl(c, grouped, 0, backend="cuda")
