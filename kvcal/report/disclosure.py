@@ -72,6 +72,17 @@ class Report:
     def add(self, *blocks) -> None:
         self.blocks.extend(b for b in blocks if b is not None)
 
+    def section(self, heading: str) -> Report:
+        """The blocks from the level-2 heading starting with ``heading`` up to the next one, as a
+        title-less :class:`Report` (empty when absent) — used by the review notebook."""
+        out, inside = Report(""), False
+        for b in self.blocks:
+            if isinstance(b, Heading) and b.level <= 2:
+                inside = b.text.startswith(heading)
+            if inside:
+                out.blocks.append(b)
+        return out
+
 
 # ---- formatting helpers ----------------------------------------------------------------------
 def _num(x, spec: str = ".4g") -> str:
@@ -349,7 +360,7 @@ def _md_cell(s: str) -> str:
 def to_markdown(rep: Report, figure_dir: str | None = "figures") -> str:
     """Markdown text; figures link ``{figure_dir}/{name}.png`` (or are embedded as data URIs when
     ``figure_dir`` is None)."""
-    out = [f"# {rep.title}", ""]
+    out = [f"# {rep.title}", ""] if rep.title else []
     for b in rep.blocks:
         if isinstance(b, Heading):
             out += ["#" * b.level + " " + b.text, ""]
