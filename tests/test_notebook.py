@@ -58,7 +58,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     text = "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/markdown", "")) for o in outs)
     assert f"artifact: {art}" in text
     assert "**Quantized tensors: K and V**" in text and "Weight precision" in text
-    assert "| length p50 | 280 | 8,192 |" in text
+    assert "| length p50 | 280 | 1,024 |" in text
     assert "**Verdict for `artifact`: PASS**" in text
     assert "keys: 4 outlier channel(s)" in text
     pngs = [o for o in outs if "image/png" in o.get("data", {})]

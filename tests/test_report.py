@@ -32,7 +32,9 @@ def test_report_states_the_disclosure_items(full_report):
     assert "## Model weights (separate from the KV cache)" in md
     assert "**Weight precision: GGUF Q4_1 weights, dequantized to float32 for computation.**" in md
     # corpora side by side, with the relation spelled out
-    assert "| length p50 | 280 | 8,192 |" in md and "| length p99 | 512 | 8,192 |" in md
+    # evaluation lengths come from its windows: 8 x 1024 + 2 x 4096 -> p50 1024, p90 4096 (nearest rank)
+    assert "| length p50 | 280 | 1,024 |" in md and "| length p90 | 480 | 4,096 |" in md
+    assert "| samples / windows | 64 | 10 |" in md and "| evaluation windows | – | 8 × 1024 tok, 2 × 4096 tok |" in md
     assert "Different corpora: calibration `chat` vs evaluation `wiki`" in md
     assert "Evaluation contexts reach 4096 tokens while calibration samples were capped at 512" in md
     # regimes
@@ -44,8 +46,14 @@ def test_report_states_the_disclosure_items(full_report):
     assert "**Verdict for `artifact`: PASS**" in md
     assert re.search(r"\| fp8-absmax \| teacher_forced \| 1,024 \| 1 \| 16\.0600 \| \+0\.0600 .*\*\*FAIL\*\*", md)
     assert re.search(r"\| \*\*artifact\*\* \| decode \| 4,096 \| 1 \| .*\*\*PASS\*\* \| kl_mean<=2e-3", md)
-    assert "| 16-bit | teacher_forced | 1,024 |" in md
+    assert "| 16-bit | teacher_forced | 1,024 | 1 | 16.0000 | +0.0000 | 0.000e+00 | 0.000e+00 | 1.0000 | 1.000 | 4,000 | REFERENCE |" in md
+    assert "| **artifact** | artifact | K fp8_e4m3 head, V fp8_e4m3 head | 8 | kl_mean<=2e-3, delta_ppl<=0.05 |" in md
+    assert "| fp8-absmax | baseline |" in md
+    assert "| artifact | 1,024 | 1 | 1,024 | 131,136 | 131,136 | yes |" in md  # runtime vs accounting
+    assert "| fp8-absmax | 128 | 2.00× smaller |" in md
+    assert "Device: cpu; throughput: not measured (CPU run: memory and quality only)." in md
     assert "CPU run: memory and quality only" in md
+    assert "the evaluation ran the model with weights" not in md
     assert set(full_report.figures) == FIGS
     assert "Not drawn" not in md
 
@@ -91,12 +99,22 @@ def test_failing_artifact_is_reported_as_failure():
     ev = make_eval()
     for r in ev["results"]:
         if r["method"] == "artifact" and r["mode"] == "decode" and r["context"] == 4096:
-            r.update(status="FAIL", kl_mean=9e-3)
+            r.update(status="FAIL", kl_mean=9e-3, failed=["kl_mean<=2e-3"])
+    ev["description"]["weight_precision"] = "bfloat16 weights"
     rep = build_report(make_meta(), ev, figures=False)
     md = to_markdown(rep)
-    assert "**Verdict for `artifact`: FAIL** — failed at decode ctx 4096 batch 1." in md
+    assert "**Verdict for `artifact`: FAIL** — failed at decode ctx 4096 batch 1 (kl_mean<=2e-3)." in md
+    assert "**Note:** the evaluation ran the model with weights `bfloat16 weights`, calibration with" in md
     assert "Acceptance: **FAIL** for `artifact`." in md
     assert 'style="background:#fde8e8"' in to_html(rep)
+
+
+def test_window_percentiles():
+    assert D._window_percentiles({"1024": 8, "4096": 2}) == {"p50": 1024, "p90": 4096, "p99": 4096, "max": 4096}
+    assert D._window_percentiles({"512": 1}) == {"p50": 512, "p90": 512, "p99": 512, "max": 512}
+    assert D.tested_method({"results": [{"method": "artifact"}]}) == "artifact"
+    assert D.tested_method({"artifact": {"method": "mine"}}) == "mine"
+    assert D.tested_method({"methods": {"x": {"role": "baseline"}, "y": {"role": "artifact"}}}) == "y"
 
 
 def test_k_only_and_same_corpus():

@@ -76,31 +76,51 @@ def make_artifact(path, **kw):
 
 
 _RESULT = {"ppl": 16.0, "delta_ppl": 0.0, "kl_mean": 0.0, "kl_p999": 0.0, "top1_agree": 1.0,
-           "greedy_agree": 1.0, "tokens": 4000, "status": None, "criteria": None}
+           "greedy_agree": 1.0, "greedy_prefix": 1.0, "tokens": 4000, "windows": 2, "seconds": 1.0}
+_CRIT = "kl_mean<=2e-3,delta_ppl<=0.05"
 
+# shaped like kvcal/evaluate.py's documented "kvcal-eval/1" JSON
 EVAL = {
-    "schema": "kvcal-eval/1",
-    "artifact": {"path": "artifacts/tiny-fp8", "method": "artifact"},
-    "corpus": {"path": "shared/data/wiki.txt", "sha256": "ef" * 32, "format": "txt", "samples": 8,
-               "tokens": 65536, "p50": 8192, "p90": 8192, "p99": 8192, "max": 8192},
-    "model": {"id": "tiny-llama"},
+    "schema": "kvcal-eval/1", "kvcal_version": "0.1.0", "created": "2025-01-02T00:00:00+00:00",
+    "passed": True, "exit_code": 0,
+    "artifact": {"path": "artifacts/tiny-fp8", "kv": {}, "calibration": None, "corpus": None},
+    "model": {"id": "tiny-llama", "num_layers": L, "num_kv_heads": H, "head_dim": D,
+              "weight_precision": "GGUF Q4_1 weights, dequantized to float32 for computation"},
+    "corpus": {"path": "shared/data/wiki.txt", "sha256": "ef" * 32, "kind": "txt", "tokens": 65536,
+               "windows": {"1024": 8, "4096": 2}, "window_source": "whole file tokenized at once (no BOS)",
+               "eval_tokens": {"1024": {"teacher_forced": 8184, "decode": 512}}},
     "regimes": [{"context": 1024, "batch": 1}, {"context": 4096, "batch": 1}],
+    "methods": {
+        "16-bit": {"role": "reference", "label": "unquantized K/V (float32)", "bits": 16, "criteria": ""},
+        "fp8-absmax": {"role": "baseline", "label": "K fp8_e4m3 tensor, V fp8_e4m3 tensor", "bits": 8,
+                       "criteria": _CRIT},
+        "artifact": {"role": "artifact", "label": "K fp8_e4m3 head, V fp8_e4m3 head", "bits": 8, "criteria": _CRIT},
+    },
     "results": [],
-    "per_layer": {"artifact": {"k_attention_kl": [1e-4, 2e-4, 3e-4, 4e-4], "v_output_error": [1e-3] * 4},
+    "per_layer": {"artifact": {"k_attention_kl": [1e-4, 2e-4, 3e-4, 4e-4], "v_output_error": [1e-3] * 4,
+                               "tokens": 512, "queries": 512},
                   "fp8-absmax": {"k_attention_kl": [2e-4, 3e-4, 4e-4, 9e-4], "v_output_error": [2e-3] * 4}},
-    "memory": {"bytes_per_token": {"16-bit": 256, "artifact": 128}, "cache_bytes": {}},
+    "memory": {"bytes_per_token": {"fp8-absmax": 128.0, "artifact": 128.0}, "bytes_per_token_16bit": 256,
+               "cache_bytes": {"artifact": [{"context": 1024, "batch": 1, "bytes": 131136, "vs_16bit": 0.5}]},
+               "measured": [{"method": "artifact", "context": 1024, "batch": 1, "cache_tokens": 1024,
+                             "allocated_bytes": 131136, "expected_bytes": 131136}]},
+    "description": {"weight_precision": "GGUF Q4_1 weights, dequantized to float32 for computation",
+                    "device": "cpu", "throughput": "not measured (CPU run: memory and quality only)",
+                    "decode_tokens": 64, "greedy_tokens": 16, "context_regimes": [1024, 4096],
+                    "batch_regimes": [1]},
     "notes": ["CPU run: memory and quality only, no throughput."],
 }
 for _ctx in (1024, 4096):
     for _m, _mode, _dppl, _kl, _st in (
-        ("16-bit", "teacher_forced", 0.0, 0.0, None),
+        ("16-bit", "teacher_forced", 0.0, 0.0, "REFERENCE"),
         ("fp8-absmax", "teacher_forced", 0.06, 3e-3, "FAIL"),
         ("artifact", "teacher_forced", 0.02, 1e-3, "PASS"),
         ("artifact", "decode", 0.03, 1.5e-3, "PASS"),
     ):
         EVAL["results"].append({**_RESULT, "method": _m, "mode": _mode, "context": _ctx, "batch": 1,
                                 "ppl": 16.0 + _dppl, "delta_ppl": _dppl, "kl_mean": _kl, "kl_p999": 10 * _kl,
-                                "status": _st, "criteria": {"kl_mean": "<=2e-3", "delta_ppl": "<=0.05"} if _st else None})
+                                "status": _st, "criteria": "" if _st == "REFERENCE" else _CRIT,
+                                "failed": ["kl_mean<=2e-3", "delta_ppl<=0.05"] if _st == "FAIL" else []})
 
 
 def make_eval(**changes) -> dict:

@@ -165,14 +165,30 @@ def mean_or_none(xs) -> float | None:
 
 # ---- evaluation results ----------------------------------------------------------------------
 def tested_method(ev: dict | None) -> str | None:
-    """Name of the method that is the artifact under test (``artifact.method`` / ``name``)."""
+    """Name of the method that is the artifact under test: the ``methods`` entry with role
+    ``"artifact"``, else ``artifact.method`` / ``name``, else a result row named ``"artifact"``."""
     if not ev:
         return None
+    for name, m in (ev.get("methods") or {}).items():
+        if isinstance(m, dict) and m.get("role") == "artifact":
+            return name
     a = ev.get("artifact") or {}
-    for key in ("method", "name", "label"):
+    for key in ("method", "name"):
         if isinstance(a.get(key), str):
             return a[key]
+    if any(isinstance(r, dict) and r.get("method") == "artifact" for r in ev.get("results") or []):
+        return "artifact"
     return None
+
+
+def methods_rows(ev: dict | None) -> list[dict]:
+    """``[{"name", "role", "label", "bits", "criteria"}]`` from the evaluation's ``methods``."""
+    out = []
+    for name, m in ((ev or {}).get("methods") or {}).items():
+        if isinstance(m, dict):
+            out.append({"name": name, "role": m.get("role"), "label": m.get("label"), "bits": m.get("bits"),
+                        "residual_window": m.get("residual_window"), "criteria": m.get("criteria")})
+    return out
 
 
 def results(ev: dict | None) -> list[dict]:
@@ -181,7 +197,9 @@ def results(ev: dict | None) -> list[dict]:
         return []
     rows = []
     for r in ev.get("results") or []:
-        row = {k: r.get(k) for k in ("method", "mode", "context", "batch", "status", "criteria", *METRICS)}
+        if not isinstance(r, dict):
+            continue
+        row = {k: r.get(k) for k in ("method", "mode", "context", "batch", "status", "criteria", "failed", *METRICS)}
         rows.append(row)
     order = {"teacher_forced": 0, "decode": 1}
     return sorted(rows, key=lambda r: (order.get(r["mode"], 2), r["context"] or 0, r["batch"] or 0, str(r["method"])))
@@ -242,20 +260,46 @@ def criteria_text(c) -> str:
         return ", ".join(f"{k}{v}" if isinstance(v, str) and v[:1] in "<>=" else f"{k}<={v}" for k, v in c.items())
     if isinstance(c, (list, tuple)):
         return ", ".join(map(str, c))
-    return str(c)
+    return ", ".join(p.strip() for p in str(c).split(",") if p.strip())
 
 
 # ---- corpora ---------------------------------------------------------------------------------
+def _window_percentiles(windows: dict) -> dict:
+    """Nearest-rank length percentiles of evaluation windows ``{"<length>": count}``."""
+    lengths = sorted((int(k), int(v)) for k, v in windows.items() if int(v) > 0)
+    n = sum(v for _, v in lengths)
+    out = {}
+    for name, q in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100)):
+        rank, acc = max(1, -(-q * n // 100)), 0
+        for length, count in lengths:
+            acc += count
+            if acc >= rank:
+                out[name] = length
+                break
+    return out
+
+
 def corpus_summary(c: dict | None) -> dict:
-    """Normalise a corpus section (artifact: ``length_percentiles`` nested; evaluation: flat)."""
+    """Normalise a corpus section: the artifact's (``length_percentiles`` nested), or the
+    evaluation's (flat percentiles, or ``windows`` ``{"<context>": count}`` from which the window
+    length percentiles are read; ``kind`` is its format)."""
     c = c or {}
-    pct = c.get("length_percentiles") or {}
+    pct = dict(c.get("length_percentiles") or {})
+    windows = c.get("windows") if isinstance(c.get("windows"), dict) else None
+    from_windows = bool(windows) and not any(k in c or k in pct for k in ("p50", "max"))
+    if from_windows:
+        pct = _window_percentiles(windows)
     get = lambda k: c.get(k, pct.get(k))  # noqa: E731
     path = c.get("path")
+    samples = c.get("samples")
+    if samples is None and windows:
+        samples = sum(int(v) for v in windows.values())
     return {"path": path, "domain": c.get("domain") or (Path(path).stem if path else None),
-            "sha256": c.get("sha256"), "format": c.get("format"), "samples": c.get("samples"),
+            "sha256": c.get("sha256"), "format": c.get("format") or c.get("kind"), "samples": samples,
             "tokens": c.get("tokens"), "p50": get("p50"), "p90": get("p90"), "p99": get("p99"),
-            "max": get("max"), "truncated": c.get("truncated")}
+            "max": get("max"), "truncated": c.get("truncated"),
+            "windows": ", ".join(f"{n} × {k} tok" for k, n in sorted(windows.items(), key=lambda kv: int(kv[0])))
+            if windows else None, "lengths_from_windows": from_windows, "source": c.get("window_source")}
 
 
 def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_contexts: list[int]) -> list[str]:

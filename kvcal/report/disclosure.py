@@ -152,7 +152,7 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
     rep.add(Bullets(items))
 
 
-def _weights(rep: Report, meta: dict) -> None:
+def _weights(rep: Report, meta: dict, ev: dict | None) -> None:
     m = meta.get("model") or {}
     rep.add(Heading("Model weights (separate from the KV cache)"))
     kv_fmts = " / ".join(f"{'K' if r['side'] == 'k' else 'V'} {r['format']}" for r in D.side_rows(meta))
@@ -162,15 +162,20 @@ def _weights(rep: Report, meta: dict) -> None:
         f"**Weight precision: {m.get('weight_precision', 'not recorded')}.**",
         f"The KV-cache precision ({kv_fmts}) is a separate choice: the figures below change only the cache.",
     ]))
+    ew = ((ev or {}).get("description") or {}).get("weight_precision") or ((ev or {}).get("model") or {}).get(
+        "weight_precision")
+    if ew and ew != m.get("weight_precision"):
+        rep.add(Para(f"**Note:** the evaluation ran the model with weights `{ew}`, calibration with "
+                     f"`{m.get('weight_precision', 'not recorded')}`."))
 
 
 def _corpora(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
-    cal = D.corpus_summary(meta.get("corpus"))
+    cal = D.corpus_summary(meta.get("corpus") or ((ev or {}).get("artifact") or {}).get("corpus"))
     evc = D.corpus_summary(ev.get("corpus")) if ev and ev.get("corpus") else None
     rep.add(Heading("Calibration and evaluation corpora"))
     fields = [("path", "path"), ("domain", "domain"), ("format", "format"), ("sha256", "sha256"),
-              ("samples", "samples"), ("tokens", "tokens"), ("p50", "length p50"), ("p90", "length p90"),
-              ("p99", "length p99"), ("max", "length max"), ("truncated", "truncated")]
+              ("samples", "samples / windows"), ("tokens", "tokens"), ("p50", "length p50"), ("p90", "length p90"),
+              ("p99", "length p99"), ("max", "length max"), ("truncated", "truncated"), ("windows", "evaluation windows")]
 
     def cell(c, k):
         if c is None:
@@ -185,6 +190,9 @@ def _corpora(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
     rep.add(Table(["", "calibration", "evaluation"], [[lab, cell(cal, k), cell(evc, k)] for k, lab in fields]))
     cal_meta = meta.get("calibration") or {}
     items = D.corpus_relation(cal, evc, cal_meta.get("max_seq_len"), reg["contexts"])
+    if evc and evc["lengths_from_windows"]:
+        items.append("Evaluation lengths are its window lengths (the corpus is cut into fixed-size windows"
+                     + (f": {evc['source']}" if evc.get("source") else "") + ").")
     if cal_meta:
         items.append(f"Calibration split: {_num(cal_meta.get('calib_samples'))} calibration / "
                      f"{_num(cal_meta.get('heldout_samples'))} held-out samples (seed {_num(cal_meta.get('seed'))}); "
@@ -202,6 +210,12 @@ def _regimes(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
                      f"modes: {', '.join(reg['modes']) or 'none recorded'}.")
         if reg["pairs"]:
             items.append("Context × batch pairs run: " + ", ".join(f"{c}×{b}" for c, b in reg["pairs"]) + ".")
+        desc = ev.get("description") or {}
+        if desc.get("decode_tokens") is not None:
+            items.append(f"Decode mode: {desc['decode_tokens']} positions per window fed one token at a time through "
+                         f"the quantized cache; greedy agreement over {desc.get('greedy_tokens', '?')} generated tokens.")
+        if desc.get("device") or desc.get("throughput"):
+            items.append(f"Device: {desc.get('device', '?')}; throughput: {desc.get('throughput', 'not recorded')}.")
     else:
         items.append("No evaluation given: quality at serving contexts/concurrency is **not** established by this "
                      "report (run `kvcal evaluate --json` and re-render with `--eval`).")
@@ -229,8 +243,19 @@ def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict) -> dict | None:
     rep.add(Table(["context", "batch", "cache bytes", "cache", "16-bit", "saving"], rows))
     em = (ev or {}).get("memory")
     if isinstance(em, dict) and isinstance(em.get("bytes_per_token"), dict) and em["bytes_per_token"]:
-        rep.add(Para("Bytes per token reported by the evaluation run, per method:"))
-        rep.add(Table(["method", "bytes/token"], [[str(k), _num(v, "g")] for k, v in em["bytes_per_token"].items()]))
+        b16 = em.get("bytes_per_token_16bit")
+        rep.add(Para("Bytes per token of every method in the evaluation run"
+                     + (f" (16-bit: {_num(b16, 'g')})" if b16 else "") + ":"))
+        rep.add(Table(["method", "bytes/token", "vs 16-bit"],
+                      [[str(k), _num(v, "g"), f"{b16 / v:.2f}× smaller" if b16 and v else "–"]
+                       for k, v in em["bytes_per_token"].items()]))
+    meas = [x for x in (em or {}).get("measured") or [] if isinstance(x, dict)] if isinstance(em, dict) else []
+    if meas:
+        rep.add(Para("Runtime cache allocation measured during decode vs the accounting:"))
+        rep.add(Table(["method", "context", "batch", "cache tokens", "allocated bytes", "accounting", "equal"],
+                      [[str(x.get("method")), _num(x.get("context")), _num(x.get("batch")), _num(x.get("cache_tokens")),
+                        _num(x.get("allocated_bytes")), _num(x.get("expected_bytes")),
+                        "yes" if x.get("allocated_bytes") == x.get("expected_bytes") else "**no**"] for x in meas]))
     return mem
 
 
@@ -246,8 +271,16 @@ def _quality(rep: Report, ev: dict | None) -> None:
         who = f"`{v['method']}`" if v["method"] else "judged methods"
         extra = ""
         if v["failed"]:
-            extra = " — failed at " + ", ".join(f"{r['mode']} ctx {r['context']} batch {r['batch']}" for r in v["failed"])
+            extra = " — failed at " + ", ".join(
+                f"{r['mode']} ctx {r['context']} batch {r['batch']}"
+                + (f" ({', '.join(map(str, r['failed']))})" if r.get("failed") else "") for r in v["failed"])
         rep.add(Para(f"**Verdict for {who}: {v['status']}**{extra}."))
+    mrows = D.methods_rows(ev)
+    if mrows:
+        rep.add(Table(["method", "role", "cache format", "bits", "acceptance criteria"],
+                      [[f"**{m['name']}**" if m["name"] == mine else m["name"], str(m["role"] or "–"),
+                        str(m["label"] or "–"), _num(m["bits"]), D.criteria_text(m["criteria"]) or "–"]
+                       for m in mrows]))
     rows = []
     for r in D.results(ev):
         name = f"**{r['method']}**" if mine and r["method"] == mine else str(r["method"])
@@ -341,7 +374,7 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
         summary.append(f"Acceptance: **{v['status']}**" + (f" for `{v['method']}`" if v["method"] else "") + ".")
     rep.add(Bullets(summary))
     _what_is_quantized(rep, meta)
-    _weights(rep, meta)
+    _weights(rep, meta, ev)
     _corpora(rep, meta, ev, reg)
     _regimes(rep, meta, ev, reg)
     mem = _memory(rep, meta, ev, reg)
