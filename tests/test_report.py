@@ -178,3 +178,12 @@ def test_calibration_report_still_renders():
     meta = make_meta(per_head=True)
     assert "Weight precision" in render_calibration_report(meta)
     assert len(layer_table(meta).splitlines()) == 5
+
+
+def test_artifact_without_calibration_records():
+    """An artifact written without calibration metadata (e.g. by another tool) still gets a report."""
+    meta = {k: v for k, v in make_meta().items() if k not in ("corpus", "calibration", "layers")}
+    md = to_markdown(build_report(meta, make_eval(), figures=False))
+    assert "relation to the evaluation corpus cannot be stated" in md
+    assert "holds no per-layer calibration records" in md
+    assert "Calibrated on: not recorded." in md and "**Verdict for `artifact`: PASS**" in md

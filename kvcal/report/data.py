@@ -307,6 +307,9 @@ def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_co
     if not ev:
         return ["No evaluation corpus given: run `kvcal evaluate --json` and pass it with `--eval`."]
     out = []
+    if not cal.get("path") and not cal.get("sha256"):
+        return ["The artifact does not record its calibration corpus: the relation to the evaluation corpus "
+                "cannot be stated."]
     same_hash = cal.get("sha256") and cal.get("sha256") == ev.get("sha256")
     same_path = cal.get("path") and ev.get("path") and Path(cal["path"]).name == Path(ev["path"]).name
     if same_hash:

@@ -320,10 +320,13 @@ def _calibration_detail(rep: Report, meta: dict) -> None:
                 items.append(f"Mean held-out {D.SIDE_NAMES[side]} error ({unit}): {parts}.")
     if items:
         rep.add(Bullets(items))
-    try:
-        rep.add(Pre(layer_table(meta)))
-    except (KeyError, TypeError, IndexError):
-        pass
+    if meta.get("layers"):
+        try:
+            rep.add(Pre(layer_table(meta)))
+        except (KeyError, TypeError, IndexError):
+            rep.add(Para("Per-layer metadata is incomplete; the per-layer table is omitted."))
+    else:
+        rep.add(Para("The artifact metadata holds no per-layer calibration records."))
 
 
 def _figures(rep: Report, meta: dict, ev: dict | None, tensors: dict | None, mem: dict | None) -> None:
@@ -336,9 +339,12 @@ def _figures(rep: Report, meta: dict, ev: dict | None, tensors: dict | None, mem
          f"(> {D.OUTLIER_FACTOR:g}× the median of their peers).", lambda: P.plot_kv_ranges(ranges)),
         ("clip_vs_absmax", "Chosen clip threshold (value mapped to the format maximum) vs observed absmax per layer.",
          lambda: P.plot_clip_vs_absmax(ranges)),
-        ("layer_errors", "Per-layer error before/after calibration: held-out error with the chosen scale vs absmax "
-         "and unity scales" + (", and per-layer error on the evaluation corpus per method" if D.per_layer_eval(ev) else "")
-         + ".", lambda: P.plot_layer_errors(D.heldout_errors(meta), D.per_layer_eval(ev))),
+        ("layer_errors", "; ".join(x for x in (
+            "Per-layer error before/after calibration: held-out error with the chosen scale vs absmax and unity scales"
+            if D.heldout_errors(meta) else "",
+            "per-layer K attention KL / V output error on the evaluation corpus per method"
+            if D.per_layer_eval(ev) else "") if x) + ".",
+         lambda: P.plot_layer_errors(D.heldout_errors(meta), D.per_layer_eval(ev))),
         ("quality_vs_context", "Quality vs context length per method (solid: teacher-forced, dashed: decode).",
          lambda: P.plot_quality_vs_context({m: D.quality_series(ev, m) for m in ("delta_ppl", "kl_mean")})),
         ("memory", "KV-cache memory vs context × batch (exact accounting).", lambda: P.plot_memory(mem)),

@@ -179,7 +179,8 @@ def plot_quality_vs_context(series: dict[str, dict] | None):
         ax.set_ylabel(metric)
         if metric.startswith("kl"):
             ax.set_yscale("symlog", linthresh=1e-5)
-            ax.set_ylim(bottom=0)
+            if all(y >= 0 for _, ys in s.values() for y in ys):
+                ax.set_ylim(bottom=0)
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_title(f"{metric} vs context (dashed: decode mode)", fontsize=9)
         ax.legend(fontsize=6)
