@@ -1,0 +1,195 @@
+"""kvcal evaluate: acceptance parsing, decode mode, the kvcal-eval/1 JSON, CLI exit codes.
+
+Tiny random Llama models for the logic; one test on the embedded model (marked ``model``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from test_runtime import make_plan, tiny_model, write_tiny_artifact
+
+from kvcal.errors import KvcalError
+from kvcal.evaluate import (
+    DEFAULT_ACCEPT,
+    EvalConfig,
+    default_accept,
+    evaluate,
+    judge,
+    parse_accept,
+    to_json,
+)
+
+TOP_KEYS = {"schema", "artifact", "corpus", "model", "regimes", "results", "per_layer", "memory", "notes",
+            "methods", "description", "passed", "exit_code"}
+ROW_KEYS = {"method", "mode", "context", "batch", "ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree",
+            "greedy_agree", "greedy_prefix", "tokens", "windows", "status", "criteria", "failed"}
+
+
+class CharTok:
+    """Minimal tokenizer stand-in: one id per character (ids 1..127)."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        class R:
+            input_ids = torch.tensor([[ord(c) % 127 + 1 for c in text]])
+
+        return R()
+
+
+def test_parse_accept_table():
+    assert parse_accept("kl_mean<=2e-3,delta_ppl<=0.05") == [("kl_mean", "<=", 2e-3), ("delta_ppl", "<=", 0.05)]
+    assert parse_accept(" top1_agree >= 0.9 ") == [("top1_agree", ">=", 0.9)]
+    for bad, msg in [("kl<=1", "unknown"), ("kl_mean=1", "METRIC<=VALUE"), ("", "empty"),
+                     ("kl_mean<=abc", "METRIC<=VALUE"), ("kl_mean<=1..2", "not a number")]:
+        with pytest.raises(KvcalError, match=msg):
+            parse_accept(bad)
+
+
+def test_judge_and_defaults():
+    row = {"kl_mean": 3e-3, "delta_ppl": 0.01, "top1_agree": 0.95}
+    assert judge(row, parse_accept("kl_mean<=2e-3,delta_ppl<=0.05")) == ("FAIL", ["kl_mean=0.003 not <= 0.002"])
+    assert judge(row, parse_accept("kl_mean<=5e-3,top1_agree>=0.9"))[0] == "PASS"
+    assert judge({"kl_mean": float("nan")}, parse_accept("kl_mean<=1"))[0] == "FAIL"  # NaN never passes
+    assert judge({}, parse_accept("greedy_agree>=0.5"))[0] == "FAIL"  # missing metric fails
+    assert default_accept(make_plan("fp8")) == DEFAULT_ACCEPT[8]
+    assert default_accept(make_plan("kivi4")) == DEFAULT_ACCEPT[4]
+    assert default_accept(make_plan("kivi3")) == DEFAULT_ACCEPT[3]
+    assert default_accept(make_plan("kivi2")) == DEFAULT_ACCEPT[2]
+    assert default_accept(make_plan("int4")) == DEFAULT_ACCEPT[4]
+    assert default_accept(make_plan("bf16")) == DEFAULT_ACCEPT[16]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def test_evaluate_json_document(tmp_path, tiny):
+    art = write_tiny_artifact(tmp_path, tiny, make_plan("int8", sinks=1))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 12)
+    cfg = EvalConfig(str(art), str(corpus), contexts=(48,), batches=(2,), windows=2, decode_tokens=3,
+                     greedy_tokens=3, per_layer_tokens=32)
+    doc = evaluate(cfg, log=lambda s: None, progress=False, model=tiny, tokenizer=CharTok())
+    assert TOP_KEYS <= set(doc) and doc["schema"] == "kvcal-eval/1"
+    methods = {"16-bit", "artifact", "bf16-cache", "fp8-unity", "fp8-absmax", "kivi4", "kivi2"}
+    assert set(doc["methods"]) == methods
+    assert doc["regimes"] == [{"context": 48, "batch": 2}]
+    rows = doc["results"]
+    assert {(r["method"], r["mode"]) for r in rows} == {(m, mo) for m in methods for mo in ("teacher_forced", "decode")}
+    for r in rows:
+        assert ROW_KEYS <= set(r)
+        assert r["status"] == ("REFERENCE" if r["method"] == "16-bit" else r["status"])
+        assert r["status"] in ("PASS", "FAIL", "REFERENCE")
+        assert r["tokens"] == (2 * 47 if r["mode"] == "teacher_forced" else 2 * 3)
+        if r["method"] == "16-bit":
+            assert r["kl_mean"] == 0.0 and r["delta_ppl"] == 0.0
+    dec = {r["method"]: r for r in rows if r["mode"] == "decode"}
+    assert dec["artifact"]["greedy_agree"] is not None and 0 <= dec["kivi2"]["greedy_prefix"] <= 1
+    assert set(doc["per_layer"]) == methods - {"16-bit"}
+    assert len(doc["per_layer"]["artifact"]["k_attention_kl"]) == 2
+    mem = doc["memory"]
+    assert mem["bytes_per_token"]["fp8-unity"] * 2 == mem["bytes_per_token_16bit"]
+    assert all(m["allocated_bytes"] == m["expected_bytes"] for m in mem["measured"])
+    assert "throughput" in doc["description"] and any("not measured" in n for n in doc["notes"])
+    assert doc["passed"] is all(r["status"] == "PASS" for r in rows if r["method"] == "artifact")
+    assert json.loads(to_json(doc))["schema"] == "kvcal-eval/1"
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm_tokenizer):
+    """A tiny random Llama saved as an HF directory with the embedded model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tinyllama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    smollm_tokenizer.save_pretrained(d)
+    return d
+
+
+def _cli_artifact(tmp_path, tiny_dir, name="fp8"):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    from kvcal.formats.spec import preset
+    from kvcal.plan import KVPlan
+
+    plan = KVPlan.uniform(2, preset(name))
+    for lp in plan.layers:
+        lp.k.scale = torch.full((1, 1, 1, 1), 0.01)
+        lp.v.scale = torch.full((1, 1, 1, 1), 0.01)
+    return write_tiny_artifact(tmp_path, m, plan)
+
+
+def test_cli_exit_codes(tmp_path, tiny_dir):
+    from kvcal.cli import main
+
+    art = _cli_artifact(tmp_path, tiny_dir)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("Once upon a time there was a small model that cached keys and values. " * 8)
+    base = ["evaluate", "--artifact", str(art), "--corpus", str(corpus), "--model", str(tiny_dir), "--context", "32",
+            "--windows", "1", "--no-baselines", "--quiet", "--decode-tokens", "2", "--greedy-tokens", "2"]
+    r = CliRunner().invoke(main, [*base, "--accept", "kl_mean<=10", "--json", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    assert "artifact: PASS" in r.output
+    doc = json.loads((tmp_path / "e.json").read_text())
+    assert doc["schema"] == "kvcal-eval/1" and doc["passed"] and doc["exit_code"] == 0
+    r = CliRunner().invoke(main, [*base, "--mode", "teacher_forced", "--accept", "kl_mean<=0,top1_agree>=1.01"])
+    assert r.exit_code == 1, r.output
+    assert "artifact: FAIL" in r.output and "FAIL (" in r.output
+    r = CliRunner().invoke(main, [*base, "--accept", "kl<=1"])
+    assert r.exit_code == 2 and "error:" in r.output and "unknown" in r.output
+    r = CliRunner().invoke(main, [*base, "--context", "4096"])
+    assert r.exit_code == 2 and "maximum 128" in r.output
+
+
+def test_cli_refuses_other_model(tmp_path, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from kvcal.cli import main
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    art = write_tiny_artifact(tmp_path, m, make_plan("fp8"), num_kv_heads=3)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("text " * 100)
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", str(art), "--corpus", str(corpus), "--model",
+                                  str(tiny_dir), "--context", "16", "--quiet"])
+    assert r.exit_code == 2 and "num_kv_heads" in r.output
+
+
+# ---- embedded model ----------------------------------------------------------------------------------
+
+@pytest.mark.model
+def test_embedded_runtime_matches_protocol_a(smollm_model, smollm_tokenizer, shared_data):
+    """SmolLM2-135M, FP8 unity with a sink: prefill through the runtime cache == Protocol A exactly;
+    decoding 8 more tokens one at a time agrees to fp32 reassociation (a new token's key is computed by a
+    1-row matmul, and an ulp of difference can cross an FP8 rounding boundary, so the bound is 1e-2 on
+    logits of magnitude ~20, with the same argmax); bytes match the accounting."""
+    from kvcal.capture.hooks import attention_hook
+    from kvcal.evaluate import fp8_plan, plan_hook, text_windows
+    from kvcal.runtime import QuantizedKVCache
+
+    text = (shared_data / "wikitext2_valid.txt").read_text(encoding="utf-8")[:20000]
+    ids = text_windows(smollm_tokenizer, text, 136, 2)
+    L = smollm_model.config.num_hidden_layers
+    plan = fp8_plan(L, [(1.0, 1.0)] * L)
+    plan.sink_tokens = 1
+    cache = QuantizedKVCache(plan, smollm_model.config)
+    with torch.no_grad():
+        pre = smollm_model(ids[:, :128], cache=cache, use_cache=True).logits
+        steps = [smollm_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(128, 136)]
+        with attention_hook(smollm_model, plan_hook(plan)):
+            ref = smollm_model(ids, use_cache=False).logits
+    assert torch.equal(pre, ref[:, :128])
+    dec = torch.stack(steps, 1)
+    assert (dec - ref[:, 128:]).abs().max().item() < 1e-2
+    assert torch.equal(dec.argmax(-1), ref[:, 128:].argmax(-1))
+    assert cache.allocated_bytes() == cache.expected_bytes()
+    assert cache.layers[5].k.data.dtype == torch.float8_e4m3fn
