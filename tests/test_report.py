@@ -187,3 +187,23 @@ def test_artifact_without_calibration_records():
     assert "relation to the evaluation corpus cannot be stated" in md
     assert "holds no per-layer calibration records" in md
     assert "Calibrated on: not recorded." in md and "**Verdict for `artifact`: PASS**" in md
+
+
+def test_integer_artifact_report():
+    from test_report_fixtures import make_int_meta, make_int_tensors
+
+    meta, tensors = make_int_meta(), make_int_tensors()
+    rep = build_report(meta, make_eval(), tensors)
+    md = to_markdown(rep)
+    assert "| K (keys) | yes | int4 | 4 | channel | asymmetric | static (calibrated) | float32 |" in md
+    assert "| V (values) | yes | int4 | 4 | token_group (group 32) | asymmetric | dynamic (per write) | float16 |" in md
+    assert "4 sink tokens" in md and "**4.3125** (" not in md and "**4.3125**, preset `int4`." in md
+    # per-layer table from the integer records: chosen held-out error (plain min/max in parentheses)
+    assert "| 0 | int4 channel | z1.5 | 2.000e-03 (5.000e-03) | int4 token_group(g=32) | clip0.9 | 3.000e-03 (4.000e-03) |" in md
+    he = D.heldout_errors(meta)
+    assert he["k"] == {"chosen": [2e-3, 4e-3, 6e-3, 8e-3], "min/max": [5e-3, 1e-2, 1.5e-2, 2e-2]}
+    r = D.layer_ranges(meta, tensors)
+    assert set(r) == {"v"} and r["v"]["clip_ratio"][0] == pytest.approx([0.9, 0.85]) and r["v"]["clip"] is None
+    # no absmax in integer metadata: the range plot is skipped, the relative clip plot is drawn
+    assert "kv_ranges" not in rep.figures and {"clip_vs_absmax", "layer_errors"} <= set(rep.figures)
+    assert "Not drawn (inputs absent): kv_ranges." in md

@@ -127,3 +127,36 @@ def make_eval(**changes) -> dict:
     ev = copy.deepcopy(EVAL)
     ev.update(changes)
     return ev
+
+
+def make_int_meta() -> dict:
+    """Integer artifact metadata shaped like ``kvcal.calibrate``'s integer branch writes it
+    (preset int4: static per-channel asymmetric keys, dynamic per-token-group values)."""
+    meta = make_meta()
+    k = {"format": "int4", "granularity": "channel", "group_size": None, "symmetric": False,
+         "scale_dtype": "float32", "dynamic": False, "bits": 4}
+    v = {"format": "int4", "granularity": "token_group", "group_size": 32, "symmetric": False,
+         "scale_dtype": "float16", "dynamic": True, "bits": 4}
+    meta["kv"].update(k=k, v=v, sink_tokens=4, residual_window=0)
+    meta["calibration"] = {"method": "attention-aware integer search", "preset": "int4", "bits_budget": None,
+                           "average_bits": 4.3125, "average_bits_context": 4096, "objective_k": "kl",
+                           "objective_v": "out", "seed": 0, "max_seq_len": 512,
+                           "context_regime": "prefill of samples up to 512 tokens, batch 8"}
+    meta["layers"] = [{"layer": i,
+                       "k": {"spec": k, "param": [1.5] * H, "label": ["z1.5"] * H, "calib": 1e-3,
+                             "heldout": 2e-3 * (i + 1), "heldout_minmax": 5e-3 * (i + 1), "heldout_out": 0.01},
+                       "v": {"spec": v, "param": [0.9] * H, "label": ["clip0.9"] * H, "calib": 1e-3,
+                             "heldout": 3e-3, "heldout_minmax": 4e-3, "heldout_out": 3e-3}}
+                      for i in range(L)]
+    return meta
+
+
+def make_int_tensors() -> dict:
+    import torch
+
+    t = {}
+    for i in range(L):
+        t[f"model.layers.{i}.self_attn.k_scale"] = torch.full((H, 1, D), 0.1)
+        t[f"model.layers.{i}.self_attn.k_zero_point"] = torch.full((H, 1, D), 7.0)
+        t[f"model.layers.{i}.self_attn.v_clip_ratio"] = torch.tensor([0.9, 0.85])
+    return t

@@ -107,55 +107,107 @@ def _clip(ratio: list[float], amax: list[float]) -> list[float]:
     return []
 
 
+def _tensor_rows(tensors: dict | None, layer: int, side: str, kind: str) -> list[float]:
+    t = (tensors or {}).get(f"model.layers.{layer}.self_attn.{side}_{kind}")
+    return [] if t is None else [float(x) for x in t.flatten().tolist()]
+
+
 def layer_ranges(meta: dict, tensors: dict | None = None) -> dict | None:
-    """Per side: ``amax`` ``[L][H or 1]`` (calibration absmax), ``clip`` ``[L][...]`` (chosen clip
-    threshold ``clip_ratio x amax``, the value that maps to the format maximum), ``clip_ratio``,
-    ``candidate`` ``[L]``, ``channel_absmax`` ``[L][H][D]`` or ``None``, and ``outliers``: a list of
-    ``(layer, head, channel)`` (channel-level data) or ``(layer, head, None)`` (head-level), with
-    ``outlier_level`` ``"channel"`` / ``"head"`` / ``"layer"``. ``None`` without ``layers``."""
+    """Per side (sides without any range data are left out):
+
+    * ``amax`` ``[L][H or 1]``: calibration absmax (FP8 artifacts), or ``None``;
+    * ``clip_ratio`` ``[L][H or 1]``: chosen clip as a fraction of the absmax (FP8) or of the
+      per-group range (dynamic integer sides, from the ``{k,v}_clip_ratio`` tensors), or ``None``;
+    * ``clip`` ``[L][...]``: clip threshold ``clip_ratio x amax`` (the value mapped to the format
+      maximum), or ``None`` without ``amax``;
+    * ``candidate`` ``[L]`` (chosen candidate labels), ``channel_absmax`` ``[L][H][D]`` or ``None``;
+    * ``outliers``: ``(layer, head, channel)`` (channel-level data) or ``(layer, head, None)``, with
+      ``outlier_level`` ``"channel"`` / ``"head"`` / ``"layer"`` (``None`` without range data).
+
+    Returns ``None`` when no side has any of these."""
     layers = meta.get("layers") or []
     if not layers:
         return None
     out = {}
     for side in ("k", "v"):
-        if not all(side in lm for lm in layers):
+        if not all(isinstance(lm.get(side), dict) for lm in layers):
             continue
+        n = len(layers)
         amax = [_as_rows(lm[side].get("amax")) for lm in layers]
-        ratio = [_as_rows(lm[side].get("clip_ratio")) for lm in layers]
-        clip = [_clip(rr, aa) for rr, aa in zip(ratio, amax, strict=True)]
-        cand = [",".join(sorted(set(lm[side].get("candidate") or []))) for lm in layers]
-        chans = [_channel_absmax(meta, tensors, i, side) for i in range(len(layers))]
+        ratio = [_as_rows(lm[side].get("clip_ratio")) or _tensor_rows(tensors, i, side, "clip_ratio")
+                 for i, lm in enumerate(layers)]
+        have_amax, have_ratio = all(amax), all(ratio)
+        cand = [",".join(sorted(set(lm[side].get("candidate") or lm[side].get("label") or []))) for lm in layers]
+        chans = [_channel_absmax(meta, tensors, i, side) for i in range(n)]
         have_ch = all(c is not None for c in chans)
-        outliers = []
+        if not (have_amax or have_ratio or have_ch):
+            continue
+        outliers, level = [], None
         if have_ch:
             level = "channel"
             for i, heads in enumerate(chans):
                 for h, row in enumerate(heads):
                     med = statistics.median(row) if row else 0.0
                     outliers += [(i, h, d) for d, x in enumerate(row) if med > 0 and x > OUTLIER_FACTOR * med]
-        else:
+        elif have_amax:
             flat = [x for row in amax for x in row]
             med = statistics.median(flat) if flat else 0.0
             level = "head" if any(len(r) > 1 for r in amax) else "layer"
             for i, row in enumerate(amax):
                 outliers += [(i, h, None) for h, x in enumerate(row) if med > 0 and x > OUTLIER_FACTOR * med]
-        out[side] = {"amax": amax, "clip": clip, "clip_ratio": ratio, "candidate": cand,
-                     "channel_absmax": chans if have_ch else None, "outliers": outliers,
+        out[side] = {"amax": amax if have_amax else None, "clip_ratio": ratio if have_ratio else None,
+                     "clip": [_clip(r, a) for r, a in zip(ratio, amax, strict=True)] if have_amax and have_ratio else None,
+                     "candidate": cand, "channel_absmax": chans if have_ch else None, "outliers": outliers,
                      "outlier_level": level}
     return out or None
 
 
 def heldout_errors(meta: dict) -> dict | None:
-    """Per side: ``{"chosen": [L], "absmax": [L], "unity": [L]}`` held-out errors from calibration
-    (keys: attention KL in nats/query; values: relative attention-output error)."""
+    """Per side: held-out errors per layer from calibration (keys: attention KL in nats/query;
+    values: relative attention-output error), ``{name: [L]}``: FP8 artifacts ``chosen`` /
+    ``absmax`` / ``unity``; integer artifacts ``chosen`` / ``min/max`` (plain min/max ranges)."""
     layers = meta.get("layers") or []
     out = {}
     for side in ("k", "v"):
-        hs = [lm.get(side, {}).get("heldout") for lm in layers]
+        recs = [lm.get(side) if isinstance(lm.get(side), dict) else {} for lm in layers]
+        hs = [r.get("heldout") for r in recs]
         if not hs or any(h is None for h in hs):
             continue
-        out[side] = {w: [h.get(w) for h in hs] for w in ("chosen", "absmax", "unity") if all(w in h for h in hs)}
+        if all(isinstance(h, dict) for h in hs):
+            d = {w: [h.get(w) for h in hs] for w in ("chosen", "absmax", "unity") if all(w in h for h in hs)}
+        elif all(isinstance(h, (int, float)) for h in hs):
+            d = {"chosen": [float(h) for h in hs]}
+            if all(isinstance(r.get("heldout_minmax"), (int, float)) for r in recs):
+                d["min/max"] = [float(r["heldout_minmax"]) for r in recs]
+        else:
+            continue
+        if d:
+            out[side] = d
     return out or None
+
+
+def layer_rows(meta: dict) -> list[list[str]]:
+    """Per-layer table rows for any artifact: ``layer, K spec, K pick, K held-out, V spec, V pick,
+    V held-out`` (held-out shown as ``chosen (reference)``: absmax for FP8, min/max for integer)."""
+    kv = meta.get("kv") or {}
+    specs = kv.get("layer_specs")
+    he = heldout_errors(meta) or {}
+    rows = []
+    for i, lm in enumerate(meta.get("layers") or []):
+        row = [str(lm.get("layer", i))]
+        for side in ("k", "v"):
+            rec = lm.get(side) if isinstance(lm.get(side), dict) else {}
+            sp = rec.get("spec") or (specs[i][side] if specs and i < len(specs) else kv.get(side)) or {}
+            gs = f"(g={sp['group_size']})" if sp.get("group_size") else ""
+            pick = ",".join(sorted(set(rec.get("candidate") or rec.get("label") or []))) or "–"
+            h = he.get(side) or {}
+            ref = h.get("absmax") or h.get("min/max")
+            err = "–"
+            if h.get("chosen"):
+                err = f"{h['chosen'][i]:.3e}" + (f" ({ref[i]:.3e})" if ref else "")
+            row += [f"{sp.get('format', '?')} {sp.get('granularity', '')}{gs}".strip(), pick, err]
+        rows.append(row)
+    return rows
 
 
 def mean_or_none(xs) -> float | None:

@@ -148,6 +148,11 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
     if kv.get("layer_specs"):
         kinds = sorted({f"K {s['k'].get('format')} / V {s['v'].get('format')}" for s in kv["layer_specs"]})
         items.append(f"Per-layer formats differ (mixed precision): {'; '.join(kinds)}.")
+    cal = meta.get("calibration") or {}
+    if isinstance(cal.get("average_bits"), (int, float)):
+        items.append(f"Average bits per cached element including all metadata at {_num(cal.get('average_bits_context'))} "
+                     f"tokens: **{cal['average_bits']:.4f}**" + (f" (budget {cal['bits_budget']})" if cal.get("bits_budget") else "")
+                     + (f", preset `{cal['preset']}`" if cal.get("preset") else "") + ".")
     items.append("`scale` is the dequantization multiplier: x ≈ q · scale.")
     rep.add(Bullets(items))
 
@@ -314,7 +319,7 @@ def _calibration_detail(rep: Report, meta: dict) -> None:
             items.append(f"{lab}: {cal[key]}.")
     he = D.heldout_errors(meta)
     if he:
-        for side, unit in (("k", "attention KL, nats/query"), ("v", "relative output error")):
+        for side, unit in (("k", "keys objective"), ("v", "relative output error")):
             if side in he:
                 parts = ", ".join(f"{w} {_sci(D.mean_or_none(ys))}" for w, ys in he[side].items())
                 items.append(f"Mean held-out {D.SIDE_NAMES[side]} error ({unit}): {parts}.")
@@ -322,9 +327,10 @@ def _calibration_detail(rep: Report, meta: dict) -> None:
         rep.add(Bullets(items))
     if meta.get("layers"):
         try:
-            rep.add(Pre(layer_table(meta)))
-        except (KeyError, TypeError, IndexError):
-            rep.add(Para("Per-layer metadata is incomplete; the per-layer table is omitted."))
+            rep.add(Pre(layer_table(meta)))  # FP8 artifacts: scales, picks and the three held-out errors
+        except (KeyError, TypeError, IndexError, ValueError):
+            rep.add(Table(["layer", "K spec", "K pick", "K held-out (reference)", "V spec", "V pick",
+                           "V held-out (reference)"], D.layer_rows(meta)))
     else:
         rep.add(Para("The artifact metadata holds no per-layer calibration records."))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 SIDE_TITLES = {"k": "keys", "v": "values"}
 ERROR_UNITS = {"k": "attention KL (nats/query)", "v": "relative output error"}
-COLORS = {"chosen": "tab:green", "absmax": "tab:blue", "unity": "tab:red"}
+COLORS = {"chosen": "tab:green", "absmax": "tab:blue", "unity": "tab:red", "min/max": "tab:blue"}
 
 
 def _figure(ncols: int, nrows: int = 1, width: float = 5.2, height: float = 3.6):
@@ -49,7 +49,9 @@ def plot_kv_ranges(ranges: dict | None):
         return None
     from matplotlib.colors import LogNorm
 
-    sides = [s for s in ("k", "v") if s in ranges]
+    sides = [s for s in ("k", "v") if s in ranges and (ranges[s]["amax"] or ranges[s]["channel_absmax"])]
+    if not sides:
+        return None
     fig, axes = _figure(len(sides), width=6.0, height=4.2)
     for ax, side in zip(axes[0], sides, strict=True):
         r = ranges[side]
@@ -102,10 +104,24 @@ def plot_clip_vs_absmax(ranges: dict | None):
     """Chosen clip threshold (value mapped to the format maximum) vs observed absmax, per layer."""
     if not ranges:
         return None
-    sides = [s for s in ("k", "v") if s in ranges]
+    sides = [s for s in ("k", "v") if s in ranges and (ranges[s]["clip"] or ranges[s]["clip_ratio"])]
+    if not sides:
+        return None
     fig, axes = _figure(len(sides))
     for ax, side in zip(axes[0], sides, strict=True):
         r = ranges[side]
+        if not r["clip"]:  # dynamic side: the clip is a fraction of each group's own range
+            L, nh = len(r["clip_ratio"]), max(len(c) for c in r["clip_ratio"])
+            for h in range(nh):
+                ax.plot(range(L), [c[h] if h < len(c) else float("nan") for c in r["clip_ratio"]], "s--", ms=3,
+                        color=f"C{h % 10}", label=f"chosen clip ratio{f' head {h}' if nh > 1 else ''}")
+            ax.axhline(1.0, color="black", lw=1, label="group absmax / min-max (ratio 1)")
+            ax.set_xlabel("layer")
+            _int_axis(ax.xaxis)
+            ax.set_ylabel("clip ratio of the per-group range")
+            ax.set_title(f"{SIDE_TITLES[side]}: chosen clip vs absmax (dynamic scales, relative)", fontsize=9)
+            ax.legend(fontsize=7, ncol=2 if nh > 1 else 1)
+            continue
         L = len(r["amax"])
         nh = max(len(a) for a in r["amax"])
         for h in range(nh):
