@@ -118,6 +118,7 @@ class CaptureResult:
     scaling: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     tokens: int = 0
+    sink_stats: LayerStats | None = None  # statistics without the first tokens (see run_capture)
 
 
 def split_heldout(n: int, fraction: float, seed: int) -> set[int]:
@@ -152,6 +153,7 @@ def run_capture(
     pad_id: int = 0,
     progress: bool = True,
     stats_skip_first: int = 0,
+    sink_stats_skip: int = 0,
 ) -> CaptureResult:
     """One forward pass over ``samples`` (1-D int64 token ids) through the decoder (no LM head).
 
@@ -160,6 +162,8 @@ def run_capture(
     ``FloatingPointError`` (layer named) on NaN/Inf activations and ``KvcalError`` if some
     attention layer never fired. ``stats_skip_first``: the first tokens of every sample (attention
     sinks kept in 16 bits) are left out of the statistics (the reservoirs keep them).
+    ``sink_stats_skip > 0`` additionally fills ``result.sink_stats`` with statistics that leave out
+    that many first tokens (one capture serving both FP8 and integer searches).
     """
     from tqdm.auto import tqdm
 
@@ -167,6 +171,8 @@ def run_capture(
     res_c = SequenceReservoir(max(reservoir, 1), search_tokens, seed)
     res_h = SequenceReservoir(max(heldout_reservoir, 1), search_tokens, seed + 1)
     result = CaptureResult(stats, res_c, res_h)
+    if sink_stats_skip > 0:
+        result.sink_stats = LayerStats(num_layers, num_kv_heads, num_q_heads, head_dim)
     device = next(model.parameters()).device
     base = model.base_model if hasattr(model, "base_model") else model
     state: dict = {}
@@ -177,6 +183,10 @@ def run_capture(
         result.scaling.setdefault(layer, attention_scaling(module, head_dim))
         mask = state["mask"]
         stats.update(layer, q, k, v, mask & state["is_calib"][:, None] & state["pos_ok"][None, :])
+        if result.sink_stats is not None:
+            pos = torch.arange(mask.shape[1]) >= sink_stats_skip
+            result.sink_stats.k[layer].update(k, mask & state["is_calib"][:, None] & pos[None, :])
+            result.sink_stats.v[layer].update(v, mask & state["is_calib"][:, None] & pos[None, :])
         for row, (_slot, T) in state["keep"].items():
             state["pending"][row][layer] = (
                 q[row, :, :T].float().cpu().clone(), k[row, :, :T].float().cpu().clone(),
@@ -322,7 +332,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         key = ("search", layer, side, spec, refine, s_try, key_centering, obj[side], max_queries)
         if key not in cache:
             cal, held = caches(layer)
-            st = getattr(cap.stats, side)[layer].finalize()
+            st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
             cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine)
         return cache[key]

@@ -49,8 +49,8 @@ def interpret(monkeypatch):
     return True
 
 
-@pytest.mark.parametrize("name", sorted(PLANS))
-@pytest.mark.parametrize("sinks", [0, 1])
+@pytest.mark.parametrize("name,sinks", [("static_channel_asym", 1), ("static_head_sym", 0),
+                                        ("dyn_token_asym_clip_center", 1), ("dyn_token_sym_fp32", 0)])
 def test_triton_parity(interpret, name, sinks):
     c = _cache()
     plan = PLANS[name](c)

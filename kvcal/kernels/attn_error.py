@@ -116,7 +116,7 @@ def _kernel():
             mu = tl.load(mean_ptr + h * D + offs_d, mask=dmask, other=0.0)
         m = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
         mh = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
-        l = tl.zeros((BLOCK_Q,), tl.float32)
+        l_ = tl.zeros((BLOCK_Q,), tl.float32)
         lh = tl.zeros((BLOCK_Q,), tl.float32)
         a = tl.zeros((BLOCK_Q,), tl.float32)
         max_pos = tl.max(tl.where(qmask, pos, 0), axis=0)
@@ -185,12 +185,12 @@ def _kernel():
             e = tl.exp(s_ref - m_safe[:, None])
             eh = tl.exp(s_hat - mh_safe[:, None])
             d = tl.where(vis, s_ref - s_hat, 0.0)
-            l = l * alpha + tl.sum(e, axis=1)
+            l_ = l_ * alpha + tl.sum(e, axis=1)
             lh = lh * alpha_h + tl.sum(eh, axis=1)
             a = a * alpha + tl.sum(e * d, axis=1)
             m = m_new
             mh = mh_new
-        kl = a / l - (m + tl.log(l)) + (mh + tl.log(lh))
+        kl = a / l_ - (m + tl.log(l_)) + (mh + tl.log(lh))
         tl.store(out_ptr + hq * Tq + offs_q, kl, mask=qmask)
 
     return attn_kl_kernel

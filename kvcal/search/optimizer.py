@@ -290,7 +290,7 @@ def search_side(
     evals[0] += len(held) / max(len(calib), 1)
     best_err, best_idx = nb / db, torch.full((H,), -1)
     plans = []
-    for i, (label, family, mean, x, _f) in enumerate(results):
+    for i, (_label, _family, mean, x, _f) in enumerate(results):
         if spec.dynamic:
             p = make_plan(spec, x, family="clip", mean=mean)
         else:

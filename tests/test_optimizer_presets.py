@@ -1,0 +1,145 @@
+"""Integer presets and --bits on a tiny random Llama: artifacts round-trip through KVPlan; the
+outlier twin (prior-art recipe) leaves logits unchanged, breaks unity FP8, not kvcal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcal.calibrate import (
+    CalibrateConfig,
+    plan_from_choices,
+    run_capture,
+    search_int,
+    search_scales,
+    split_heldout,
+)
+from kvcal.errors import KvcalError
+from kvcal.evaluate import teacher_forced
+
+transformers = pytest.importorskip("transformers")
+
+L, HQ, HK, D = 2, 4, 2, 16
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=HQ * D, intermediate_size=96, num_hidden_layers=L,
+                                   num_attention_heads=HQ, num_key_value_heads=HK, head_dim=D,
+                                   max_position_embeddings=128, attn_implementation="eager")
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:  # livelier attention than the 0.02-std init
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return m
+
+
+def _samples(n=8, T=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (T,), generator=g) for _ in range(n)]
+
+
+def _capture(model, samples, skip=1, tokens=32):
+    return run_capture(model, samples, split_heldout(len(samples), 0.25, 0), num_layers=L, num_kv_heads=HK,
+                       num_q_heads=HQ, head_dim=D, reservoir=4, heldout_reservoir=2, search_tokens=tokens,
+                       progress=False, sink_stats_skip=skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: thread sync costs more than it saves
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_capture():
+    m = _tiny()
+    return m, _capture(m, _samples())
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "int2", "k4v2", 3.5])
+def test_presets_write_loadable_artifacts(tmp_path, tiny_capture, preset):
+    from kvcal.artifact import load_artifact, write_artifact
+    from kvcal.plan import KVPlan
+
+    _, cap = tiny_capture
+    kw = {"bits": preset} if isinstance(preset, float) else {"preset": preset}
+    r = search_int(cap, max_queries=8, progress=False, budget_context=256, **kw)
+    if isinstance(preset, float):
+        assert r.summary["average_bits"] <= preset
+    meta = {"model": {"num_layers": L, "num_kv_heads": HK, "head_dim": D}, "kv": r.plan.kv_metadata(),
+            "calibration": r.summary, "layers": r.layers_meta}
+    tensors = r.plan.to_tensors()
+    if isinstance(preset, float):  # per-layer specs may mix static and dynamic sides
+        back = KVPlan.from_artifact(tensors, meta)
+    else:
+        write_artifact(tmp_path / "a", tensors, meta)
+        art = load_artifact(tmp_path / "a")
+        back = KVPlan.from_artifact(art.tensors, art.metadata)
+    assert back.sink_tokens == r.plan.sink_tokens and back.key_position == "post_rope"
+    x = torch.randn(1, HK, 40, D) * 3
+    for i in range(L):
+        for s in ("k", "v"):
+            assert back.layers[i].side(s).spec == r.plan.layers[i].side(s).spec
+            assert torch.equal(back.fake_quant(i, s, x), r.plan.fake_quant(i, s, x))
+
+
+def test_config_validation_and_budget_errors(tiny_capture):
+    with pytest.raises(KvcalError, match="preset"):
+        CalibrateConfig(corpus="x", preset="int5")
+    with pytest.raises(KvcalError, match="bits"):
+        CalibrateConfig(corpus="x", bits=1.0)
+    assert CalibrateConfig(corpus="x").preset == "fp8"  # default path unchanged
+    with pytest.raises(KvcalError, match="budget"):
+        search_int(tiny_capture[1], bits=2.0, max_queries=8, progress=False, budget_context=64)
+
+
+def _twin(model, factor_k=600.0, factor_v=1 / 300.0):
+    """Scale RoPE channel pair (3, 3 + D/2) of k_proj rows up (q_proj rows of the group down) and
+    v_proj rows of KV head 1 down (o_proj columns up): scores and outputs unchanged."""
+    import copy
+
+    t = copy.deepcopy(model)
+    g = HQ // HK
+    with torch.no_grad():
+        for layer in t.model.layers:
+            a = layer.self_attn
+            for c in (3, 3 + D // 2):
+                a.k_proj.weight[0 * D + c] *= factor_k
+                for hq in range(0 * g, 1 * g):
+                    a.q_proj.weight[hq * D + c] /= factor_k
+            a.v_proj.weight[1 * D : 2 * D] *= factor_v
+            for hq in range(1 * g, 2 * g):
+                a.o_proj.weight[:, hq * D : (hq + 1) * D] /= factor_v
+    return t
+
+
+def _unity(L_):
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.plan import KVPlan, LayerPlan, SidePlan
+
+    spec = TensorQuantSpec("fp8_e4m3")
+    return KVPlan([LayerPlan(SidePlan(spec, scale=torch.ones(1, 1, 1, 1)), SidePlan(spec, scale=torch.ones(1, 1, 1, 1)))
+                   for _ in range(L_)])
+
+
+def test_outlier_twin_breaks_unity_fp8_not_kvcal(tiny_capture):
+    model, _ = tiny_capture
+    twin = _twin(model)
+    ids = torch.stack(_samples(2, 64, seed=7))
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, model(ids).logits, rtol=1e-3, atol=2e-4)
+    cap = _capture(twin, _samples(T=64), skip=0, tokens=64)  # calibrate at the evaluated context
+    rows = search_scales(cap, "fp8_e4m3", True, 32, progress=False)
+    kv_fp8 = plan_from_choices(rows, "fp8_e4m3", "head", HK)[0]
+    cap_i = _capture(twin, _samples(T=64), tokens=64)
+    kv_int4 = search_int(cap_i, preset="int4", max_queries=16, progress=False).plan
+    res = teacher_forced(twin, ids, {"unity": _unity(L), "kvcal fp8 head": kv_fp8, "kvcal int4": kv_int4},
+                         progress=False)
+    base = teacher_forced(model, ids, {"unity": _unity(L)}, progress=False)["unity"]["kl_mean"]
+    assert res["unity"]["kl_mean"] > 20 * max(base, 1e-6)  # unity FP8 breaks on the twin
+    assert res["kvcal fp8 head"]["kl_mean"] < 0.1 * res["unity"]["kl_mean"]
+    assert res["kvcal int4"]["kl_mean"] < 0.1 * res["unity"]["kl_mean"]
