@@ -143,3 +143,31 @@ def test_outlier_twin_breaks_unity_fp8_not_kvcal(tiny_capture):
     assert res["unity"]["kl_mean"] > 20 * max(base, 1e-6)  # unity FP8 breaks on the twin
     assert res["kvcal fp8 head"]["kl_mean"] < 0.1 * res["unity"]["kl_mean"]
     assert res["kvcal int4"]["kl_mean"] < 0.1 * res["unity"]["kl_mean"]
+
+
+def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
+    """calibrate() with --preset int4 on a tiny random Llama (real tokenizer): artifact metadata
+    states everything, report written, plan loads back."""
+    from kvcal.artifact import load_artifact
+    from kvcal.calibrate import calibrate
+    from kvcal.plan import KVPlan
+
+    torch.manual_seed(0)
+    cfg_m = transformers.LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=HQ * D, intermediate_size=64,
+                                     num_hidden_layers=L, num_attention_heads=HQ, num_key_value_heads=HK, head_dim=D,
+                                     max_position_embeddings=256, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg_m).eval()
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i} times, "
+                                  "then rests under a tree near the river bank." for i in range(12)), encoding="utf-8")
+    cfg = CalibrateConfig(corpus=str(corpus), out=str(tmp_path / "art"), max_samples=12, max_seq_len=64,
+                          preset="int4", max_queries=16, search_tokens=64)
+    res = calibrate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=smollm_tokenizer)
+    art = load_artifact(res["out"])
+    kv, cal = art.metadata["kv"], art.metadata["calibration"]
+    assert kv["k"]["granularity"] == "channel" and kv["v"]["granularity"] == "token" and kv["v"]["dynamic"]
+    # head_dim 16: int4 keys 4 bits + per-token fp16 value scales 1 bit -> 4.5 (4.125 at head_dim 64)
+    assert cal["preset"] == "int4" and 4.5 < cal["average_bits"] < 4.6 and "sinks" in cal
+    assert (tmp_path / "art" / "report.md").read_text().startswith("# KV-cache calibration report (integer)")
+    plan = KVPlan.from_artifact(art.tensors, art.metadata)
+    assert plan.layers[0].k.scale.shape == (1, HK, 1, D) and plan.sink_tokens == kv["sink_tokens"]
