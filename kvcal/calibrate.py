@@ -52,6 +52,10 @@ class CalibrateConfig:
     ``key_centering``: per-channel key mean for dynamic keys (``auto`` keeps it per head where it
     helps on held-out). ``objective_k``: key objective of the integer search (``kl``,
     ``centered``, ``out``, ``mse``).
+    ``device_map``: ``"auto"`` spreads a model that does not fit one device over GPUs and CPU
+    (accelerate). ``checkpoint_every``: save the capture state every N batches next to ``out``
+    (``<out>.checkpoint.pt``, atomic); ``resume``: continue from it — the artifact is identical to
+    an uninterrupted run.
     """
 
     corpus: str
@@ -78,8 +82,13 @@ class CalibrateConfig:
     key_centering: str = "auto"
     objective_k: str = "kl"
     budget_context: int = 4096
+    device_map: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
 
     def __post_init__(self):
+        if self.checkpoint_every < 0:
+            raise KvcalError("--checkpoint-every must be >= 0 batches")
         if self.preset not in PRESET_NAMES:
             raise KvcalError(f"--preset {self.preset!r}: choose one of {', '.join(PRESET_NAMES)}")
         if self.bits is not None and not 2.0 <= self.bits <= 16.0:
@@ -130,10 +139,117 @@ def split_heldout(n: int, fraction: float, seed: int) -> set[int]:
     return set(torch.randperm(n, generator=g)[:k].tolist())
 
 
-def _batches(samples: list[torch.Tensor], batch_size: int) -> list[list[int]]:
-    """Sample indices grouped by similar length (less padding), in a deterministic order."""
+def _batches(samples: list[torch.Tensor], batch_size: int, max_batch_tokens: int | None = None) -> list[list[int]]:
+    """Sample indices grouped by similar length (less padding), in a deterministic order.
+
+    A batch holds at most ``batch_size`` samples and, when ``max_batch_tokens`` is set, at most
+    that many padded tokens (long samples, e.g. 8192 tokens, then go one per batch). The list
+    depends only on the samples, so data-parallel ranks and resumed runs see the same batches.
+    """
     order = sorted(range(len(samples)), key=lambda i: (len(samples[i]), i))
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    out, cur = [], []
+    for i in order:
+        L = len(samples[i])  # sorted ascending: the new sample is the longest of the batch
+        if cur and (len(cur) >= batch_size or (max_batch_tokens and L * (len(cur) + 1) > max_batch_tokens)):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Resumable capture: save every ``every`` batches to ``path`` (atomic), ``resume`` from it.
+
+    ``fingerprint`` identifies the run (corpus sha256, model config hash, options that change
+    what is captured); a checkpoint with another fingerprint is refused.
+    """
+
+    path: str
+    every: int = 0
+    resume: bool = False
+    fingerprint: str = ""
+
+
+def _save_checkpoint(ck: Checkpointing, state: dict) -> None:
+    import os
+    from pathlib import Path
+
+    p = Path(ck.path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, p)
+
+
+def _load_checkpoint(ck: Checkpointing) -> dict | None:
+    from pathlib import Path
+
+    p = Path(ck.path)
+    if not p.exists():
+        raise KvcalError(f"--resume: no checkpoint at {p}; run without --resume (add --checkpoint-every N to make one)")
+    try:
+        st = torch.load(p, weights_only=False)
+    except Exception as e:
+        raise KvcalError(f"--resume: checkpoint {p} is unreadable ({type(e).__name__}); delete it and start over") from None
+    if st.get("fingerprint") != ck.fingerprint:
+        raise KvcalError(f"--resume: checkpoint {p} belongs to a different run (corpus, model or options changed); "
+                         "delete it or restore the original options")
+    return st
+
+
+def _dist_info() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_capture(result: CaptureResult) -> None:
+    """Combine per-rank statistics (MAX/MIN exact, SUM for sums/counts/histograms) and reservoirs
+    (gathered, then merged by priority: identical to one process)."""
+    import torch.distributed as dist
+
+    def red(ts):
+        for t in ts:
+            t.absmax, t.max = _ar(t.absmax, dist.ReduceOp.MAX), _ar(t.max, dist.ReduceOp.MAX)
+            t.min = _ar(t.min, dist.ReduceOp.MIN)
+            t.sum, t.sumsq = _ar(t.sum, dist.ReduceOp.SUM), _ar(t.sumsq, dist.ReduceOp.SUM)
+            t.count, t.hist = _ar(t.count, dist.ReduceOp.SUM), _ar(t.hist, dist.ReduceOp.SUM)
+
+    for st in (result.stats, result.sink_stats):
+        if st is None:
+            continue
+        for side in ("q", "k", "v"):
+            red(getattr(st, side))
+        st.fired = _ar(st.fired, dist.ReduceOp.SUM)
+    for res in (result.calib, result.heldout):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, res.state_dict())
+        merged = SequenceReservoir(res.capacity, res.max_tokens, res.seed)
+        for sd in gathered:
+            other = SequenceReservoir(res.capacity, res.max_tokens, res.seed)
+            other.load_state_dict(sd)
+            merged.merge(other)
+        res.items, res.seen = merged.items, merged.seen
+    scal = [None] * dist.get_world_size()
+    dist.all_gather_object(scal, result.scaling)
+    for d in scal:
+        result.scaling.update(d)
+    toks = [None] * dist.get_world_size()
+    dist.all_gather_object(toks, result.tokens)
+    result.tokens = sum(toks)
+
+
+def _ar(t: torch.Tensor, op) -> torch.Tensor:
+    import torch.distributed as dist
+
+    x = t.clone()
+    dist.all_reduce(x, op=op)
+    return x
 
 
 def run_capture(
@@ -154,6 +270,8 @@ def run_capture(
     progress: bool = True,
     stats_skip_first: int = 0,
     sink_stats_skip: int = 0,
+    max_batch_tokens: int | None = 8192,
+    checkpoint: Checkpointing | None = None,
 ) -> CaptureResult:
     """One forward pass over ``samples`` (1-D int64 token ids) through the decoder (no LM head).
 
@@ -164,16 +282,25 @@ def run_capture(
     sinks kept in 16 bits) are left out of the statistics (the reservoirs keep them).
     ``sink_stats_skip > 0`` additionally fills ``result.sink_stats`` with statistics that leave out
     that many first tokens (one capture serving both FP8 and integer searches).
+
+    Data parallel: inside an initialized ``torch.distributed`` group (``torchrun``), rank ``r`` of
+    ``N`` captures batches ``r, r+N, ...`` of the deterministic batch list and the results are
+    all-reduced, so every rank ends with the statistics and reservoirs of one full pass (max/min/
+    counts exact, sums to float64 rounding). ``checkpoint``: save every N batches / resume
+    (single process only). Inputs go to the device of the input embeddings, so models spread
+    with ``device_map="auto"`` work; captured tensors are moved to the CPU.
     """
     from tqdm.auto import tqdm
 
+    rank, world = _dist_info()
     stats = LayerStats(num_layers, num_kv_heads, num_q_heads, head_dim)
     res_c = SequenceReservoir(max(reservoir, 1), search_tokens, seed)
     res_h = SequenceReservoir(max(heldout_reservoir, 1), search_tokens, seed + 1)
     result = CaptureResult(stats, res_c, res_h)
     if sink_stats_skip > 0:
         result.sink_stats = LayerStats(num_layers, num_kv_heads, num_q_heads, head_dim)
-    device = next(model.parameters()).device
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    device = emb.weight.device if emb is not None and emb.weight.device.type != "meta" else next(model.parameters()).device
     base = model.base_model if hasattr(model, "base_model") else model
     state: dict = {}
 
@@ -181,24 +308,42 @@ def run_capture(
         if layer >= num_layers:
             raise KvcalError(f"attention layer index {layer} >= num_hidden_layers {num_layers}")
         result.scaling.setdefault(layer, attention_scaling(module, head_dim))
+        q, k, v = q.cpu(), k.cpu(), v.cpu()
         mask = state["mask"]
         stats.update(layer, q, k, v, mask & state["is_calib"][:, None] & state["pos_ok"][None, :])
         if result.sink_stats is not None:
             pos = torch.arange(mask.shape[1]) >= sink_stats_skip
             result.sink_stats.k[layer].update(k, mask & state["is_calib"][:, None] & pos[None, :])
             result.sink_stats.v[layer].update(v, mask & state["is_calib"][:, None] & pos[None, :])
-        for row, (_slot, T) in state["keep"].items():
+        for row, T in state["keep"].items():
             state["pending"][row][layer] = (
-                q[row, :, :T].float().cpu().clone(), k[row, :, :T].float().cpu().clone(),
-                v[row, :, :T].float().cpu().clone(),
+                q[row, :, :T].float().clone(), k[row, :, :T].float().clone(), v[row, :, :T].float().clone(),
             )
 
     t0 = time.perf_counter()
-    batches = _batches(samples, batch_size)
-    total_tokens = sum(len(s) for s in samples)
-    bar = tqdm(total=total_tokens, unit="tok", desc="capture", disable=not progress)
+    batches = _batches(samples, batch_size, max_batch_tokens)
+    start = 0
+    if checkpoint is not None and checkpoint.resume:
+        if world > 1:
+            raise KvcalError("--resume is not supported under torchrun; resume with a single process")
+        ck = _load_checkpoint(checkpoint)
+        start = ck["next_batch"]
+        result.stats = stats = LayerStats.from_state_dict(ck["stats"])
+        if ck.get("sink_stats") is not None:
+            result.sink_stats = LayerStats.from_state_dict(ck["sink_stats"])
+        res_c.load_state_dict(ck["calib"])
+        res_h.load_state_dict(ck["heldout"])
+        result.scaling.update(ck["scaling"])
+        result.tokens = ck["tokens"]
+        torch.set_rng_state(ck["rng"])
+    mine = [b for j, b in enumerate(batches) if j % world == rank]
+    total_tokens = sum(len(samples[i]) for b in mine for i in b)
+    done_tokens = sum(len(samples[i]) for j, b in enumerate(batches) if j < start and j % world == rank for i in b)
+    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", desc="capture", disable=not progress or rank != 0)
     with torch.no_grad(), capture_kv(model, on_layer):
-        for idx in batches:
+        for j, idx in enumerate(batches):
+            if j < start or j % world != rank:
+                continue
             L = max(len(samples[i]) for i in idx)
             ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
             mask = torch.zeros(len(idx), L, dtype=torch.bool)
@@ -208,23 +353,33 @@ def run_capture(
             is_calib = torch.tensor([i not in heldout_idx for i in idx])
             keep = {}
             for r, i in enumerate(idx):
-                res = res_h if i in heldout_idx else res_c
-                slot = res.offer()
-                if slot is not None:
-                    keep[r] = (slot, min(len(samples[i]), search_tokens))
-            state.update(mask=mask, is_calib=is_calib, pos_ok=torch.arange(L) >= stats_skip_first, keep=keep, pending={r: [None] * num_layers for r in keep})
+                if (res_h if i in heldout_idx else res_c).offer(i):
+                    keep[r] = min(len(samples[i]), search_tokens)
+            state.update(mask=mask, is_calib=is_calib, pos_ok=torch.arange(L) >= stats_skip_first, keep=keep,
+                         pending={r: [None] * num_layers for r in keep})
             base(input_ids=ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
-            for r, (slot, _) in keep.items():
+            for r in keep:
                 i = idx[r]
-                (res_h if i in heldout_idx else res_c).put(slot, i, state["pending"][r])
+                (res_h if i in heldout_idx else res_c).put(i, state["pending"][r])
+            result.tokens += int(mask.sum())
             bar.update(int(mask.sum()))
+            if checkpoint is not None and checkpoint.every and world == 1 and (j + 1) % checkpoint.every == 0 \
+                    and j + 1 < len(batches):
+                _save_checkpoint(checkpoint, {
+                    "fingerprint": checkpoint.fingerprint, "next_batch": j + 1, "stats": stats.state_dict(),
+                    "sink_stats": None if result.sink_stats is None else result.sink_stats.state_dict(),
+                    "calib": res_c.state_dict(), "heldout": res_h.state_dict(), "scaling": dict(result.scaling),
+                    "tokens": result.tokens, "rng": torch.get_rng_state(),
+                })
     bar.close()
+    if world > 1:
+        _all_reduce_capture(result)
+        stats = result.stats
     missing = [i for i in range(num_layers) if int(stats.fired[i]) == 0]
     if missing:
         raise KvcalError(f"attention layers {missing} never fired during capture; this architecture's "
-                         "attention does not go through transformers' attention interface")
+                         "attention does not go through transformers' attention interface (no KV cache?)")
     result.seconds = time.perf_counter() - t0
-    result.tokens = total_tokens
     return result
 
 
@@ -437,16 +592,17 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     loaded offline when None. Raises :class:`KvcalError` (bad corpus, model, options, or output
     location); nothing is written unless the whole run succeeds.
     """
-    from kvcal.artifact import write_artifact
     from kvcal.corpus import format_shape, load_corpus
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
-    from kvcal.report.markdown import layer_table, render_calibration_report
 
     int_path = cfg.bits is not None or cfg.preset != "fp8"
     tag = (f"bits{cfg.bits:g}" if cfg.bits is not None else cfg.preset) if int_path else cfg.format.split('_')[0]
     out = cfg.out or f"artifacts/{(cfg.model or 'smollm2-135m').replace('/', '_')}-{tag}"
     from pathlib import Path
 
+    rank, world = _init_distributed(cfg.device)
+    if rank != 0:
+        log, progress = (lambda s: None), False
     if Path(out).exists() and not cfg.overwrite:
         raise KvcalError(f"output directory {out} already exists; pass --overwrite to replace it")
     torch.manual_seed(cfg.seed)
@@ -456,21 +612,80 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     shape = corpus.shape()
     log(format_shape(shape))
     if model is None:
-        model = load_model(cfg.model, device=cfg.device)
+        model = load_model(cfg.model, device=cfg.device, device_map=cfg.device_map)
     conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mmeta = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
     held_idx = split_heldout(len(corpus.samples), cfg.heldout_fraction, cfg.seed)
     log(f"model: {mmeta['id']} ({mmeta['architecture']}, {mmeta['num_layers']} layers, "
         f"{mmeta['num_kv_heads']} KV heads × head_dim {mmeta['head_dim']}); weights: {mmeta['weight_precision']}")
-    log(f"split: {len(corpus.samples) - len(held_idx)} calibration / {len(held_idx)} held-out samples (seed {cfg.seed})")
+    log(f"split: {len(corpus.samples) - len(held_idx)} calibration / {len(held_idx)} held-out samples (seed {cfg.seed})"
+        + (f"; data-parallel over {world} ranks" if world > 1 else ""))
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    skip = (1 if cfg.sink_tokens is None else cfg.sink_tokens) if int_path else 0
+    ckpt = None
+    if cfg.checkpoint_every or cfg.resume:
+        import hashlib
+        import json as _json
+
+        fp = {"corpus": corpus.sha256, "model": mmeta["config_sha256"], "skip": skip,
+              **{k: getattr(cfg, k) for k in ("max_samples", "max_seq_len", "seed", "heldout_fraction", "batch_size",
+                                              "reservoir", "heldout_reservoir", "search_tokens")}}
+        ckpt = Checkpointing(checkpoint_path(out), cfg.checkpoint_every, cfg.resume,
+                             hashlib.sha256(_json.dumps(fp, sort_keys=True).encode()).hexdigest())
     cap = run_capture(
         model, corpus.samples, held_idx, num_layers=mmeta["num_layers"], num_kv_heads=mmeta["num_kv_heads"],
         num_q_heads=int(conf.num_attention_heads), head_dim=head_dim_of(conf), batch_size=cfg.batch_size,
         reservoir=cfg.reservoir, heldout_reservoir=cfg.heldout_reservoir, search_tokens=cfg.search_tokens,
-        seed=cfg.seed, pad_id=pad, progress=progress,
-        stats_skip_first=(1 if cfg.sink_tokens is None else cfg.sink_tokens) if int_path else 0,
+        seed=cfg.seed, pad_id=pad, progress=progress, stats_skip_first=skip, checkpoint=ckpt,
     )
+    if rank != 0:
+        _finish_distributed()
+        return {"out": str(out), "rank": rank}
+    try:
+        res = _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path)
+    finally:
+        _finish_distributed()
+    if ckpt is not None:
+        Path(ckpt.path).unlink(missing_ok=True)
+    return res
+
+
+def checkpoint_path(out: str) -> str:
+    """Where ``--checkpoint-every`` saves the capture state for artifact directory ``out``."""
+    return str(out).rstrip("/") + ".checkpoint.pt"
+
+
+def _init_distributed(device: str) -> tuple[int, int]:
+    """Join the ``torchrun`` process group when ``WORLD_SIZE > 1`` (gloo on CPU, nccl on CUDA)."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return _dist_info()
+
+
+def _finish_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _channel_ranges(cap: CaptureResult, layers_meta: list[dict]) -> None:
+    """Per layer/side per-channel absmax ``[H][D]`` from the calibration statistics (for the report)."""
+    for lm in layers_meta:
+        i = lm["layer"]
+        for side in ("k", "v"):
+            lm[side]["channel_absmax"] = getattr(cap.stats, side)[i].finalize()["absmax"].float().tolist()
+
+
+def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path) -> dict:
+    from kvcal.artifact import write_artifact
+    from kvcal.report.markdown import layer_table, render_calibration_report
+
     if int_path:
         return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
     t1 = time.perf_counter()
@@ -478,6 +693,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     search_s = time.perf_counter() - t1
 
     plan, layers_meta = plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"])
+    _channel_ranges(cap, layers_meta)
     tensors = plan.to_tensors()
     meta = {
         "kvcal_version": __version__,
@@ -525,6 +741,7 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
                      objective_k=cfg.objective_k, max_queries=cfg.max_queries, budget_context=cfg.budget_context,
                      progress=progress, log=log)
     plan = res.plan
+    _channel_ranges(cap, res.layers_meta)
     meta = {
         "kvcal_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -73,19 +73,41 @@ def main():
 @click.option("--batch-size", default=8, show_default=True, type=int)
 @click.option("--strict", is_flag=True, help="Refuse samples longer than --max-seq-len instead of truncating.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--device-map", default=None, type=click.Choice(["auto"]),
+              help="Spread a model that does not fit one device over GPUs/CPU (accelerate).")
+@click.option("--checkpoint-every", default=0, show_default=True, type=int,
+              help="Save the capture state every N batches to <out>.checkpoint.pt (atomic).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from <out>.checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @user_errors
 def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
-              key_centering, budget_context, device, seed, batch_size, strict, overwrite, quiet):
-    """Calibrate K/V quantization on a deployment corpus and write an artifact."""
-    from kvcal.calibrate import CalibrateConfig
+              key_centering, budget_context, device, seed, batch_size, strict, overwrite, device_map, checkpoint_every,
+              resume, quiet):
+    """Calibrate K/V quantization on a deployment corpus and write an artifact.
+
+    Data-parallel: ``torchrun --nproc-per-node N -m kvcal calibrate ...`` shards the batches over
+    ranks (gloo on CPU, nccl on GPU) and rank 0 writes the artifact.
+    """
+    from pathlib import Path
+
+    from kvcal.calibrate import CalibrateConfig, checkpoint_path
     from kvcal.calibrate import calibrate as run
 
     cfg = CalibrateConfig(corpus=corpus, out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
                           format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
                           strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
-                          residual_window=residual_window, key_centering=key_centering, budget_context=budget_context)
-    res = run(cfg, log=click.echo, progress=not quiet)
+                          residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
+                          device_map=device_map, checkpoint_every=checkpoint_every, resume=resume)
+    try:
+        res = run(cfg, log=click.echo, progress=not quiet)
+    except KeyboardInterrupt:
+        ck = checkpoint_path(out) if out else None
+        hint = (f"; resume with the same command plus --resume (checkpoint {ck})" if ck and Path(ck).exists()
+                else "; add --checkpoint-every N to make long runs resumable")
+        click.echo(f"interrupted: no artifact was written{hint}", err=True)
+        sys.exit(130)
+    if res.get("rank", 0) != 0:
+        return
     click.echo(res["table"])
     click.echo(f"artifact: {res['out']}  (kv_scales.safetensors, report.md)")
 

@@ -164,6 +164,11 @@ def model_metadata(
     weight_precision.
     """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(cfg, "num_attention_heads", None) or not getattr(cfg, "num_hidden_layers", None):
+        raise ModelLoadError(
+            f"{getattr(cfg, 'model_type', type(cfg).__name__)} has no attention layers and therefore no KV cache "
+            "to calibrate (e.g. a state-space model); kvcal calibrates transformer decoders"
+        )
     d = cfg.to_dict()
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     d.setdefault("num_key_value_heads", n_kv)

@@ -151,20 +151,25 @@ def test_layer_stats_state_dict_round_trip():
     assert torch.equal(rt.k[1].absmax, ls.k[1].absmax)
 
 
-def test_reservoir_is_bounded_and_deterministic():
-    def run(seed):
-        r = SequenceReservoir(4, 16, seed)
-        for i in range(100):
-            slot = r.offer()
-            if slot is not None:
-                r.put(slot, i, [i])
+def test_reservoir_is_bounded_order_independent_and_mergeable():
+    from kvcal.capture.reservoir import priority
+
+    def run(order, seed=0, cap=4):
+        r = SequenceReservoir(cap, 16, seed)
+        for i in order:
+            if r.offer(i):
+                r.put(i, [i])
         return r
 
-    a, b = run(0), run(0)
+    a = run(range(100))
     assert len(a.sequences()) == 4
-    assert a.sequences() == b.sequences()
-    assert a.sequences() != run(1).sequences()
-    # batch of offers before puts fills distinct slots
-    r = SequenceReservoir(3, 16, 0)
-    slots = [r.offer() for _ in range(3)]
-    assert slots == [0, 1, 2]
+    # exactly the 4 lowest priorities, whatever the order samples arrive in
+    expect = sorted(sorted(range(100), key=lambda i: priority(0, i))[:4])
+    assert a.indices() == expect
+    assert run(reversed(range(100))).indices() == expect
+    # two shards merged == one pass (data-parallel ranks, resumed runs)
+    merged = run(range(0, 100, 2)).merge(run(range(1, 100, 2)))
+    assert merged.indices() == expect
+    assert run(range(100), seed=1).indices() != expect
+    # priorities are uniform-ish: mean of 10k close to 1/2
+    assert abs(sum(priority(3, i) for i in range(10000)) / 10000 - 0.5) < 0.01

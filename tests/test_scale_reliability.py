@@ -1,0 +1,163 @@
+"""Issue 7: data-parallel calibration (2 gloo ranks == 1 process), resumable runs, device_map,
+models without a KV cache. Uses a tiny random Llama with the embedded tokenizer's vocabulary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcal.artifact import load_artifact
+from kvcal.calibrate import CalibrateConfig, calibrate, checkpoint_path
+from kvcal.errors import KvcalError, ModelLoadError
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = REPO / "calibration_sets" / "chat.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    smollm_tokenizer.save_pretrained(d)
+    return d
+
+
+def _cfg(tiny_dir, out, **kw):
+    base = dict(corpus=str(CHAT), out=str(out), model=str(tiny_dir), max_samples=12, max_seq_len=96, batch_size=2,
+                reservoir=3, heldout_reservoir=2, max_queries=16)
+    base.update(kw)
+    return CalibrateConfig(**base)
+
+
+def _same_artifact(a: Path, b: Path):
+    A, B = load_artifact(a), load_artifact(b)
+    assert sorted(A.tensors) == sorted(B.tensors)
+    for k in A.tensors:
+        assert torch.equal(A.tensors[k], B.tensors[k]), k
+    la, lb = A.metadata["layers"], B.metadata["layers"]
+    for x, y in zip(la, lb, strict=True):
+        for side in ("k", "v"):
+            assert x[side]["heldout"] == y[side]["heldout"]
+            assert x[side]["channel_absmax"] == y[side]["channel_absmax"]
+    assert A.metadata["corpus"] == B.metadata["corpus"]
+
+
+def _cli(args, env_extra=None, torchrun=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    if torchrun:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(torchrun),
+               "--master-port", "29531", "-m", "kvcal", *args]
+    else:
+        cmd = [sys.executable, "-m", "kvcal", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_two_gloo_ranks_give_the_same_artifact_as_one_process(tiny_dir, tmp_path):
+    args = ["calibrate", "--corpus", str(CHAT), "--model", str(tiny_dir), "--max-samples", "12",
+            "--max-seq-len", "96", "--batch-size", "2", "--quiet"]
+    one = _cli([*args, "--out", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = _cli([*args, "--out", str(tmp_path / "two")], torchrun=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "data-parallel over 2 ranks" in two.stdout
+    assert two.stdout.count("artifact:") == 1  # only rank 0 writes and reports
+    _same_artifact(tmp_path / "one", tmp_path / "two")
+
+
+def test_interrupted_run_resumes_to_an_identical_artifact(tiny_dir, tmp_path, monkeypatch):
+    from kvcal.models import load_model, load_tokenizer
+
+    tok = load_tokenizer(str(tiny_dir))
+    model = load_model(str(tiny_dir))
+    calibrate(_cfg(tiny_dir, tmp_path / "ref"), log=lambda s: None, progress=False, model=model, tokenizer=tok)
+
+    out = tmp_path / "run"
+    real = model.model.forward
+    calls = {"n": 0}
+
+    def boom(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(model.model, "forward", boom)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(_cfg(tiny_dir, out, checkpoint_every=1), log=lambda s: None, progress=False, model=model, tokenizer=tok)
+    monkeypatch.setattr(model.model, "forward", real)
+    assert not out.exists(), "an interrupted run must not leave a partial artifact"
+    ck = Path(checkpoint_path(str(out)))
+    assert torch.load(ck, weights_only=False)["next_batch"] == 3
+    calibrate(_cfg(tiny_dir, out, checkpoint_every=1, resume=True), log=lambda s: None, progress=False,
+              model=model, tokenizer=tok)
+    _same_artifact(tmp_path / "ref", out)
+    assert not ck.exists(), "the checkpoint is removed once the artifact is written"
+
+    # a checkpoint from another run is refused, naming the fix
+    torch.save({"fingerprint": "other"}, ck)
+    with pytest.raises(KvcalError, match="different run"):
+        calibrate(_cfg(tiny_dir, out, resume=True, overwrite=True), log=lambda s: None, progress=False,
+                  model=model, tokenizer=tok)
+    ck.unlink()
+    with pytest.raises(KvcalError, match="no checkpoint"):
+        calibrate(_cfg(tiny_dir, out, resume=True, overwrite=True), log=lambda s: None, progress=False,
+                  model=model, tokenizer=tok)
+
+
+def test_ctrl_c_message_says_how_to_resume(tmp_path, monkeypatch):
+    import kvcal.calibrate as cal
+    from kvcal.cli import main
+
+    out = tmp_path / "a"
+
+    def interrupted(cfg, **kw):
+        Path(cal.checkpoint_path(str(out))).write_bytes(b"x")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cal, "calibrate", interrupted)
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(CHAT), "--out", str(out), "--checkpoint-every", "5"])
+    assert r.exit_code == 130
+    assert "no artifact was written" in r.output and "--resume" in r.output
+    assert not out.exists()
+
+
+def test_device_map_auto_captures_the_same_statistics(tiny_dir, tmp_path):
+    from kvcal.models import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_dir))
+    calibrate(_cfg(tiny_dir, tmp_path / "plain"), log=lambda s: None, progress=False, tokenizer=tok)
+    calibrate(_cfg(tiny_dir, tmp_path / "auto", device_map="auto"), log=lambda s: None, progress=False, tokenizer=tok)
+    _same_artifact(tmp_path / "plain", tmp_path / "auto")
+
+
+def test_architecture_without_kv_cache_is_refused(tmp_path):
+    from transformers import MambaConfig
+
+    from kvcal.models import model_metadata
+
+    with pytest.raises(ModelLoadError, match="no attention layers and therefore no KV cache"):
+        model_metadata(MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=100))
+
+
+def test_metadata_json_is_valid(tiny_dir, tmp_path):
+    from kvcal.models import load_tokenizer
+
+    calibrate(_cfg(tiny_dir, tmp_path / "m"), log=lambda s: None, progress=False,
+              tokenizer=load_tokenizer(str(tiny_dir)))
+    meta = load_artifact(tmp_path / "m").metadata
+    json.dumps(meta, allow_nan=False)
+    assert len(meta["layers"][0]["k"]["channel_absmax"]) == 2  # [H_kv][D]
+    assert len(meta["layers"][0]["k"]["channel_absmax"][0]) == 16
