@@ -37,9 +37,10 @@ class TensorStats:
 
     FIELDS = ("absmax", "min", "max", "sum", "sumsq", "count", "hist")
 
-    def __init__(self, num_heads: int, head_dim: int, track_hist: bool = True):
+    def __init__(self, num_heads: int, head_dim: int, track_hist: bool = True, track_moments: bool = True):
         H, D = num_heads, head_dim
         self.track_hist = track_hist
+        self.track_moments = track_moments
         self.num_heads, self.head_dim = H, D
         self.absmax = torch.zeros(H, D, dtype=torch.float64)
         self.min = torch.full((H, D), float("inf"), dtype=torch.float64)
@@ -65,9 +66,10 @@ class TensorStats:
         self.absmax = torch.maximum(self.absmax, torch.maximum(mx.abs(), mn.abs()))
         self.min = torch.minimum(self.min, mn)
         self.max = torch.maximum(self.max, mx)
-        xd = xt.double()
-        self.sum += xd.sum(1)
-        self.sumsq += (xd * xd).sum(1)
+        if self.track_moments:
+            xd = xt.double()
+            self.sum += xd.sum(1)
+            self.sumsq += (xd * xd).sum(1)
         self.count += xt.shape[1]
         if self.track_hist:
             self.hist += histogram_abs(xt.reshape(H, -1), self.hist.shape[1])
@@ -88,7 +90,7 @@ class TensorStats:
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor]) -> TensorStats:
         H, D = sd["absmax"].shape
-        s = cls(H, D, track_hist=bool(sd["hist"].any()))
+        s = cls(H, D, track_hist=bool(sd["hist"].any()), track_moments=bool(sd["sumsq"].any()))
         for f in cls.FIELDS:
             setattr(s, f, sd[f].clone())
         return s
@@ -111,7 +113,8 @@ class LayerStats:
     def __init__(self, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int):
         self.k = [TensorStats(num_kv_heads, head_dim) for _ in range(num_layers)]
         self.v = [TensorStats(num_kv_heads, head_dim) for _ in range(num_layers)]
-        self.q = [TensorStats(num_q_heads, head_dim, track_hist=False) for _ in range(num_layers)]
+        # queries: ranges only (q_scale export, reports); moments and histograms are for K/V
+        self.q = [TensorStats(num_q_heads, head_dim, track_hist=False, track_moments=False) for _ in range(num_layers)]
         self.fired = torch.zeros(num_layers, dtype=torch.int64)
 
     def update(self, layer: int, q, k, v, mask=None) -> None:
