@@ -659,7 +659,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                     measured.append({**m, "context": T})
                     if m["allocated_bytes"] != m["expected_bytes"]:
                         notes.append(f"{m['method']}: runtime cache held {m['allocated_bytes']} bytes, the accounting "
-                                     f"says {m['expected_bytes']} (key-centering means are not in the contract)")
+                                     f"says {m['expected_bytes']}: accounting and allocation disagree (a bug: please report)")
 
     per_layer = {}
     if cfg.per_layer_tokens:

@@ -94,7 +94,8 @@ class KVPlan:
 
     def kv_config(self, layer: int = 0) -> KVCacheConfig:
         lp = self.layers[layer]
-        return KVCacheConfig(lp.k.spec, lp.v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens)
+        return KVCacheConfig(lp.k.spec, lp.v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens,
+                             key_centering=lp.k.mean is not None)
 
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.

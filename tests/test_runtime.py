@@ -161,6 +161,20 @@ def test_allocated_bytes_mixed_layers(model):
     assert cache.allocated_bytes() == cache_bytes(model.config, cache.kv_configs(), 61, 2)
 
 
+def test_allocated_bytes_include_key_centering(model):
+    """Key-centering means are per-layer metadata: held by the cache and counted by the accounting
+    (hand-worked: 2 layers x H=2 x D=16 x 4 bytes = 256 bytes more than without centering)."""
+    plan = make_plan("int8", 1, 0)
+    plan.layers[0].k.mean = torch.randn(1, H, 1, D)
+    plan.layers[1].k.mean = torch.randn(1, H, 1, D)
+    cache = QuantizedKVCache(plan, model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 19)), cache=cache, use_cache=True)
+    assert cache.allocated_bytes() == cache_bytes(model.config, cache.kv_configs(), 19, 2)
+    plain = cache_bytes(model.config, make_plan("int8", 1, 0).kv_config(), 19, 2)
+    assert cache.allocated_bytes() - plain == 2 * H * D * 4
+
+
 def test_generate_batch2_left_padding(model):
     g = torch.Generator().manual_seed(5)
     p1, p2 = torch.randint(1, 128, (1, 12), generator=g), torch.randint(1, 128, (1, 7), generator=g)

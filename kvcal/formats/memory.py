@@ -31,7 +31,8 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
        ``[1,1,1,1]``, per-head ``[1,H,1,1]``, per-channel ``[1,H,1,D]``) at ``s.scale_dtype``,
        plus a ``zero_point`` of the same shape/dtype when asymmetric;
      - dynamic granularities: the calibrated ``clip_ratio`` ``float32 [H]``;
-     - NVFP4 additionally: the global scale ``float32 [1]``.
+     - NVFP4 additionally: the global scale ``float32 [1]``;
+     - keys with ``key_centering``: the per-channel key mean ``float32 [1,H,1,D]``.
 
 :func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
 :class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns
@@ -260,6 +261,8 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1) -> Memo
                                     c.dtype16.itemsize)
             for k in acc:
                 acc[k] += part[k]
+        if c.key_centering and c.key.is_quantized:
+            acc["static"] += H * D * 4  # k_mean float32 [1,H,1,D]
     conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
     return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
                         acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)

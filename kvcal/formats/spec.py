@@ -284,8 +284,9 @@ class KVCacheConfig:
     ``key`` / ``value``: :class:`TensorQuantSpec` (or a format string, meaning that format per
     tensor). ``residual_window``: the most recent tokens kept in ``dtype16`` (KIVI's R).
     ``sink_tokens``: the first tokens kept in ``dtype16`` (attention sinks). ``dtype16``:
-    ``torch.bfloat16`` or ``torch.float16``. Raises ``ValueError`` on negative windows or another
-    16-bit dtype.
+    ``torch.bfloat16`` or ``torch.float16``. ``key_centering``: keys are stored minus a calibrated
+    per-channel mean (``float32 [1,H,1,D]`` per layer, counted as per-layer metadata). Raises
+    ``ValueError`` on negative windows or another 16-bit dtype.
     """
 
     key: TensorQuantSpec
@@ -293,6 +294,7 @@ class KVCacheConfig:
     residual_window: int = 0
     sink_tokens: int = 0
     dtype16: torch.dtype = DEFAULTS["dtype16"]
+    key_centering: bool = False
 
     def __post_init__(self):
         for side in ("key", "value"):
@@ -329,6 +331,7 @@ class KVCacheConfig:
             "residual_window": self.residual_window,
             "sink_tokens": self.sink_tokens,
             "dtype16": DTYPE_NAMES[self.dtype16],
+            "key_centering": self.key_centering,
         }
 
     @classmethod
@@ -337,6 +340,7 @@ class KVCacheConfig:
             TensorQuantSpec.from_dict(d["k"]), TensorQuantSpec.from_dict(d["v"]),
             int(d.get("residual_window", 0)), int(d.get("sink_tokens", 0)),
             dtype_from_name(d.get("dtype16", DTYPE_NAMES[DEFAULTS["dtype16"]])),
+            bool(d.get("key_centering", False)),
         )
 
 

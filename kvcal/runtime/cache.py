@@ -44,9 +44,8 @@ Allocation (the contract of :mod:`kvcal.formats.memory`, byte for byte)
 style), so ``allocated_bytes() == cache_bytes(model, plan configs, T, B)``. Without it the
 buffers grow to exactly the contract's sizes for the current length ``t``, so
 ``allocated_bytes() == cache_bytes(..., context=t, batch=B)`` after every update. Before the first
-update only per-layer metadata is held (``cache_bytes(context=0)``). A plan with key centering
-additionally holds ``k_mean float32 [1,H,1,D]`` per layer, which the contract does not list
-(``allocated_bytes(include_centering=False)`` leaves it out).
+update only per-layer metadata is held (``cache_bytes(context=0)``), including the key-centering
+mean ``k_mean float32 [1,H,1,D]`` of layers whose plan has one (``KVCacheConfig.key_centering``).
 
 Left padding: pad positions are cached like any token and masked by attention. Sinks are the
 first cache slots of each row, so with left padding the pads, not the prompt's first tokens, are
@@ -146,9 +145,9 @@ class _Side:
     def batch_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.sink, self.win, self.data, self.scale, self.zp) if t is not None]
 
-    def nbytes(self, include_centering: bool = True) -> int:
+    def nbytes(self) -> int:
         ts = self.metadata_tensors() + self.batch_tensors()
-        if include_centering and self.mean is not None:
+        if self.mean is not None:
             ts.append(self.mean)
         return sum(t.numel() * t.element_size() for t in ts)
 
@@ -384,8 +383,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def prefetch(self):
         return None
 
-    def nbytes(self, include_centering: bool = True) -> int:
-        return self.k.nbytes(include_centering) + self.v.nbytes(include_centering)
+    def nbytes(self) -> int:
+        return self.k.nbytes() + self.v.nbytes()
 
 
 class QuantizedKVCache(Cache):
@@ -443,9 +442,9 @@ class QuantizedKVCache(Cache):
         b = self.layers[0].k.B
         return b if b else -1
 
-    def allocated_bytes(self, include_centering: bool = True) -> int:
+    def allocated_bytes(self) -> int:
         """Bytes of every tensor the cache holds (``nbytes`` sum over layers and sides)."""
-        return sum(layer.nbytes(include_centering) for layer in self.layers)
+        return sum(layer.nbytes() for layer in self.layers)
 
     def expected_bytes(self) -> int:
         """:func:`kvcal.formats.memory.cache_bytes` for this cache's capacity and batch (the
