@@ -130,6 +130,9 @@ def write_artifact(
     except OSError as e:
         raise ArtifactError(f"cannot write to {parent}: {e.strerror}; choose a writable --out") from None
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700; an artifact is a normal directory
         save_file(payload, str(tmp / SCALES_FILE), metadata={"kvcal": meta_json, "format": "pt"})
         for fname, content in (extra_files or {}).items():
             p = tmp / fname

@@ -27,6 +27,9 @@ def test_round_trip_and_schema(tmp_path):
     assert torch.equal(art.scale(1, "v"), torch.tensor([0.01]))
     assert (out / "report.md").read_text() == "hi"
     assert sorted(os.listdir(tmp_path)) == ["a"]  # no temp dirs left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # a normal directory, not mkdtemp's 0700
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])

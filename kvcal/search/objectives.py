@@ -113,15 +113,29 @@ class SequenceCache:
         self.logp = torch.log_softmax(self.scores, dim=-1)
         self.p = self.logp.exp()
         self.num_queries = self.qpos.numel() * (q.shape[0] // k.shape[0])  # per KV head
+        self._derive()
+
+    def _derive(self) -> None:
+        """Quantities shared by every candidate: the causal mask, ``Σ p·log p`` and ``Σ‖P·V‖²``."""
+        self.masked = ~torch.isfinite(self.scores)  # [H_kv, G, Tq, T]
+        self.logp0 = self.logp.masked_fill(self.masked, 0.0)
+        o = torch.einsum("hgqt,htd->hgqd", self.p, self.v.float())
+        self.out_sq = (o * o).sum(dim=(1, 2, 3)).double()
 
     def key_kl(self, k_hat: torch.Tensor) -> torch.Tensor:
-        return attention_kl(self.logp, causal_scores(self.q, k_hat, self.scaling, self.qpos))
+        """``Σ KL(P ‖ P̂)`` per KV head, as :func:`attention_kl` (exact log-probabilities cached)."""
+        qg = self.q[:, self.qpos].float().reshape(self.k.shape[0], -1, self.qpos.numel(), self.q.shape[-1])
+        s = torch.einsum("hgqd,htd->hgqt", qg, k_hat.float()).mul_(self.scaling).masked_fill_(self.masked, float("-inf"))
+        logp_hat = torch.log_softmax(s, dim=-1).masked_fill_(self.masked, 0.0)
+        return (self.p * (self.logp0 - logp_hat)).sum(dim=(1, 2, 3)).double()
 
     def key_centered(self, k_hat: torch.Tensor) -> torch.Tensor:
         return centered_score_error(self.scores, causal_scores(self.q, k_hat, self.scaling, self.qpos))
 
     def value_error(self, v_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return output_error(self.p, self.v, v_hat)
+        """``(Σ‖P·(V̂−V)‖², Σ‖P·V‖²)`` per KV head, as :func:`output_error` (reference cached)."""
+        do = torch.einsum("hgqt,htd->hgqd", self.p, v_hat.float() - self.v.float())
+        return (do * do).sum(dim=(1, 2, 3)).double(), self.out_sq
 
     def key_output_error(self, k_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Σ‖(P̂−P)·V‖², Σ‖P·V‖²)`` per KV head (float64 ``[H_kv]``) for quantized keys."""
@@ -137,4 +151,5 @@ class SequenceCache:
         out.q, out.k, out.v, out.scaling = self.q[h * g : (h + 1) * g], self.k[h : h + 1], self.v[h : h + 1], self.scaling
         out.qpos, out.scores, out.logp, out.p = self.qpos, self.scores[h : h + 1], self.logp[h : h + 1], self.p[h : h + 1]
         out.num_queries = self.num_queries
+        out.masked, out.logp0, out.out_sq = self.masked[h : h + 1], self.logp0[h : h + 1], self.out_sq[h : h + 1]
         return out
