@@ -53,7 +53,7 @@ def main():
     args = ap.parse_args()
 
     from kvcal.artifact import write_artifact
-    from kvcal.calibrate import plan_from_choices, run_capture, search_scales, split_heldout
+    from kvcal.calibrate import CalibrateConfig, plan_from_choices, run_capture, search_scales, split_heldout
     from kvcal.evaluate import text_windows
     from kvcal.models import load_model, load_tokenizer
 
@@ -71,12 +71,14 @@ def main():
     print(f"plain forward (LM head included, batch 8): {fwd:.1f} s")
 
     samples = list(ids)
-    held = split_heldout(n, 0.25, 0)
+    d = CalibrateConfig(corpus="-")  # the CLI's defaults
+    held = split_heldout(n, d.heldout_fraction, d.seed)
     t = time.perf_counter()
     cap = run_capture(model, samples, held, num_layers=30, num_kv_heads=3, num_q_heads=9, head_dim=64,
-                      batch_size=8, reservoir=12, heldout_reservoir=6, search_tokens=T, progress=False)
+                      batch_size=d.batch_size, reservoir=d.reservoir, heldout_reservoir=d.heldout_reservoir,
+                      search_tokens=d.search_tokens, progress=False)
     t_cap = time.perf_counter() - t
-    rows = search_scales(cap, "fp8_e4m3", False, 128, progress=False)
+    rows = search_scales(cap, "fp8_e4m3", False, d.max_queries, progress=False)
     plan, _ = plan_from_choices(rows, "fp8_e4m3", "tensor", 3)
     with tempfile.TemporaryDirectory() as d:
         write_artifact(Path(d) / "a", plan.to_tensors(), {"model": {"num_layers": 30}, "kv": plan.kv_metadata()})

@@ -199,11 +199,15 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
         if field not in meta:
             raise ArtifactError(f"{f}: metadata lacks the {field!r} section")
     n = int(meta["model"]["num_layers"])
+    layer_specs = meta["kv"].get("layer_specs")
     for side in SIDES:
-        spec = meta["kv"].get(side)
-        if spec is None or spec.get("dynamic"):
-            continue
-        missing = [i for i in range(n) if tensor_name(i, side) not in tensors]
+        missing = []
+        for i in range(n):
+            spec = (layer_specs[i] if layer_specs else meta["kv"]).get(side)
+            if spec is None or spec.get("dynamic") or spec.get("format") in ("fp16", "bf16"):
+                continue
+            if tensor_name(i, side) not in tensors:
+                missing.append(i)
         if missing:
             raise ArtifactError(
                 f"{f}: missing {side}_scale for layers {missing[:5]}{'...' if len(missing) > 5 else ''} "

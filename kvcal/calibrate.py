@@ -69,10 +69,10 @@ class CalibrateConfig:
     seed: int = 0
     heldout_fraction: float = 0.25
     batch_size: int = 8
-    reservoir: int = 12
-    heldout_reservoir: int = 6
+    reservoir: int = 8
+    heldout_reservoir: int = 4
     search_tokens: int = 512
-    max_queries: int = 128
+    max_queries: int = 96
     strict: bool = False
     overwrite: bool = False
     preset: str = "fp8"

@@ -74,6 +74,19 @@ def test_missing_layer_refused(tmp_path):
         load_artifact(out)
 
 
+def test_mixed_per_layer_specs_check_each_layer(tmp_path):
+    """A --bits artifact can mix static and dynamic sides across layers (``kv.layer_specs``)."""
+    meta = json.loads(json.dumps(META))
+    dyn = {"format": "int4", "granularity": "token_group", "dynamic": True}
+    meta["kv"]["layer_specs"] = [{"k": META["kv"]["k"], "v": META["kv"]["v"]}, {"k": dyn, "v": dyn}]
+    t = tensors()
+    del t[tensor_name(1, "k")], t[tensor_name(1, "v")]
+    load_artifact(write_artifact(tmp_path / "a", t, meta))
+    del t[tensor_name(0, "v")]
+    with pytest.raises(ArtifactError, match=r"missing v_scale for layers \[0\]"):
+        load_artifact(write_artifact(tmp_path / "b", t, meta))
+
+
 def test_model_mismatch_names_the_field():
     other = dict(META["model"], num_kv_heads=4)
     with pytest.raises(ArtifactError, match="num_kv_heads is 3 in the artifact but 4"):
