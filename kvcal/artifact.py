@@ -141,6 +141,9 @@ def write_artifact(
                 p.write_bytes(content)
             else:
                 p.write_text(content, encoding="utf-8")
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                os.chmod(p, 0o666 & ~umask)
         if out.exists():
             old = parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)

@@ -30,6 +30,7 @@ def test_round_trip_and_schema(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # a normal directory, not mkdtemp's 0700
+    assert ((out / SCALES_FILE).stat().st_mode & 0o777) == 0o666 & ~umask
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
