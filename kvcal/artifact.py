@@ -23,12 +23,13 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvcal.errors import ArtifactError
+from kvcal.errors import ArtifactError, KvcalError
 
 SCHEMA_VERSION = 1
 SCALES_FILE = "kv_scales.safetensors"
@@ -110,11 +111,6 @@ def write_artifact(
     """
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise ArtifactError(f"output directory {out} already exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise ArtifactError(f"output path {out} exists and is not a directory")
     validate_scales(tensors)
     meta = dict(metadata)
     meta["schema_version"] = SCHEMA_VERSION
@@ -123,16 +119,8 @@ def write_artifact(
         meta_json = json.dumps(meta, allow_nan=False, default=_json_default)
     except ValueError as e:
         raise ArtifactError(f"artifact metadata holds a non-finite number: {e}") from None
-    parent = out.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise ArtifactError(f"cannot write to {parent}: {e.strerror}; choose a writable --out") from None
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700; an artifact is a normal directory
+
+    def fill(tmp: Path) -> None:
         save_file(payload, str(tmp / SCALES_FILE), metadata={"kvcal": meta_json, "format": "pt"})
         for fname, content in (extra_files or {}).items():
             p = tmp / fname
@@ -141,9 +129,38 @@ def write_artifact(
                 p.write_bytes(content)
             else:
                 p.write_text(content, encoding="utf-8")
+
+    return write_dir_atomically(Path(out_dir), fill, overwrite, ArtifactError)
+
+
+def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False,
+                         error: type[KvcalError] = ArtifactError) -> Path:
+    """Create directory ``out`` atomically: ``fill(staging)`` populates a temporary sibling which
+    replaces ``out`` only when ``fill`` returns normally; on any error (also Ctrl-C) nothing is
+    left and an existing ``out`` is untouched. Files and the directory get normal permissions
+    (``mkdtemp`` and safetensors create 0700/0600).
+
+    Raises ``error`` (a :class:`KvcalError` subclass) if ``out`` exists and ``overwrite`` is
+    False, if it is not a directory, or on OS errors (read-only location, disk full).
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise error(f"output directory {out} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise error(f"output path {out} exists and is not a directory")
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise error(f"cannot write to {parent}: {e.strerror}; choose a writable --out") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        fill(tmp)
+        os.chmod(tmp, 0o777 & ~umask)
         for p in tmp.rglob("*"):
-            if p.is_file():
-                os.chmod(p, 0o666 & ~umask)
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
         if out.exists():
             old = parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
@@ -153,7 +170,7 @@ def write_artifact(
             os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ArtifactError(f"failed writing artifact to {out}: {e.strerror or e}; nothing was written") from None
+        raise error(f"failed writing {out}: {e.strerror or e}; nothing was written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -706,23 +706,28 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
             "objective_v": "relative attention-output error sum|P(V^-V)|^2 / sum|PV|^2",
             "candidates": "absmax, unity, otf (amax/200 K, amax/100 V), clip 0.95..0.5, headroom 1.25..4",
             "selection": "best on calibration split, then lowest held-out error among {best, absmax, unity}",
-            "seed": cfg.seed, "max_seq_len": cfg.max_seq_len, "heldout_fraction": cfg.heldout_fraction,
-            "calib_samples": len(corpus.samples) - len(held_idx), "heldout_samples": len(held_idx),
-            "reservoir_sequences": {"calib": len(cap.calib.items), "heldout": len(cap.heldout.items)},
-            "search_tokens": cfg.search_tokens, "max_queries": cfg.max_queries,
-            "capture_seconds": round(cap.seconds, 2), "search_seconds": round(search_s, 2),
-            "device": cfg.device, "context_regime": f"prefill of samples up to {cfg.max_seq_len} tokens, batch {cfg.batch_size}",
+            **_calibration_common(cfg, cap, corpus, held_idx),
+            "search_seconds": round(search_s, 2),
         },
-        "corpus": {"path": str(corpus.path), "sha256": corpus.sha256, "format": corpus.format,
-                   "samples": shape["samples"], "tokens": shape["tokens"],
-                   "length_percentiles": {k: shape[k] for k in ("p50", "p90", "p99", "max")},
-                   "truncated": shape["truncated"]},
+        "corpus": _corpus_meta(corpus, shape),
         "layers": layers_meta,
     }
     report = render_calibration_report(meta)
     path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
     table = layer_table(meta)
     return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg)}
+
+
+def _calibration_common(cfg, cap, corpus, held_idx) -> dict:
+    """The ``calibration`` metadata fields shared by the FP8 and integer paths."""
+    return {
+        "seed": cfg.seed, "max_seq_len": cfg.max_seq_len, "heldout_fraction": cfg.heldout_fraction,
+        "calib_samples": len(corpus.samples) - len(held_idx), "heldout_samples": len(held_idx),
+        "reservoir_sequences": {"calib": len(cap.calib.items), "heldout": len(cap.heldout.items)},
+        "search_tokens": cfg.search_tokens, "max_queries": cfg.max_queries,
+        "capture_seconds": round(cap.seconds, 2), "device": cfg.device,
+        "context_regime": f"prefill of samples up to {cfg.max_seq_len} tokens, batch {cfg.batch_size}",
+    }
 
 
 def _corpus_meta(corpus, shape) -> dict:
@@ -753,12 +758,7 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
             **res.summary,
             "selection": "coarse grid + scipy bounded refinement per KV head on the calibration split (errors "
                          "summed over all sequences), then the lower held-out error of {chosen, plain min/max}",
-            "seed": cfg.seed, "max_seq_len": cfg.max_seq_len, "heldout_fraction": cfg.heldout_fraction,
-            "calib_samples": len(corpus.samples) - len(held_idx), "heldout_samples": len(held_idx),
-            "reservoir_sequences": {"calib": len(cap.calib.items), "heldout": len(cap.heldout.items)},
-            "search_tokens": cfg.search_tokens, "max_queries": cfg.max_queries,
-            "capture_seconds": round(cap.seconds, 2), "device": cfg.device,
-            "context_regime": f"prefill of samples up to {cfg.max_seq_len} tokens, batch {cfg.batch_size}",
+            **_calibration_common(cfg, cap, corpus, held_idx),
         },
         "corpus": _corpus_meta(corpus, shape),
         "layers": res.layers_meta,

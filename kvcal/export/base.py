@@ -13,9 +13,6 @@ checkpoint (``x ≈ q * scale``, ``scale = clip_amax / 448``; INT8: ``clip_amax 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -328,28 +325,6 @@ def stage_output(out: Path, overwrite: bool, fill) -> None:
 
     Raises :class:`ExportError` if ``out`` exists and ``overwrite`` is False, or on OS errors.
     """
-    if out.exists() and not overwrite:
-        raise ExportError(f"output directory {out} already exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"output path {out} exists and is not a directory")
-    parent = out.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise ExportError(f"cannot write to {parent}: {e.strerror}; choose a writable --out") from None
-    try:
-        fill(tmp)
-        if out.exists():
-            old = parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"failed writing {out}: {e.strerror or e}; nothing was written") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from kvcal.artifact import write_dir_atomically
+
+    write_dir_atomically(out, fill, overwrite, ExportError)
