@@ -87,6 +87,8 @@ class CalibrateConfig:
     resume: bool = False
 
     def __post_init__(self):
+        if self.search_tokens < 2:
+            raise KvcalError("--search-tokens must be at least 2")
         if self.checkpoint_every < 0:
             raise KvcalError("--checkpoint-every must be >= 0 batches")
         if self.preset not in PRESET_NAMES:

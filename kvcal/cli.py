@@ -71,6 +71,9 @@ def main():
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--search-tokens", default=512, show_default=True, type=int,
+              help="Tokens of each reservoir sequence the search sees (raise it to calibrate long contexts; "
+                   "memory grows with it, not with the corpus).")
 @click.option("--strict", is_flag=True, help="Refuse samples longer than --max-seq-len instead of truncating.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--device-map", default=None, type=click.Choice(["auto"]),
@@ -81,8 +84,8 @@ def main():
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @user_errors
 def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
-              key_centering, budget_context, device, seed, batch_size, strict, overwrite, device_map, checkpoint_every,
-              resume, quiet):
+              key_centering, budget_context, device, seed, batch_size, search_tokens, strict, overwrite, device_map,
+              checkpoint_every, resume, quiet):
     """Calibrate K/V quantization on a deployment corpus and write an artifact.
 
     Data-parallel: ``torchrun --nproc-per-node N -m kvcal calibrate ...`` shards the batches over
@@ -97,7 +100,8 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
                           format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
                           strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
                           residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
-                          device_map=device_map, checkpoint_every=checkpoint_every, resume=resume)
+                          device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
+                          search_tokens=search_tokens)
     try:
         res = run(cfg, log=click.echo, progress=not quiet)
     except KeyboardInterrupt:
