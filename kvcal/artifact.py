@@ -215,9 +215,7 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     ver = meta.get("schema_version")
     if ver != SCHEMA_VERSION:
         raise ArtifactError(f"{f}: schema_version {ver!r} is not supported (this kvcal reads {SCHEMA_VERSION})")
-    for field in ("model", "kv"):
-        if field not in meta:
-            raise ArtifactError(f"{f}: metadata lacks the {field!r} section")
+    _validate_metadata(f, meta, tensors)
     n = int(meta["model"]["num_layers"])
     layer_specs = meta["kv"].get("layer_specs")
     for side in SIDES:
@@ -237,6 +235,41 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
         if name.endswith("_scale") and (not torch.isfinite(t).all() or (t <= 0).any()):
             raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales")
     return Artifact(path=p if p.is_dir() else p.parent, tensors=tensors, metadata=meta)
+
+
+def _validate_metadata(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Types and consistency of the metadata fields kvcal relies on; ArtifactError naming the field."""
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"{f}: kvcal metadata must be a JSON object")
+    for section in ("model", "kv"):
+        if not isinstance(meta.get(section), dict):
+            raise ArtifactError(f"{f}: metadata field {section!r} is missing or not an object; re-run calibration")
+    m = meta["model"]
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        v = m.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ArtifactError(f"{f}: metadata model.{key} must be a positive integer, got {v!r}")
+    for side in SIDES:
+        spec = meta["kv"].get(side)
+        if spec is not None and not isinstance(spec, dict):
+            raise ArtifactError(f"{f}: metadata kv.{side} must be an object, got {type(spec).__name__}")
+    n, H, D = m["num_layers"], m["num_kv_heads"], m["head_dim"]
+    layer_specs = meta["kv"].get("layer_specs")
+    if layer_specs is not None and (not isinstance(layer_specs, list) or len(layer_specs) != n):
+        raise ArtifactError(f"{f}: metadata kv.layer_specs must list {n} layers")
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) < 5 or parts[0] != "model" or parts[1] != "layers" or not parts[2].isdigit():
+            continue
+        i = int(parts[2])
+        if i >= n:
+            raise ArtifactError(f"{f}: tensor {name} is for layer {i} but the metadata says {n} layers")
+        if name.endswith("_scale"):
+            spec = (layer_specs[i] if layer_specs else meta["kv"]).get(parts[-1][0]) or {}
+            allowed = {"tensor": [(1,)], "head": [(H, 1, 1)], "channel": [(H, 1, D)]}.get(spec.get("granularity"))
+            if allowed and tuple(t.shape) not in allowed:
+                raise ArtifactError(f"{f}: {name} has shape {list(t.shape)}, expected {list(allowed[0])} for "
+                                    f"{spec.get('granularity')} granularity")
 
 
 def check_model_match(meta: dict, model_meta: dict) -> None:

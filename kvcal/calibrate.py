@@ -19,6 +19,7 @@ import datetime as _dt
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -87,6 +88,16 @@ class CalibrateConfig:
     resume: bool = False
 
     def __post_init__(self):
+        if self.batch_size < 1:
+            raise KvcalError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if (self.bits is not None or self.preset != "fp8") and (self.format != "fp8_e4m3" or self.granularity != "tensor"):
+            raise KvcalError(
+                f"--format/--granularity apply to --preset fp8 only; --preset {self.preset}"
+                f"{'' if self.bits is None else f' / --bits {self.bits:g}'} chooses its own formats "
+                "(drop --format/--granularity, or use --preset fp8)"
+            )
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise KvcalError(f"--out {self.out} exists and is not a directory; choose a directory path")
         if self.search_tokens < 2:
             raise KvcalError("--search-tokens must be at least 2")
         if self.checkpoint_every < 0:
@@ -768,7 +779,8 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
     report = render_int_report(meta)
     path = write_artifact(out, plan.to_tensors(), meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
     s = res.summary
-    table = (f"preset {s['preset']} bits {s['bits_budget']}: average {s['average_bits']:.4f} bits/element incl. "
+    budget = "" if s["bits_budget"] is None else f" budget {s['bits_budget']} bits"
+    table = (f"preset {s['preset']}{budget}: average {s['average_bits']:.4f} bits/element incl. "
              f"metadata at {s['average_bits_context']} tokens; K bits {s['key_bits_mean']:.2f}, V bits "
              f"{s['value_bits_mean']:.2f}; sinks {plan.sink_tokens}; held-out K {s['heldout']['k']['chosen']:.3e} "
              f"(min/max {s['heldout']['k']['minmax']:.3e}), V {s['heldout']['v']['chosen']:.3e} "

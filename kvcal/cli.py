@@ -15,6 +15,19 @@ from kvcal import __version__
 from kvcal.errors import KvcalError
 
 
+def quiet_libraries() -> None:
+    """``--quiet``: also silence transformers' own progress bars (GGUF de-quantization, weight loading)."""
+    import os
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
 def user_errors(fn):
     """Decorator: print KvcalError / KeyboardInterrupt as one line and exit non-zero."""
 
@@ -102,6 +115,8 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
                           residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
                           device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
                           search_tokens=search_tokens)
+    if quiet:
+        quiet_libraries()
     try:
         res = run(cfg, log=click.echo, progress=not quiet)
     except KeyboardInterrupt:
@@ -322,6 +337,8 @@ def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tok
     cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
                      windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
                      accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device)
+    if quiet:
+        quiet_libraries()
     doc = evaluate(cfg, log=(lambda s: None) if quiet else click.echo, progress=not quiet)
     click.echo(render_table(doc))
     for note in doc["notes"]:

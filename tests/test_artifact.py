@@ -144,3 +144,24 @@ def test_disk_full_on_overwrite_keeps_the_old_artifact(tmp_path, monkeypatch):
         write_artifact(tmp_path / "a", tensors(0.25), META, extra_files={"report.md": "x"}, overwrite=True)
     assert float(load_artifact(tmp_path / "a").scale(0, "k")) == 0.5
     assert sorted(os.listdir(tmp_path)) == ["a"]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m["model"].pop("num_layers"), "model.num_layers must be a positive integer"),
+    (lambda m: m["model"].__setitem__("num_layers", "thirty"), "model.num_layers must be a positive integer"),
+    (lambda m: m.__setitem__("kv", "fp8"), "'kv' is missing or not an object"),
+    (lambda m: m["model"].__setitem__("num_layers", 1), "is for layer 1 but the metadata says 1 layers"),
+])
+def test_hand_edited_metadata_gets_one_line_errors(tmp_path, edit, match):
+    meta = json.loads(json.dumps(META))
+    edit(meta)
+    out = write_artifact(tmp_path / "a", tensors(), meta)
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(out)
+
+
+def test_scale_shape_must_match_granularity(tmp_path):
+    t = tensors()
+    t[tensor_name(0, "k")] = torch.full((5,), 0.01)
+    with pytest.raises(ArtifactError, match=r"k_scale has shape \[5\], expected \[1\] for tensor granularity"):
+        load_artifact(write_artifact(tmp_path / "a", t, META))

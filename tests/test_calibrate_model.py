@@ -79,3 +79,23 @@ def test_cli_refuses_existing_output(tmp_path):
     out.mkdir()
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(out), "--quiet"])
     assert r.exit_code == 2 and "--overwrite" in r.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--preset", "int4", "--format", "fp8_e5m2"], "--format/--granularity apply to --preset fp8 only"),
+    (["--preset", "int8", "--granularity", "head"], "--format/--granularity apply to --preset fp8 only"),
+])
+def test_cli_refuses_conflicting_or_invalid_options(tmp_path, args, match):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": "hello there"}) + "\n")
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(tmp_path / "o"), "--quiet", *args])
+    assert r.exit_code == 2 and match in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_out_is_an_existing_file(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": "hello there"}) + "\n")
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(corpus), "--overwrite", "--quiet"])
+    assert r.exit_code == 2 and "exists and is not a directory" in r.output
