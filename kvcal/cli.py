@@ -154,7 +154,11 @@ def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite):
         click.echo(f"note: {note}")
     for warn in res.warnings:
         click.echo(f"warning: {warn}", err=True)
-    click.echo(f"serve: {res.serve}")
+    if model_dir is None and res.target in ("vllm", "modelopt"):
+        click.echo(f"next: merge into the checkpoint with --model-dir HF_DIR (engines load scales from a full "
+                   f"checkpoint), then e.g.: {res.serve}")
+    else:
+        click.echo(f"serve: {res.serve}")
 
 
 # ---- inspect -----------------------------------------------------------------------------------

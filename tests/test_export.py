@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -464,3 +465,20 @@ def test_q_scale_passed_through_when_artifact_has_query_stats(tmp_path):
     assert torch.equal(t["model.layers.3.self_attn.q_scale"], torch.tensor([3.02]))
     assert "model.layers.0.self_attn.q_scale" in res.tensors
     assert "model.layers.0.self_attn.q_scale" not in tensors_in(tmp_path / "art" / "kv_scales.safetensors")
+
+
+def test_tp_that_the_model_heads_cannot_split_is_warned(tmp_path):
+    """SmolLM2-135M has 9 attention / 3 KV heads: TP=2 cannot serve it; TP=3 can."""
+    from click.testing import CliRunner
+
+    from kvcal.cli import main
+
+    art = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-fp8"
+    r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", "2",
+                                  "--out", str(tmp_path / "tp2")])
+    assert r.exit_code == 0 and "cannot split over 2 ranks" in r.output
+    r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", "3",
+                                  "--out", str(tmp_path / "tp3")])
+    assert r.exit_code == 0 and "cannot split" not in r.output
+    r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out", str(tmp_path / "v")])
+    assert r.exit_code == 0 and "next: merge into the checkpoint with --model-dir" in r.output

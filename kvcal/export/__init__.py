@@ -98,6 +98,14 @@ def export(
     if engines and all(prep.amax[i][s] is None for i in range(prep.num_layers) for s in ("k", "v")):
         ctx.notes.append(f"the artifact records no observed amax, so clipping cannot be checked; "
                          f"{'/'.join(engines)} does not saturate: consider --headroom")
+    mm = art.metadata["model"]
+    hq, hkv = mm.get("num_attention_heads"), mm.get("num_kv_heads")
+    if tp > 1 and isinstance(hq, int) and isinstance(hkv, int) and (
+            hq % tp != 0 or (hkv % tp != 0 and tp % hkv != 0)):
+        ctx.warnings.append(
+            f"--tp {tp}: the model has {hq} attention heads and {hkv} KV heads, which engines cannot split "
+            f"over {tp} ranks (vLLM/SGLang require heads divisible by the TP size); the server will refuse it"
+        )
     kv = art.metadata["kv"]
     if kv.get("residual_window") or kv.get("sink_tokens"):
         ctx.warnings.append(
