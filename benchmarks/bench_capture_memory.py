@@ -2,9 +2,11 @@
 
 Each run is a fresh child process (so peaks don't mix) doing exactly what `kvcal calibrate` does
 before the search: load the model, capture statistics and the bounded reservoirs over N samples.
-Target (issue 7): peak(10x) <= 1.1 x peak(base). Prints both side by side.
+Target (issue 7): peak(10x) <= 1.1 x peak(base). Prints both side by side. The base corpus must be
+large enough to fill the bounded reservoirs (CLI defaults: 8 calibration + 4 held-out sequences),
+otherwise the comparison measures the reservoir filling up, not growth with the corpus.
 
-  .venv/bin/python benchmarks/bench_capture_memory.py [--base 16] [--seq-len 256]
+  .venv/bin/python benchmarks/bench_capture_memory.py [--base 32] [--seq-len 256]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 CHILD = r"""
 import json, resource, sys, time, torch
-from kvcal.calibrate import run_capture, split_heldout
+from kvcal.calibrate import CalibrateConfig, run_capture, split_heldout
 from kvcal.evaluate import text_windows
 from kvcal.models import load_model, load_tokenizer
 n, T, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -29,8 +31,10 @@ if len(ids) < n:  # repeat the text if the 10x corpus needs more windows than it
     ids = ids.repeat(reps, 1)[:n]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()
-cap = run_capture(model, list(ids), split_heldout(n, 0.25, 0), num_layers=30, num_kv_heads=3, num_q_heads=9,
-                  head_dim=64, batch_size=8, reservoir=12, heldout_reservoir=6, search_tokens=T, progress=False)
+d = CalibrateConfig(corpus="-")  # the CLI's defaults
+cap = run_capture(model, list(ids), split_heldout(n, d.heldout_fraction, d.seed), num_layers=30, num_kv_heads=3,
+                  num_q_heads=9, head_dim=64, batch_size=d.batch_size, reservoir=d.reservoir,
+                  heldout_reservoir=d.heldout_reservoir, search_tokens=T, progress=False)
 print(json.dumps({"samples": n, "tokens": int(ids.numel()), "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   "rss_before_capture_kib": before, "seconds": time.perf_counter() - t,
                   "reservoir": [len(cap.calib.sequences()), len(cap.heldout.sequences())]}))
@@ -46,7 +50,7 @@ def run(n: int, T: int, data: Path) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base", type=int, default=16)
+    ap.add_argument("--base", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     args = ap.parse_args()
     data = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_valid.txt"
