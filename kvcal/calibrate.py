@@ -272,9 +272,9 @@ def _release_freed_memory() -> None:
 
             libc = ctypes.CDLL("libc.so.6")
             _MALLOC_TRIM = libc.malloc_trim
-            # fixed mmap threshold (M_MMAP_THRESHOLD = -3): blocks >= 4 MiB always come from mmap and
+            # fixed mmap threshold (M_MMAP_THRESHOLD = -3): blocks >= 32 MiB always come from mmap and
             # go back to the OS when freed, instead of fragmenting the heap (glibc mallopt(3))
-            libc.mallopt(-3, 4 * 1024 * 1024)
+            libc.mallopt(-3, 32 * 1024 * 1024)
         except (OSError, AttributeError):
             _MALLOC_TRIM = False
     if _MALLOC_TRIM:
