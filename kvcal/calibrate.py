@@ -738,10 +738,7 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     _channel_ranges(cap, layers_meta)
     tensors = plan.to_tensors()
     meta = {
-        "kvcal_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": mmeta,
-        "kv": plan.kv_metadata(),
+        **_meta_head(mmeta, plan),
         "calibration": {
             "method": "attention-aware static scale search",
             "objective_k": "attention KL (nats per query, causal, real captured queries of every GQA head)",
@@ -758,6 +755,16 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
     table = layer_table(meta)
     return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg)}
+
+
+def _meta_head(mmeta: dict, plan) -> dict:
+    """The artifact metadata fields shared by the FP8 and integer paths: version, time, model, kv."""
+    return {
+        "kvcal_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": mmeta,
+        "kv": plan.kv_metadata(),
+    }
 
 
 def _calibration_common(cfg, cap, corpus, held_idx) -> dict:
@@ -790,10 +797,7 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
     plan = res.plan
     _channel_ranges(cap, res.layers_meta)
     meta = {
-        "kvcal_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": mmeta,
-        "kv": plan.kv_metadata(),
+        **_meta_head(mmeta, plan),
         "calibration": {
             "method": "attention-aware integer search (clip ratios, static per-channel ranges, key centering, "
                       "sinks" + (", bit allocation" if cfg.bits is not None else "") + ")",
