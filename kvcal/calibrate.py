@@ -141,6 +141,7 @@ class CaptureResult:
     seconds: float = 0.0
     tokens: int = 0
     sink_stats: LayerStats | None = None  # statistics without the first tokens (see run_capture)
+    rope: object = None  # the model's RopeTable, set by calibrate() for pre-RoPE key choices
 
 
 def split_heldout(n: int, fraction: float, seed: int) -> set[int]:
@@ -337,6 +338,12 @@ def run_capture(
     res_c = SequenceReservoir(max(reservoir, 1), search_tokens, seed)
     res_h = SequenceReservoir(max(heldout_reservoir, 1), search_tokens, seed + 1)
     result = CaptureResult(stats, res_c, res_h)
+    try:  # the RoPE table for pre-RoPE key choices (None for models without a full rotary embedding)
+        from kvcal.models import rope_table
+
+        result.rope = rope_table(model)
+    except ValueError:
+        result.rope = None
     if sink_stats_skip > 0:
         result.sink_stats = LayerStats(num_layers, num_kv_heads, num_q_heads, head_dim)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -491,7 +498,8 @@ def _key_mean_bytes(res) -> int:
 def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | None = None, sinks: int | None = None,
                residual_window: int = 0, key_centering: str = "auto", objective_k: str = "kl",
                max_queries: int = 128, budget_context: int = 4096, progress: bool = True,
-               cache: dict | None = None, log: Callable[[str], None] = lambda s: None) -> IntSearchResult:
+               cache: dict | None = None, log: Callable[[str], None] = lambda s: None,
+               rope=None) -> IntSearchResult:
     """Integer KV plan from a capture: fixed ``preset`` specs, or per-layer specs under ``bits``.
 
     Per layer and side the parameters come from :func:`kvcal.search.optimizer.search_side`
@@ -501,7 +509,10 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     under the exact byte budget at ``budget_context`` tokens, and the chosen specs are refined.
     ``sinks``: ``None`` tries 1 sink token and keeps it only if the summed held-out output error
     is lower than with 0. ``cache``: dict reused across calls on the same capture (benchmarks).
-    Raises :class:`KvcalError` for an infeasible budget.
+    ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable`
+    (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4`` preset; with
+    ``bits`` the pre-RoPE menu entries are skipped when it is ``None``). Raises
+    :class:`KvcalError` for an infeasible budget or a pre-RoPE preset without ``rope``.
     """
     from tqdm.auto import tqdm
 
@@ -510,9 +521,10 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     from kvcal.plan import KVPlan, LayerPlan
     from kvcal.search import allocate as al
     from kvcal.search.optimizer import search_side, side_error
-    from kvcal.search.presets import ALLOC_MENU, INT_PRESETS, spec_label
+    from kvcal.search.presets import ALLOC_MENU, INT_PRESETS, NEEDS_ROPE, spec_label
 
     cache = {} if cache is None else cache
+    rope = rope if rope is not None else cap.rope
     L = len(cap.stats.k)
     H, D = cap.stats.k[0].num_heads, cap.stats.k[0].head_dim
     s_try = 1 if sinks is None else sinks
@@ -525,14 +537,21 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                           _sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else [])
         return cache[key]
 
-    def run(layer, side, spec, refine):
-        key = ("search", layer, side, spec, refine, s_try, key_centering, obj[side], max_queries)
+    def run(layer, side, choice, refine):
+        spec, tr = choice
+        key = ("search", layer, side, spec, tr, refine, s_try, key_centering, obj[side], max_queries)
         if key not in cache:
             cal, held = caches(layer)
             st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
             cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
-                                     centering=key_centering if side == "k" else "off", refine=refine)
+                                     centering=key_centering if side == "k" else "off", refine=refine,
+                                     transform=tr, rope=rope if tr in NEEDS_ROPE else None)
         return cache[key]
+
+    menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
+            for s in ("k", "v")}
+    if bits is None and rope is None and any(c.transform in NEEDS_ROPE for c in INT_PRESETS[preset]):
+        raise KvcalError(f"preset {preset} quantizes keys pre-RoPE and needs the model's RoPE table (rope=)")
 
     t0 = time.perf_counter()
     alloc_meta = None
@@ -540,10 +559,11 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         items = []
         for layer in tqdm(range(L), desc="sensitivity", disable=not progress):
             for side in ("k", "v"):
-                rs = [run(layer, side, sp, False) for sp in ALLOC_MENU[side]]
-                costs = tuple(al.side_cost(sp, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r))
-                              for sp, r in zip(ALLOC_MENU[side], rs, strict=True))
-                items.append(al.Item(layer, side, ALLOC_MENU[side], costs, tuple(r.heldout_out for r in rs)))
+                rs = [run(layer, side, c, False) for c in menu[side]]
+                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r))
+                              for c, r in zip(menu[side], rs, strict=True))
+                items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
+                                     tuple(r.heldout_out for r in rs)))
         budget = al.budget_bytes(bits, L, H, D, budget_context)
         try:
             choice = al.allocate(items, budget)
@@ -551,18 +571,20 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             raise KvcalError(f"--bits {bits}: {e}") from None
         specs = [[None, None] for _ in range(L)]
         for it, j in zip(items, choice, strict=True):
-            specs[it.layer][0 if it.side == "k" else 1] = it.specs[j]
+            specs[it.layer][0 if it.side == "k" else 1] = menu[it.side][j]
         alloc_meta = {"budget_bits": bits, "budget_context": budget_context, "budget_bytes": float(budget),
                       "sensitivity": "held-out relative attention-output error per (layer, side, spec)",
-                      "menu": {s: [spec_label(sp) for sp in ALLOC_MENU[s]] for s in ("k", "v")},
+                      "menu": {s: [spec_label(c) for c in menu[s]] for s in ("k", "v")},
                       "table": [{"layer": it.layer, "side": it.side, "errors": [float(e) for e in it.errors],
-                                 "bytes": list(it.costs), "chosen": spec_label(it.specs[j])}
+                                 "bytes": list(it.costs), "chosen": spec_label(menu[it.side][j])}
                                 for it, j in zip(items, choice, strict=True)]}
     else:
         specs = [list(INT_PRESETS[preset]) for _ in range(L)]
     results = []
     for layer in tqdm(range(L), desc="search", disable=not progress):
         results.append({side: run(layer, side, specs[layer][i], True) for i, side in enumerate(("k", "v"))})
+        for i, side in enumerate(("k", "v")):
+            results[-1][side].extra["transform"] = specs[layer][i].transform
     # sinks: keep only where the summed held-out output error says so
     sink_meta = {"tried": s_try}
     final_sinks = s_try
@@ -662,6 +684,18 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         f"{mmeta['num_kv_heads']} KV heads × head_dim {mmeta['head_dim']}); weights: {mmeta['weight_precision']}")
     log(f"split: {len(corpus.samples) - len(held_idx)} calibration / {len(held_idx)} held-out samples (seed {cfg.seed})"
         + (f"; data-parallel over {world} ranks" if world > 1 else ""))
+    rope = None
+    if int_path:
+        from kvcal.models import rope_table
+        from kvcal.search.presets import INT_PRESETS, NEEDS_ROPE
+
+        try:
+            rope = rope_table(model)
+        except ValueError as e:
+            if cfg.bits is None and any(c.transform in NEEDS_ROPE for c in INT_PRESETS[cfg.preset]):
+                raise KvcalError(f"--preset {cfg.preset} quantizes keys pre-RoPE, which this model does not "
+                                 f"allow: {e}. Use --preset int8/int2/k4v2 or --bits.") from None
+            log(f"pre-RoPE key choices left out of the allocation menu: {e}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     skip = (1 if cfg.sink_tokens is None else cfg.sink_tokens) if int_path else 0
     ckpt = None
@@ -800,7 +834,8 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
         **_meta_head(mmeta, plan),
         "calibration": {
             "method": "attention-aware integer search (clip ratios, static per-channel ranges, key centering, "
-                      "sinks" + (", bit allocation" if cfg.bits is not None else "") + ")",
+                      "sinks, pre-RoPE / Hadamard transforms" + (", bit allocation" if cfg.bits is not None else "")
+                      + ")",
             **res.summary,
             "selection": "coarse grid + scipy bounded refinement per KV head on the calibration split (errors "
                          "summed over all sequences), then the lower held-out error of {chosen, plain min/max}",

@@ -191,3 +191,31 @@ def model_metadata(
 def read_json(path: str | os.PathLike) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def rope_table(model):
+    """The model's rotary embedding as a :class:`~kvcal.formats.transforms.RopeTable` (for
+    pre-RoPE key quantization).
+
+    Finds the decoder's rotary module (a submodule with an ``inv_freq`` buffer). Raises
+    ``ValueError`` naming the reason when the model has none, several different ones, a partial
+    rotary dimension (``2·len(inv_freq) != head_dim``, e.g. GPT-NeoX ``rotary_pct``) or a
+    sequence-length-dependent rope type (``dynamic``, ``longrope``) whose angles a fixed table
+    cannot reproduce."""
+    from kvcal.formats.transforms import RopeTable
+
+    mods = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding (inv_freq); pre-RoPE keys need RoPE")
+    f0 = mods[0].inv_freq
+    if any(m.inv_freq.shape != f0.shape or not torch.equal(m.inv_freq, f0) for m in mods[1:]):
+        raise ValueError("the model has several different rotary embeddings; pre-RoPE keys support one")
+    rt = getattr(mods[0], "rope_type", "default")
+    if rt in ("dynamic", "longrope"):
+        raise ValueError(f"rope_type {rt!r} changes its angles with the sequence length; use post-RoPE keys")
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    D = head_dim_of(cfg)
+    if 2 * f0.numel() != D:
+        raise ValueError(f"partial rotary embedding ({2 * f0.numel()} of head_dim {D} channels); "
+                         "pre-RoPE keys support full rotary only")
+    return RopeTable(f0.detach().float().cpu().clone(), float(getattr(mods[0], "attention_scaling", 1.0)))

@@ -11,11 +11,16 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
 * dynamic granularities: ``clip_ratio`` ``[H]`` (fraction of each group's range, 1 = min/max);
 * ``mean`` (keys only, optional): per-channel centering ``[1,H,1,D]`` subtracted before
   quantizing and added back after dequantizing — exact under softmax because it shifts every
-  score of a query by the same constant (SageAttention; ModelOpt FP8 "affine").
+  score of a query by the same constant (SageAttention; ModelOpt FP8 "affine");
+* ``transform``: ``"none"`` (quantize what attention reads), ``"pre_rope"`` (keys: quantize the
+  pre-RoPE key, RoPE re-applied after dequantizing; needs ``rope``) or ``"hadamard"`` (rotate
+  the head dimension before quantizing) — see :mod:`kvcal.formats.transforms`. Centering and a
+  transform do not combine (``mean`` must be ``None`` when ``transform != "none"``).
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
-``[H]``, ``k_mean`` ``[H,1,D]``.
+``[H]``, ``k_mean`` ``[H,1,D]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
+(per-layer transforms go in the metadata's ``kv.transforms``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
 from kvcal.formats.quant import fake_quant
 from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
+from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 
 SIDES = ("k", "v")
 
@@ -55,11 +61,33 @@ class SidePlan:
     zero_point: torch.Tensor | None = None
     clip_ratio: torch.Tensor | None = None
     mean: torch.Tensor | None = None
+    transform: str = "none"
+    rope: RopeTable | None = None
 
-    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantize-dequantize ``x [B, H, S, D]`` with this plan; same shape and dtype."""
+    def check_transform(self) -> None:
+        """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
+        transform combined with key centering."""
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"unknown transform {self.transform!r}; choose one of {TRANSFORMS}")
+        if self.transform == "pre_rope" and self.rope is None:
+            raise ValueError("a pre-RoPE side needs the model's RoPE table (SidePlan.rope)")
+        if self.transform != "none" and self.mean is not None:
+            raise ValueError(f"key centering does not combine with transform {self.transform!r}")
+
+    def fake_quant(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Quantize-dequantize ``x [B, H, S, D]`` with this plan; same shape and dtype.
+
+        ``start``: position of ``x``'s first token (used by the ``pre_rope`` transform only)."""
         if not self.spec.is_quantized:
             return fake_quant(x, self.spec)
+        if self.transform != "none":
+            self.check_transform()
+            xt = apply_transform(self.transform, x, rope=self.rope, start=start)
+            if self.spec.dynamic:
+                y = fake_quant(xt, self.spec, clip_ratio=self.clip_ratio)
+            else:
+                y = fake_quant(xt, self.spec, scale=self.scale, zero_point=self.zero_point)
+            return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         xc = x - self.mean.to(x.dtype) if self.mean is not None else x
         if self.spec.dynamic:
             y = fake_quant(xc, self.spec, clip_ratio=self.clip_ratio)
@@ -88,6 +116,10 @@ class KVPlan:
     key_position: str = "post_rope"
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if any(lp.k.transform == "pre_rope" for lp in self.layers):
+            self.key_position = "pre_rope"
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
@@ -109,7 +141,7 @@ class KVPlan:
         if n == 0:
             return sp.fake_quant(x)
         head = x[:, :, :n].to(torch.bfloat16).to(x.dtype)
-        return torch.cat([head, sp.fake_quant(x[:, :, n:])], dim=2)
+        return torch.cat([head, sp.fake_quant(x[:, :, n:], start=n)], dim=2)
 
     # ---- artifact tensors ------------------------------------------------------------------
     def to_tensors(self) -> dict[str, torch.Tensor]:
@@ -126,7 +158,22 @@ class KVPlan:
                     out[_name(i, s, "clip_ratio")] = sp.clip_ratio.float().reshape(-1)
                 if sp.mean is not None:
                     out[_name(i, s, "mean")] = sp.mean.float().reshape(sp.mean.shape[1:])
+        rope = self.rope_table()
+        if rope is not None:
+            out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
         return out
+
+    def transforms(self) -> list[dict[str, str]]:
+        """Per-layer ``{"k": transform, "v": transform}``."""
+        return [{"k": lp.k.transform, "v": lp.v.transform} for lp in self.layers]
+
+    def rope_table(self) -> RopeTable | None:
+        """The RoPE table of the first pre-RoPE side (``None`` when no side is pre-RoPE)."""
+        for lp in self.layers:
+            for sp in (lp.k, lp.v):
+                if sp.transform == "pre_rope":
+                    return sp.rope
+        return None
 
     def kv_metadata(self) -> dict:
         """The artifact's ``"kv"`` section (specs of layer 0; per-layer specs under ``layer_specs``
@@ -141,6 +188,13 @@ class KVPlan:
             "sink_tokens": self.sink_tokens,
             "key_centering": any(lp.k.mean is not None for lp in self.layers),
         }
+        tr = self.transforms()
+        if any(t["k"] != "none" or t["v"] != "none" for t in tr):
+            meta["transforms"] = tr
+            rope = self.rope_table()
+            if rope is not None:
+                meta["key_position"] = "pre_rope"
+                meta["rope_attention_scaling"] = rope.attention_scaling
         if any(lp.k.spec != k0 or lp.v.spec != v0 for lp in self.layers):
             meta["layer_specs"] = [{"k": lp.k.spec.to_dict(), "v": lp.v.spec.to_dict()} for lp in self.layers]
         return meta
@@ -153,6 +207,15 @@ class KVPlan:
         m, kv = metadata["model"], metadata["kv"]
         L, H, D = int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"])
         specs = kv.get("layer_specs") or [{"k": kv["k"], "v": kv["v"]}] * L
+        trs = kv.get("transforms") or [{"k": "none", "v": "none"}] * L
+        if len(trs) != L:
+            raise ValueError(f"kv.transforms has {len(trs)} entries, the model {L} layers")
+        rope = None
+        if any(t.get(s) == "pre_rope" for t in trs for s in SIDES):
+            if "rotary.inv_freq" not in tensors:
+                raise ValueError("artifact has pre-RoPE keys but lacks the tensor rotary.inv_freq")
+            rope = RopeTable(tensors["rotary.inv_freq"].float().reshape(-1),
+                             float(kv.get("rope_attention_scaling", 1.0)))
         layers = []
         for i in range(L):
             sides = {}
@@ -174,6 +237,9 @@ class KVPlan:
                 mean = tensors.get(_name(i, s, "mean"))
                 if mean is not None:
                     sp.mean = mean.float().reshape(1, H, 1, D)
+                sp.transform = str(trs[i].get(s, "none"))
+                sp.rope = rope if sp.transform == "pre_rope" else None
+                sp.check_transform()
                 sides[s] = sp
             layers.append(LayerPlan(sides["k"], sides["v"]))
         return cls(layers, int(kv.get("residual_window", 0)), int(kv.get("sink_tokens", 0)),

@@ -79,7 +79,9 @@ def test_presets_write_loadable_artifacts(tmp_path, tiny_capture, preset):
         write_artifact(tmp_path / "a", tensors, meta)
         art = load_artifact(tmp_path / "a")
         back = KVPlan.from_artifact(art.tensors, art.metadata)
-    assert back.sink_tokens == r.plan.sink_tokens and back.key_position == "post_rope"
+    assert back.sink_tokens == r.plan.sink_tokens
+    assert back.key_position == ("pre_rope" if preset == "int4" else r.plan.key_position)
+    assert back.transforms() == r.plan.transforms()
     x = torch.randn(1, HK, 40, D) * 3
     for i in range(L):
         for s in ("k", "v"):
@@ -165,9 +167,14 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     res = calibrate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=smollm_tokenizer)
     art = load_artifact(res["out"])
     kv, cal = art.metadata["kv"], art.metadata["calibration"]
-    assert kv["k"]["granularity"] == "channel" and kv["v"]["granularity"] == "token" and kv["v"]["dynamic"]
-    # head_dim 16: int4 keys 4 bits + per-token fp16 value scales 1 bit -> 4.5 (4.125 at head_dim 64)
-    assert cal["preset"] == "int4" and 4.5 < cal["average_bits"] < 4.6 and "sinks" in cal
+    assert kv["k"]["granularity"] == "channel_token_group" and kv["k"]["group_size"] == 128
+    assert kv["v"]["granularity"] == "token" and kv["v"]["dynamic"] and kv["key_position"] == "pre_rope"
+    assert kv["transforms"] == [{"k": "pre_rope", "v": "hadamard"}] * L
+    assert torch.equal(art.tensors["rotary.inv_freq"], model.model.rotary_emb.inv_freq.float())
+    # head_dim 16: keys 4 + 32/128 bits, values 4 + 16/16 (one fp16 scale per token) -> 4.625 + sinks/clip
+    # metadata (4.25 + tiny at head_dim 64)
+    assert cal["preset"] == "int4" and 4.625 < cal["average_bits"] < 4.63 and "sinks" in cal
     assert (tmp_path / "art" / "report.md").read_text().startswith("# KV-cache calibration report (integer)")
     plan = KVPlan.from_artifact(art.tensors, art.metadata)
-    assert plan.layers[0].k.scale.shape == (1, HK, 1, D) and plan.sink_tokens == kv["sink_tokens"]
+    assert plan.layers[0].k.clip_ratio.shape == (HK,) and plan.sink_tokens == kv["sink_tokens"]
+    assert plan.layers[0].k.transform == "pre_rope" and plan.layers[0].v.transform == "hadamard"

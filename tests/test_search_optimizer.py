@@ -77,7 +77,7 @@ def test_allocation_respects_budget_exactly():
     items = []
     for layer in range(L):
         for side in ("k", "v"):
-            menu = ALLOC_MENU[side]
+            menu = tuple(c.spec for c in ALLOC_MENU[side])
             costs = tuple(al.side_cost(s, H, D, ctx, sinks) for s in menu)
             base = float(torch.rand(1, generator=g)) * (10 if side == "k" else 1)
             errs = tuple(base * 2.0 ** (-s.bits) for s in menu)

@@ -194,6 +194,9 @@ def engine_common_reason(meta: dict) -> str | None:
     if kv.get("key_position", "post_rope") != "post_rope":
         return ("K scales were measured pre-RoPE; engines quantize post-RoPE keys "
                 "(recalibrate with post-RoPE key capture)")
+    if any(t.get(s, "none") != "none" for t in kv.get("transforms") or [] for s in ("k", "v")):
+        return ("the artifact quantizes K/V after a transform (pre-RoPE or Hadamard) that engines do not apply; "
+                "calibrate without --preset int4/transforms for an engine target")
     return None
 
 

@@ -42,6 +42,8 @@ def triton_available() -> bool:
 def triton_supports(plan, D: int) -> str | None:
     """``None`` when the fused kernel covers ``plan`` (a key SidePlan) for head_dim ``D``, else why not."""
     spec = plan.spec
+    if getattr(plan, "transform", "none") != "none":
+        return f"{plan.transform} keys run on the torch reference"
     if spec.format.kind != "int":
         return f"{spec.format.value} keys run on the torch reference"
     g = spec.granularity

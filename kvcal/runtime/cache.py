@@ -38,6 +38,14 @@ cache with ``residual_window = 0`` is Protocol A (``KVPlan.fake_quant``) bit for
 Unquantized sides (``fp16``/``bf16`` spec) hold one ``[B,H,t,D]`` 16-bit buffer (no window or
 sinks), as the contract says.
 
+Transforms (:mod:`kvcal.formats.transforms`): a ``hadamard`` side rotates tokens by ``H/√D`` as
+they are quantized and rotates back when it dequantizes; a ``pre_rope`` key side un-rotates each
+token at its position before quantizing and re-applies RoPE after dequantizing. Sinks and the
+residual window stay as attention reads them. Both cost no bytes (the Hadamard matrix and the
+RoPE angles are recomputed). ``pre_rope`` needs every token's position to equal its cache slot
+(transformers passes ``position_ids`` to ``update``; a left-padded batch is refused with a
+``ValueError`` rather than rotated at the wrong angle).
+
 Allocation (the contract of :mod:`kvcal.formats.memory`, byte for byte)
 -------------------------------------------------------------------------
 ``max_cache_len=T`` preallocates every buffer for ``T`` tokens at the first ``update`` (server
@@ -60,6 +68,7 @@ from kvcal.errors import ArtifactError
 from kvcal.formats.fp8 import FP8_FORMATS
 from kvcal.formats.quant import QuantizedTensor, dequantize, nvfp4_global_scale, quantize
 from kvcal.formats.spec import DEFAULTS, QFormat
+from kvcal.formats.transforms import apply_transform
 from kvcal.plan import KVPlan, SidePlan
 
 try:  # transformers is a runtime dependency of this layer (style: runtime adds transformers)
@@ -94,6 +103,9 @@ class _Side:
         self.dtype16 = dtype16 if self.quantized else (
             torch.float16 if self.spec.format is QFormat.FP16 else torch.bfloat16)
         self.tg = self.spec.token_group  # tokens per group along S (KIVI keys) or None
+        sp.check_transform()
+        self.transform = sp.transform if self.quantized else "none"
+        self.rope = sp.rope
         self.B = 0
         self.dtype = None
         self.n_sink = self.n_win = self.n_q = 0  # tokens held in each region
@@ -240,10 +252,12 @@ class _Side:
         if self.mean is not None:
             x = x - self.mean.to(x.dtype)
         q0 = self.n_q
+        if self.transform != "none":  # into the quantized domain (positions = cache slots)
+            x = apply_transform(self.transform, x, rope=self.rope, start=self.n_sink + q0)
         if self.tg and q0 % self.tg:  # open group (residual_window < g): re-quantize it whole
             g0 = q0 - q0 % self.tg
             old = self._qt(g0, q0)
-            prev = dequantize(old, x.dtype)  # centered values, like x
+            prev = dequantize(old, x.dtype)  # centered / transformed values, like x
             x = torch.cat([prev, x], dim=2)
             q0 = g0
         if spec.format is QFormat.NVFP4 and float(self.global_scale) == 0.0:
@@ -283,7 +297,11 @@ class _Side:
         if self.n_sink:
             parts.append(self.sink[:, :, : self.n_sink].to(self.dtype))
         if self.n_q:
-            y = dequantize(self._qt(0, self.n_q), self.dtype)
+            if self.transform != "none":
+                y = dequantize(self._qt(0, self.n_q), torch.float32)
+                y = apply_transform(self.transform, y, rope=self.rope, start=self.n_sink, inverse=True).to(self.dtype)
+            else:
+                y = dequantize(self._qt(0, self.n_q), self.dtype)
             parts.append(y + self.mean.to(self.dtype) if self.mean is not None else y)
         if self.n_win:
             parts.append(self.win[:, :, : self.n_win].to(self.dtype))
@@ -334,6 +352,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Write ``[B,H,s,D]`` new keys/values; return all cached keys/values dequantized ``[B,H,t,D]``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if "pre_rope" in (self.k.transform, self.v.transform):
+            self._check_positions(key_states, kwargs)
         t = self.cumulative_length + key_states.shape[-2]
         if self.max_cache_len is not None and t > self.max_cache_len:
             raise ValueError(f"QuantizedKVCache is full: {t} tokens > max_cache_len {self.max_cache_len}")
@@ -342,6 +362,22 @@ class QuantizedKVLayer(CacheLayerMixin):
             side.append(x)
         self.cumulative_length = t
         return self.k.read(), self.v.read()
+
+    def _check_positions(self, x: torch.Tensor, kwargs: dict) -> None:
+        """Pre-RoPE sides rotate by the cache slot: refuse position ids that differ from it."""
+        inner = kwargs.get("kwargs")
+        pos = inner.get("position_ids") if isinstance(inner, dict) else None
+        if pos is None:
+            pos = kwargs.get("position_ids")
+        s = x.shape[-2]
+        if pos is None:
+            raise ValueError(f"layer {self.layer_idx}: a pre-RoPE key cache needs the position_ids of new tokens "
+                             "(transformers passes them to Cache.update); none were given")
+        want = torch.arange(self.cumulative_length, self.cumulative_length + s, device=pos.device)
+        if pos.shape[-1] != s or not bool((pos.reshape(-1, s) == want).all()):
+            raise ValueError(f"layer {self.layer_idx}: pre-RoPE keys need positions equal to cache slots "
+                             f"{self.cumulative_length}..{self.cumulative_length + s - 1}; got other position ids "
+                             "(left padding?). Batch prompts of equal length or use a post-RoPE plan.")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -390,7 +426,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 class QuantizedKVCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V as ``plan`` says (module docstring).
 
-    ``plan``: :class:`~kvcal.plan.KVPlan` (post-RoPE keys). ``model_config``: the model's
+    ``plan``: :class:`~kvcal.plan.KVPlan` (post-RoPE keys, or pre-RoPE / Hadamard sides with
+    their transform, see the module docstring). ``model_config``: the model's
     transformers config (or its text config). ``max_cache_len``: preallocate this many tokens per
     sequence at the first update (``None``: grow exactly). Raises ``ValueError`` if the plan's
     layer count / scale shapes do not fit the config or the model has non-full-attention layers.
@@ -403,8 +440,10 @@ class QuantizedKVCache(Cache):
         shp = model_shape(cfg)
         if plan.num_layers != shp.num_layers:
             raise ValueError(f"plan has {plan.num_layers} layers, the model {shp.num_layers}")
-        if plan.key_position != "post_rope":
-            raise ValueError(f"the runtime cache stores post-RoPE keys; plan key_position is {plan.key_position!r}")
+        if plan.key_position not in ("post_rope", "pre_rope"):
+            raise ValueError(f"unknown key_position {plan.key_position!r}")
+        if plan.key_position == "pre_rope" and plan.rope_table() is None:
+            raise ValueError("plan says keys are pre-RoPE but no key side has a RoPE table")
         lt = getattr(cfg, "layer_types", None)
         if lt is not None and any(t != "full_attention" for t in lt):
             raise ValueError(f"QuantizedKVCache supports full-attention layers only, got {sorted(set(lt))}")

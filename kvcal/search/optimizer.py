@@ -68,7 +68,7 @@ def std_grid(bits: int) -> tuple[float, ...]:
 def quantize_seq(plan: SidePlan, x: torch.Tensor, sinks: int = 0) -> torch.Tensor:
     """Fake-quantize one sequence ``x [H, T, D]`` as the plan does (first ``sinks`` tokens in bf16)."""
     n = min(sinks, x.shape[1])
-    y = plan.fake_quant(x[None, :, n:])[0]
+    y = plan.fake_quant(x[None, :, n:], start=n)[0]
     if n == 0:
         return y
     return torch.cat([x[:, :n].to(torch.bfloat16).to(x.dtype), y], dim=1)
@@ -123,17 +123,24 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 
 
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
-              mean: torch.Tensor | None = None) -> SidePlan:
+              mean: torch.Tensor | None = None, transform: str = "none", rope=None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
     ``family="clip"`` (dynamic specs): ``clip_ratio = t``; ``"shrink"`` / ``"std"`` (static
     per-channel int specs): ranges from ``stats`` (``min``/``max``/``mean``/``std`` ``[H, D]``).
-    ``mean`` ``[H, D]``: key centering (rows of zeros = off for that head)."""
+    ``mean`` ``[H, D]``: key centering (rows of zeros = off for that head). ``transform`` /
+    ``rope``: see :class:`~kvcal.plan.SidePlan` (dynamic specs only: the capture statistics that
+    static ranges come from are of the untransformed tensor)."""
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
             raise ValueError(f"clip search needs a dynamic spec, got {spec.granularity.name}")
-        return SidePlan(spec, clip_ratio=t.float().clone(), mean=m)
+        sp = SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
+                      rope=rope if transform == "pre_rope" else None)
+        sp.check_transform()
+        return sp
+    if transform != "none":
+        raise ValueError(f"transform {transform!r} needs a dynamic spec (static ranges come from untransformed stats)")
     if stats is None:
         raise ValueError("static per-channel ranges need capture statistics")
     lo, hi = _static_range(stats, family, t)
@@ -171,7 +178,8 @@ class SideSearch:
     def to_meta(self) -> dict:
         return {"spec": self.spec.to_dict(), "param": [round(float(x), 5) for x in self.param],
                 "label": self.label, "calib": self.calib, "heldout": self.heldout,
-                "heldout_minmax": self.heldout_minmax, "heldout_out": self.heldout_out}
+                "heldout_minmax": self.heldout_minmax, "heldout_out": self.heldout_out,
+                "transform": self.plan.transform}
 
 
 def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals):
@@ -196,20 +204,20 @@ def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals)
     return x, f
 
 
-def _one_head(spec, family, stats, mean, h, t, H):
+def _one_head(spec, family, stats, mean, h, t, H, tr=("none", None)):
     """Plan for the one-head view ``h`` with parameter ``t``."""
     st = None if stats is None else {k: v[h : h + 1] for k, v in stats.items() if k in ("min", "max", "mean", "std")}
     mh = None if mean is None else mean[h : h + 1]
-    return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh)
+    return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, transform=tr[0], rope=tr[1])
 
 
-def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks, refine, evals):
+def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks, refine, evals, tr=("none", None)):
     """Coarse grid for all heads, then per-head bounded refinement. Returns ``(x [H], f [H])``."""
     H = (caches[0].k if side == "k" else caches[0].v).shape[0]
     errs = []
     for g in grid:
-        n, d = side_error(caches, side, make_plan(spec, torch.full((H,), g), family=family, stats=stats, mean=mean),
-                          objective, sinks)
+        n, d = side_error(caches, side, make_plan(spec, torch.full((H,), g), family=family, stats=stats, mean=mean,
+                                                  transform=tr[0], rope=tr[1]), objective, sinks)
         evals[0] += 1
         errs.append(n / d)
     E = torch.stack(errs)  # [C, H]
@@ -224,7 +232,7 @@ def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks
     lo_b, hi_b = torch.minimum(lo_b, hi_b), torch.maximum(lo_b, hi_b)
 
     def build(h, t):
-        return _one_head(spec, family, stats, mean, h, t, H)
+        return _one_head(spec, family, stats, mean, h, t, H, tr)
 
     return _refine(caches, side, objective, sinks, build, lo_b, hi_b, x, f, H, evals)
 
@@ -240,6 +248,8 @@ def search_side(
     objective: str | None = None,
     centering: str = "auto",
     refine: bool = True,
+    transform: str = "none",
+    rope=None,
 ) -> SideSearch:
     """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an int ``spec``.
 
@@ -250,8 +260,13 @@ def search_side(
     centering. ``centering``: ``"auto"`` (keys, dynamic specs: kept per head where it helps on
     held-out), ``"off"``, or ``"on"``. Raises ``ValueError`` for a spec this search does not
     handle (16-bit, FP8 — see :mod:`kvcal.search.static_scales` —, NVFP4, static per-tensor/head
-    ints).
+    ints). ``transform`` / ``rope``: quantize after a transform (:mod:`kvcal.formats.transforms`;
+    dynamic specs only; centering is then off); the guard's min/max baseline uses the same
+    transform, and the objective is always measured on what attention reads (post-RoPE).
     """
+    tr = (transform, rope)
+    if transform != "none":
+        centering = "off"
     if spec.format.kind != "int":
         raise ValueError(f"search_side handles integer specs; {spec.format.value} is searched elsewhere")
     if not spec.dynamic and not isinstance(spec.granularity, PerChannel):
@@ -275,7 +290,7 @@ def search_side(
     results = []
     for label, family, mean in variants:
         grid = clip_grid(spec.bits) if family in ("clip", "shrink") else std_grid(spec.bits)
-        x, f = _grid_search(calib, side, spec, family, grid, stats, mean, objective, sinks, refine, evals)
+        x, f = _grid_search(calib, side, spec, family, grid, stats, mean, objective, sinks, refine, evals, tr)
         results.append((label, family, mean, x, f))
     if not spec.dynamic:  # static families compete on calibration error per head
         lab0, fam0, _, x0, f0 = results[0]
@@ -285,14 +300,14 @@ def search_side(
         fams = [fam1 if b else fam0 for b in pick1.tolist()]
     # held-out: each variant and plain min/max, per head
     base_family = "clip" if spec.dynamic else "shrink"
-    base_plan = make_plan(spec, torch.ones(H), family=base_family, stats=stats)
+    base_plan = make_plan(spec, torch.ones(H), family=base_family, stats=stats, transform=transform, rope=rope)
     nb, db = side_error(held, side, base_plan, objective, sinks)
     evals[0] += len(held) / max(len(calib), 1)
     best_err, best_idx = nb / db, torch.full((H,), -1)
     plans = []
     for i, (_label, _family, mean, x, _f) in enumerate(results):
         if spec.dynamic:
-            p = make_plan(spec, x, family="clip", mean=mean)
+            p = make_plan(spec, x, family="clip", mean=mean, transform=transform, rope=rope)
         else:
             p = _static_plan_mixed(spec, stats, x, fams)
         plans.append(p)
@@ -326,7 +341,8 @@ def search_side(
             labels.append(fams[h])
             fam_final.append(fams[h])
     if spec.dynamic:
-        plan = make_plan(spec, param, family="clip", mean=mean_rows if any_mean else None)
+        plan = make_plan(spec, param, family="clip", mean=mean_rows if any_mean else None, transform=transform,
+                         rope=rope)
     else:
         plan = _static_plan_mixed(spec, stats, param, fam_final)
     # final figures (normalized over heads)

@@ -3,63 +3,91 @@
 Average bits per cached element (payload + per-token/group fp16 parameters; per-layer metadata
 and 16-bit sinks are added by the exact accounting in :mod:`kvcal.search.allocate`):
 
-=========  ==========================================  ==========================================  =====
-preset     keys                                        values                                      avg
-=========  ==========================================  ==========================================  =====
-``int8``   int8 per token (g64), asym, clip, centering  int8 per token (g64), asym, clip            8.5
-``int4``   int4 static per channel, asym (calibrated)   int4 per token, sym, clip                   4.125
-``int2``   int2 per channel in 32-token groups, asym    int2 per token in 32-channel groups, asym   3.0
-``k4v2``   int4 static per channel, asym                int2 per token in 32-channel groups, asym   3.5
-=========  ==========================================  ==========================================  =====
+=========  =============================================  ============================================  =====
+preset     keys                                           values                                        avg
+=========  =============================================  ============================================  =====
+``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
+``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, clip, after a       4.25
+           clip, **pre-RoPE**                             64×64 Hadamard rotation
+``int2``   int2 per channel in 32-token groups, asym      int2 per token in 32-channel groups, asym      3.0
+``k4v2``   int4 static per channel, asym                  int2 per token in 32-channel groups, asym      3.5
+=========  =============================================  ============================================  =====
 
 ``int8`` and ``int2`` have the memory layout of the prior-art baselines they are compared with
 (dynamic int8 g64; KIVI-2 g32), so their gain is the calibration alone (clip ratios, centering,
-sinks). ``int4`` follows the issue's layout (static per-channel keys, per-token values).
+sinks). ``int4`` spends exactly 0.25 bit of metadata per side (fp16 scale + zero point per 128
+tokens of a key channel; one fp16 scale per value token and head) plus the per-layer clip ratios
+and the 16-bit sinks, and uses the two transforms that measured best on the embedded model at that
+budget (``bench_out/exp_*.py`` probes, 2 × 1024 wikitext windows, K-only / V-only mean KL):
+pre-RoPE 128-token key groups 9.4e-3 vs post-RoPE 14.1e-3 (and static per-channel pre-RoPE
+ranges 16.7e-3, the previous preset's layout); Hadamard-rotated symmetric g64 values 6.7e-3 vs
+10.0e-3 without the rotation. See :mod:`kvcal.formats.transforms`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.spec import TensorQuantSpec
 
 
-def _s(fmt, gran, sym):
-    return TensorQuantSpec(fmt, gran, symmetric=sym)
+class SideChoice(NamedTuple):
+    """One side's storage: the spec and the transform applied before quantizing
+    (``"none"``, ``"pre_rope"``, ``"hadamard"``; :mod:`kvcal.formats.transforms`)."""
+
+    spec: TensorQuantSpec
+    transform: str = "none"
 
 
-INT_PRESETS: dict[str, tuple[TensorQuantSpec, TensorQuantSpec]] = {
+def _s(fmt, gran, sym, transform="none"):
+    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform)
+
+
+INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
     "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
-    "int4": (_s("int4", PerChannel(), False), _s("int4", PerToken(), True)),
+    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope"), _s("int4", PerToken(), True, "hadamard")),
     "int2": (_s("int2", PerChannelTokenGroup(32), False), _s("int2", PerTokenGroup(32), False)),
     "k4v2": (_s("int4", PerChannel(), False), _s("int2", PerTokenGroup(32), False)),
 }
 
-#: Candidate specs per side for ``--bits`` allocation (cheapest first).
-ALLOC_MENU: dict[str, tuple[TensorQuantSpec, ...]] = {
+#: Candidate side choices for ``--bits`` allocation (cheapest first within a payload width).
+ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
     "k": (
         _s("int2", PerChannel(), False),
         _s("int2", PerChannelTokenGroup(128), False),
         _s("int2", PerChannelTokenGroup(32), False),
+        _s("int2", PerChannelTokenGroup(32), False, "pre_rope"),
         _s("int4", PerChannel(), False),
         _s("int4", PerChannelTokenGroup(128), False),
+        _s("int4", PerChannelTokenGroup(128), False, "pre_rope"),
         _s("int4", PerChannelTokenGroup(32), False),
+        _s("int4", PerChannelTokenGroup(32), False, "pre_rope"),
         _s("int8", PerToken(), False),
     ),
     "v": (
         _s("int2", PerToken(), False),
         _s("int2", PerTokenGroup(32), False),
         _s("int4", PerToken(), True),
+        _s("int4", PerToken(), True, "hadamard"),
         _s("int4", PerTokenGroup(32), False),
         _s("int8", PerToken(), True),
     ),
 }
 
+#: Transforms that need the model's RoPE table.
+NEEDS_ROPE = ("pre_rope",)
 
-def spec_label(spec: TensorQuantSpec) -> str:
-    """Short name, e.g. ``int4/channel/asym``, ``int2/channel_token_group32/asym``."""
+
+def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
+    """Short name, e.g. ``int4/channel/asym``, ``int4/channel_token_group128/asym/pre_rope``."""
+    tr = "none"
+    if isinstance(spec, SideChoice):
+        spec, tr = spec.spec, spec.transform
     g = spec.granularity
     gs = getattr(g, "group_size", "")
-    return f"{spec.format.value}/{g.name}{gs}/{'sym' if spec.symmetric else 'asym'}"
+    out = f"{spec.format.value}/{g.name}{gs}/{'sym' if spec.symmetric else 'asym'}"
+    return out if tr == "none" else f"{out}/{tr}"
 
 
-__all__ = ["INT_PRESETS", "ALLOC_MENU", "spec_label"]
+__all__ = ["INT_PRESETS", "ALLOC_MENU", "SideChoice", "NEEDS_ROPE", "spec_label"]

@@ -1,0 +1,120 @@
+"""Orthogonal transforms applied to one side of the cache before quantizing (torch only).
+
+A side's ``transform`` (see :class:`kvcal.plan.SidePlan`) maps what attention reads into the
+domain that is quantized, and back after dequantizing. Both are exact inverses up to float32
+rounding, so the transform itself changes nothing; it only changes which values share a range.
+
+* ``"none"``: quantize the cached tensor as attention reads it (post-RoPE keys; what engines do).
+* ``"pre_rope"`` (keys): undo the rotary embedding, quantize the pre-RoPE key, re-apply RoPE after
+  dequantizing. Pre-RoPE channels keep a fixed sign and scale over positions, so a per-channel
+  range is not smeared by the rotation (KVQuant, Hooper et al. 2024, §3.2 "Pre-RoPE Key
+  Quantization"). Measured on the embedded model (``shared/docs/prior-art.md``): 4-bit keys in
+  32-token groups with a 16-bit sink, K-only mean KL 7.0e-3 post-RoPE vs 5.1e-3 pre-RoPE.
+* ``"hadamard"`` (values, any side): multiply by the normalized ``D × D`` Sylvester–Hadamard
+  matrix ``H/√D`` over the head dimension, quantize, multiply back (``H`` is symmetric and
+  ``(H/√D)² = I``). Spreads outlier channels over the head so a per-token range fits better
+  (QuaRot, Ashkboos et al. 2024, §4; prior-art: values per-token g64, 4-bit, V-only KL 5.6e-3 →
+  4.1e-3).
+
+RoPE convention: transformers' ``rotate_half`` layout (Llama, Mistral, Qwen2, Phi-3, Gemma):
+``x_post = a·(x·cos(pθ) + rotate_half(x)·sin(pθ))`` with ``θ = inv_freq`` repeated twice over the
+head dimension and ``a`` the rotary module's ``attention_scaling`` (1.0 for default RoPE).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+TRANSFORMS = ("none", "pre_rope", "hadamard")
+
+
+def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normalized Sylvester–Hadamard matrix ``H_d / √d`` ``[d, d]`` (symmetric, orthogonal).
+
+    Raises ``ValueError`` when ``d`` is not a power of two (no Sylvester construction)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two head_dim, got {d}; use transform 'none'")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` for ``x = [x1, x2]`` split in halves over the last dim (transformers' layout)."""
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """What is needed to undo / re-apply a model's rotary embedding at known positions.
+
+    ``inv_freq``: float32 ``[D/2]`` (the rotary module's buffer, rope scaling already applied);
+    ``attention_scaling``: float multiplier of cos/sin (1.0 unless YaRN-style scaling)."""
+
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+
+    def __post_init__(self):
+        f = self.inv_freq
+        if not isinstance(f, torch.Tensor) or f.ndim != 1 or f.numel() == 0 or not torch.isfinite(f).all():
+            raise ValueError("RopeTable.inv_freq must be a finite 1-D tensor [head_dim/2]")
+        if not (math.isfinite(self.attention_scaling) and self.attention_scaling > 0):
+            raise ValueError(f"RopeTable.attention_scaling must be > 0, got {self.attention_scaling}")
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` float32 ``[S, D]`` for integer ``positions [S]``; angles in float32 as
+        transformers' rotary modules compute them, so un-rotating recovers the model's pre-RoPE key."""
+        ang = positions.float()[:, None] * self.inv_freq.float()[None, :].to(positions.device)
+        emb = torch.cat([ang, ang], dim=-1)
+        return emb.cos(), emb.sin()
+
+    def _cs(self, x: torch.Tensor, start: int):
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"RoPE table covers head_dim {self.head_dim}, tensor has {x.shape[-1]}")
+        c, s = self.cos_sin(torch.arange(start, start + x.shape[-2], device=self.inv_freq.device))
+        return c.to(x.device), s.to(x.device)
+
+    def to_pre_rope(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Undo RoPE on post-RoPE keys ``x [..., S, D]`` at positions ``start .. start+S-1``
+        (float32 result): ``(x·cos − rotate_half(x)·sin) / a``."""
+        c, s = self._cs(x, start)
+        x = x.float()
+        return (x * c - rotate_half(x) * s) / self.attention_scaling
+
+    def to_post_rope(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Apply RoPE to pre-RoPE keys ``x [..., S, D]`` at positions ``start ..`` (float32):
+        ``a·(x·cos + rotate_half(x)·sin)``."""
+        c, s = self._cs(x, start)
+        x = x.float()
+        return (x * c + rotate_half(x) * s) * self.attention_scaling
+
+
+def apply_transform(name: str, x: torch.Tensor, *, rope: RopeTable | None = None, start: int = 0,
+                    inverse: bool = False) -> torch.Tensor:
+    """Map ``x [B, H, S, D]`` into the quantized domain of ``name`` (``inverse=True``: back).
+
+    Returns float32. ``start``: position of ``x``'s first token (``pre_rope`` only). Raises
+    ``ValueError`` for an unknown transform, a ``pre_rope`` without ``rope``, or a head_dim the
+    transform does not support."""
+    if name == "none":
+        return x.float()
+    if name == "hadamard":
+        h = hadamard_matrix(x.shape[-1]).to(x.device)
+        return x.float() @ h  # symmetric and involutive: the inverse is the same product
+    if name == "pre_rope":
+        if rope is None:
+            raise ValueError("transform 'pre_rope' needs the model's RoPE table (rope=)")
+        return rope.to_post_rope(x, start) if inverse else rope.to_pre_rope(x, start)
+    raise ValueError(f"unknown transform {name!r}; choose one of {TRANSFORMS}")
+
+
+__all__ = ["TRANSFORMS", "RopeTable", "hadamard_matrix", "rotate_half", "apply_transform"]
