@@ -1,0 +1,198 @@
+"""Transforms before quantizing: Hadamard and pre-RoPE keys, through plan, artifact, runtime cache, export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcal.capture.hooks import attention_hook
+from kvcal.evaluate import plan_hook
+from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
+from kvcal.formats.quant import fake_quant
+from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.transforms import RopeTable, apply_transform, hadamard_matrix
+from kvcal.models import rope_table
+from kvcal.plan import KVPlan, LayerPlan, SidePlan
+from kvcal.runtime import QuantizedKVCache
+
+H, D, L = 2, 16, 2
+K_SPEC = TensorQuantSpec("int4", PerChannelTokenGroup(8), symmetric=False)
+V_SPEC = TensorQuantSpec("int4", PerToken(), symmetric=True)
+
+
+def tiny_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=L,
+                      num_attention_heads=4, num_key_value_heads=H, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=None, eos_token_id=None, rope_theta=500.0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def transform_plan(model, sinks=1, k_tr="pre_rope", v_tr="hadamard", clip=0.9, k_spec=K_SPEC) -> KVPlan:
+    rope = rope_table(model)
+    layers = [LayerPlan(SidePlan(k_spec, clip_ratio=torch.full((H,), clip), transform=k_tr,
+                                 rope=rope if k_tr == "pre_rope" else None),
+                        SidePlan(V_SPEC, transform=v_tr)) for _ in range(L)]
+    return KVPlan(layers, sink_tokens=sinks)
+
+
+def test_hadamard_matches_scipy_and_is_orthogonal():
+    from scipy.linalg import hadamard
+
+    for d in (1, 2, 16, 64, 128):
+        h = hadamard_matrix(d, torch.float64)
+        assert torch.equal(h, torch.tensor(hadamard(d), dtype=torch.float64) / d**0.5)
+        torch.testing.assert_close(h @ h, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_matrix(96)
+
+
+def test_rope_table_matches_transformers(model):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rope = rope_table(model)
+    assert rope.head_dim == D and rope.attention_scaling == 1.0
+    x = torch.randn(2, H, 20, D)
+    pos = torch.arange(20)[None] + 5
+    cos, sin = model.model.rotary_emb(x, pos)
+    _, k_post = apply_rotary_pos_emb(x, x, cos, sin)
+    torch.testing.assert_close(rope.to_post_rope(x, 5), k_post, rtol=0, atol=1e-6)
+    torch.testing.assert_close(rope.to_pre_rope(k_post, 5), x, rtol=0, atol=1e-5)
+    # the inverse undoes the rotation at the given positions only
+    assert (rope.to_pre_rope(k_post, 6) - x).abs().max() > 1e-2
+    # a YaRN-style attention scaling multiplies cos and sin: the inverse divides it out
+    r2 = RopeTable(rope.inv_freq, 1.3)
+    torch.testing.assert_close(r2.to_pre_rope(r2.to_post_rope(x, 3), 3), x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(r2.to_post_rope(x, 3), 1.3 * rope.to_post_rope(x, 3), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_table_refuses_partial_rotary():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=64, rotary_pct=0.25, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="partial rotary"):
+        rope_table(GPTNeoXForCausalLM(cfg))
+
+
+def test_side_plan_pre_rope_is_quantization_of_the_unrotated_key(model):
+    plan = transform_plan(model, sinks=2)
+    rope = rope_table(model)
+    k = torch.randn(1, H, 30, D) * 2
+    y = plan.fake_quant(0, "k", k)
+    # by hand: sinks in bf16; the rest un-rotated at positions 2.., quantized in 8-token groups, re-rotated
+    pre = rope.to_pre_rope(k[:, :, 2:], 2)
+    q = fake_quant(pre, K_SPEC, clip_ratio=torch.full((H,), 0.9))
+    want = torch.cat([k[:, :, :2].to(torch.bfloat16).float(), rope.to_post_rope(q, 2)], dim=2)
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-6)
+    # values: Hadamard rotate, per-token symmetric int4, rotate back
+    v = torch.randn(1, H, 30, D)
+    hm = hadamard_matrix(D)
+    want_v = torch.cat([v[:, :, :2].to(torch.bfloat16).float(), fake_quant(v[:, :, 2:] @ hm, V_SPEC) @ hm], dim=2)
+    torch.testing.assert_close(plan.fake_quant(0, "v", v), want_v, rtol=0, atol=1e-6)
+    # and it is not the post-RoPE quantization
+    post = SidePlan(K_SPEC, clip_ratio=torch.full((H,), 0.9)).fake_quant(k[:, :, 2:])
+    assert (post - y[:, :, 2:]).abs().max() > 1e-3
+
+
+def test_pre_rope_helps_keys_with_an_offset_channel(model):
+    """A key channel pair with a large constant pre-RoPE value rotates through ± post-RoPE: the
+    per-channel group range post-RoPE is wide, pre-RoPE narrow — the reason for the transform."""
+    rope = rope_table(model)
+    pre = torch.randn(1, H, 64, D) * 0.1
+    pre[:, :, :, 0] += 5.0  # channel 0 pairs with channel D/2; inv_freq[0] = 1 rad / token
+    post = rope.to_post_rope(pre, 0)
+    sp_post = SidePlan(K_SPEC, clip_ratio=torch.ones(H))
+    sp_pre = SidePlan(K_SPEC, clip_ratio=torch.ones(H), transform="pre_rope", rope=rope)
+    e_post = (sp_post.fake_quant(post) - post).pow(2).mean()
+    e_pre = (sp_pre.fake_quant(post) - post).pow(2).mean()
+    assert e_pre < 0.2 * e_post
+
+
+def test_transform_errors():
+    with pytest.raises(ValueError, match="RoPE table"):
+        SidePlan(K_SPEC, transform="pre_rope").fake_quant(torch.randn(1, H, 4, D))
+    with pytest.raises(ValueError, match="unknown transform"):
+        SidePlan(K_SPEC, transform="rotate").fake_quant(torch.randn(1, H, 4, D))
+    with pytest.raises(ValueError, match="centering"):
+        SidePlan(K_SPEC, transform="hadamard", mean=torch.zeros(1, H, 1, D)).fake_quant(torch.randn(1, H, 4, D))
+    with pytest.raises(ValueError, match="power-of-two"):
+        apply_transform("hadamard", torch.randn(1, 1, 2, 12))
+
+
+def test_runtime_prefill_and_decode_equal_protocol_a(model):
+    plan = transform_plan(model, sinks=1)
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = QuantizedKVCache(plan, model.config)
+        a = model(ids, cache=cache, use_cache=True).logits
+        with attention_hook(model, plan_hook(plan)):
+            b = model(ids, use_cache=False).logits
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert cache.allocated_bytes() == cache.expected_bytes()
+        # decode token by token: with per-token keys (pre-RoPE) every token is quantized alone, so each
+        # step reads exactly what Protocol A reads (token groups re-quantize an open group: documented)
+        plan = transform_plan(model, sinks=1, k_spec=TensorQuantSpec("int4", PerToken(), symmetric=False))
+        cache = QuantizedKVCache(plan, model.config)
+        outs = [model(ids[:, :6], cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(6, 30):
+            outs.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
+        with attention_hook(model, plan_hook(plan)):
+            ref = model(ids[:, :30], use_cache=False).logits[:, 5:]
+        got = torch.stack(outs, 1)
+        torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)  # fp32 reassociation of the rotations
+        with attention_hook(model, plan_hook(transform_plan(model, sinks=1, k_tr="none", v_tr="none",
+                                                            k_spec=plan.layers[0].k.spec))):
+            other = model(ids[:, :30], use_cache=False).logits[:, 5:]
+        assert (other - got).abs().max() > 1e-3  # the transforms are not a no-op
+
+
+def test_runtime_refuses_left_padding_for_pre_rope(model):
+    plan = transform_plan(model)
+    ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="position"):
+        model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(plan, model.config), max_new_tokens=2,
+                       do_sample=False)
+    # Hadamard-only plans do not depend on positions: left padding works
+    plan_v = transform_plan(model, k_tr="none")
+    out = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(plan_v, model.config), max_new_tokens=3,
+                         do_sample=False)
+    assert out.shape == (2, 13)
+
+
+def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
+    from kvcal.artifact import load_artifact, write_artifact
+    from kvcal.export.base import ExportError
+    from kvcal.export import export
+
+    plan = transform_plan(model)
+    meta = {"model": {"num_layers": L, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
+    assert meta["kv"]["key_position"] == "pre_rope"
+    assert meta["kv"]["transforms"] == [{"k": "pre_rope", "v": "hadamard"}] * L
+    tensors = plan.to_tensors()
+    write_artifact(tmp_path / "a", tensors, meta)
+    art = load_artifact(tmp_path / "a")
+    back = KVPlan.from_artifact(art.tensors, art.metadata)
+    x = torch.randn(1, H, 20, D)
+    for i in range(L):
+        for s in ("k", "v"):
+            assert torch.equal(back.fake_quant(i, s, x), plan.fake_quant(i, s, x))
+    no_rope = {k: v for k, v in tensors.items() if k != "rotary.inv_freq"}
+    with pytest.raises(ValueError, match="rotary.inv_freq"):
+        KVPlan.from_artifact(no_rope, meta)
+    # an otherwise engine-loadable FP8 artifact is refused once a side is Hadamard-rotated
+    fp8 = TensorQuantSpec("fp8_e4m3")
+    plan8 = KVPlan([LayerPlan(SidePlan(fp8, scale=torch.ones(1, 1, 1, 1)),
+                              SidePlan(fp8, scale=torch.ones(1, 1, 1, 1), transform="hadamard")) for _ in range(L)])
+    write_artifact(tmp_path / "b", plan8.to_tensors(), {"model": meta["model"], "kv": plan8.kv_metadata()})
+    with pytest.raises(ExportError, match="transform"):
+        export(tmp_path / "b", "vllm", tmp_path / "out")
