@@ -516,7 +516,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     """
     from tqdm.auto import tqdm
 
-    from kvcal.formats.memory import cache_bytes
+    from kvcal.formats.memory import cache_bytes, rounding_bytes
     from kvcal.formats.spec import KVCacheConfig
     from kvcal.plan import KVPlan, LayerPlan
     from kvcal.search import allocate as al
@@ -538,14 +538,14 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         return cache[key]
 
     def run(layer, side, choice, refine):
-        spec, tr = choice
-        key = ("search", layer, side, spec, tr, refine, s_try, key_centering, obj[side], max_queries)
+        spec, tr, rounding = choice
+        key = ("search", layer, side, spec, tr, rounding, refine, s_try, key_centering, obj[side], max_queries)
         if key not in cache:
             cal, held = caches(layer)
             st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
             cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine,
-                                     transform=tr, rope=rope if tr in NEEDS_ROPE else None)
+                                     transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding)
         return cache[key]
 
     menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
@@ -560,7 +560,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         for layer in tqdm(range(L), desc="sensitivity", disable=not progress):
             for side in ("k", "v"):
                 rs = [run(layer, side, c, False) for c in menu[side]]
-                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r))
+                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r)
+                                           + (rounding_bytes(H, D) if c.rounding else 0))
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
@@ -601,7 +602,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     sink_meta["kept"] = final_sinks
     plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
                   sink_tokens=final_sinks)
-    configs = [KVCacheConfig(r["k"].spec, r["v"].spec, residual_window=residual_window, sink_tokens=final_sinks)
+    configs = [KVCacheConfig(r["k"].spec, r["v"].spec, residual_window=residual_window, sink_tokens=final_sinks,
+                             key_rounding=r["k"].plan.rounding is not None, value_rounding=r["v"].plan.rounding is not None)
                for r in results]
     total = cache_bytes({"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H},
                         configs, budget_context) + sum(_key_mean_bytes(r["k"]) for r in results)

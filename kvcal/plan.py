@@ -15,11 +15,14 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
 * ``transform``: ``"none"`` (quantize what attention reads), ``"pre_rope"`` (keys: quantize the
   pre-RoPE key, RoPE re-applied after dequantizing; needs ``rope``) or ``"hadamard"`` (rotate
   the head dimension before quantizing) — see :mod:`kvcal.formats.transforms`. Centering and a
-  transform do not combine (``mean`` must be ``None`` when ``transform != "none"``).
+  transform do not combine (``mean`` must be ``None`` when ``transform != "none"``);
+* ``rounding`` (int sides, optional): ``U`` ``[H,D,D]`` float32 for query-aware rounding in the
+  quantized (transformed) domain (:func:`kvcal.formats.quant.rounding_matrix`); the runtime keeps
+  its upper triangle in float16 (counted as per-layer metadata).
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
-``[H]``, ``k_mean`` ``[H,1,D]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
+``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
 (per-layer transforms go in the metadata's ``kv.transforms``).
 """
 
@@ -63,6 +66,7 @@ class SidePlan:
     mean: torch.Tensor | None = None
     transform: str = "none"
     rope: RopeTable | None = None
+    rounding: torch.Tensor | None = None
 
     def check_transform(self) -> None:
         """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
@@ -84,15 +88,15 @@ class SidePlan:
             self.check_transform()
             xt = apply_transform(self.transform, x, rope=self.rope, start=start)
             if self.spec.dynamic:
-                y = fake_quant(xt, self.spec, clip_ratio=self.clip_ratio)
+                y = fake_quant(xt, self.spec, clip_ratio=self.clip_ratio, rounding=self.rounding)
             else:
-                y = fake_quant(xt, self.spec, scale=self.scale, zero_point=self.zero_point)
+                y = fake_quant(xt, self.spec, scale=self.scale, zero_point=self.zero_point, rounding=self.rounding)
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         xc = x - self.mean.to(x.dtype) if self.mean is not None else x
         if self.spec.dynamic:
-            y = fake_quant(xc, self.spec, clip_ratio=self.clip_ratio)
+            y = fake_quant(xc, self.spec, clip_ratio=self.clip_ratio, rounding=self.rounding)
         else:
-            y = fake_quant(xc, self.spec, scale=self.scale, zero_point=self.zero_point)
+            y = fake_quant(xc, self.spec, scale=self.scale, zero_point=self.zero_point, rounding=self.rounding)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
 
 
@@ -127,7 +131,8 @@ class KVPlan:
     def kv_config(self, layer: int = 0) -> KVCacheConfig:
         lp = self.layers[layer]
         return KVCacheConfig(lp.k.spec, lp.v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens,
-                             key_centering=lp.k.mean is not None)
+                             key_centering=lp.k.mean is not None, key_rounding=lp.k.rounding is not None,
+                             value_rounding=lp.v.rounding is not None)
 
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.
@@ -158,6 +163,8 @@ class KVPlan:
                     out[_name(i, s, "clip_ratio")] = sp.clip_ratio.float().reshape(-1)
                 if sp.mean is not None:
                     out[_name(i, s, "mean")] = sp.mean.float().reshape(sp.mean.shape[1:])
+                if sp.rounding is not None:
+                    out[_name(i, s, "rounding")] = sp.rounding.float().contiguous()
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
@@ -237,6 +244,11 @@ class KVPlan:
                 mean = tensors.get(_name(i, s, "mean"))
                 if mean is not None:
                     sp.mean = mean.float().reshape(1, H, 1, D)
+                rd = tensors.get(_name(i, s, "rounding"))
+                if rd is not None:
+                    if tuple(rd.shape) != (H, D, D):
+                        raise ValueError(f"{_name(i, s, 'rounding')} has shape {tuple(rd.shape)}, expected {(H, D, D)}")
+                    sp.rounding = rd.float()
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None
                 sp.check_transform()

@@ -32,7 +32,9 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
        plus a ``zero_point`` of the same shape/dtype when asymmetric;
      - dynamic granularities: the calibrated ``clip_ratio`` ``float32 [H]``;
      - NVFP4 additionally: the global scale ``float32 [1]``;
-     - keys with ``key_centering``: the per-channel key mean ``float32 [1,H,1,D]``.
+     - keys with ``key_centering``: the per-channel key mean ``float32 [1,H,1,D]``;
+     - sides with query-aware rounding (``key_rounding`` / ``value_rounding``): the upper
+       triangle of the rounding matrix, ``float16 [H, D(D+1)/2]``.
 
 :func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
 :class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns
@@ -135,6 +137,12 @@ def side_bytes_per_token(spec: TensorQuantSpec, H: int, D: int) -> Fraction:
     else:  # static: per-layer metadata only
         params = Fraction(0)
     return H * (payload + params)
+
+
+def rounding_bytes(H: int, D: int) -> int:
+    """Bytes of one side's query-aware rounding matrix as the runtime keeps it: the upper triangle
+    in float16, ``H · D(D+1)/2 · 2``."""
+    return H * (D * (D + 1) // 2) * 2
 
 
 def side_static_bytes(spec: TensorQuantSpec, H: int, D: int) -> int:
@@ -263,6 +271,9 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1) -> Memo
                 acc[k] += part[k]
         if c.key_centering and c.key.is_quantized:
             acc["static"] += H * D * 4  # k_mean float32 [1,H,1,D]
+        for flag, spec in ((c.key_rounding, c.key), (c.value_rounding, c.value)):
+            if flag and spec.is_quantized:
+                acc["static"] += rounding_bytes(H, D)
     conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
     return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
                         acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)
@@ -277,5 +288,5 @@ def cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> int:
 
 __all__ = [
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
-    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes",
+    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes", "rounding_bytes",
 ]

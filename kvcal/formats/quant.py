@@ -34,6 +34,15 @@ within half a unit; for groups whose range is tiny next to their offset this wid
 price of a 16-bit zero point. With that, every value inside the (clipped) range dequantizes to within
 half a quantization step. A group whose range is zero gets ``scale = 1``.
 
+Query-aware rounding (``rounding=U``, int formats): instead of rounding every element to its
+nearest code, channels are rounded in order ``d = 0..D-1`` and each one's rounding error is fed
+forward into the channels not yet rounded, OPTQ/GPTQ-style (Frantar et al., ICLR 2023, Alg. 1),
+with ``U`` the upper Cholesky factor of ``Σ⁻¹`` (``[H, D, D]``, see :func:`rounding_matrix`). With
+``Σ = E[q qᵀ]`` over the queries that read a key, this minimizes the expected *score* error
+``E[(qᵀ(k − k̂))²]`` greedily instead of ``‖k − k̂‖²``. The group parameters (scale, zero point) are
+those of the plain path, computed from ``x`` before any feedback; fed-back values outside the range
+saturate. The stored format is unchanged (dequantization does not need ``U``).
+
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
 quantizing them would silently poison a whole group), non-positive / non-finite scales or clip
 ratios, a scale that overflows its storage dtype, or parameters of the wrong shape.
@@ -344,6 +353,60 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
     return s, zp, (s_st, zp_st, None)
 
 
+def rounding_matrix(sigma: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """``U`` for query-aware rounding from second moments ``sigma [H, D, D]`` (float, symmetric PSD).
+
+    ``U = cholesky((Σ + damp·mean(diag Σ)·I)⁻¹, upper=True)`` in float64, returned float32 — the
+    damping of GPTQ (1% of the mean diagonal) keeps it defined for rank-deficient ``Σ``. Raises
+    ``ValueError`` for a non-square / non-finite input."""
+    if sigma.ndim != 3 or sigma.shape[-1] != sigma.shape[-2] or not torch.isfinite(sigma).all():
+        raise ValueError(f"sigma must be a finite [H, D, D] tensor, got shape {tuple(sigma.shape)}")
+    m = sigma.double()
+    m = (m + m.transpose(-1, -2)) / 2
+    D = m.shape[-1]
+    lam = damp * m.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
+    m = m + lam[:, None, None] * torch.eye(D, dtype=m.dtype, device=m.device)
+    return torch.linalg.cholesky(torch.linalg.inv(m), upper=True).float()
+
+
+def _check_rounding(rounding: torch.Tensor, spec, lay: _Layout) -> torch.Tensor:
+    if spec.format.kind != "int":
+        raise ValueError(f"query-aware rounding is defined for int formats, not {spec.format.value}")
+    if lay.D_g != lay.D:
+        raise ValueError("query-aware rounding needs channel groups that divide head_dim")
+    U = rounding.float()
+    if U.ndim != 3 or U.shape[-2:] != (lay.D, lay.D) or U.shape[0] not in (1, lay.H):
+        raise ValueError(f"rounding must be [H, D, D] = [{lay.H}, {lay.D}, {lay.D}], got {tuple(U.shape)}")
+    d = U.diagonal(dim1=-2, dim2=-1)
+    if not torch.isfinite(U).all() or not bool((d > 0).all()):
+        raise ValueError("rounding must be finite with a positive diagonal (an upper Cholesky factor)")
+    return U.expand(lay.H, lay.D, lay.D)
+
+
+def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor) -> torch.Tensor:
+    """Codes (fp32, grouped layout) by channel-ordered rounding with error feedback (module docstring)."""
+    x = lay.ungroup(xg).clone()  # [B,H,S_g,D]
+    sf = lay.ungroup(s.expand_as(xg)) if s.shape != xg.shape else lay.ungroup(s)
+    zf = None if zp is None else (lay.ungroup(zp.expand_as(xg)) if zp.shape != xg.shape else lay.ungroup(zp))
+    lo, hi = (spec.qmin, spec.qmax) if spec.symmetric else (0, spec.qmax)
+    q = torch.empty_like(x)
+    Ub = U.to(x.device)[None, :, None]  # [1,H,1,D,D]
+    D = x.shape[-1]
+    for d in range(D):
+        sd = sf[..., d]
+        if zf is None:
+            c = torch.round(x[..., d] / sd).clamp_(lo, hi)
+            deq = c * sd
+        else:
+            c = torch.round(x[..., d] / sd + zf[..., d]).clamp_(lo, hi)
+            deq = (c - zf[..., d]) * sd
+        q[..., d] = c
+        if d + 1 < D:
+            err = (x[..., d] - deq) / Ub[..., d, d]
+            x[..., d + 1 :] -= err[..., None] * Ub[..., d, d + 1 :]
+    return lay.group(q)
+
+
 def _empty_stat(xg, lay):
     shape = list(xg.shape)
     for d in lay.red:
@@ -393,6 +456,7 @@ def quantize(
     clip_ratio: torch.Tensor | float | None = None,
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
+    rounding: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x [B, H_kv, S, D]`` (any float dtype) to packed storage.
 
@@ -401,7 +465,8 @@ def quantize(
     scalar or ``[H]``-sized, shrinks ranges computed from ``x`` (see module docstring); not with
     ``scale``. ``global_scale``: NVFP4 fp32 outer scale (default ``amax(x) / 2688``).
     ``check_finite=False`` skips the NaN/Inf check (results for non-finite inputs are then
-    undefined). 16-bit specs return ``data = x`` cast to fp16/bf16 with no parameters.
+    undefined). ``rounding``: ``U [H, D, D]`` for query-aware rounding (int formats; module
+    docstring). 16-bit specs return ``data = x`` cast to fp16/bf16 with no parameters.
     Raises ``ValueError`` (see module docstring).
     """
     _check_input(x, check_finite)
@@ -413,7 +478,10 @@ def quantize(
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
-    q = lay.ungroup(_codes(xg, s, zp, spec))  # [B,H,S_g,D_g]
+    if rounding is not None:
+        q = lay.ungroup(_codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay)))
+    else:
+        q = lay.ungroup(_codes(xg, s, zp, spec))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
         data = F.pad(q.float(), (0, lay.D_pad - lay.D_g)).to(q.dtype) if lay.D_pad > lay.D_g else q
@@ -471,6 +539,7 @@ def fake_quant(
     clip_ratio: torch.Tensor | float | None = None,
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
+    rounding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` computed without packing (the fast path for search).
 
@@ -484,7 +553,9 @@ def fake_quant(
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
-    y = lay.ungroup(_dequant_codes(_codes(xg, s, zp, spec), s, zp, spec))
+    codes = (_codes(xg, s, zp, spec) if rounding is None
+             else _codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay)))
+    y = lay.ungroup(_dequant_codes(codes, s, zp, spec))
     return y[:, :, : lay.S, : lay.D].to(x.dtype)
 
 
@@ -503,6 +574,6 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
 
 __all__ = [
     "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
-    "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "E2M1_VALUES",
+    "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "E2M1_VALUES",
     "DEFAULTS",
 ]

@@ -285,7 +285,10 @@ class KVCacheConfig:
     tensor). ``residual_window``: the most recent tokens kept in ``dtype16`` (KIVI's R).
     ``sink_tokens``: the first tokens kept in ``dtype16`` (attention sinks). ``dtype16``:
     ``torch.bfloat16`` or ``torch.float16``. ``key_centering``: keys are stored minus a calibrated
-    per-channel mean (``float32 [1,H,1,D]`` per layer, counted as per-layer metadata). Raises
+    per-channel mean (``float32 [1,H,1,D]`` per layer, counted as per-layer metadata).
+    ``key_rounding`` / ``value_rounding``: the side is quantized with query-aware rounding, whose
+    matrix the runtime keeps as the float16 upper triangle ``[H, D(D+1)/2]`` per layer (counted as
+    per-layer metadata; :func:`kvcal.formats.quant.rounding_matrix`). Raises
     ``ValueError`` on negative windows or another 16-bit dtype.
     """
 
@@ -295,6 +298,8 @@ class KVCacheConfig:
     sink_tokens: int = 0
     dtype16: torch.dtype = DEFAULTS["dtype16"]
     key_centering: bool = False
+    key_rounding: bool = False
+    value_rounding: bool = False
 
     def __post_init__(self):
         for side in ("key", "value"):
@@ -332,6 +337,8 @@ class KVCacheConfig:
             "sink_tokens": self.sink_tokens,
             "dtype16": DTYPE_NAMES[self.dtype16],
             "key_centering": self.key_centering,
+            "key_rounding": self.key_rounding,
+            "value_rounding": self.value_rounding,
         }
 
     @classmethod
@@ -341,6 +348,8 @@ class KVCacheConfig:
             int(d.get("residual_window", 0)), int(d.get("sink_tokens", 0)),
             dtype_from_name(d.get("dtype16", DTYPE_NAMES[DEFAULTS["dtype16"]])),
             bool(d.get("key_centering", False)),
+            bool(d.get("key_rounding", False)),
+            bool(d.get("value_rounding", False)),
         )
 
 

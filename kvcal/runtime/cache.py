@@ -42,7 +42,8 @@ Transforms (:mod:`kvcal.formats.transforms`): a ``hadamard`` side rotates tokens
 they are quantized and rotates back when it dequantizes; a ``pre_rope`` key side un-rotates each
 token at its position before quantizing and re-applies RoPE after dequantizing. Sinks and the
 residual window stay as attention reads them. Both cost no bytes (the Hadamard matrix and the
-RoPE angles are recomputed). ``pre_rope`` needs every token's position to equal its cache slot
+RoPE angles are recomputed). A side with query-aware rounding keeps the upper triangle of its
+rounding matrix in float16 ``[H, D(D+1)/2]`` (per-layer metadata, in the accounting). ``pre_rope`` needs every token's position to equal its cache slot
 (transformers passes ``position_ids`` to ``update``; a left-padded batch is refused with a
 ``ValueError`` rather than rotated at the wrong angle).
 
@@ -113,6 +114,10 @@ class _Side:
         # per-layer metadata (independent of B and T)
         self.static_scale = self.static_zp = self.clip = self.global_scale = None
         self.mean = None
+        self.rounding = None  # float16 upper triangle [H, D(D+1)/2] of the rounding matrix
+        if self.quantized and sp.rounding is not None:
+            iu = torch.triu_indices(D, D)
+            self.rounding = torch.broadcast_to(sp.rounding.float(), (H, D, D))[:, iu[0], iu[1]].to(torch.float16).clone()
         if self.quantized:
             spec = self.spec
             if spec.dynamic:
@@ -152,7 +157,8 @@ class _Side:
         return ns, nw, s_pad, rows
 
     def metadata_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale) if t is not None]
+        return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale, self.rounding)
+                if t is not None]
 
     def batch_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.sink, self.win, self.data, self.scale, self.zp) if t is not None]
@@ -165,7 +171,7 @@ class _Side:
 
     # ---- allocation ---------------------------------------------------------------------------
     def _move(self, device):
-        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean"):
+        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -238,6 +244,12 @@ class _Side:
         if self.n_win:
             self.win[:, :, : self.n_win] = keep.to(self.dtype16)
 
+    def _rounding_matrix(self) -> torch.Tensor:
+        iu = torch.triu_indices(self.D, self.D, device=self.rounding.device)  # recomputed, not held
+        U = torch.zeros(self.H, self.D, self.D, dtype=torch.float32, device=self.rounding.device)
+        U[:, iu[0], iu[1]] = self.rounding.float()
+        return U
+
     def _params(self):
         if self.spec.dynamic:
             kw = {"clip_ratio": self._clip_arg}
@@ -262,7 +274,10 @@ class _Side:
             q0 = g0
         if spec.format is QFormat.NVFP4 and float(self.global_scale) == 0.0:
             self.global_scale.copy_(nvfp4_global_scale(x.abs().amax()).reshape(1))
-        qt = quantize(x, spec, **self._params())
+        kw = self._params()
+        if self.rounding is not None:
+            kw["rounding"] = self._rounding_matrix()
+        qt = quantize(x, spec, **kw)
         e = x.shape[2]
         s_pad = qt.data.shape[2]
         self.data[:, :, q0 : q0 + s_pad] = qt.data

@@ -123,20 +123,22 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 
 
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
-              mean: torch.Tensor | None = None, transform: str = "none", rope=None) -> SidePlan:
+              mean: torch.Tensor | None = None, transform: str = "none", rope=None,
+              rounding: torch.Tensor | None = None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
     ``family="clip"`` (dynamic specs): ``clip_ratio = t``; ``"shrink"`` / ``"std"`` (static
     per-channel int specs): ranges from ``stats`` (``min``/``max``/``mean``/``std`` ``[H, D]``).
     ``mean`` ``[H, D]``: key centering (rows of zeros = off for that head). ``transform`` /
     ``rope``: see :class:`~kvcal.plan.SidePlan` (dynamic specs only: the capture statistics that
-    static ranges come from are of the untransformed tensor)."""
+    static ranges come from are of the untransformed tensor). ``rounding``: ``U [H, D, D]`` for
+    query-aware rounding (see :func:`query_rounding`)."""
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
             raise ValueError(f"clip search needs a dynamic spec, got {spec.granularity.name}")
         sp = SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
-                      rope=rope if transform == "pre_rope" else None)
+                      rope=rope if transform == "pre_rope" else None, rounding=rounding)
         sp.check_transform()
         return sp
     if transform != "none":
@@ -151,7 +153,32 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
         scale, zp = params_from_range(spec, amax=torch.maximum(hi.abs(), lo.abs()))
     else:
         scale, zp = params_from_range(spec, amax=hi, amin=lo)
-    return SidePlan(spec, scale=scale.float(), zero_point=None if zp is None else zp.float(), mean=m)
+    return SidePlan(spec, scale=scale.float(), zero_point=None if zp is None else zp.float(), mean=m,
+                    rounding=rounding)
+
+
+def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
+    """Query-aware rounding matrix ``U [H_kv, D, D]`` (float32 holding float16 values, as the
+    runtime stores it) for a key side, from the calibration sequences' queries.
+
+    ``Σ_h = Σ q qᵀ`` over every position of every query head reading KV head ``h`` (GQA group),
+    in the domain the keys are quantized in (``pre_rope``: queries un-rotated at their positions,
+    so ``Σ`` ignores the relative rotation between query and key; ``hadamard``: rotated), then
+    :func:`kvcal.formats.quant.rounding_matrix`. Rounding keys to minimize ``E[(qᵀΔk)²]`` is the
+    OPTQ objective with the query as the layer input (Frantar et al. 2023)."""
+    from kvcal.formats.quant import rounding_matrix
+    from kvcal.formats.transforms import apply_transform
+
+    sig = None
+    for c in caches:
+        Hk = c.k.shape[0]
+        q = c.q.float()[None]  # [1, H_q, T, D]
+        if transform != "none":
+            q = apply_transform(transform, q, rope=rope, start=0)
+        qg = q[0].reshape(Hk, -1, q.shape[-1]).double()  # [H_kv, G*T, D]
+        m = torch.einsum("hti,htj->hij", qg, qg)
+        sig = m if sig is None else sig + m
+    return rounding_matrix(sig).half().float()
 
 
 @dataclass
@@ -179,7 +206,7 @@ class SideSearch:
         return {"spec": self.spec.to_dict(), "param": [round(float(x), 5) for x in self.param],
                 "label": self.label, "calib": self.calib, "heldout": self.heldout,
                 "heldout_minmax": self.heldout_minmax, "heldout_out": self.heldout_out,
-                "transform": self.plan.transform}
+                "transform": self.plan.transform, "rounding": self.plan.rounding is not None}
 
 
 def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals):
@@ -204,20 +231,23 @@ def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals)
     return x, f
 
 
-def _one_head(spec, family, stats, mean, h, t, H, tr=("none", None)):
+def _one_head(spec, family, stats, mean, h, t, H, tr=("none", None, None)):
     """Plan for the one-head view ``h`` with parameter ``t``."""
     st = None if stats is None else {k: v[h : h + 1] for k, v in stats.items() if k in ("min", "max", "mean", "std")}
     mh = None if mean is None else mean[h : h + 1]
-    return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, transform=tr[0], rope=tr[1])
+    rd = None if tr[2] is None else tr[2][h : h + 1]
+    return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, transform=tr[0], rope=tr[1],
+                     rounding=rd)
 
 
-def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks, refine, evals, tr=("none", None)):
+def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks, refine, evals,
+                 tr=("none", None, None)):
     """Coarse grid for all heads, then per-head bounded refinement. Returns ``(x [H], f [H])``."""
     H = (caches[0].k if side == "k" else caches[0].v).shape[0]
     errs = []
     for g in grid:
         n, d = side_error(caches, side, make_plan(spec, torch.full((H,), g), family=family, stats=stats, mean=mean,
-                                                  transform=tr[0], rope=tr[1]), objective, sinks)
+                                                  transform=tr[0], rope=tr[1], rounding=tr[2]), objective, sinks)
         evals[0] += 1
         errs.append(n / d)
     E = torch.stack(errs)  # [C, H]
@@ -250,6 +280,7 @@ def search_side(
     refine: bool = True,
     transform: str = "none",
     rope=None,
+    rounding: bool = False,
 ) -> SideSearch:
     """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an int ``spec``.
 
@@ -263,9 +294,19 @@ def search_side(
     ints). ``transform`` / ``rope``: quantize after a transform (:mod:`kvcal.formats.transforms`;
     dynamic specs only; centering is then off); the guard's min/max baseline uses the same
     transform, and the objective is always measured on what attention reads (post-RoPE).
+    ``rounding=True`` (keys, int): query-aware rounding with :func:`query_rounding` of the
+    calibration split; heads whose held-out winner is plain min/max get the identity (nearest
+    rounding).
     """
-    tr = (transform, rope)
-    if transform != "none":
+    U = None
+    if rounding:
+        if side != "k":
+            raise ValueError("query-aware rounding is defined for keys (it weights errors by the queries)")
+        if not spec.dynamic:
+            raise ValueError("query-aware rounding is searched for dynamic key specs only")
+        U = query_rounding(calib, transform, rope)
+    tr = (transform, rope, U)
+    if transform != "none" or rounding:
         centering = "off"
     if spec.format.kind != "int":
         raise ValueError(f"search_side handles integer specs; {spec.format.value} is searched elsewhere")
@@ -307,7 +348,7 @@ def search_side(
     plans = []
     for i, (_label, _family, mean, x, _f) in enumerate(results):
         if spec.dynamic:
-            p = make_plan(spec, x, family="clip", mean=mean, transform=transform, rope=rope)
+            p = make_plan(spec, x, family="clip", mean=mean, transform=transform, rope=rope, rounding=U)
         else:
             p = _static_plan_mixed(spec, stats, x, fams)
         plans.append(p)
@@ -340,9 +381,13 @@ def search_side(
         else:
             labels.append(fams[h])
             fam_final.append(fams[h])
+    U_final = None
+    if U is not None:
+        eye = torch.eye(U.shape[-1])
+        U_final = torch.stack([U[h] if int(best_idx[h]) >= 0 else eye for h in range(H)])
     if spec.dynamic:
         plan = make_plan(spec, param, family="clip", mean=mean_rows if any_mean else None, transform=transform,
-                         rope=rope)
+                         rope=rope, rounding=U_final)
     else:
         plan = _static_plan_mixed(spec, stats, param, fam_final)
     # final figures (normalized over heads)
@@ -370,4 +415,4 @@ def _static_plan_mixed(spec, stats, x: torch.Tensor, families: list[str]) -> Sid
 
 
 __all__ = ["search_side", "side_error", "make_plan", "quantize_seq", "SideSearch", "clip_grid", "std_grid",
-           "OBJECTIVES", "DEFAULT_OBJECTIVE"]
+           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding"]

@@ -8,7 +8,7 @@ preset     keys                                           values                
 =========  =============================================  ============================================  =====
 ``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
 ``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, clip, after a       4.25
-           clip, **pre-RoPE**                             64×64 Hadamard rotation
+           clip, **pre-RoPE**, query-aware rounding       64×64 Hadamard rotation                       +0.06
 ``int2``   int2 per channel in 32-token groups, asym      int2 per token in 32-channel groups, asym      3.0
 ``k4v2``   int4 static per channel, asym                  int2 per token in 32-channel groups, asym      3.5
 =========  =============================================  ============================================  =====
@@ -21,7 +21,11 @@ and the 16-bit sinks, and uses the two transforms that measured best on the embe
 budget (``bench_out/exp_*.py`` probes, 2 × 1024 wikitext windows, K-only / V-only mean KL):
 pre-RoPE 128-token key groups 9.4e-3 vs post-RoPE 14.1e-3 (and static per-channel pre-RoPE
 ranges 16.7e-3, the previous preset's layout); Hadamard-rotated symmetric g64 values 6.7e-3 vs
-10.0e-3 without the rotation. See :mod:`kvcal.formats.transforms`.
+10.0e-3 without the rotation. See :mod:`kvcal.formats.transforms`. Query-aware rounding of the
+keys (OPTQ-style error feedback weighted by the calibration queries' second moments, see
+:func:`kvcal.search.optimizer.query_rounding`) took the pre-RoPE g128 keys from 9.4e-3 to 5.8e-3
+in the same probe; its float16 triangle ``[H, D(D+1)/2]`` per layer is counted as metadata
+(+0.06 bit at 4096 tokens, batch 1; less at longer contexts or larger batches).
 """
 
 from __future__ import annotations
@@ -33,20 +37,22 @@ from kvcal.formats.spec import TensorQuantSpec
 
 
 class SideChoice(NamedTuple):
-    """One side's storage: the spec and the transform applied before quantizing
-    (``"none"``, ``"pre_rope"``, ``"hadamard"``; :mod:`kvcal.formats.transforms`)."""
+    """One side's storage: the spec, the transform applied before quantizing (``"none"``,
+    ``"pre_rope"``, ``"hadamard"``; :mod:`kvcal.formats.transforms`) and whether keys use
+    query-aware rounding (:func:`kvcal.search.optimizer.query_rounding`)."""
 
     spec: TensorQuantSpec
     transform: str = "none"
+    rounding: bool = False
 
 
-def _s(fmt, gran, sym, transform="none"):
-    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform)
+def _s(fmt, gran, sym, transform="none", rounding=False):
+    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform, rounding)
 
 
 INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
     "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
-    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope"), _s("int4", PerToken(), True, "hadamard")),
+    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True), _s("int4", PerToken(), True, "hadamard")),
     "int2": (_s("int2", PerChannelTokenGroup(32), False), _s("int2", PerTokenGroup(32), False)),
     "k4v2": (_s("int4", PerChannel(), False), _s("int2", PerTokenGroup(32), False)),
 }
@@ -58,9 +64,11 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
         _s("int2", PerChannelTokenGroup(128), False),
         _s("int2", PerChannelTokenGroup(32), False),
         _s("int2", PerChannelTokenGroup(32), False, "pre_rope"),
+        _s("int2", PerChannelTokenGroup(32), False, "pre_rope", True),
         _s("int4", PerChannel(), False),
         _s("int4", PerChannelTokenGroup(128), False),
         _s("int4", PerChannelTokenGroup(128), False, "pre_rope"),
+        _s("int4", PerChannelTokenGroup(128), False, "pre_rope", True),
         _s("int4", PerChannelTokenGroup(32), False),
         _s("int4", PerChannelTokenGroup(32), False, "pre_rope"),
         _s("int8", PerToken(), False),
@@ -80,14 +88,16 @@ NEEDS_ROPE = ("pre_rope",)
 
 
 def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
-    """Short name, e.g. ``int4/channel/asym``, ``int4/channel_token_group128/asym/pre_rope``."""
-    tr = "none"
+    """Short name, e.g. ``int4/channel/asym``, ``int4/channel_token_group128/asym/pre_rope/qround``."""
+    tr, rounding = "none", False
     if isinstance(spec, SideChoice):
-        spec, tr = spec.spec, spec.transform
+        spec, tr, rounding = spec.spec, spec.transform, spec.rounding
     g = spec.granularity
     gs = getattr(g, "group_size", "")
     out = f"{spec.format.value}/{g.name}{gs}/{'sym' if spec.symmetric else 'asym'}"
-    return out if tr == "none" else f"{out}/{tr}"
+    if tr != "none":
+        out += f"/{tr}"
+    return out + "/qround" if rounding else out
 
 
 __all__ = ["INT_PRESETS", "ALLOC_MENU", "SideChoice", "NEEDS_ROPE", "spec_label"]
