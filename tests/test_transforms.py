@@ -196,3 +196,60 @@ def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
     write_artifact(tmp_path / "b", plan8.to_tensors(), {"model": meta["model"], "kv": plan8.kv_metadata()})
     with pytest.raises(ExportError, match="transform"):
         export(tmp_path / "b", "vllm", tmp_path / "out")
+
+
+# ---- query-aware rounding -------------------------------------------------------------------------
+
+def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
+    from kvcal.formats.quant import quantize, dequantize, rounding_matrix
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, H, 24, D, generator=g) * 3
+    eye = torch.eye(D).expand(H, D, D)
+    assert torch.equal(fake_quant(x, K_SPEC, rounding=eye), fake_quant(x, K_SPEC))
+    # anisotropic queries: a few strong directions
+    basis = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
+    w = torch.tensor([30.0, 10.0, 5.0] + [0.3] * (D - 3), dtype=torch.float64)
+    q = (torch.randn(4000, D, generator=g, dtype=torch.float64) * w) @ basis.T
+    sigma = (q.T @ q).expand(H, D, D)
+    U = rounding_matrix(sigma)
+    torch.testing.assert_close(U[0].double().T @ U[0].double() @ (sigma[0] + 0.01 * sigma[0].diagonal().mean()
+                                                                    * torch.eye(D, dtype=torch.float64)),
+                               torch.eye(D, dtype=torch.float64), rtol=0, atol=1e-4)
+    for spec in (K_SPEC, TensorQuantSpec("int4", PerToken(), symmetric=True)):
+        near, fb = fake_quant(x, spec), fake_quant(x, spec, rounding=U)
+        # float64 score error E[(q·Δk)^2] over the query sample, independently of the library
+        e_near = ((near - x).double() @ q.T).pow(2).mean()
+        e_fb = ((fb - x).double() @ q.T).pow(2).mean()
+        assert e_fb < 0.7 * e_near
+        # same grid: every code is a representable value (the packed round trip agrees exactly)
+        qt = quantize(x, spec, rounding=U)
+        assert torch.equal(dequantize(qt), fb)
+    with pytest.raises(ValueError, match="int formats"):
+        fake_quant(x, TensorQuantSpec("fp8_e4m3"), scale=torch.ones(1), rounding=U)
+    with pytest.raises(ValueError, match="rounding must be"):
+        fake_quant(x, K_SPEC, rounding=torch.eye(D)[None].expand(5, D, D))
+
+
+def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
+    from kvcal.formats.quant import rounding_matrix
+
+    plan = transform_plan(model, sinks=1)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(H, D, D, generator=g)
+    U = rounding_matrix(a @ a.transpose(1, 2)).half().float()
+    for lp in plan.layers:
+        lp.k.rounding = U
+    ids = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        cache = QuantizedKVCache(plan, model.config)
+        out = model(ids, cache=cache, use_cache=True).logits
+        with attention_hook(model, plan_hook(plan)):
+            ref = model(ids, use_cache=False).logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert cache.allocated_bytes() == cache.expected_bytes()
+    no_round = transform_plan(model, sinks=1)
+    c2 = QuantizedKVCache(no_round, model.config)
+    with torch.no_grad():
+        model(ids, cache=c2, use_cache=True)
+    assert cache.allocated_bytes() - c2.allocated_bytes() == L * H * (D * (D + 1) // 2) * 2
