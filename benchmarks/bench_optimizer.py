@@ -123,6 +123,9 @@ def main():
         r = search_int(cap, max_queries=a.max_queries, cache=shared, progress=False, **kw)
         timings[name] = time.perf_counter() - t0
         plans[f"kvcal {name}"] = r.plan
+        if name == "int4":
+            for side in ("k", "v"):
+                plans[f"kvcal int4 [{side.upper()} only]"] = side_only(r.plan, side)
         s = r.summary
         summaries[name] = {k: s[k] for k in ("average_bits", "key_bits_mean", "value_bits_mean", "sinks", "heldout",
                                              "centered_layers")}
@@ -137,11 +140,12 @@ def main():
         plans["fp8 kvcal tensor @16"] = plan_from_choices(rows, "fp8_e4m3", "tensor", Hk)[0]
         r16 = search_int(cap16, preset="int4", max_queries=a.max_queries, progress=False)
         plans["kvcal int4 @16"] = r16.plan
-        # absmax-rule int4 (static per-channel min/max, no search) from all 64 samples
-        st = [cap.sink_stats.k[i].finalize() for i in range(L)]
-        spec_k, spec_v = TensorQuantSpec("int4", PerChannel(), symmetric=False), TensorQuantSpec("int4", PerToken(), symmetric=True)
-        plans["int4 min/max ranges @64"] = KVPlan(
-            [LayerPlan(make_plan(spec_k, torch.ones(Hk), family="shrink", stats=st[i]), SidePlan(spec_v))
+        # the int4 layout with plain min/max ranges and nearest rounding (no calibration at all)
+        from kvcal.search.presets import INT_PRESETS
+
+        (ck, cv) = INT_PRESETS["int4"]
+        plans["int4 layout min/max, no calibration"] = KVPlan(
+            [LayerPlan(SidePlan(ck.spec, transform=ck.transform, rope=cap.rope), SidePlan(cv.spec, transform=cv.transform))
              for i in range(L)], sink_tokens=plans["kvcal int4"].sink_tokens)
     print(f"evaluating {len(plans)} plans on {len(eval_w)} windows ...", flush=True)
     t0 = time.perf_counter()
@@ -180,7 +184,9 @@ def main():
         checks["k4v2 dPPL / KIVI-2"] = ratio("kvcal k4v2", "KIVI-2 g32 (baseline)", "delta_ppl")
     if "fp8 kvcal tensor @16" in res:
         checks["fp8 kvcal@16 KL / absmax@64 (target <= 1)"] = ratio("fp8 kvcal tensor @16", absmax_name, "kl_mean")
-        checks["int4 kvcal@16 dPPL / int4 min-max ranges@64"] = ratio("kvcal int4 @16", "int4 min/max ranges @64", "delta_ppl")
+        checks["int4 kvcal@16 KL / same layout uncalibrated"] = ratio("kvcal int4 @16", "int4 layout min/max, no calibration",
+                                                                     "kl_mean")
+        checks["int4 KL / KIVI-4 KL"] = ratio("kvcal int4", "KIVI-4 g32 (baseline)", "kl_mean")
     out["ratios"] = checks
     print("\nratios:")
     for k, v in checks.items():

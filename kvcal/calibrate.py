@@ -293,6 +293,11 @@ def _ar(t: torch.Tensor, op) -> torch.Tensor:
     return x
 
 
+class _LastLayerDone(Exception):
+    """Raised by the capture hook after the last attention layer: the rest of the forward pass
+    (the last attention's output projection, the last MLP, the final norm) feeds no cache."""
+
+
 def run_capture(
     model,
     samples: list[torch.Tensor],
@@ -314,7 +319,8 @@ def run_capture(
     max_batch_tokens: int | None = 8192,
     checkpoint: Checkpointing | None = None,
 ) -> CaptureResult:
-    """One forward pass over ``samples`` (1-D int64 token ids) through the decoder (no LM head).
+    """One forward pass over ``samples`` (1-D int64 token ids) through the decoder, stopped right
+    after the last layer's attention call (no LM head, no last MLP).
 
     Statistics cover calibration samples only (held-out samples are seen by the held-out
     reservoir alone). Padding positions are masked out of every statistic. Raises
@@ -366,6 +372,8 @@ def run_capture(
             state["pending"][row][layer] = (
                 q[row, :, :T].float().clone(), k[row, :, :T].float().clone(), v[row, :, :T].float().clone(),
             )
+        if layer == num_layers - 1:
+            raise _LastLayerDone  # nothing after the last attention call feeds the cache: skip it
 
     t0 = time.perf_counter()
     batches = _batches(samples, batch_size, max_batch_tokens)
@@ -404,7 +412,10 @@ def run_capture(
                     keep[r] = min(len(samples[i]), search_tokens)
             state.update(mask=mask, is_calib=is_calib, pos_ok=torch.arange(L) >= stats_skip_first, keep=keep,
                          pending={r: [None] * num_layers for r in keep})
-            base(input_ids=ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
+            try:
+                base(input_ids=ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
+            except _LastLayerDone:
+                pass
             for r in keep:
                 i = idx[r]
                 (res_h if i in heldout_idx else res_c).put(i, state["pending"][r])
@@ -538,14 +549,16 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         return cache[key]
 
     def run(layer, side, choice, refine):
-        spec, tr, rounding = choice
-        key = ("search", layer, side, spec, tr, rounding, refine, s_try, key_centering, obj[side], max_queries)
+        spec, tr, rounding, clip_search = choice
+        key = ("search", layer, side, spec, tr, rounding, clip_search, refine, s_try, key_centering, obj[side],
+               max_queries)
         if key not in cache:
             cal, held = caches(layer)
             st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
             cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine,
-                                     transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding)
+                                     transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding,
+                                     grid=None if clip_search else (1.0,))
         return cache[key]
 
     menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)

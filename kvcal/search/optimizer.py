@@ -281,6 +281,7 @@ def search_side(
     transform: str = "none",
     rope=None,
     rounding: bool = False,
+    grid: tuple[float, ...] | None = None,
 ) -> SideSearch:
     """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an int ``spec``.
 
@@ -294,7 +295,8 @@ def search_side(
     ints). ``transform`` / ``rope``: quantize after a transform (:mod:`kvcal.formats.transforms`;
     dynamic specs only; centering is then off); the guard's min/max baseline uses the same
     transform, and the objective is always measured on what attention reads (post-RoPE).
-    ``rounding=True`` (keys, int): query-aware rounding with :func:`query_rounding` of the
+    ``grid``: clip-ratio grid of dynamic specs (default :func:`clip_grid`; ``(1.0,)`` = plain
+    min/max ranges, no search). ``rounding=True`` (keys, int): query-aware rounding with :func:`query_rounding` of the
     calibration split; heads whose held-out winner is plain min/max get the identity (nearest
     rounding).
     """
@@ -330,8 +332,9 @@ def search_side(
         variants += [("shrink", "shrink", None), ("std", "std", None)]
     results = []
     for label, family, mean in variants:
-        grid = clip_grid(spec.bits) if family in ("clip", "shrink") else std_grid(spec.bits)
-        x, f = _grid_search(calib, side, spec, family, grid, stats, mean, objective, sinks, refine, evals, tr)
+        g_ = (grid or clip_grid(spec.bits)) if family in ("clip", "shrink") else std_grid(spec.bits)
+        x, f = _grid_search(calib, side, spec, family, g_, stats, mean, objective, sinks, refine and len(g_) > 1,
+                            evals, tr)
         results.append((label, family, mean, x, f))
     if not spec.dynamic:  # static families compete on calibration error per head
         lab0, fam0, _, x0, f0 = results[0]
