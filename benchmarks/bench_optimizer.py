@@ -60,7 +60,7 @@ def main():
 
     from kvcal.calibrate import plan_from_choices, run_capture, search_int, search_scales, split_heldout
     from kvcal.evaluate import side_only, teacher_forced, text_windows
-    from kvcal.formats.granularity import PerChannel, PerToken, PerTokenGroup
+    from kvcal.formats.granularity import PerToken, PerTokenGroup
     from kvcal.formats.spec import TensorQuantSpec, preset
     from kvcal.models import head_dim_of, load_model, load_tokenizer
     from kvcal.plan import KVPlan, LayerPlan, SidePlan

@@ -699,13 +699,12 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         f"{mmeta['num_kv_heads']} KV heads × head_dim {mmeta['head_dim']}); weights: {mmeta['weight_precision']}")
     log(f"split: {len(corpus.samples) - len(held_idx)} calibration / {len(held_idx)} held-out samples (seed {cfg.seed})"
         + (f"; data-parallel over {world} ranks" if world > 1 else ""))
-    rope = None
-    if int_path:
+    if int_path:  # fail before the capture when a pre-RoPE preset cannot work on this model
         from kvcal.models import rope_table
         from kvcal.search.presets import INT_PRESETS, NEEDS_ROPE
 
         try:
-            rope = rope_table(model)
+            rope_table(model)
         except ValueError as e:
             if cfg.bits is None and any(c.transform in NEEDS_ROPE for c in INT_PRESETS[cfg.preset]):
                 raise KvcalError(f"--preset {cfg.preset} quantizes keys pre-RoPE, which this model does not "

@@ -171,8 +171,8 @@ def test_runtime_refuses_left_padding_for_pre_rope(model):
 
 def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
     from kvcal.artifact import load_artifact, write_artifact
-    from kvcal.export.base import ExportError
     from kvcal.export import export
+    from kvcal.export.base import ExportError
 
     plan = transform_plan(model)
     meta = {"model": {"num_layers": L, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
@@ -201,7 +201,7 @@ def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
 # ---- query-aware rounding -------------------------------------------------------------------------
 
 def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
-    from kvcal.formats.quant import quantize, dequantize, rounding_matrix
+    from kvcal.formats.quant import dequantize, quantize, rounding_matrix
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, H, 24, D, generator=g) * 3
