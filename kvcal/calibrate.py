@@ -521,7 +521,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     ``sinks``: ``None`` tries 1 sink token and keeps it only if the summed held-out output error
     is lower than with 0. ``cache``: dict reused across calls on the same capture (benchmarks).
     ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable`
-    (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4`` preset; with
+    (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4``, ``int2``, ``k4v2`` presets; with
     ``bits`` the pre-RoPE menu entries are skipped when it is ``None``). Raises
     :class:`KvcalError` for an infeasible budget or a pre-RoPE preset without ``rope``.
     """
@@ -708,7 +708,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         except ValueError as e:
             if cfg.bits is None and any(c.transform in NEEDS_ROPE for c in INT_PRESETS[cfg.preset]):
                 raise KvcalError(f"--preset {cfg.preset} quantizes keys pre-RoPE, which this model does not "
-                                 f"allow: {e}. Use --preset int8/int2/k4v2 or --bits.") from None
+                                 f"allow: {e}. Use --preset int8 or --bits.") from None
             log(f"pre-RoPE key choices left out of the allocation menu: {e}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     skip = (1 if cfg.sink_tokens is None else cfg.sink_tokens) if int_path else 0

@@ -80,7 +80,9 @@ def test_presets_write_loadable_artifacts(tmp_path, tiny_capture, preset):
         art = load_artifact(tmp_path / "a")
         back = KVPlan.from_artifact(art.tensors, art.metadata)
     assert back.sink_tokens == r.plan.sink_tokens
-    assert back.key_position == ("pre_rope" if preset == "int4" else r.plan.key_position)
+    assert back.key_position == r.plan.key_position
+    if preset in ("int4", "int2", "k4v2"):
+        assert back.key_position == "pre_rope" and back.layers[0].k.rounding is not None
     assert back.transforms() == r.plan.transforms()
     x = torch.randn(1, HK, 40, D) * 3
     for i in range(L):

@@ -253,3 +253,20 @@ def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
     with torch.no_grad():
         model(ids, cache=c2, use_cache=True)
     assert cache.allocated_bytes() - c2.allocated_bytes() == L * H * (D * (D + 1) // 2) * 2
+
+
+def test_calibrate_refuses_pre_rope_preset_on_partial_rotary(tmp_path, smollm_tokenizer):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from kvcal.calibrate import CalibrateConfig, calibrate
+    from kvcal.errors import KvcalError
+
+    cfg = GPTNeoXConfig(vocab_size=smollm_tokenizer.vocab_size, hidden_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, intermediate_size=64, rotary_pct=0.25, max_position_embeddings=64)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i} about foxes and dogs." for i in range(6)), encoding="utf-8")
+    c = CalibrateConfig(corpus=str(corpus), out=str(tmp_path / "art"), preset="int4", max_seq_len=32)
+    with pytest.raises(KvcalError, match="pre-RoPE"):
+        calibrate(c, log=lambda s: None, progress=False, model=GPTNeoXForCausalLM(cfg).eval(),
+                  tokenizer=smollm_tokenizer)
+    assert not (tmp_path / "art").exists()
