@@ -413,7 +413,9 @@ def run_capture(
             state.update(mask=mask, is_calib=is_calib, pos_ok=torch.arange(L) >= stats_skip_first, keep=keep,
                          pending={r: [None] * num_layers for r in keep})
             try:
-                base(input_ids=ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
+                # no padding in this batch: let attention take its causal fast path (no mask tensor)
+                am = None if bool(mask.all()) else mask.long().to(device)
+                base(input_ids=ids.to(device), attention_mask=am, use_cache=False)
             except _LastLayerDone:
                 pass
             for r in keep:
