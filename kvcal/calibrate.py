@@ -645,10 +645,18 @@ def render_int_report(meta: dict) -> str:
     """``report.md`` for integer artifacts: specs, parameters chosen per layer, held-out errors."""
     kv, cal, m = meta["kv"], meta["calibration"], meta["model"]
     rows = []
+
+    def spec_cell(side: dict) -> str:
+        sp = side["spec"]
+        out = f"{sp['format']} {sp['granularity']}{sp.get('group_size') or ''} {'sym' if sp.get('symmetric') else 'asym'}"
+        if side.get("transform", "none") != "none":
+            out += f", {side['transform'].replace('_', '-')}"
+        return out + (", query-aware rounding" if side.get("rounding") else "")
+
     for lm in meta["layers"]:
         k, v = lm["k"], lm["v"]
-        rows.append(f"| {lm['layer']} | {k['spec']['format']} {k['spec']['granularity']} | {', '.join(sorted(set(k['label'])))} | "
-                    f"{k['heldout']:.3e} | {k['heldout_minmax']:.3e} | {v['spec']['format']} {v['spec']['granularity']} | "
+        rows.append(f"| {lm['layer']} | {spec_cell(k)} | {', '.join(sorted(set(k['label'])))} | "
+                    f"{k['heldout']:.3e} | {k['heldout_minmax']:.3e} | {spec_cell(v)} | "
                     f"{', '.join(sorted(set(v['label'])))} | {v['heldout']:.3e} | {v['heldout_minmax']:.3e} |")
     return f"""# KV-cache calibration report (integer)
 

@@ -177,7 +177,10 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     # keys' float16 rounding triangle per layer, 8·(16·17/2·2)/(4096·2·16) = 0.0166 bit, plus sinks/clip
     assert cal["preset"] == "int4" and 4.6416 < cal["average_bits"] < 4.65 and "sinks" in cal
     assert all(lm["k"]["rounding"] for lm in art.metadata["layers"])
-    assert (tmp_path / "art" / "report.md").read_text().startswith("# KV-cache calibration report (integer)")
+    report = (tmp_path / "art" / "report.md").read_text()
+    assert report.startswith("# KV-cache calibration report (integer)")
+    assert "int4 channel_token_group128 asym, pre-rope, query-aware rounding" in report
+    assert "int4 token sym, hadamard |" in report
     plan = KVPlan.from_artifact(art.tensors, art.metadata)
     assert plan.layers[0].k.clip_ratio.shape == (HK,) and plan.sink_tokens == kv["sink_tokens"]
     assert plan.layers[0].k.transform == "pre_rope" and plan.layers[0].v.transform == "hadamard"
