@@ -207,3 +207,21 @@ def test_integer_artifact_report():
     # no absmax in integer metadata: the range plot is skipped, the relative clip plot is drawn
     assert "kv_ranges" not in rep.figures and {"clip_vs_absmax", "layer_errors"} <= set(rep.figures)
     assert "Not drawn (inputs absent): kv_ranges." in md
+
+
+def test_integer_report_states_transforms_and_rounding():
+    from test_report_fixtures import make_int_meta, make_int_tensors
+
+    meta, tensors = make_int_meta(), make_int_tensors()
+    L = len(meta["layers"])
+    meta["kv"]["transforms"] = [{"k": "pre_rope", "v": "hadamard"}] * L
+    meta["kv"]["key_position"] = "pre_rope"
+    for lm in meta["layers"][:2]:
+        lm["k"]["rounding"] = True
+    md = to_markdown(build_report(meta, make_eval(), tensors))
+    assert "Keys are quantized **pre-rope**" in md
+    assert "Keys are quantized after a transform: pre-rope" in md
+    assert "Values are quantized after a transform: hadamard" in md
+    assert f"query-aware rounding (OPTQ-style error feedback weighted by calibration queries) in 2 of {L} layers" in md
+    plain = to_markdown(build_report(make_int_meta(), make_eval(), tensors))
+    assert "after a transform" not in plain and "query-aware rounding" not in plain

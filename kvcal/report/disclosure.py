@@ -145,6 +145,16 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
                  f"{_num(kv.get('sink_tokens', 0))} sink tokens.")
     if kv.get("key_centering"):
         items.append("Keys are centred per channel (k_mean subtracted before quantization).")
+    trs = kv.get("transforms") or []
+    for side, name in (("k", "Keys"), ("v", "Values")):
+        kinds = sorted({t.get(side, "none") for t in trs} - {"none"})
+        if kinds:
+            items.append(f"{name} are quantized after a transform: {', '.join(k.replace('_', '-') for k in kinds)} "
+                         "(inverted after dequantization; engines do not apply it — kvcal runtime only).")
+    rounded = [lm["layer"] for lm in meta.get("layers") or [] if (lm.get("k") or {}).get("rounding")]
+    if rounded:
+        items.append(f"Keys use query-aware rounding (OPTQ-style error feedback weighted by calibration queries) in "
+                     f"{len(rounded)} of {_num(m.get('num_layers'))} layers; its matrix is counted as per-layer metadata.")
     if kv.get("layer_specs"):
         kinds = sorted({f"K {s['k'].get('format')} / V {s['v'].get('format')}" for s in kv["layer_specs"]})
         items.append(f"Per-layer formats differ (mixed precision): {'; '.join(kinds)}.")
