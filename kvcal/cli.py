@@ -230,6 +230,10 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
         ctx = context if context is not None else shape.max_position_embeddings
         if ctx is None:
             raise ValueError("the model config has no max_position_embeddings; pass --context")
+        mx = shape.max_position_embeddings
+        if context is not None and mx is not None and context > mx:
+            raise ValueError(f"--context {context} exceeds the model's max_position_embeddings {mx}; a cache that "
+                             "long is never allocated for this model (pass --context <= the maximum)")
         rep = memory_report(shape, cfg, ctx, batch)
     except (ValueError, json.JSONDecodeError, OSError) as e:
         raise KvcalError(str(e)) from None

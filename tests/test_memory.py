@@ -202,3 +202,13 @@ def test_cli_memory_errors(config_json, tmp_path):
     bad.write_text("{not json")
     r = CliRunner().invoke(main, ["memory", "--model", str(bad), "--format", "fp8"])
     assert r.exit_code == 2 and "error:" in r.output and "Traceback" not in r.output
+
+
+def test_cli_memory_refuses_context_above_model_maximum(config_json):
+    from kvcal.cli import main
+
+    r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "fp8", "--context", "16384"])
+    assert r.exit_code == 2 and "exceeds the model's max_position_embeddings 8192" in r.output
+    assert "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "fp8", "--context", "8192", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["bytes"]["total"] == cache_bytes(SMOL, preset("fp8"), 8192, 1)
