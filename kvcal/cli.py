@@ -347,6 +347,14 @@ def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tok
     cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
                      windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
                      accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device)
+    if json_path:  # refuse an unwritable --json before minutes of evaluation, not after
+        import os
+
+        jp = Path(json_path)
+        parent = next((d for d in (jp.parent, *jp.parent.parents) if d.exists()), Path("."))
+        if jp.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise KvcalError(f"cannot write --json {jp}: " + ("it is a directory" if jp.is_dir() else
+                             f"{parent} is not a writable directory") + "; choose another path")
     if quiet:
         quiet_libraries()
     doc = evaluate(cfg, log=(lambda s: None) if quiet else click.echo, progress=not quiet)

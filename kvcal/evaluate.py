@@ -561,6 +561,10 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     from kvcal.plan import KVPlan
 
     art = load_artifact(cfg.artifact)
+    art_max = (art.metadata.get("model") or {}).get("max_position_embeddings")
+    if art_max and max(int(c) for c in cfg.contexts) > int(art_max):  # before loading the model
+        raise KvcalError(f"--context {max(int(c) for c in cfg.contexts)} exceeds the model's maximum {art_max} "
+                         "positions (artifact metadata); pass a smaller --context")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     if model is None:
         model = load_model(cfg.model, device=cfg.device)
