@@ -168,6 +168,13 @@ def test_write_report_and_cli(tmp_path):
     bad.write_text(json.dumps({"schema": "other/1", "results": []}))
     r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--eval", str(bad)])
     assert r.exit_code == 2 and "not a kvcal evaluation" in r.output
+    for obj, msg in (({}, "not a kvcal evaluation"), ({"a": 1, "results": []}, "schema None"),
+                     ({"schema": "kvcal-eval/1", "results": [{"method": "x"}]}, "results[0] lacks mode, context"),
+                     ([1, 2], "not a kvcal evaluation")):
+        bad.write_text(json.dumps(obj))
+        r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--eval", str(bad), "--out", str(tmp_path / "o2")])
+        assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output, (obj, r.output)
+    assert not (tmp_path / "o2").exists()
     r = CliRunner().invoke(main, ["report", "--artifact", str(tmp_path / "missing")])
     assert r.exit_code == 2 and r.output.startswith("error: no artifact at")
 

@@ -31,7 +31,8 @@ SIDE_NAMES = {"k": "keys", "v": "values"}
 
 
 def load_eval(path: str | os.PathLike | None) -> dict | None:
-    """Read an evaluation JSON (``None`` passes through). Raises :class:`KvcalError` if unreadable."""
+    """Read an evaluation JSON (``None`` passes through). Raises :class:`KvcalError` if unreadable, not
+    JSON, not schema ``kvcal-eval/1``, or a result row lacks ``method`` / ``mode`` / ``context``."""
     from kvcal.errors import KvcalError
 
     if path is None:
@@ -43,11 +44,18 @@ def load_eval(path: str | os.PathLike | None) -> dict | None:
         raise KvcalError(f"cannot read evaluation JSON {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise KvcalError(f"{path} is not valid JSON ({e}); pass the file written by `kvcal evaluate --json`") from None
-    if not isinstance(ev, dict) or not isinstance(ev.get("results", []), list):
-        raise KvcalError(f"{path} is not a kvcal evaluation (expected an object with a 'results' list)")
+    if not isinstance(ev, dict) or not isinstance(ev.get("results"), list):
+        raise KvcalError(f"{path} is not a kvcal evaluation (expected an object with a 'results' list); pass the "
+                         "file written by `kvcal evaluate --json`")
     schema = ev.get("schema")
-    if schema is not None and not str(schema).startswith("kvcal-eval/"):
-        raise KvcalError(f"{path}: schema {schema!r} is not a kvcal evaluation (kvcal-eval/1)")
+    if schema != "kvcal-eval/1":
+        raise KvcalError(f"{path}: schema {schema!r} is not a kvcal evaluation (expected 'kvcal-eval/1'); pass the "
+                         "file written by `kvcal evaluate --json`")
+    for i, r in enumerate(ev["results"]):
+        missing = [k for k in ("method", "mode", "context") if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise KvcalError(f"{path}: results[{i}] lacks {', '.join(missing)}; the file is not a complete "
+                             "`kvcal evaluate --json` output")
     return ev
 
 
