@@ -247,6 +247,13 @@ def _inspect_json(f: Path, tp: int | None) -> Inspection:
     if not isinstance(kv, dict) or not isinstance(kv.get("scaling_factor"), dict):
         raise InspectError(f"{f} is not a --quantization-param-path JSON (no kv_cache.scaling_factor)")
     sf = kv["scaling_factor"]
+    for r, layers in sf.items():  # what SGLang's schema would refuse, named instead of a traceback
+        if not isinstance(layers, dict):
+            raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}] must map layer index -> scale, "
+                               f"got {type(layers).__name__}")
+        for i, v in layers.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}][{i!r}] = {v!r} is not a number")
     rank0 = sf.get("0") or next(iter(sf.values()), {})
     n = len(rank0)
     ins = Inspection(f, "sglang-json", n, kv.get("dtype"), "tensor", model={"model_type": doc.get("model_type")})

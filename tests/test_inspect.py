@@ -86,3 +86,31 @@ def test_inspect_cli(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InspectError):
         inspect_path(tmp_path / "empty")
+
+
+def test_inspect_hand_written_json_with_bad_values(tmp_path):
+    path, _ = make_artifact(tmp_path / "art")
+    export(path, "sglang-json", tmp_path / "out", tp=1)
+    f = tmp_path / "out" / "kv_cache_scales.json"
+    doc = json.loads(f.read_text())
+    good = inspect_path(f).engines["SGLang"]
+    assert good.all_loaded and not good.problems
+    # zero / negative / NaN scales: SGLang would load them; the verdict must not say "loaded"
+    for bad_value in (0.0, -0.5, float("nan")):
+        d = json.loads(json.dumps(doc))
+        d["kv_cache"]["scaling_factor"]["0"]["1"] = bad_value
+        f.write_text(json.dumps(d))
+        sg = inspect_path(f).engines["SGLang"]
+        assert sg.problems and "finite and > 0" in sg.problems[0] and not sg.all_loaded, bad_value
+        assert sg.count("loaded") == 0
+    # non-numeric values and a rank that is not a mapping: one-line errors naming the entry, no traceback
+    d = json.loads(json.dumps(doc))
+    d["kv_cache"]["scaling_factor"]["0"]["2"] = "abc"
+    f.write_text(json.dumps(d))
+    r = CliRunner().invoke(main, ["inspect", str(f)])
+    assert r.exit_code == 2 and "scaling_factor['0']['2'] = 'abc' is not a number" in r.output
+    assert "Traceback" not in r.output
+    d["kv_cache"]["scaling_factor"]["0"] = [1.0, 2.0]
+    f.write_text(json.dumps(d))
+    with pytest.raises(InspectError, match="must map layer index"):
+        inspect_path(f)

@@ -268,6 +268,13 @@ def simulate_sglang_json(doc: dict, num_layers: int, tp_size: int, model_type: s
         if len(layers) != num_layers:
             rep.problems.append(f"rank {r} lists {len(layers)} layers, model has {num_layers} (startup error)")
     rank0 = sf.get("0") or {}
+    import math
+
+    bad = [f"{r}/{i}={v!r}" for r, layers in sf.items() for i, v in (layers or {}).items()
+           if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0]
+    if bad:
+        rep.problems.append(f"scales must be finite and > 0; got rank/layer {', '.join(bad[:4])}"
+                            + (" ..." if len(bad) > 4 else "") + " (a zero/negative/NaN scale corrupts the cache)")
     for i in range(num_layers):
         if rep.problems:
             rep.layers.append(LayerLoad(i, None, None, "error", "file rejected (see problems)"))
