@@ -84,19 +84,16 @@ class SidePlan:
         ``start``: position of ``x``'s first token (used by the ``pre_rope`` transform only)."""
         if not self.spec.is_quantized:
             return fake_quant(x, self.spec)
+        self.check_transform()
         if self.transform != "none":
-            self.check_transform()
-            xt = apply_transform(self.transform, x, rope=self.rope, start=start)
-            if self.spec.dynamic:
-                y = fake_quant(xt, self.spec, clip_ratio=self.clip_ratio, rounding=self.rounding)
-            else:
-                y = fake_quant(xt, self.spec, scale=self.scale, zero_point=self.zero_point, rounding=self.rounding)
-            return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
-        xc = x - self.mean.to(x.dtype) if self.mean is not None else x
-        if self.spec.dynamic:
-            y = fake_quant(xc, self.spec, clip_ratio=self.clip_ratio, rounding=self.rounding)
+            xq = apply_transform(self.transform, x, rope=self.rope, start=start)
         else:
-            y = fake_quant(xc, self.spec, scale=self.scale, zero_point=self.zero_point, rounding=self.rounding)
+            xq = x - self.mean.to(x.dtype) if self.mean is not None else x
+        params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
+                  else {"scale": self.scale, "zero_point": self.zero_point})
+        y = fake_quant(xq, self.spec, rounding=self.rounding, **params)
+        if self.transform != "none":
+            return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
 
 

@@ -407,6 +407,13 @@ def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor) -> torch.Tens
     return lay.group(q)
 
 
+def _codes_for(xg, s, zp, spec, lay: _Layout, rounding: torch.Tensor | None) -> torch.Tensor:
+    """Nearest-rounding codes, or channel-ordered ones when a rounding matrix is given."""
+    if rounding is None:
+        return _codes(xg, s, zp, spec)
+    return _codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay))
+
+
 def _empty_stat(xg, lay):
     shape = list(xg.shape)
     for d in lay.red:
@@ -478,10 +485,7 @@ def quantize(
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
-    if rounding is not None:
-        q = lay.ungroup(_codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay)))
-    else:
-        q = lay.ungroup(_codes(xg, s, zp, spec))  # [B,H,S_g,D_g]
+    q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
         data = F.pad(q.float(), (0, lay.D_pad - lay.D_g)).to(q.dtype) if lay.D_pad > lay.D_g else q
@@ -553,9 +557,7 @@ def fake_quant(
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
-    codes = (_codes(xg, s, zp, spec) if rounding is None
-             else _codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay)))
-    y = lay.ungroup(_dequant_codes(codes, s, zp, spec))
+    y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding), s, zp, spec))
     return y[:, :, : lay.S, : lay.D].to(x.dtype)
 
 
