@@ -231,23 +231,25 @@ def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals)
     return x, f
 
 
-def _one_head(spec, family, stats, mean, h, t, H, tr=("none", None, None)):
-    """Plan for the one-head view ``h`` with parameter ``t``."""
+def _one_head(spec, family, stats, mean, h, t, H, quant_kw: dict | None = None):
+    """Plan for the one-head view ``h`` with parameter ``t`` (``quant_kw``: transform / rope /
+    rounding for :func:`make_plan`, the rounding matrix sliced to head ``h``)."""
     st = None if stats is None else {k: v[h : h + 1] for k, v in stats.items() if k in ("min", "max", "mean", "std")}
     mh = None if mean is None else mean[h : h + 1]
-    rd = None if tr[2] is None else tr[2][h : h + 1]
-    return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, transform=tr[0], rope=tr[1],
-                     rounding=rd)
+    kw = dict(quant_kw or {})
+    if kw.get("rounding") is not None:
+        kw["rounding"] = kw["rounding"][h : h + 1]
+    return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, **kw)
 
 
 def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks, refine, evals,
-                 tr=("none", None, None)):
+                 quant_kw: dict | None = None):
     """Coarse grid for all heads, then per-head bounded refinement. Returns ``(x [H], f [H])``."""
     H = (caches[0].k if side == "k" else caches[0].v).shape[0]
     errs = []
     for g in grid:
         n, d = side_error(caches, side, make_plan(spec, torch.full((H,), g), family=family, stats=stats, mean=mean,
-                                                  transform=tr[0], rope=tr[1], rounding=tr[2]), objective, sinks)
+                                                  **(quant_kw or {})), objective, sinks)
         evals[0] += 1
         errs.append(n / d)
     E = torch.stack(errs)  # [C, H]
@@ -262,7 +264,7 @@ def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks
     lo_b, hi_b = torch.minimum(lo_b, hi_b), torch.maximum(lo_b, hi_b)
 
     def build(h, t):
-        return _one_head(spec, family, stats, mean, h, t, H, tr)
+        return _one_head(spec, family, stats, mean, h, t, H, quant_kw)
 
     return _refine(caches, side, objective, sinks, build, lo_b, hi_b, x, f, H, evals)
 
@@ -307,7 +309,7 @@ def search_side(
         if not spec.dynamic:
             raise ValueError("query-aware rounding is searched for dynamic key specs only")
         U = query_rounding(calib, transform, rope)
-    tr = (transform, rope, U)
+    quant_kw = {"transform": transform, "rope": rope, "rounding": U}
     if transform != "none" or rounding:
         centering = "off"
     if spec.format.kind != "int":
@@ -334,7 +336,7 @@ def search_side(
     for label, family, mean in variants:
         g_ = (grid or clip_grid(spec.bits)) if family in ("clip", "shrink") else std_grid(spec.bits)
         x, f = _grid_search(calib, side, spec, family, g_, stats, mean, objective, sinks, refine and len(g_) > 1,
-                            evals, tr)
+                            evals, quant_kw)
         results.append((label, family, mean, x, f))
     if not spec.dynamic:  # static families compete on calibration error per head
         lab0, fam0, _, x0, f0 = results[0]
@@ -351,7 +353,7 @@ def search_side(
     plans = []
     for i, (_label, _family, mean, x, _f) in enumerate(results):
         if spec.dynamic:
-            p = make_plan(spec, x, family="clip", mean=mean, transform=transform, rope=rope, rounding=U)
+            p = make_plan(spec, x, family="clip", mean=mean, **quant_kw)
         else:
             p = _static_plan_mixed(spec, stats, x, fams)
         plans.append(p)
