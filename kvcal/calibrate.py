@@ -785,6 +785,7 @@ def _channel_ranges(cap: CaptureResult, layers_meta: list[dict]) -> None:
 def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path) -> dict:
     from kvcal.artifact import write_artifact
     from kvcal.report.markdown import layer_table, render_calibration_report
+    from kvcal.search.static_scales import DEFAULT_CLIP_RATIOS, DEFAULT_HEADROOM
 
     if int_path:
         return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
@@ -801,7 +802,9 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
             "method": "attention-aware static scale search",
             "objective_k": "attention KL (nats per query, causal, real captured queries of every GQA head)",
             "objective_v": "relative attention-output error sum|P(V^-V)|^2 / sum|PV|^2",
-            "candidates": "absmax, unity, otf (amax/200 K, amax/100 V), clip 0.95..0.5, headroom 1.25..4",
+            "candidates": "absmax, unity, otf (amax/200 K, amax/100 V), clip "
+                          + ", ".join(f"{r:g}" for r in DEFAULT_CLIP_RATIOS) + ", headroom "
+                          + ", ".join(f"{m:g}" for m in DEFAULT_HEADROOM),
             "selection": "best on calibration split, then lowest held-out error among {best, absmax, unity}",
             **_calibration_common(cfg, cap, corpus, held_idx),
             "search_seconds": round(search_s, 2),

@@ -43,6 +43,9 @@ def test_calibrate_mt_bench_chat_template(tmp_path, shared_data, smollm_model, s
     assert corp["format"] == "turns" and corp["samples"] == 12
     # chat template applied: every MT-Bench sample starts with <|im_start|> (id 1)
     assert art.metadata["calibration"]["heldout_samples"] == 3
+    # the metadata names the candidate set that was actually searched (not a stale literal)
+    assert art.metadata["calibration"]["candidates"] == ("absmax, unity, otf (amax/200 K, amax/100 V), clip 0.95, 0.9, "
+                                                         "0.8, headroom 1.25, 1.5, 2, 4")
     report = (out / "report.md").read_text()
     assert "Weight precision" in report and "Q4_1" in report and "fp8_e4m3" in report
     assert "mt_bench_questions.jsonl" in report
