@@ -127,16 +127,23 @@ def test_transform_errors():
         apply_transform("hadamard", torch.randn(1, 1, 2, 12))
 
 
-def test_runtime_prefill_and_decode_equal_protocol_a(model):
-    plan = transform_plan(model, sinks=1)
-    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+def prefill_matches_protocol_a(model, plan, ids) -> QuantizedKVCache:
+    """Prefill ``ids`` through the runtime cache: logits equal Protocol A's (fp32 rounding of the
+    rotations) and the allocated bytes equal the accounting. Returns the cache."""
     with torch.no_grad():
         cache = QuantizedKVCache(plan, model.config)
         a = model(ids, cache=cache, use_cache=True).logits
         with attention_hook(model, plan_hook(plan)):
             b = model(ids, use_cache=False).logits
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        assert cache.allocated_bytes() == cache.expected_bytes()
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert cache.allocated_bytes() == cache.expected_bytes()
+    return cache
+
+
+def test_runtime_prefill_and_decode_equal_protocol_a(model):
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+    prefill_matches_protocol_a(model, transform_plan(model, sinks=1), ids)
+    with torch.no_grad():
         # decode token by token: with per-token keys (pre-RoPE) every token is quantized alone, so each
         # step reads exactly what Protocol A reads (token groups re-quantize an open group: documented)
         plan = transform_plan(model, sinks=1, k_spec=TensorQuantSpec("int4", PerToken(), symmetric=False))
@@ -241,13 +248,7 @@ def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
     for lp in plan.layers:
         lp.k.rounding = U
     ids = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        cache = QuantizedKVCache(plan, model.config)
-        out = model(ids, cache=cache, use_cache=True).logits
-        with attention_hook(model, plan_hook(plan)):
-            ref = model(ids, use_cache=False).logits
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
-    assert cache.allocated_bytes() == cache.expected_bytes()
+    cache = prefill_matches_protocol_a(model, plan, ids)
     no_round = transform_plan(model, sinks=1)
     c2 = QuantizedKVCache(no_round, model.config)
     with torch.no_grad():
