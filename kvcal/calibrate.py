@@ -508,11 +508,22 @@ def _key_mean_bytes(res) -> int:
     return 0 if res.plan.mean is None else int(res.plan.mean.numel()) * 4
 
 
+def _reference_index(menu: tuple, side: str) -> int:
+    """Index in ``menu`` of the sensitivity probe's reference choice: the ``int4`` preset's side when
+    the menu has it, else the first 4-bit entry, else the first entry."""
+    from kvcal.search.presets import ALLOC_REFERENCE
+
+    ref = ALLOC_REFERENCE[side]
+    if ref in menu:
+        return menu.index(ref)
+    return next((i for i, c in enumerate(menu) if c.spec.bits == 4), 0)
+
+
 def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | None = None, sinks: int | None = None,
                residual_window: int = 0, key_centering: str = "auto", objective_k: str = "kl",
                max_queries: int = 128, budget_context: int = 4096, progress: bool = True,
                cache: dict | None = None, log: Callable[[str], None] = lambda s: None,
-               rope=None) -> IntSearchResult:
+               rope=None, probe: Callable | None = None) -> IntSearchResult:
     """Integer KV plan from a capture: fixed ``preset`` specs, or per-layer specs under ``bits``.
 
     Per layer and side the parameters come from :func:`kvcal.search.optimizer.search_side`
@@ -524,7 +535,14 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     is lower than with 0. ``cache``: dict reused across calls on the same capture (benchmarks).
     ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable`
     (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4``, ``int2``, ``k4v2`` presets; with
-    ``bits`` the pre-RoPE menu entries are skipped when it is ``None``). Raises
+    ``bits`` the pre-RoPE menu entries are skipped when it is ``None``).
+    ``probe`` (with ``bits``): a callable taking a :class:`~kvcal.plan.KVPlan` and returning the
+    model-level KL (nats) of quantizing each ``(layer, side)`` alone with it
+    (:func:`kvcal.evaluate.side_sensitivity` on held-out samples). It is called once with the
+    reference plan (every side at its ``int4``-preset choice, :data:`~kvcal.search.presets.ALLOC_REFERENCE`),
+    and each (layer, side)'s attention-level errors are multiplied by ``KL / error(reference)``, so
+    the allocation minimizes an estimate of the model-level KL instead of the sum of layer errors
+    (which weighs a layer the model barely notices like one it amplifies 100×). Raises
     :class:`KvcalError` for an infeasible budget or a pre-RoPE preset without ``rope``.
     """
     from tqdm.auto import tqdm
@@ -580,6 +598,21 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
+        weights = None
+        if probe is not None:
+            ref_idx = {s: _reference_index(menu[s], s) for s in ("k", "v")}
+            ref_plan = KVPlan([LayerPlan(run(layer, "k", menu["k"][ref_idx["k"]], False).plan,
+                                         run(layer, "v", menu["v"][ref_idx["v"]], False).plan) for layer in range(L)],
+                              sink_tokens=s_try)
+            log("sensitivity probe: model-level KL of each layer's K and V alone at "
+                + ", ".join(spec_label(menu[s][ref_idx[s]]) for s in ("k", "v")))
+            kl = probe(ref_plan)
+            weights = {}
+            for n_it, it in enumerate(items):
+                e_ref = it.errors[ref_idx[it.side]]
+                w = max(float(kl[(it.layer, it.side)]), 0.0) / max(e_ref, 1e-12)
+                weights[(it.layer, it.side)] = (w, float(kl[(it.layer, it.side)]))
+                items[n_it] = al.Item(it.layer, it.side, it.specs, it.costs, tuple(w * e for e in it.errors))
         budget = al.budget_bytes(bits, L, H, D, budget_context)
         try:
             choice = al.allocate(items, budget)
@@ -589,11 +622,17 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         for it, j in zip(items, choice, strict=True):
             specs[it.layer][0 if it.side == "k" else 1] = menu[it.side][j]
         alloc_meta = {"budget_bits": bits, "budget_context": budget_context, "budget_bytes": float(budget),
-                      "sensitivity": "held-out relative attention-output error per (layer, side, spec)",
+                      "sensitivity": ("held-out relative attention-output error per (layer, side, spec)"
+                                      + ("" if weights is None else " × model-level KL of that (layer, side) alone "
+                                         "at the reference spec / its error at the reference spec (nats)")),
                       "menu": {s: [spec_label(c) for c in menu[s]] for s in ("k", "v")},
                       "table": [{"layer": it.layer, "side": it.side, "errors": [float(e) for e in it.errors],
-                                 "bytes": list(it.costs), "chosen": spec_label(menu[it.side][j])}
+                                 "bytes": list(it.costs), "chosen": spec_label(menu[it.side][j]),
+                                 **({} if weights is None else {"probe_kl": weights[(it.layer, it.side)][1],
+                                                                "weight": weights[(it.layer, it.side)][0]})}
                                 for it, j in zip(items, choice, strict=True)]}
+        if weights is not None:
+            alloc_meta["reference"] = {s: spec_label(menu[s][ref_idx[s]]) for s in ("k", "v")}
     else:
         specs = [list(INT_PRESETS[preset]) for _ in range(L)]
     results = []

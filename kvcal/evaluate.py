@@ -106,6 +106,50 @@ def side_only(plan, side: str):
     return _One()
 
 
+def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = True) -> dict[tuple[int, str], float]:
+    """Model-level KL when only one layer's side is quantized, for every (layer, side) of ``plan``.
+
+    ``samples``: int64 token ids, each ``[T_i]`` (held-out text; never the evaluation windows).
+    ``plan``: a :class:`~kvcal.plan.KVPlan` (its ``sink_tokens`` apply). For each layer ``l`` and
+    side ``s`` in ``"k"``, ``"v"`` the model runs teacher-forced with only that side of that layer
+    fake-quantized (Protocol A), and the result is the mean over all predicted positions of
+    ``KL(P_16bit ‖ P_quant)`` in nats. Cost: ``1 + 2·L`` forward passes per sample. On the
+    embedded model these single-side KLs add up to the all-sides KL within ~10%
+    (``bench_out`` probe, 4-bit, 2 × 1024 tokens), which is what makes them usable as per-layer
+    weights of a bit allocation (HAWQ-style sensitivity; KVTuner measures it the same way).
+    """
+    from tqdm.auto import tqdm
+
+    class _One:
+        def __init__(self, layer, side):
+            self.layer, self.side = layer, side
+
+        def fake_quant(self, layer, side, x):
+            return plan.fake_quant(layer, side, x) if (layer, side) == (self.layer, self.side) else x
+
+    keys = [(layer, side) for layer in range(plan.num_layers) for side in ("k", "v")]
+    kl_sum = dict.fromkeys(keys, 0.0)
+    n = 0
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(samples) * len(keys), desc="sensitivity probe", disable=not progress)
+    with torch.no_grad():
+        for ids in samples:
+            ids = ids.reshape(1, -1).to(device)
+            if ids.shape[1] < 2:
+                continue
+            logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].float(), -1)
+            n += ids.shape[1] - 1
+            for key in keys:
+                with attention_hook(model, plan_hook(_One(*key))):
+                    logp = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].float(), -1)
+                kl_sum[key] += float((logp_ref.exp() * (logp_ref - logp)).sum())
+                bar.update()
+    bar.close()
+    if n == 0:
+        raise ValueError("side_sensitivity needs at least one sample of 2 or more tokens")
+    return {k: v / n for k, v in kl_sum.items()}
+
+
 class _Acc:
     def __init__(self):
         self.nll, self.n, self.top1 = 0.0, 0, 0

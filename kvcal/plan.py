@@ -17,8 +17,9 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   the head dimension before quantizing) — see :mod:`kvcal.formats.transforms`. Centering and a
   transform do not combine (``mean`` must be ``None`` when ``transform != "none"``);
 * ``rounding`` (int sides, optional): ``U`` ``[H,D,D]`` float32 for query-aware rounding in the
-  quantized (transformed) domain (:func:`kvcal.formats.quant.rounding_matrix`); the runtime keeps
-  its upper triangle in float16 (counted as per-layer metadata).
+  quantized (transformed) domain (:func:`kvcal.formats.quant.rounding_matrix`); it is used, and
+  the runtime keeps it, in its 8-bit unit-diagonal form :func:`kvcal.formats.quant.unit_rounding`
+  (``H·D(D−1)/2`` bytes per layer, counted as per-layer metadata).
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
-from kvcal.formats.quant import fake_quant
+from kvcal.formats.quant import fake_quant, unit_rounding
 from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 
@@ -91,7 +92,8 @@ class SidePlan:
             xq = x - self.mean.to(x.dtype) if self.mean is not None else x
         params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
                   else {"scale": self.scale, "zero_point": self.zero_point})
-        y = fake_quant(xq, self.spec, rounding=self.rounding, **params)
+        rounding = None if self.rounding is None else unit_rounding(self.rounding)  # as the runtime keeps it
+        y = fake_quant(xq, self.spec, rounding=rounding, **params)
         if self.transform != "none":
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
@@ -245,7 +247,7 @@ class KVPlan:
                 if rd is not None:
                     if tuple(rd.shape) != (H, D, D):
                         raise ValueError(f"{_name(i, s, 'rounding')} has shape {tuple(rd.shape)}, expected {(H, D, D)}")
-                    sp.rounding = rd.float()
+                    sp.rounding = unit_rounding(rd.float())  # identity for kvcal artifacts
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None
                 sp.check_transform()

@@ -83,6 +83,8 @@ def test_presets_write_loadable_artifacts(tmp_path, tiny_capture, preset):
     assert back.key_position == r.plan.key_position
     if preset in ("int4", "int2", "k4v2"):
         assert back.key_position == "pre_rope" and back.layers[0].k.rounding is not None
+    if preset == "int4":  # values keep min/max ranges (clip ratios not searched)
+        assert all(torch.equal(lp.v.clip_ratio, torch.ones(HK)) for lp in r.plan.layers)
     assert back.transforms() == r.plan.transforms()
     x = torch.randn(1, HK, 40, D) * 3
     for i in range(L):
@@ -174,8 +176,9 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     assert kv["transforms"] == [{"k": "pre_rope", "v": "hadamard"}] * L
     assert torch.equal(art.tensors["rotary.inv_freq"], model.model.rotary_emb.inv_freq.float())
     # head_dim 16: keys 4 + 32/128 bits, values 4 + 16/16 (one fp16 scale per token) -> 4.625, plus the
-    # keys' float16 rounding triangle per layer, 8·(16·17/2·2)/(4096·2·16) = 0.0166 bit, plus sinks/clip
-    assert cal["preset"] == "int4" and 4.6416 < cal["average_bits"] < 4.65 and "sinks" in cal
+    # keys' float8 strict rounding triangle per layer and head, 8·(16·15/2)/(4096·2·16) = 0.0073 bit,
+    # plus the 16-bit sink token (≈ 0.003) and clip ratios
+    assert cal["preset"] == "int4" and 4.6323 < cal["average_bits"] < 4.64 and "sinks" in cal
     assert all(lm["k"]["rounding"] for lm in art.metadata["layers"])
     report = (tmp_path / "art" / "report.md").read_text()
     assert report.startswith("# KV-cache calibration report (integer)")
@@ -184,3 +187,54 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     plan = KVPlan.from_artifact(art.tensors, art.metadata)
     assert plan.layers[0].k.clip_ratio.shape == (HK,) and plan.sink_tokens == kv["sink_tokens"]
     assert plan.layers[0].k.transform == "pre_rope" and plan.layers[0].v.transform == "hadamard"
+
+
+def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
+    """side_sensitivity(l, s) = the Protocol A mean KL of a plan that quantizes only that side."""
+    from kvcal.evaluate import side_sensitivity
+
+    model, cap = tiny_capture
+    plan = search_int(cap, preset="int4", max_queries=8, progress=False, budget_context=256).plan
+    samples = _samples(2, 24, seed=11)
+    kl = side_sensitivity(model, samples, plan, progress=False)
+    assert set(kl) == {(layer, s) for layer in range(L) for s in ("k", "v")}
+
+    class One:
+        def __init__(self, key):
+            self.key = key
+
+        def fake_quant(self, layer, side, x):
+            return plan.fake_quant(layer, side, x) if (layer, side) == self.key else x
+
+    ref = teacher_forced(model, torch.stack(samples), {k: One(k) for k in kl}, progress=False)
+    for k, v in kl.items():
+        assert v > 0
+        assert v == pytest.approx(ref[k]["kl_mean"], rel=1e-5, abs=1e-12)
+    with pytest.raises(ValueError, match="2 or more tokens"):
+        side_sensitivity(model, [torch.tensor([5])], plan, progress=False)
+
+
+@pytest.mark.parametrize("hot", [(0, "v"), (1, "k")])
+def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
+    """With a probe saying the model only notices one (layer, side), that side gets the upgrade;
+    each item's errors are scaled by KL / error at the reference spec (recorded in the metadata)."""
+    _, cap = tiny_capture
+    seen = []
+
+    def probe(plan):
+        seen.append(plan)
+        return {(layer, s): (1.0 if (layer, s) == hot else 1e-9) for layer in range(L) for s in ("k", "v")}
+
+    r = search_int(cap, bits=6.5, probe=probe, max_queries=8, progress=False, budget_context=256)
+    assert len(seen) == 1 and seen[0].num_layers == L
+    alloc = r.summary["allocation"]
+    assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround", "v": "int4/token/sym/hadamard"}
+    rows = {(t["layer"], t["side"]): t for t in alloc["table"]}
+    bits = {k: r.plan.layers[k[0]].side(k[1]).spec.bits for k in rows}
+    assert bits[hot] == max(bits.values()) == 8
+    assert sum(b == 8 for b in bits.values()) == 1
+    for k, t in rows.items():
+        assert t["probe_kl"] == (1.0 if k == hot else 1e-9)
+        ref_err = t["errors"][alloc["menu"][k[1]].index(alloc["reference"][k[1]])]
+        assert ref_err == pytest.approx(t["probe_kl"], rel=1e-9)  # weight · error(reference) = KL
+    assert r.summary["average_bits"] <= 6.5

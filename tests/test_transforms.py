@@ -238,13 +238,40 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
         fake_quant(x, K_SPEC, rounding=torch.eye(D)[None].expand(5, D, D))
 
 
+def test_unit_rounding_keeps_the_ratios_rounding_uses():
+    """Ũ = U / diag(U), ratios in float8 e4m3: codes identical to U's when U's ratios are
+    e4m3-exact (hand-built U = diag(d)·R), idempotent, and the storage limit is enforced."""
+    from kvcal.formats.quant import unit_rounding
+
+    g = torch.Generator().manual_seed(3)
+    # R: unit upper triangle with entries k/8 in [-2, 2] (exact in e4m3), d: arbitrary positive scales
+    R = torch.triu(torch.randint(-16, 17, (H, D, D), generator=g).float() / 8, diagonal=1) + torch.eye(D)
+    d = torch.rand(H, D, generator=g) * 5 + 0.1
+    U = d[..., None] * R
+    Ut = unit_rounding(U)
+    torch.testing.assert_close(Ut, R, rtol=0, atol=0)
+    assert torch.equal(unit_rounding(Ut), Ut)
+    x = torch.randn(2, H, 24, D, generator=g) * 3
+    assert torch.equal(fake_quant(x, K_SPEC, rounding=U), fake_quant(x, K_SPEC, rounding=Ut))
+    # a ratio that is not e4m3-exact is rounded to the nearest e4m3 value (0.3 -> 0.3125: 1.25 * 2^-2)
+    U2 = torch.eye(D).repeat(H, 1, 1)
+    U2[:, 0, 1] = 0.3
+    assert float(unit_rounding(U2)[0, 0, 1]) == 0.3125
+    U2[:, 0, 1] = 500.0
+    with pytest.raises(ValueError, match="448"):
+        unit_rounding(U2)
+    U2[:, 0, 0] = 0.0
+    with pytest.raises(ValueError, match="positive diagonal"):
+        unit_rounding(U2)
+
+
 def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
     from kvcal.formats.quant import rounding_matrix
 
     plan = transform_plan(model, sinks=1)
     g = torch.Generator().manual_seed(4)
     a = torch.randn(H, D, D, generator=g)
-    U = rounding_matrix(a @ a.transpose(1, 2)).half().float()
+    U = rounding_matrix(a @ a.transpose(1, 2))  # float32, not yet in its stored 8-bit form
     for lp in plan.layers:
         lp.k.rounding = U
     ids = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(6))
@@ -253,7 +280,7 @@ def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
     c2 = QuantizedKVCache(no_round, model.config)
     with torch.no_grad():
         model(ids, cache=c2, use_cache=True)
-    assert cache.allocated_bytes() - c2.allocated_bytes() == L * H * (D * (D + 1) // 2) * 2
+    assert cache.allocated_bytes() - c2.allocated_bytes() == L * H * (D * (D - 1) // 2)  # float8 strict triangle
 
 
 def test_calibrate_refuses_pre_rope_preset_on_partial_rotary(tmp_path, smollm_tokenizer):

@@ -140,9 +140,10 @@ def side_bytes_per_token(spec: TensorQuantSpec, H: int, D: int) -> Fraction:
 
 
 def rounding_bytes(H: int, D: int) -> int:
-    """Bytes of one side's query-aware rounding matrix as the runtime keeps it: the upper triangle
-    in float16, ``H · D(D+1)/2 · 2``."""
-    return H * (D * (D + 1) // 2) * 2
+    """Bytes of one side's query-aware rounding matrix as the runtime keeps it: the strict upper
+    triangle of the unit-diagonal ``Ũ`` in float8 e4m3 (:func:`kvcal.formats.quant.unit_rounding`),
+    ``H · D(D−1)/2``."""
+    return H * (D * (D - 1) // 2)
 
 
 def side_static_bytes(spec: TensorQuantSpec, H: int, D: int) -> int:

@@ -41,7 +41,8 @@ with ``U`` the upper Cholesky factor of ``Σ⁻¹`` (``[H, D, D]``, see :func:`r
 ``Σ = E[q qᵀ]`` over the queries that read a key, this minimizes the expected *score* error
 ``E[(qᵀ(k − k̂))²]`` greedily instead of ``‖k − k̂‖²``. The group parameters (scale, zero point) are
 those of the plain path, computed from ``x`` before any feedback; fed-back values outside the range
-saturate. The stored format is unchanged (dequantization does not need ``U``).
+saturate. The stored format is unchanged (dequantization does not need ``U``); kvcal stores
+``U`` in its 8-bit unit-diagonal form (:func:`unit_rounding`).
 
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
 quantizing them would silently poison a whole group), non-positive / non-finite scales or clip
@@ -369,6 +370,30 @@ def rounding_matrix(sigma: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     return torch.linalg.cholesky(torch.linalg.inv(m), upper=True).float()
 
 
+def unit_rounding(U: torch.Tensor) -> torch.Tensor:
+    """The stored form of a rounding matrix: ``Ũ = U / diag(U)`` row-wise, strict upper triangle
+    rounded to float8 e4m3 (OCP FP8), unit diagonal, zeros below; float32 ``[H, D, D]``.
+
+    Channel-ordered rounding only uses ``U[d, d+1:] / U[d, d]`` (the error feedback of
+    :func:`quantize` with ``rounding=``), so ``Ũ`` rounds exactly like ``U`` up to the 8-bit
+    rounding of those ratios, and the runtime keeps ``H · D(D−1)/2`` bytes per side instead of a
+    float16 triangle. Idempotent: a ``Ũ`` maps to itself. Raises ``ValueError`` for a non-``[H, D, D]``
+    input, a non-positive / non-finite diagonal, or a ratio beyond e4m3's ±448 (cannot happen for
+    :func:`rounding_matrix` with its 1% damping, whose ratios stay below ``√(1 + 100·D)``)."""
+    if U.ndim != 3 or U.shape[-1] != U.shape[-2]:
+        raise ValueError(f"rounding matrix must be [H, D, D], got shape {tuple(U.shape)}")
+    U = U.float()
+    d = U.diagonal(dim1=-2, dim2=-1)
+    if not torch.isfinite(U).all() or not bool((d > 0).all()):
+        raise ValueError("rounding matrix must be finite with a positive diagonal (an upper Cholesky factor)")
+    r = torch.triu(U / d[..., None], diagonal=1)
+    if float(r.abs().max()) > 448.0:
+        raise ValueError(f"rounding ratio {float(r.abs().max()):.4g} exceeds float8 e4m3's 448; "
+                         "recompute it with more damping (rounding_matrix(damp=...))")
+    eye = torch.eye(U.shape[-1], dtype=torch.float32, device=U.device)
+    return r.to(torch.float8_e4m3fn).float() + eye
+
+
 def _check_rounding(rounding: torch.Tensor, spec, lay: _Layout) -> torch.Tensor:
     if spec.format.kind != "int":
         raise ValueError(f"query-aware rounding is defined for int formats, not {spec.format.value}")
@@ -576,6 +601,6 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
 
 __all__ = [
     "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
-    "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "E2M1_VALUES",
+    "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "unit_rounding", "E2M1_VALUES",
     "DEFAULTS",
 ]

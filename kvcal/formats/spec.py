@@ -287,8 +287,8 @@ class KVCacheConfig:
     ``torch.bfloat16`` or ``torch.float16``. ``key_centering``: keys are stored minus a calibrated
     per-channel mean (``float32 [1,H,1,D]`` per layer, counted as per-layer metadata).
     ``key_rounding`` / ``value_rounding``: the side is quantized with query-aware rounding, whose
-    matrix the runtime keeps as the float16 upper triangle ``[H, D(D+1)/2]`` per layer (counted as
-    per-layer metadata; :func:`kvcal.formats.quant.rounding_matrix`). Raises
+    matrix the runtime keeps as the float8 strict upper triangle ``[H, D(D-1)/2]`` per layer (counted as
+    per-layer metadata; :func:`kvcal.formats.quant.unit_rounding`). Raises
     ``ValueError`` on negative windows or another 16-bit dtype.
     """
 

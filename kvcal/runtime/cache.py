@@ -42,8 +42,8 @@ Transforms (:mod:`kvcal.formats.transforms`): a ``hadamard`` side rotates tokens
 they are quantized and rotates back when it dequantizes; a ``pre_rope`` key side un-rotates each
 token at its position before quantizing and re-applies RoPE after dequantizing. Sinks and the
 residual window stay as attention reads them. Both cost no bytes (the Hadamard matrix and the
-RoPE angles are recomputed). A side with query-aware rounding keeps the upper triangle of its
-rounding matrix in float16 ``[H, D(D+1)/2]`` (per-layer metadata, in the accounting). ``pre_rope`` needs every token's position to equal its cache slot
+RoPE angles are recomputed). A side with query-aware rounding keeps the strict upper triangle of its
+unit-diagonal rounding matrix in float8 e4m3 ``[H, D(D-1)/2]`` (per-layer metadata, in the accounting). ``pre_rope`` needs every token's position to equal its cache slot
 (transformers passes ``position_ids`` to ``update``; a left-padded batch is refused with a
 ``ValueError`` rather than rotated at the wrong angle).
 
@@ -67,7 +67,7 @@ import torch
 
 from kvcal.errors import ArtifactError
 from kvcal.formats.fp8 import FP8_FORMATS
-from kvcal.formats.quant import QuantizedTensor, dequantize, nvfp4_global_scale, quantize
+from kvcal.formats.quant import QuantizedTensor, dequantize, nvfp4_global_scale, quantize, unit_rounding
 from kvcal.formats.spec import DEFAULTS, QFormat
 from kvcal.formats.transforms import apply_transform
 from kvcal.plan import KVPlan, SidePlan
@@ -114,10 +114,11 @@ class _Side:
         # per-layer metadata (independent of B and T)
         self.static_scale = self.static_zp = self.clip = self.global_scale = None
         self.mean = None
-        self.rounding = None  # float16 upper triangle [H, D(D+1)/2] of the rounding matrix
+        self.rounding = None  # float8 e4m3 strict upper triangle [H, D(D-1)/2] of the unit-diagonal Ũ
         if self.quantized and sp.rounding is not None:
-            iu = torch.triu_indices(D, D)
-            self.rounding = torch.broadcast_to(sp.rounding.float(), (H, D, D))[:, iu[0], iu[1]].to(torch.float16).clone()
+            iu = torch.triu_indices(D, D, offset=1)
+            u = unit_rounding(torch.broadcast_to(sp.rounding.float(), (H, D, D)))
+            self.rounding = u[:, iu[0], iu[1]].to(torch.float8_e4m3fn).clone()
         if self.quantized:
             spec = self.spec
             if spec.dynamic:
@@ -245,8 +246,8 @@ class _Side:
             self.win[:, :, : self.n_win] = keep.to(self.dtype16)
 
     def _rounding_matrix(self) -> torch.Tensor:
-        iu = torch.triu_indices(self.D, self.D, device=self.rounding.device)  # recomputed, not held
-        U = torch.zeros(self.H, self.D, self.D, dtype=torch.float32, device=self.rounding.device)
+        iu = torch.triu_indices(self.D, self.D, offset=1, device=self.rounding.device)  # recomputed, not held
+        U = torch.eye(self.D, dtype=torch.float32, device=self.rounding.device).repeat(self.H, 1, 1)
         U[:, iu[0], iu[1]] = self.rounding.float()
         return U
 

@@ -158,15 +158,16 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
 
 
 def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
-    """Query-aware rounding matrix ``U [H_kv, D, D]`` (float32 holding float16 values, as the
-    runtime stores it) for a key side, from the calibration sequences' queries.
+    """Query-aware rounding matrix ``Ũ [H_kv, D, D]`` (float32, unit diagonal, float8-e4m3 ratios
+    above it, as the runtime stores it: :func:`kvcal.formats.quant.unit_rounding`) for a key side,
+    from the calibration sequences' queries.
 
     ``Σ_h = Σ q qᵀ`` over every position of every query head reading KV head ``h`` (GQA group),
     in the domain the keys are quantized in (``pre_rope``: queries un-rotated at their positions,
     so ``Σ`` ignores the relative rotation between query and key; ``hadamard``: rotated), then
     :func:`kvcal.formats.quant.rounding_matrix`. Rounding keys to minimize ``E[(qᵀΔk)²]`` is the
     OPTQ objective with the query as the layer input (Frantar et al. 2023)."""
-    from kvcal.formats.quant import rounding_matrix
+    from kvcal.formats.quant import rounding_matrix, unit_rounding
     from kvcal.formats.transforms import apply_transform
 
     sig = None
@@ -178,7 +179,7 @@ def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=No
         qg = q[0].reshape(Hk, -1, q.shape[-1]).double()  # [H_kv, G*T, D]
         m = torch.einsum("hti,htj->hij", qg, qg)
         sig = m if sig is None else sig + m
-    return rounding_matrix(sig).half().float()
+    return unit_rounding(rounding_matrix(sig))
 
 
 @dataclass

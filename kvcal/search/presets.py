@@ -60,7 +60,7 @@ def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True):
 
 INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
     "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
-    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True), _s("int4", PerToken(), True, "hadamard", False)),
+    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True), _s("int4", PerToken(), True, "hadamard", clip_search=False)),
     "int2": (_s("int2", PerChannelTokenGroup(32), False, "pre_rope", True),
              _s("int2", PerTokenGroup(32), False, "hadamard")),
     "k4v2": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True),
@@ -88,11 +88,14 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
         _s("int2", PerTokenGroup(32), False),
         _s("int2", PerTokenGroup(32), False, "hadamard"),
         _s("int4", PerToken(), True),
-        _s("int4", PerToken(), True, "hadamard"),
+        _s("int4", PerToken(), True, "hadamard", False, False),
         _s("int4", PerTokenGroup(32), False),
         _s("int8", PerToken(), True),
     ),
 }
+
+#: The side choices at which ``--bits`` measures each (layer, side)'s model-level sensitivity.
+ALLOC_REFERENCE: dict[str, SideChoice] = {"k": INT_PRESETS["int4"][0], "v": INT_PRESETS["int4"][1]}
 
 #: Transforms that need the model's RoPE table.
 NEEDS_ROPE = ("pre_rope",)
@@ -111,4 +114,4 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     return out + "/qround" if rounding else out
 
 
-__all__ = ["INT_PRESETS", "ALLOC_MENU", "SideChoice", "NEEDS_ROPE", "spec_label"]
+__all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label"]
