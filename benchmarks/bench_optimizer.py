@@ -59,7 +59,7 @@ def main():
     from scipy.stats import spearmanr
 
     from kvcal.calibrate import plan_from_choices, run_capture, search_int, search_scales, split_heldout
-    from kvcal.evaluate import side_only, teacher_forced, text_windows
+    from kvcal.evaluate import side_only, side_sensitivity, teacher_forced, text_windows
     from kvcal.formats.granularity import PerToken, PerTokenGroup
     from kvcal.formats.spec import TensorQuantSpec, preset
     from kvcal.models import head_dim_of, load_model, load_tokenizer
@@ -114,8 +114,23 @@ def main():
     plans["KIVI-2 g32 (baseline)"] = KVPlan.uniform(L, preset("kivi2"))
     shared: dict = {}
     summaries = {}
+    # --bits as `kvcal calibrate` runs it: layer errors weighted by the single-side model KL measured on the
+    # first 1024 held-out calibration tokens (never the evaluation windows); "(no probe)": summed layer errors
+    held_w = [samples[i] for i in sorted(split_heldout(len(samples), 0.25, 0))[:2]]
+    probe_memo: dict = {}
+
+    def probe(plan):
+        key = tuple(id(lp.k) for lp in plan.layers)
+        if key not in probe_memo:
+            t_p = time.perf_counter()
+            probe_memo[key] = side_sensitivity(model, held_w, plan, progress=False)
+            print(f"sensitivity probe: {time.perf_counter() - t_p:.0f} s", flush=True)
+        return probe_memo[key]
+
     int_runs = [("int8", {"preset": "int8"}), ("int4", {"preset": "int4"}), ("int2", {"preset": "int2"}),
-                ("k4v2", {"preset": "k4v2"}), ("bits 4.25", {"bits": 4.25}), ("bits 2.5", {"bits": 2.5})]
+                ("k4v2", {"preset": "k4v2"}), ("bits 4.25", {"bits": 4.25, "probe": probe}),
+                ("bits 4.25 (no probe)", {"bits": 4.25}), ("bits 3", {"bits": 3.0, "probe": probe}),
+                ("bits 2.5", {"bits": 2.5, "probe": probe})]
     if a.quick:
         int_runs = int_runs[:3]
     for name, kw in int_runs:
@@ -180,6 +195,9 @@ def main():
     }
     if "kvcal bits 4.25" in res:
         checks["bits 4.25 dPPL / KIVI-4 (target <= 1/3)"] = ratio("kvcal bits 4.25", "KIVI-4 g32 (baseline)", "delta_ppl")
+        checks["bits 4.25 (no probe) dPPL / KIVI-4"] = ratio("kvcal bits 4.25 (no probe)", "KIVI-4 g32 (baseline)",
+                                                            "delta_ppl")
+        checks["bits 3 dPPL / KIVI-2 (same 3.0 bits)"] = ratio("kvcal bits 3", "KIVI-2 g32 (baseline)", "delta_ppl")
         checks["bits 2.5 dPPL / KIVI-2 (target <= 1/4)"] = ratio("kvcal bits 2.5", "KIVI-2 g32 (baseline)", "delta_ppl")
         checks["k4v2 dPPL / KIVI-2"] = ratio("kvcal k4v2", "KIVI-2 g32 (baseline)", "delta_ppl")
     if "fp8 kvcal tensor @16" in res:

@@ -47,6 +47,10 @@ class CalibrateConfig:
     ``k4v2``); ``bits``: an average budget in bits per cached element *including* every scale,
     zero point, 16-bit sink and per-layer metadata at ``budget_context`` tokens — per-layer K/V
     formats are then allocated from measured sensitivity (overrides ``preset``).
+    ``probe_tokens`` (with ``bits``): held-out tokens (whole samples, at least one) on which each
+    layer's K and V are quantized alone to measure the model-level KL that weights the allocation
+    (:func:`kvcal.evaluate.side_sensitivity`; ``1 + 2·L`` forward passes over them); 0 allocates on
+    the summed attention-level errors alone.
     ``sink_tokens``: first tokens kept in 16 bits and excluded from statistics (``None``: 1, kept
     only if it lowers the held-out error; integer paths only). ``residual_window``: recent tokens
     kept in 16 bits by the runtime cache (recorded, counted in the budget; not used by Protocol A).
@@ -83,6 +87,7 @@ class CalibrateConfig:
     key_centering: str = "auto"
     objective_k: str = "kl"
     budget_context: int = 4096
+    probe_tokens: int = 1024
     device_map: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
@@ -114,6 +119,8 @@ class CalibrateConfig:
             raise KvcalError(f"--key-centering {self.key_centering!r}: choose auto, on or off")
         if self.objective_k not in ("kl", "centered", "out", "mse"):
             raise KvcalError(f"objective_k {self.objective_k!r}: choose kl, centered, out or mse")
+        if self.probe_tokens < 0:
+            raise KvcalError("--probe-tokens must be >= 0 (0: no model-level sensitivity probe)")
         if self.budget_context < 1:
             raise KvcalError("budget_context must be >= 1 token")
         if self.format not in FORMATS:
@@ -781,7 +788,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         _finish_distributed()
         return {"out": str(out), "rank": rank}
     try:
-        res = _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path)
+        res = _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path, model)
     finally:
         _finish_distributed()
     if ckpt is not None:
@@ -821,13 +828,13 @@ def _channel_ranges(cap: CaptureResult, layers_meta: list[dict]) -> None:
             lm[side]["channel_absmax"] = getattr(cap.stats, side)[i].finalize()["absmax"].float().tolist()
 
 
-def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path) -> dict:
+def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path, model=None) -> dict:
     from kvcal.artifact import write_artifact
     from kvcal.report.markdown import layer_table, render_calibration_report
     from kvcal.search.static_scales import DEFAULT_CLIP_RATIOS, DEFAULT_HEADROOM
 
     if int_path:
-        return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress)
+        return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model)
     t1 = time.perf_counter()
     rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
     search_s = time.perf_counter() - t1
@@ -886,14 +893,40 @@ def _corpus_meta(corpus, shape) -> dict:
             "truncated": shape["truncated"]}
 
 
-def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress) -> dict:
+def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, log) -> Callable:
+    """The ``probe`` of :func:`search_int`: single-side model KL on held-out samples (in corpus
+    order, whole samples until ``probe_tokens`` is reached; the calibration samples when there is no
+    held-out split)."""
+    from kvcal.evaluate import side_sensitivity
+
+    order = sorted(held_idx) or list(range(len(corpus.samples)))
+    picked, n = [], 0
+    for i in order:
+        if n >= probe_tokens:
+            break
+        if len(corpus.samples[i]) >= 2:
+            picked.append(corpus.samples[i])
+            n += len(corpus.samples[i])
+
+    def probe(plan):
+        log(f"sensitivity probe on {len(picked)} held-out samples ({n} tokens, {1 + 2 * plan.num_layers} forward "
+            "passes each)")
+        return side_sensitivity(model, picked, plan, progress=progress)
+
+    return probe
+
+
+def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model=None) -> dict:
     """Integer preset / ``--bits`` branch of :func:`calibrate` (after capture)."""
     from kvcal.artifact import write_artifact
 
+    probe = None
+    if cfg.bits is not None and cfg.probe_tokens > 0:
+        probe = _held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
     res = search_int(cap, preset=None if cfg.bits is not None else cfg.preset, bits=cfg.bits,
                      sinks=cfg.sink_tokens, residual_window=cfg.residual_window, key_centering=cfg.key_centering,
                      objective_k=cfg.objective_k, max_queries=cfg.max_queries, budget_context=cfg.budget_context,
-                     progress=progress, log=log)
+                     progress=progress, log=log, probe=probe)
     plan = res.plan
     _channel_ranges(cap, res.layers_meta)
     meta = {

@@ -83,6 +83,9 @@ def main():
               help="Per-channel key mean subtraction for dynamic keys (auto: per head where it helps on held-out).")
 @click.option("--budget-context", default=4096, show_default=True, type=int,
               help="Context (tokens) at which --bits amortizes per-layer metadata and sink tokens.")
+@click.option("--probe-tokens", default=1024, show_default=True, type=int,
+              help="With --bits: held-out tokens on which each layer's K and V are quantized alone to measure the "
+                   "model-level KL that weights the allocation (1 + 2·layers forward passes; 0: no probe).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--batch-size", default=8, show_default=True, type=int)
@@ -99,8 +102,8 @@ def main():
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @user_errors
 def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
-              key_centering, budget_context, device, seed, batch_size, search_tokens, strict, overwrite, device_map,
-              checkpoint_every, resume, quiet):
+              key_centering, budget_context, probe_tokens, device, seed, batch_size, search_tokens, strict, overwrite,
+              device_map, checkpoint_every, resume, quiet):
     """Calibrate K/V quantization on a deployment corpus and write an artifact.
 
     Data-parallel: ``torchrun --nproc-per-node N -m kvcal calibrate ...`` shards the batches over
@@ -115,7 +118,7 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
                           format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
                           strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
                           residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
-                          device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
+                          probe_tokens=probe_tokens, device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
                           search_tokens=search_tokens)
     if quiet:
         quiet_libraries()

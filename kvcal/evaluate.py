@@ -137,12 +137,12 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
             ids = ids.reshape(1, -1).to(device)
             if ids.shape[1] < 2:
                 continue
-            logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].float(), -1)
+            logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
             n += ids.shape[1] - 1
             for key in keys:
                 with attention_hook(model, plan_hook(_One(*key))):
-                    logp = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].float(), -1)
-                kl_sum[key] += float((logp_ref.exp() * (logp_ref - logp)).sum())
+                    logp = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
+                kl_sum[key] += float((logp_ref.exp() * (logp_ref - logp)).sum())  # float64: >= 0 up to rounding
                 bar.update()
     bar.close()
     if n == 0:

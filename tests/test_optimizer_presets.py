@@ -209,7 +209,7 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
     ref = teacher_forced(model, torch.stack(samples), {k: One(k) for k in kl}, progress=False)
     for k, v in kl.items():
         assert v > 0
-        assert v == pytest.approx(ref[k]["kl_mean"], rel=1e-5, abs=1e-12)
+        assert v == pytest.approx(ref[k]["kl_mean"], rel=2e-3)  # float64 here, float32 in teacher_forced
     with pytest.raises(ValueError, match="2 or more tokens"):
         side_sensitivity(model, [torch.tensor([5])], plan, progress=False)
 
@@ -238,3 +238,36 @@ def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
         ref_err = t["errors"][alloc["menu"][k[1]].index(alloc["reference"][k[1]])]
         assert ref_err == pytest.approx(t["probe_kl"], rel=1e-9)  # weight · error(reference) = KL
     assert r.summary["average_bits"] <= 6.5
+
+
+@pytest.mark.parametrize("probe_tokens", [0, 40])
+def test_calibrate_bits_runs_the_held_out_probe(tmp_path, smollm_tokenizer, probe_tokens):
+    """``calibrate --bits`` probes whole held-out samples (not calibration ones) up to
+    ``probe_tokens``; the allocation metadata records each side's probe KL; 0 switches it off."""
+    from kvcal.artifact import load_artifact
+    from kvcal.calibrate import calibrate
+
+    torch.manual_seed(0)
+    cfg_m = transformers.LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=HQ * D, intermediate_size=64,
+                                     num_hidden_layers=L, num_attention_heads=HQ, num_key_value_heads=HK, head_dim=D,
+                                     max_position_embeddings=256, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg_m).eval()
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i} times, "
+                                  "then rests under a tree near the river bank." for i in range(12)), encoding="utf-8")
+    logs = []
+    cfg = CalibrateConfig(corpus=str(corpus), out=str(tmp_path / "art"), max_samples=12, max_seq_len=64,
+                          bits=6.0, probe_tokens=probe_tokens, max_queries=16, search_tokens=64)
+    res = calibrate(cfg, log=logs.append, progress=False, model=model, tokenizer=smollm_tokenizer)
+    alloc = load_artifact(res["out"]).metadata["calibration"]["allocation"]
+    probed = [t.get("probe_kl") for t in alloc["table"]]
+    if probe_tokens == 0:
+        assert all(p is None for p in probed) and "reference" not in alloc
+        assert not any("sensitivity probe" in m for m in logs)
+    else:
+        assert all(p is not None and p >= 0 for p in probed) and sum(probed) > 0
+        line = next(m for m in logs if "sensitivity probe on" in m)
+        held = split_heldout(12, 0.25, 0)  # 3 held-out samples of ~26 tokens: two reach 40 tokens
+        assert line.startswith("sensitivity probe on 2 held-out samples") and len(held) == 3
+    with pytest.raises(KvcalError, match="probe-tokens"):
+        CalibrateConfig(corpus="x", bits=4.0, probe_tokens=-1)
