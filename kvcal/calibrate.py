@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -47,10 +48,11 @@ class CalibrateConfig:
     ``k4v2``); ``bits``: an average budget in bits per cached element *including* every scale,
     zero point, 16-bit sink and per-layer metadata at ``budget_context`` tokens — per-layer K/V
     formats are then allocated from measured sensitivity (overrides ``preset``).
-    ``probe_tokens`` (with ``bits``): held-out tokens (whole samples, at least one) on which each
-    layer's K and V are quantized alone to measure the model-level KL that weights the allocation
+    ``probe_tokens`` (with ``bits``): tokens of held-out samples (in order; the last one cut to fit;
+    calibration samples when there is no held-out split) on which each layer's K and V are
+    quantized alone to measure the model-level KL that weights the allocation
     (:func:`kvcal.evaluate.side_sensitivity`; ``1 + 2·L`` forward passes over them); 0 allocates on
-    the summed attention-level errors alone.
+    the summed attention-level errors alone. Ignored without ``bits``.
     ``sink_tokens``: first tokens kept in 16 bits and excluded from statistics (``None``: 1, kept
     only if it lowers the held-out error; integer paths only). ``residual_window``: recent tokens
     kept in 16 bits by the runtime cache (recorded, counted in the budget; not used by Protocol A).
@@ -515,15 +517,49 @@ def _key_mean_bytes(res) -> int:
     return 0 if res.plan.mean is None else int(res.plan.mean.numel()) * 4
 
 
-def _reference_index(menu: tuple, side: str) -> int:
-    """Index in ``menu`` of the sensitivity probe's reference choice: the ``int4`` preset's side when
-    the menu has it, else the first 4-bit entry, else the first entry."""
+def _reference_index(menu: tuple, side: str) -> tuple[int, bool]:
+    """``(index, fallback)`` in ``menu`` of the sensitivity probe's reference choice: the ``int4``
+    preset's side when the menu has it; else (``fallback=True``, e.g. no RoPE table, so no pre-RoPE
+    entries) the entry with the same spec without its transform / rounding, else the first 4-bit
+    entry, else the first entry."""
     from kvcal.search.presets import ALLOC_REFERENCE
 
     ref = ALLOC_REFERENCE[side]
     if ref in menu:
-        return menu.index(ref)
-    return next((i for i, c in enumerate(menu) if c.spec.bits == 4), 0)
+        return menu.index(ref), False
+    same = [i for i, c in enumerate(menu) if c.spec == ref.spec]
+    if same:
+        return same[-1], True
+    return next((i for i, c in enumerate(menu) if c.spec.bits == 4), 0), True
+
+
+def _probe_weights(kl: dict, items: list, ref_idx: dict, log) -> tuple[dict, dict]:
+    """Per (layer, side) weight ``KL / error(reference)`` from the probe's KLs (nats).
+
+    KLs at or below a floor of 1e-3 × the mean positive KL (below what the probe resolves, e.g. a
+    side whose quantized tokens no probed position reads) are raised to it and listed. Raises
+    :class:`KvcalError` for missing / non-finite values or a probe that measured nothing."""
+    keys = [(it.layer, it.side) for it in items]
+    bad = [k for k in keys if k not in kl or not math.isfinite(float(kl[k]))]
+    if bad:
+        raise KvcalError(f"the sensitivity probe returned no finite KL for {len(bad)} (layer, side) pairs (first: "
+                         f"layer {bad[0][0]} {bad[0][1].upper()}) — the model's logits overflow or are -inf on the probe "
+                         "samples; use other held-out samples or --probe-tokens 0 (no probe)")
+    pos = [float(kl[k]) for k in keys if float(kl[k]) > 0]
+    if not pos:
+        raise KvcalError("the sensitivity probe measured no effect of any layer (every KL <= 0): the probe samples are "
+                         "too short to read a quantized token; raise --probe-tokens / --max-seq-len or use --probe-tokens 0")
+    floor = 1e-3 * sum(pos) / len(pos)
+    floored = [k for k in keys if float(kl[k]) < floor]
+    if floored:
+        log(f"sensitivity probe: {len(floored)} (layer, side) pairs below its resolution, weighted at the floor "
+            f"{floor:.3g} nats")
+    weights = {}
+    for it in items:
+        k = (it.layer, it.side)
+        v = max(float(kl[k]), floor)
+        weights[k] = (v / max(it.errors[ref_idx[it.side]], 1e-12), float(kl[k]))
+    return weights, {"floor_nats": floor, "floored": [f"{layer}{side.upper()}" for layer, side in floored]}
 
 
 def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | None = None, sinks: int | None = None,
@@ -605,21 +641,20 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
-        weights = None
+        weights = probe_meta = None
         if probe is not None:
-            ref_idx = {s: _reference_index(menu[s], s) for s in ("k", "v")}
+            refs = {s: _reference_index(menu[s], s) for s in ("k", "v")}
+            ref_idx = {s: refs[s][0] for s in ("k", "v")}
             ref_plan = KVPlan([LayerPlan(run(layer, "k", menu["k"][ref_idx["k"]], False).plan,
                                          run(layer, "v", menu["v"][ref_idx["v"]], False).plan) for layer in range(L)],
                               sink_tokens=s_try)
             log("sensitivity probe: model-level KL of each layer's K and V alone at "
-                + ", ".join(spec_label(menu[s][ref_idx[s]]) for s in ("k", "v")))
-            kl = probe(ref_plan)
-            weights = {}
-            for n_it, it in enumerate(items):
-                e_ref = it.errors[ref_idx[it.side]]
-                w = max(float(kl[(it.layer, it.side)]), 0.0) / max(e_ref, 1e-12)
-                weights[(it.layer, it.side)] = (w, float(kl[(it.layer, it.side)]))
-                items[n_it] = al.Item(it.layer, it.side, it.specs, it.costs, tuple(w * e for e in it.errors))
+                + ", ".join(spec_label(menu[s][ref_idx[s]]) + (" (fallback: the int4 preset's choice is not in the "
+                                                               "menu)" if refs[s][1] else "") for s in ("k", "v")))
+            weights, probe_meta = _probe_weights(probe(ref_plan), items, ref_idx, log)
+            probe_meta.update(getattr(probe, "meta", {}))
+            items = [al.Item(it.layer, it.side, it.specs, it.costs,
+                             tuple(weights[(it.layer, it.side)][0] * e for e in it.errors)) for it in items]
         budget = al.budget_bytes(bits, L, H, D, budget_context)
         try:
             choice = al.allocate(items, budget)
@@ -640,6 +675,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                                 for it, j in zip(items, choice, strict=True)]}
         if weights is not None:
             alloc_meta["reference"] = {s: spec_label(menu[s][ref_idx[s]]) for s in ("k", "v")}
+            alloc_meta["probe"] = probe_meta
     else:
         specs = [list(INT_PRESETS[preset]) for _ in range(L)]
     results = []
@@ -687,6 +723,18 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     return IntSearchResult(plan, layers_meta, summary)
 
 
+def _alloc_line(cal: dict) -> str:
+    a = cal.get("allocation")
+    if not a:
+        return ""
+    p = a.get("probe")
+    how = ("summed held-out attention-level errors (no model-level probe)" if p is None else
+           f"held-out attention-level errors weighted by each layer's K / V model-level KL, measured alone at "
+           f"{a['reference']['k']} / {a['reference']['v']} on {p.get('samples')} {p.get('source')} samples "
+           f"({p.get('tokens')} tokens)")
+    return f"- Per-layer formats allocated under {a['budget_bits']} bits at {a['budget_context']} tokens from {how}.\n"
+
+
 def render_int_report(meta: dict) -> str:
     """``report.md`` for integer artifacts: specs, parameters chosen per layer, held-out errors."""
     kv, cal, m = meta["kv"], meta["calibration"], meta["model"]
@@ -712,7 +760,7 @@ def render_int_report(meta: dict) -> str:
 - Keys quantized {kv["key_position"].replace("_", "-")}; sink tokens in 16 bits: {kv["sink_tokens"]}; residual window (runtime): {kv["residual_window"]}.
 - Key objective: {cal["objective_k"]} (attention KL, nats/query, when `kl`); value objective: relative attention-output error.
 - Every choice is compared with plain min/max on held-out data and kept only where it is lower.
-
+{_alloc_line(cal)}
 | layer | K spec | K pick | K held-out | K min/max | V spec | V pick | V held-out | V min/max |
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
@@ -899,20 +947,30 @@ def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, 
     held-out split)."""
     from kvcal.evaluate import side_sensitivity
 
+    source = "held-out" if held_idx else "calibration (no held-out split)"
     order = sorted(held_idx) or list(range(len(corpus.samples)))
     picked, n = [], 0
     for i in order:
-        if n >= probe_tokens:
+        room = probe_tokens - n
+        if room < 3:  # a sink, one quantized token and one predicted position at least
             break
-        if len(corpus.samples[i]) >= 2:
-            picked.append(corpus.samples[i])
-            n += len(corpus.samples[i])
+        x = corpus.samples[i][:room]
+        if len(x) >= 3:
+            picked.append(x)
+            n += len(x)
 
     def probe(plan):
-        log(f"sensitivity probe on {len(picked)} held-out samples ({n} tokens, {1 + 2 * plan.num_layers} forward "
-            "passes each)")
-        return side_sensitivity(model, picked, plan, progress=progress)
+        if not picked:
+            raise KvcalError(f"--probe-tokens {probe_tokens}: no {source} sample of 3 or more tokens fits; raise "
+                             "--probe-tokens or use 0 (no probe)")
+        log(f"sensitivity probe on {len(picked)} {source} samples ({n} tokens; {1 + 2 * plan.num_layers} forward "
+            "passes over each)")
+        try:
+            return side_sensitivity(model, picked, plan, progress=progress)
+        except ValueError as e:
+            raise KvcalError(f"sensitivity probe: {e}; raise --probe-tokens or use 0 (no probe)") from None
 
+    probe.meta = {"source": source, "samples": len(picked), "tokens": n, "probe_tokens": probe_tokens}
     return probe
 
 

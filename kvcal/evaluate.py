@@ -113,7 +113,9 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
     ``plan``: a :class:`~kvcal.plan.KVPlan` (its ``sink_tokens`` apply). For each layer ``l`` and
     side ``s`` in ``"k"``, ``"v"`` the model runs teacher-forced with only that side of that layer
     fake-quantized (Protocol A), and the result is the mean over all predicted positions of
-    ``KL(P_16bit ‖ P_quant)`` in nats. Cost: ``1 + 2·L`` forward passes per sample. On the
+    ``KL(P_16bit ‖ P_quant)`` in nats (float64). Samples shorter than ``plan.sink_tokens + 2`` are
+    skipped (no predicted position reads a quantized token there); ``ValueError`` when none is
+    left. Cost: ``1 + 2·L`` forward passes per sample; memory: one ``[T, vocab]`` float64 pair. On the
     embedded model these single-side KLs add up to the all-sides KL within ~10%
     (``bench_out`` probe, 4-bit, 2 × 1024 tokens), which is what makes them usable as per-layer
     weights of a bit allocation (HAWQ-style sensitivity; KVTuner measures it the same way).
@@ -135,7 +137,8 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
     with torch.no_grad():
         for ids in samples:
             ids = ids.reshape(1, -1).to(device)
-            if ids.shape[1] < 2:
+            if ids.shape[1] < plan.sink_tokens + 2:
+                bar.update(len(keys))
                 continue
             logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
             n += ids.shape[1] - 1
@@ -146,7 +149,7 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
                 bar.update()
     bar.close()
     if n == 0:
-        raise ValueError("side_sensitivity needs at least one sample of 2 or more tokens")
+        raise ValueError(f"side_sensitivity needs a sample of at least sink_tokens + 2 = {plan.sink_tokens + 2} tokens")
     return {k: v / n for k, v in kl_sum.items()}
 
 

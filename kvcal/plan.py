@@ -79,6 +79,14 @@ class SidePlan:
         if self.transform != "none" and self.mean is not None:
             raise ValueError(f"key centering does not combine with transform {self.transform!r}")
 
+    def _unit_rounding(self) -> torch.Tensor:
+        """:func:`unit_rounding` of ``self.rounding``, memoized per tensor object (no device sync per call)."""
+        memo = self.__dict__.get("_ur")
+        if memo is None or memo[0] is not self.rounding:
+            memo = (self.rounding, unit_rounding(self.rounding))
+            self.__dict__["_ur"] = memo
+        return memo[1]
+
     def fake_quant(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Quantize-dequantize ``x [B, H, S, D]`` with this plan; same shape and dtype.
 
@@ -92,7 +100,7 @@ class SidePlan:
             xq = x - self.mean.to(x.dtype) if self.mean is not None else x
         params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
                   else {"scale": self.scale, "zero_point": self.zero_point})
-        rounding = None if self.rounding is None else unit_rounding(self.rounding)  # as the runtime keeps it
+        rounding = None if self.rounding is None else self._unit_rounding()  # as the runtime keeps it
         y = fake_quant(xq, self.spec, rounding=rounding, **params)
         if self.transform != "none":
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)

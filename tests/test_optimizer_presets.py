@@ -210,8 +210,8 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
     for k, v in kl.items():
         assert v > 0
         assert v == pytest.approx(ref[k]["kl_mean"], rel=2e-3)  # float64 here, float32 in teacher_forced
-    with pytest.raises(ValueError, match="2 or more tokens"):
-        side_sensitivity(model, [torch.tensor([5])], plan, progress=False)
+    with pytest.raises(ValueError, match="sink_tokens"):  # too short to read a quantized token
+        side_sensitivity(model, [torch.tensor([5, 6, 7])[: plan.sink_tokens + 1]], plan, progress=False)
 
 
 @pytest.mark.parametrize("hot", [(0, "v"), (1, "k")])
@@ -227,6 +227,10 @@ def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
 
     r = search_int(cap, bits=6.5, probe=probe, max_queries=8, progress=False, budget_context=256)
     assert len(seen) == 1 and seen[0].num_layers == L
+    # 1e-9 is below the probe's floor (1e-3 × the mean positive KL): those sides are listed
+    floor = 1e-3 * (1.0 + (2 * L - 1) * 1e-9) / (2 * L)
+    assert r.summary["allocation"]["probe"]["floor_nats"] == pytest.approx(floor, rel=1e-12)
+    assert len(r.summary["allocation"]["probe"]["floored"]) == 2 * L - 1
     alloc = r.summary["allocation"]
     assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround", "v": "int4/token/sym/hadamard"}
     rows = {(t["layer"], t["side"]): t for t in alloc["table"]}
@@ -236,7 +240,7 @@ def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
     for k, t in rows.items():
         assert t["probe_kl"] == (1.0 if k == hot else 1e-9)
         ref_err = t["errors"][alloc["menu"][k[1]].index(alloc["reference"][k[1]])]
-        assert ref_err == pytest.approx(t["probe_kl"], rel=1e-9)  # weight · error(reference) = KL
+        assert ref_err == pytest.approx(max(t["probe_kl"], floor), rel=1e-9)  # weight · error(reference) = KL
     assert r.summary["average_bits"] <= 6.5
 
 
@@ -267,7 +271,39 @@ def test_calibrate_bits_runs_the_held_out_probe(tmp_path, smollm_tokenizer, prob
     else:
         assert all(p is not None and p >= 0 for p in probed) and sum(probed) > 0
         line = next(m for m in logs if "sensitivity probe on" in m)
-        held = split_heldout(12, 0.25, 0)  # 3 held-out samples of ~26 tokens: two reach 40 tokens
-        assert line.startswith("sensitivity probe on 2 held-out samples") and len(held) == 3
+        held = split_heldout(12, 0.25, 0)  # 3 held-out samples of ~26 tokens: the second is cut to fit 40
+        assert line.startswith("sensitivity probe on 2 held-out samples (40 tokens") and len(held) == 3
+        assert alloc["probe"]["tokens"] == 40 and alloc["probe"]["source"] == "held-out"
+        report = (tmp_path / "art" / "report.md").read_text()
+        assert "model-level KL, measured alone at" in report and "on 2 held-out samples (40 tokens)" in report
     with pytest.raises(KvcalError, match="probe-tokens"):
         CalibrateConfig(corpus="x", bits=4.0, probe_tokens=-1)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "zeros", "missing"])
+def test_a_useless_probe_is_refused_not_used(tiny_capture, bad):
+    """NaN / inf / all-zero / incomplete probe results stop the run with a clear error (a NaN used to
+    make the allocator loop forever; zeros would silently send every side to 2 bits)."""
+    _, cap = tiny_capture
+    val = {"nan": float("nan"), "inf": float("inf"), "zeros": 0.0, "missing": 1.0}[bad]
+
+    def probe(plan):
+        out = {(layer, s): (val if (layer, s) == (0, "k") or bad == "zeros" else 1.0) for layer in range(L) for s in "kv"}
+        if bad == "missing":
+            del out[(1, "v")]
+        return out
+
+    with pytest.raises(KvcalError, match="no effect" if bad == "zeros" else "no finite KL"):
+        search_int(cap, bits=6.5, probe=probe, max_queries=8, progress=False, budget_context=256)
+
+
+def test_allocate_refuses_non_finite_errors():
+    from fractions import Fraction
+
+    from kvcal.search.allocate import Item, allocate
+
+    items = [Item(0, "k", (None, None), (10, 20), (float("nan"), 1.0)), Item(0, "v", (None, None), (10, 20), (1.0, 0.5))]
+    with pytest.raises(ValueError, match="finite"):
+        allocate(items, Fraction(35))
+    items[0] = Item(0, "k", (None, None), (10, 20), (2.0, 1.0))
+    assert allocate(items, Fraction(30)) == [1, 0]  # one upgrade fits: the larger gain (k: 2 -> 1)

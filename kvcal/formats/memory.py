@@ -33,8 +33,8 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
      - dynamic granularities: the calibrated ``clip_ratio`` ``float32 [H]``;
      - NVFP4 additionally: the global scale ``float32 [1]``;
      - keys with ``key_centering``: the per-channel key mean ``float32 [1,H,1,D]``;
-     - sides with query-aware rounding (``key_rounding`` / ``value_rounding``): the upper
-       triangle of the rounding matrix, ``float16 [H, D(D+1)/2]``.
+     - sides with query-aware rounding (``key_rounding`` / ``value_rounding``): the strict upper
+       triangle of the unit-diagonal rounding matrix, ``float8_e4m3fn [H, D(D-1)/2]``.
 
 :func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
 :class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns

@@ -163,6 +163,13 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
         items.append(f"Average bits per cached element including all metadata at {_num(cal.get('average_bits_context'))} "
                      f"tokens: **{cal['average_bits']:.4f}**" + (f" (budget {cal['bits_budget']})" if cal.get("bits_budget") else "")
                      + (f", preset `{cal['preset']}`" if cal.get("preset") else "") + ".")
+    alloc = cal.get("allocation") if isinstance(cal.get("allocation"), dict) else None
+    if alloc:
+        p = alloc.get("probe")
+        items.append(f"Per-layer formats were allocated under {_num(alloc.get('budget_bits'))} bits from held-out "
+                     "attention-level errors" + (" summed over layers (no model-level probe)." if not isinstance(p, dict)
+                     else f" weighted by each layer's K / V model-level KL measured alone on {_num(p.get('samples'))} "
+                          f"{p.get('source')} samples ({_num(p.get('tokens'))} tokens)."))
     items.append("`scale` is the dequantization multiplier: x ≈ q · scale.")
     rep.add(Bullets(items))
 

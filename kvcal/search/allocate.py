@@ -58,7 +58,12 @@ def average_bits(total_bytes: int, num_layers: int, H: int, D: int, context: int
 def allocate(items: list[Item], budget: Fraction | int) -> list[int]:
     """Choice index per item minimizing ``Σ errors`` with ``Σ costs <= budget``.
 
-    Raises ``ValueError`` when even the cheapest choices exceed the budget."""
+    Raises ``ValueError`` when even the cheapest choices exceed the budget, or for a non-finite error."""
+    import math
+
+    for it in items:
+        if not all(math.isfinite(e) for e in it.errors):
+            raise ValueError(f"layer {it.layer} {it.side.upper()}: allocation errors must be finite, got {it.errors}")
     cheapest = sum(min(it.costs) for it in items)
     if cheapest > budget:
         raise ValueError(f"the bit budget is below the cheapest allocation ({cheapest} > {float(budget):.0f} bytes)")

@@ -7,10 +7,10 @@ and 16-bit sinks are added by the exact accounting in :mod:`kvcal.search.allocat
 preset     keys                                           values                                        avg
 =========  =============================================  ============================================  =====
 ``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
-``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, clip, after a       4.25
-           clip, **pre-RoPE**, query-aware rounding       64×64 Hadamard rotation                       +0.06
+``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, min/max, after a    4.25
+           clip, **pre-RoPE**, query-aware rounding       64×64 Hadamard rotation                       +0.03
 ``int2``   int2 per channel in 32-token groups, asym,     int2 per token in 32-channel groups, asym,     3.0
-           clip, pre-RoPE, query-aware rounding           clip, after a Hadamard rotation               +0.06
+           clip, pre-RoPE, query-aware rounding           clip, after a Hadamard rotation               +0.03
 ``k4v2``   as ``int4``                                    as ``int2``                                   3.625
 =========  =============================================  ============================================  =====
 
@@ -27,8 +27,10 @@ ranges 16.7e-3, the previous preset's layout); Hadamard-rotated symmetric g64 va
 10.0e-3 without the rotation. See :mod:`kvcal.formats.transforms`. Query-aware rounding of the
 keys (OPTQ-style error feedback weighted by the calibration queries' second moments, see
 :func:`kvcal.search.optimizer.query_rounding`) took the pre-RoPE g128 keys from 9.4e-3 to 5.8e-3
-in the same probe; its float16 triangle ``[H, D(D+1)/2]`` per layer is counted as metadata
-(+0.06 bit at 4096 tokens, batch 1; less at longer contexts or larger batches). The values'
+in the same probe; its stored form, the float8 ratios above a unit diagonal
+(:func:`kvcal.formats.quant.unit_rounding`, ``H·D(D−1)/2`` bytes per layer), is counted as metadata
+(+0.03 bit at 4096 tokens, batch 1; less at longer contexts or larger batches — the float16
+triangle it replaced cost +0.06 and rounded 5% better on that probe, K-only KL 5.6e-3 vs 5.9e-3). The values'
 clip ratio is not searched (``clip_search=False``: min/max): on the embedded model the clip ratios
 that minimized the held-out attention-output error (0.89–0.96) raised the model's V-only KL from
 6.8e-3 to 7.6e-3 — a case where the layer objective and the model disagree.
