@@ -130,6 +130,7 @@ def main():
     int_runs = [("int8", {"preset": "int8"}), ("int4", {"preset": "int4"}), ("int2", {"preset": "int2"}),
                 ("k4v2", {"preset": "k4v2"}), ("bits 4.25", {"bits": 4.25, "probe": probe}),
                 ("bits 4.25 (no probe)", {"bits": 4.25}), ("bits 3", {"bits": 3.0, "probe": probe}),
+                ("bits 3 (no probe)", {"bits": 3.0}),
                 ("bits 2.5", {"bits": 2.5, "probe": probe})]
     if a.quick:
         int_runs = int_runs[:3]
@@ -198,6 +199,7 @@ def main():
         checks["bits 4.25 (no probe) dPPL / KIVI-4"] = ratio("kvcal bits 4.25 (no probe)", "KIVI-4 g32 (baseline)",
                                                             "delta_ppl")
         checks["bits 3 dPPL / KIVI-2 (same 3.0 bits)"] = ratio("kvcal bits 3", "KIVI-2 g32 (baseline)", "delta_ppl")
+        checks["bits 3 (no probe) dPPL / KIVI-2"] = ratio("kvcal bits 3 (no probe)", "KIVI-2 g32 (baseline)", "delta_ppl")
         checks["bits 2.5 dPPL / KIVI-2 (target <= 1/4)"] = ratio("kvcal bits 2.5", "KIVI-2 g32 (baseline)", "delta_ppl")
         checks["k4v2 dPPL / KIVI-2"] = ratio("kvcal k4v2", "KIVI-2 g32 (baseline)", "delta_ppl")
     if "fp8 kvcal tensor @16" in res:

@@ -33,7 +33,13 @@ in the same probe; its stored form, the float8 ratios above a unit diagonal
 triangle it replaced cost +0.06 and rounded 5% better on that probe, K-only KL 5.6e-3 vs 5.9e-3). The values'
 clip ratio is not searched (``clip_search=False``: min/max): on the embedded model the clip ratios
 that minimized the held-out attention-output error (0.89–0.96) raised the model's V-only KL from
-6.8e-3 to 7.6e-3 — a case where the layer objective and the model disagree.
+6.8e-3 to 7.6e-3 on a 2 × 1024-window probe; on the 8 × 1024 benchmark windows (paired) they gave
+KL 5.73e-3 vs 5.84e-3 but ΔPPL +0.152 vs +0.107 — no consistent gain, so the cheaper min/max stays.
+(Until this release a keyword slip passed ``False`` as the rounding flag and the preset searched
+value clips anyway; the README's earlier int4 rows were measured that way.)
+
+The ``--bits`` menu below is searched per layer and side; ``ALLOC_REFERENCE`` is the choice at which
+the model-level sensitivity probe measures each (layer, side).
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
     "k": (
         _s("int2", PerChannel(), False),
         _s("int2", PerChannelTokenGroup(128), False),
+        _s("int2", PerChannelTokenGroup(128), False, "pre_rope", True),
         _s("int2", PerChannelTokenGroup(32), False),
         _s("int2", PerChannelTokenGroup(32), False, "pre_rope"),
         _s("int2", PerChannelTokenGroup(32), False, "pre_rope", True),
@@ -87,6 +94,7 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
     ),
     "v": (
         _s("int2", PerToken(), False),
+        _s("int2", PerToken(), False, "hadamard"),
         _s("int2", PerTokenGroup(32), False),
         _s("int2", PerTokenGroup(32), False, "hadamard"),
         _s("int4", PerToken(), True),
