@@ -1004,8 +1004,8 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress,
     report = render_int_report(meta)
     path = write_artifact(out, plan.to_tensors(), meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
     s = res.summary
-    budget = "" if s["bits_budget"] is None else f" budget {s['bits_budget']} bits"
-    table = (f"preset {s['preset']}{budget}: average {s['average_bits']:.4f} bits/element incl. "
+    head = f"preset {s['preset']}" if s["bits_budget"] is None else f"per-layer allocation under {s['bits_budget']} bits"
+    table = (f"{head}: average {s['average_bits']:.4f} bits/element incl. "
              f"metadata at {s['average_bits_context']} tokens; K bits {s['key_bits_mean']:.2f}, V bits "
              f"{s['value_bits_mean']:.2f}; sinks {plan.sink_tokens}; held-out K {s['heldout']['k']['chosen']:.3e} "
              f"(min/max {s['heldout']['k']['minmax']:.3e}), V {s['heldout']['v']['chosen']:.3e} "
