@@ -151,6 +151,18 @@ def test_outlier_twin_breaks_unity_fp8_not_kvcal(tiny_capture):
     assert res["kvcal int4"]["kl_mean"] < 0.1 * res["unity"]["kl_mean"]
 
 
+def _tokenizer_llama_and_corpus(tmp_path, tokenizer):
+    """A tiny random Llama over the real tokenizer's vocabulary and a 12-paragraph text corpus."""
+    torch.manual_seed(0)
+    cfg_m = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=HQ * D, intermediate_size=64,
+                                     num_hidden_layers=L, num_attention_heads=HQ, num_key_value_heads=HK, head_dim=D,
+                                     max_position_embeddings=256, attn_implementation="eager")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i} times, "
+                                  "then rests under a tree near the river bank." for i in range(12)), encoding="utf-8")
+    return transformers.LlamaForCausalLM(cfg_m).eval(), corpus
+
+
 def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     """calibrate() with --preset int4 on a tiny random Llama (real tokenizer): artifact metadata
     states everything, report written, plan loads back."""
@@ -158,14 +170,7 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     from kvcal.calibrate import calibrate
     from kvcal.plan import KVPlan
 
-    torch.manual_seed(0)
-    cfg_m = transformers.LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=HQ * D, intermediate_size=64,
-                                     num_hidden_layers=L, num_attention_heads=HQ, num_key_value_heads=HK, head_dim=D,
-                                     max_position_embeddings=256, attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg_m).eval()
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i} times, "
-                                  "then rests under a tree near the river bank." for i in range(12)), encoding="utf-8")
+    model, corpus = _tokenizer_llama_and_corpus(tmp_path, smollm_tokenizer)
     cfg = CalibrateConfig(corpus=str(corpus), out=str(tmp_path / "art"), max_samples=12, max_seq_len=64,
                           preset="int4", max_queries=16, search_tokens=64)
     res = calibrate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=smollm_tokenizer)
@@ -246,19 +251,12 @@ def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
 
 @pytest.mark.parametrize("probe_tokens", [0, 40])
 def test_calibrate_bits_runs_the_held_out_probe(tmp_path, smollm_tokenizer, probe_tokens):
-    """``calibrate --bits`` probes whole held-out samples (not calibration ones) up to
+    """``calibrate --bits`` probes held-out samples (not calibration ones), the last cut to fit
     ``probe_tokens``; the allocation metadata records each side's probe KL; 0 switches it off."""
     from kvcal.artifact import load_artifact
     from kvcal.calibrate import calibrate
 
-    torch.manual_seed(0)
-    cfg_m = transformers.LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=HQ * D, intermediate_size=64,
-                                     num_hidden_layers=L, num_attention_heads=HQ, num_key_value_heads=HK, head_dim=D,
-                                     max_position_embeddings=256, attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg_m).eval()
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i} times, "
-                                  "then rests under a tree near the river bank." for i in range(12)), encoding="utf-8")
+    model, corpus = _tokenizer_llama_and_corpus(tmp_path, smollm_tokenizer)
     logs = []
     cfg = CalibrateConfig(corpus=str(corpus), out=str(tmp_path / "art"), max_samples=12, max_seq_len=64,
                           bits=6.0, probe_tokens=probe_tokens, max_queries=16, search_tokens=64)
