@@ -943,8 +943,8 @@ def _corpus_meta(corpus, shape) -> dict:
 
 def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, log) -> Callable:
     """The ``probe`` of :func:`search_int`: single-side model KL on held-out samples (in corpus
-    order, whole samples until ``probe_tokens`` is reached; the calibration samples when there is no
-    held-out split)."""
+    order until ``probe_tokens`` is reached, the last one cut to fit; the calibration samples when
+    there is no held-out split)."""
     from kvcal.evaluate import side_sensitivity
 
     source = "held-out" if held_idx else "calibration (no held-out split)"

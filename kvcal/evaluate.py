@@ -96,12 +96,13 @@ def plan_hook(plan) -> Callable:
     return cb
 
 
-def side_only(plan, side: str):
-    """A view of ``plan`` that quantizes only ``side`` (``"k"`` or ``"v"``), for K-only/V-only splits."""
+def side_only(plan, side: str, layer: int | None = None):
+    """A view of ``plan`` that quantizes only ``side`` (``"k"`` or ``"v"``) — of every layer, for
+    K-only/V-only splits, or of one ``layer`` (single-side sensitivity probes)."""
 
     class _One:
-        def fake_quant(self, layer, s, x):
-            return plan.fake_quant(layer, s, x) if s == side else x
+        def fake_quant(self, i, s, x):
+            return plan.fake_quant(i, s, x) if s == side and layer in (None, i) else x
 
     return _One()
 
@@ -122,13 +123,6 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
     """
     from tqdm.auto import tqdm
 
-    class _One:
-        def __init__(self, layer, side):
-            self.layer, self.side = layer, side
-
-        def fake_quant(self, layer, side, x):
-            return plan.fake_quant(layer, side, x) if (layer, side) == (self.layer, self.side) else x
-
     keys = [(layer, side) for layer in range(plan.num_layers) for side in ("k", "v")]
     kl_sum = dict.fromkeys(keys, 0.0)
     n = 0
@@ -143,7 +137,7 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
             logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
             n += ids.shape[1] - 1
             for key in keys:
-                with attention_hook(model, plan_hook(_One(*key))):
+                with attention_hook(model, plan_hook(side_only(plan, key[1], key[0]))):
                     logp = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
                 kl_sum[key] += float((logp_ref.exp() * (logp_ref - logp)).sum())  # float64: >= 0 up to rounding
                 bar.update()
