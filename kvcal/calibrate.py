@@ -612,8 +612,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         return cache[key]
 
     def run(layer, side, choice, refine):
-        spec, tr, rounding, clip_search = choice
-        key = ("search", layer, side, spec, tr, rounding, clip_search, refine, s_try, key_centering, obj[side],
+        spec, tr, rounding, clip_search, chbits = choice
+        key = ("search", layer, side, spec, tr, rounding, clip_search, chbits, refine, s_try, key_centering, obj[side],
                max_queries)
         if key not in cache:
             cal, held = caches(layer)
@@ -621,7 +621,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine,
                                      transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding,
-                                     grid=None if clip_search else (1.0,))
+                                     grid=None if clip_search else (1.0,), channel_bits=chbits)
         return cache[key]
 
     menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
@@ -637,7 +637,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             for side in ("k", "v"):
                 rs = [run(layer, side, c, False) for c in menu[side]]
                 costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r)
-                                           + (rounding_bytes(H, D) if c.rounding else 0))
+                                           + (rounding_bytes(H, D) if c.rounding else 0) + (H * D if c.channel_bits else 0))
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
@@ -700,7 +700,9 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
                   sink_tokens=final_sinks)
     configs = [KVCacheConfig(r["k"].spec, r["v"].spec, residual_window=residual_window, sink_tokens=final_sinks,
-                             key_rounding=r["k"].plan.rounding is not None, value_rounding=r["v"].plan.rounding is not None)
+                             key_rounding=r["k"].plan.rounding is not None, value_rounding=r["v"].plan.rounding is not None,
+                             key_channel_bits=r["k"].plan.channel_bits is not None,
+                             value_channel_bits=r["v"].plan.channel_bits is not None)
                for r in results]
     total = cache_bytes({"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H},
                         configs, budget_context) + sum(_key_mean_bytes(r["k"]) for r in results)
@@ -745,7 +747,8 @@ def render_int_report(meta: dict) -> str:
         out = f"{sp['format']} {sp['granularity']}{sp.get('group_size') or ''} {'sym' if sp.get('symmetric') else 'asym'}"
         if side.get("transform", "none") != "none":
             out += f", {side['transform'].replace('_', '-')}"
-        return out + (", query-aware rounding" if side.get("rounding") else "")
+        out += ", query-aware rounding" if side.get("rounding") else ""
+        return out + (", per-channel bit widths" if side.get("channel_bits") else "")
 
     for lm in meta["layers"]:
         k, v = lm["k"], lm["v"]

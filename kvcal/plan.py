@@ -19,11 +19,14 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
 * ``rounding`` (int sides, optional): ``U`` ``[H,D,D]`` float32 for query-aware rounding in the
   quantized (transformed) domain (:func:`kvcal.formats.quant.rounding_matrix`); it is used, and
   the runtime keeps it, in its 8-bit unit-diagonal form :func:`kvcal.formats.quant.unit_rounding`
-  (``H·D(D−1)/2`` bytes per layer, counted as per-layer metadata).
+  (``H·D(D−1)/2`` bytes per layer, counted as per-layer metadata);
+* ``channel_bits`` (asymmetric int, per-channel granularities, optional): per-channel payload widths
+  ``[H,D]`` (int64, 1–8 bits, each head summing to ``bits·D``: the row keeps its size;
+  :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata.
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
-``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
+``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
 (per-layer transforms go in the metadata's ``kv.transforms``).
 """
 
@@ -68,6 +71,7 @@ class SidePlan:
     transform: str = "none"
     rope: RopeTable | None = None
     rounding: torch.Tensor | None = None
+    channel_bits: torch.Tensor | None = None
 
     def check_transform(self) -> None:
         """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
@@ -101,7 +105,7 @@ class SidePlan:
         params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
                   else {"scale": self.scale, "zero_point": self.zero_point})
         rounding = None if self.rounding is None else self._unit_rounding()  # as the runtime keeps it
-        y = fake_quant(xq, self.spec, rounding=rounding, **params)
+        y = fake_quant(xq, self.spec, rounding=rounding, channel_bits=self.channel_bits, **params)
         if self.transform != "none":
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
@@ -139,7 +143,9 @@ class KVPlan:
         lp = self.layers[layer]
         return KVCacheConfig(lp.k.spec, lp.v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens,
                              key_centering=lp.k.mean is not None, key_rounding=lp.k.rounding is not None,
-                             value_rounding=lp.v.rounding is not None)
+                             value_rounding=lp.v.rounding is not None,
+                             key_channel_bits=lp.k.channel_bits is not None,
+                             value_channel_bits=lp.v.channel_bits is not None)
 
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.
@@ -172,6 +178,8 @@ class KVPlan:
                     out[_name(i, s, "mean")] = sp.mean.float().reshape(sp.mean.shape[1:])
                 if sp.rounding is not None:
                     out[_name(i, s, "rounding")] = sp.rounding.float().contiguous()
+                if sp.channel_bits is not None:
+                    out[_name(i, s, "channel_bits")] = sp.channel_bits.float().contiguous()
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
@@ -256,6 +264,14 @@ class KVPlan:
                     if tuple(rd.shape) != (H, D, D):
                         raise ValueError(f"{_name(i, s, 'rounding')} has shape {tuple(rd.shape)}, expected {(H, D, D)}")
                     sp.rounding = unit_rounding(rd.float())  # identity for kvcal artifacts
+                cb = tensors.get(_name(i, s, "channel_bits"))
+                if cb is not None:
+                    w = cb.float()
+                    if (tuple(w.shape) != (H, D) or not bool((w == w.round()).all()) or bool((w < 1).any())
+                            or bool((w > 8).any()) or not bool((w.sum(-1) == spec.bits * D).all())):
+                        raise ValueError(f"{_name(i, s, 'channel_bits')} must be [H, D] = {(H, D)} integer widths "
+                                         f"in 1..8 summing to {spec.bits}·D per head")
+                    sp.channel_bits = w.to(torch.int64)
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None
                 sp.check_transform()

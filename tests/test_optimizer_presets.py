@@ -185,13 +185,18 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     # plus the 16-bit sink token (≈ 0.003) and clip ratios
     assert cal["preset"] == "int4" and 4.6323 < cal["average_bits"] < 4.64 and "sinks" in cal
     assert all(lm["k"]["rounding"] for lm in art.metadata["layers"])
+    # per-channel key widths: a histogram over 1..8 bits of H·D channels holding 4·H·D bits
+    for lm in art.metadata["layers"]:
+        hist = lm["k"]["channel_bits"]
+        assert sum(hist) == HK * 16 and sum((b + 1) * n for b, n in enumerate(hist)) == 4 * HK * 16
     report = (tmp_path / "art" / "report.md").read_text()
     assert report.startswith("# KV-cache calibration report (integer)")
-    assert "int4 channel_token_group128 asym, pre-rope, query-aware rounding" in report
+    assert "int4 channel_token_group128 asym, pre-rope, query-aware rounding, per-channel bit widths" in report
     assert "int4 token sym, hadamard |" in report
     plan = KVPlan.from_artifact(art.tensors, art.metadata)
     assert plan.layers[0].k.clip_ratio.shape == (HK,) and plan.sink_tokens == kv["sink_tokens"]
     assert plan.layers[0].k.transform == "pre_rope" and plan.layers[0].v.transform == "hadamard"
+    assert plan.layers[0].k.channel_bits.sum(-1).tolist() == [4 * 16] * HK
 
 
 def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
@@ -237,7 +242,7 @@ def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
     assert r.summary["allocation"]["probe"]["floor_nats"] == pytest.approx(floor, rel=1e-12)
     assert len(r.summary["allocation"]["probe"]["floored"]) == 2 * L - 1
     alloc = r.summary["allocation"]
-    assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround", "v": "int4/token/sym/hadamard"}
+    assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround/chbits", "v": "int4/token/sym/hadamard"}
     rows = {(t["layer"], t["side"]): t for t in alloc["table"]}
     bits = {k: r.plan.layers[k[0]].side(k[1]).spec.bits for k in rows}
     assert bits[hot] == max(bits.values()) == 8

@@ -34,7 +34,9 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
      - NVFP4 additionally: the global scale ``float32 [1]``;
      - keys with ``key_centering``: the per-channel key mean ``float32 [1,H,1,D]``;
      - sides with query-aware rounding (``key_rounding`` / ``value_rounding``): the strict upper
-       triangle of the unit-diagonal rounding matrix, ``float8_e4m3fn [H, D(D-1)/2]``.
+       triangle of the unit-diagonal rounding matrix, ``float8_e4m3fn [H, D(D-1)/2]``;
+     - sides with per-channel bit widths (``key_channel_bits`` / ``value_channel_bits``): the
+       widths table ``uint8 [H, D]``.
 
 :func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
 :class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns
@@ -275,6 +277,9 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1) -> Memo
         for flag, spec in ((c.key_rounding, c.key), (c.value_rounding, c.value)):
             if flag and spec.is_quantized:
                 acc["static"] += rounding_bytes(H, D)
+        for flag, spec in ((c.key_channel_bits, c.key), (c.value_channel_bits, c.value)):
+            if flag and spec.is_quantized:
+                acc["static"] += H * D  # uint8 widths [H, D]
     conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
     return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
                         acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)

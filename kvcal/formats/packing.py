@@ -9,6 +9,11 @@ cache stores and the Triton kernels reproduce):
 * 3 bits: dense, eight codes per three bytes: ``w = sum_j c[8i+j] << 3j`` (24 bits) stored as
   ``w & 255, w >> 8 & 255, w >> 16``.
 
+Per-channel widths (:func:`pack_channels`): a row of ``D`` codes whose channel ``c`` has its own
+width ``w_c`` (1–8 bits) is one little-endian bit stream, channel ``c`` at bit offset
+``Σ_{c'<c} w_c'``; the row takes ``ceil(Σ w_c / 8)`` bytes. With equal widths this is the same byte
+layout as above (e.g. 4 bits: ``c[0] | c[1] << 4``).
+
 ``codes``: any shape ``[..., N]``, integer dtype, values in ``[0, 2^bits)``; ``N`` must be a
 multiple of the values per unit (2, 4 or 8) — callers pad first (see
 :meth:`kvcal.formats.spec.TensorQuantSpec.padded_dims`). Output: ``uint8 [..., N*bits/8]``.
@@ -83,3 +88,57 @@ def packed_size(n: int, bits: int) -> int:
     """Bytes that :func:`pack` produces for ``n`` codes (``n`` rounded up to a whole unit)."""
     vpu, bpu = PACK_UNITS[bits]
     return -(-n // vpu) * bpu
+
+
+def _channel_offsets(widths: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Bit offsets ``[H, D]`` (int64) of each channel in its head's row, and the row's bytes."""
+    if widths.ndim != 2:
+        raise ValueError(f"channel widths must be [H, D], got shape {tuple(widths.shape)}")
+    w = widths.to(torch.int64)
+    if w.numel() and (int(w.min()) < 1 or int(w.max()) > 8):
+        raise ValueError("channel widths must lie in 1..8 bits")
+    total = w.sum(-1)
+    if w.numel() and int(total.min()) != int(total.max()):
+        raise ValueError(f"every head's row must hold the same number of bits, got {total.tolist()}")
+    off = torch.cumsum(w, -1) - w
+    return off, (-(-int(total[0]) // 8) if w.numel() else 0)
+
+
+def pack_channels(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[B, H, S, D]`` whose channel ``(h, c)`` is ``widths[h, c]`` bits wide (1–8,
+    the same total per head) into ``uint8 [B, H, S, ceil(Σ_c widths[h, c] / 8)]`` (module docstring).
+
+    Raises ``ValueError`` for a widths table that is not ``[H, D]``, widths outside 1–8, unequal
+    per-head totals, or a code that does not fit its channel's width."""
+    if codes.ndim != 4 or tuple(widths.shape) != tuple(codes.shape[1:2]) + tuple(codes.shape[3:]):
+        raise ValueError(f"codes [B,H,S,D] {tuple(codes.shape)} do not match widths [H,D] {tuple(widths.shape)}")
+    off, nbytes = _channel_offsets(widths)
+    w = widths.to(torch.int64).to(codes.device)
+    c = codes.to(torch.int64)
+    if c.numel() and (bool((c < 0).any()) or bool((c >= (1 << w)[None, :, None, :]).any())):
+        raise ValueError("a code does not fit its channel's width")
+    off = off.to(codes.device)
+    B, H, S, D = codes.shape
+    shifted = c << (off % 8)[None, :, None, :]  # at most 15 bits: spans two bytes
+    byte = (off // 8)[None, :, None, :].expand(B, H, S, D)
+    out = torch.zeros(B, H, S, nbytes + 1, dtype=torch.int64, device=codes.device)
+    out.scatter_add_(-1, byte, shifted & 255)  # bits are disjoint, so add == or
+    out.scatter_add_(-1, byte + 1, shifted >> 8)
+    return out[..., :nbytes].to(torch.uint8)
+
+
+def unpack_channels(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_channels`: ``uint8 [B, H, S, M]`` -> ``uint8`` codes ``[B, H, S, D]``.
+    Raises ``ValueError`` on a wrong dtype or a row size that does not match ``widths``."""
+    if packed.dtype != torch.uint8 or packed.ndim != 4:
+        raise ValueError(f"packed data must be uint8 [B,H,S,M], got {packed.dtype} {tuple(packed.shape)}")
+    off, nbytes = _channel_offsets(widths)
+    if packed.shape[-1] != nbytes or packed.shape[1] != widths.shape[0]:
+        raise ValueError(f"packed rows of {packed.shape[-1]} bytes do not match widths (need {nbytes} bytes per row)")
+    off = off.to(packed.device)
+    w = widths.to(torch.int64).to(packed.device)
+    p = torch.cat([packed.to(torch.int64), packed.new_zeros(*packed.shape[:-1], 1).to(torch.int64)], -1)
+    B, H, S, _ = packed.shape
+    byte = (off // 8)[None, :, None, :].expand(B, H, S, -1)
+    word = p.gather(-1, byte) | (p.gather(-1, byte + 1) << 8)
+    return ((word >> (off % 8)[None, :, None, :]) & ((1 << w) - 1)[None, :, None, :]).to(torch.uint8)

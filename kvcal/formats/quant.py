@@ -44,6 +44,14 @@ those of the plain path, computed from ``x`` before any feedback; fed-back value
 saturate. The stored format is unchanged (dequantization does not need ``U``); kvcal stores
 ``U`` in its 8-bit unit-diagonal form (:func:`unit_rounding`).
 
+Per-channel bit widths (``channel_bits=W``, asymmetric int, per-channel granularities): channel
+``(h, c)`` uses ``W[h, c]`` bits (1–8), i.e. ``2^W − 1`` in place of ``2^b − 1`` in the asymmetric
+formulas above, while every head's row keeps the spec's size (``Σ_c W[h, c] = b·D``; packing:
+:func:`kvcal.formats.packing.pack_channels`). Bits move from channels whose errors the queries barely
+see to those they weight most — reverse water-filling over channels (see
+:func:`kvcal.search.optimizer.channel_bit_allocation`); KVQuant's per-channel key ranges and KVTuner's
+layer-wise widths are the coarser relatives.
+
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
 quantizing them would silently poison a whole group), non-positive / non-finite scales or clip
 ratios, a scale that overflows its storage dtype, or parameters of the wrong shape.
@@ -57,8 +65,8 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.formats.fp8 import FP8_FORMATS, quantize_fp8
-from kvcal.formats.granularity import PerChannelTokenGroup, PerTokenGroup
-from kvcal.formats.packing import pack, unpack
+from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerTokenGroup
+from kvcal.formats.packing import pack, pack_channels, unpack, unpack_channels
 from kvcal.formats.spec import DEFAULTS, QFormat, TensorQuantSpec
 
 #: e2m1 magnitudes by 3-bit code (OCP MX spec, FP4 E2M1).
@@ -81,6 +89,8 @@ class QuantizedTensor:
       NVFP4: the block scales, ``float8_e4m3fn [B,H,S,D_pad/16]`` (multiply by ``global_scale``).
     * ``zero_point``: same shape/dtype as ``scale`` for asymmetric ints, else ``None``.
     * ``global_scale``: NVFP4 fp32 outer scale (``[1,1,1,1]``), else ``None``.
+    * ``channel_bits``: per-channel widths ``[H, D]`` (int64) when quantized with ``channel_bits=``
+      (payload then packed by :func:`kvcal.formats.packing.pack_channels`), else ``None``.
     * ``shape``: logical ``(B, H, S, D)``; ``dtype``: the input's dtype (what dequantize returns).
     """
 
@@ -91,6 +101,7 @@ class QuantizedTensor:
     spec: TensorQuantSpec
     dtype: torch.dtype
     global_scale: torch.Tensor | None = None
+    channel_bits: torch.Tensor | None = None
 
     @property
     def payload_nbytes(self) -> int:
@@ -174,6 +185,7 @@ def params_from_range(
     amax: torch.Tensor | None = None,
     amin: torch.Tensor | None = None,
     clip_ratio: torch.Tensor | float | None = None,
+    qmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stored ``(scale, zero_point)`` from observed ranges (same shapes as the inputs).
 
@@ -182,6 +194,8 @@ def params_from_range(
     arithmetic :func:`quantize` uses, so calibration code computing static parameters from
     streaming statistics gets identical results. Returns tensors in ``spec.scale_dtype``
     (``zero_point`` is ``None`` when symmetric). Not for NVFP4 (see :func:`nvfp4_global_scale`).
+    ``qmax``: per-element top code ``2^W − 1`` (broadcastable; asymmetric ints with per-channel
+    widths) instead of the spec's.
     """
     kind = spec.format.kind
     if kind not in ("int", "fp8"):
@@ -205,7 +219,7 @@ def params_from_range(
         lo, hi = mn + t, mx - t
     else:
         lo, hi = mn, mx
-    s = (hi - lo) / float(spec.qmax)
+    s = (hi - lo) / (float(spec.qmax) if qmax is None else qmax.to(hi.device).float())
     s = torch.maximum(s, lo.abs() / zero_point_limit(spec.scale_dtype))
     s = torch.where(s > 0, s, torch.ones_like(s))
     s_r = round_scale_up(s, spec.scale_dtype)
@@ -293,7 +307,7 @@ def xg_is_5d(gran) -> bool:
 
 # ---- the core: grouped fp32 view -> codes and back ------------------------------------------------
 
-def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale, x_for_static):
+def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale, x_for_static, top=None):
     """Returns fp32 params broadcastable to xg: (s, zp|None, block_scale_fp8|None, global|None),
     plus the stored tensors (scale, zero_point)."""
     kind = spec.format.kind
@@ -346,7 +360,7 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
                     xg.amin(dim=red, keepdim=True), xg.amax(dim=red, keepdim=True))
             else:
                 mn = mx = _empty_stat(xg, lay)
-            s_g, zp_g = params_from_range(spec, amax=mx, amin=mn, clip_ratio=c)
+            s_g, zp_g = params_from_range(spec, amax=mx, amin=mn, clip_ratio=c, qmax=top)
         s_st = lay.to_stored(s_g)
         zp_st = None if zp_g is None else lay.to_stored(zp_g)
     s = lay.from_stored(s_st.float())
@@ -408,12 +422,40 @@ def _check_rounding(rounding: torch.Tensor, spec, lay: _Layout) -> torch.Tensor:
     return U.expand(lay.H, lay.D, lay.D)
 
 
-def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor) -> torch.Tensor:
+def _check_channel_bits(channel_bits, spec, lay: _Layout) -> torch.Tensor:
+    """Validated widths ``[H, D]`` (int64) for ``channel_bits=`` (module docstring)."""
+    if spec.format.kind != "int" or spec.symmetric:
+        raise ValueError("per-channel bit widths need an asymmetric int spec")
+    if not isinstance(lay.gran, (PerChannel, PerChannelTokenGroup)):
+        raise ValueError(f"per-channel bit widths need a per-channel granularity, not {lay.gran.name}")
+    if lay.D_pad != lay.D:
+        raise ValueError(f"per-channel bit widths need head_dim a multiple of the {spec.bits}-bit packing unit")
+    try:
+        w = torch.broadcast_to(torch.as_tensor(channel_bits), (lay.H, lay.D)).to(torch.int64)
+    except RuntimeError:
+        raise ValueError(f"channel_bits of shape {tuple(torch.as_tensor(channel_bits).shape)} does not fit "
+                         f"[H, D] = {(lay.H, lay.D)}") from None
+    if w.numel() and (int(w.min()) < 1 or int(w.max()) > 8):
+        raise ValueError("channel_bits must lie in 1..8")
+    bad = (w.sum(-1) != spec.bits * lay.D).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"channel_bits of heads {bad} do not sum to {spec.bits}·D = {spec.bits * lay.D} bits "
+                         "(the spec's row size)")
+    return w
+
+
+def _top_codes(w: torch.Tensor, lay: _Layout, device) -> torch.Tensor:
+    """``2^W − 1`` as fp32 broadcastable to the grouped view."""
+    return lay.from_stored(((2.0 ** w.to(device).float()) - 1)[None, :, None, :])
+
+
+def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor, top=None) -> torch.Tensor:
     """Codes (fp32, grouped layout) by channel-ordered rounding with error feedback (module docstring)."""
     x = lay.ungroup(xg).clone()  # [B,H,S_g,D]
     sf = lay.ungroup(s.expand_as(xg)) if s.shape != xg.shape else lay.ungroup(s)
     zf = None if zp is None else (lay.ungroup(zp.expand_as(xg)) if zp.shape != xg.shape else lay.ungroup(zp))
     lo, hi = (spec.qmin, spec.qmax) if spec.symmetric else (0, spec.qmax)
+    tf = None if top is None else lay.ungroup(top.expand_as(xg))
     q = torch.empty_like(x)
     Ub = U.to(x.device)[None, :, None]  # [1,H,1,D,D]
     D = x.shape[-1]
@@ -423,7 +465,8 @@ def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor) -> torch.Tens
             c = torch.round(x[..., d] / sd).clamp_(lo, hi)
             deq = c * sd
         else:
-            c = torch.round(x[..., d] / sd + zf[..., d]).clamp_(lo, hi)
+            c = torch.round(x[..., d] / sd + zf[..., d])
+            c = c.clamp_(lo, hi) if tf is None else torch.minimum(c.clamp_(min=0), tf[..., d])
             deq = (c - zf[..., d]) * sd
         q[..., d] = c
         if d + 1 < D:
@@ -432,11 +475,14 @@ def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor) -> torch.Tens
     return lay.group(q)
 
 
-def _codes_for(xg, s, zp, spec, lay: _Layout, rounding: torch.Tensor | None) -> torch.Tensor:
-    """Nearest-rounding codes, or channel-ordered ones when a rounding matrix is given."""
+def _codes_for(xg, s, zp, spec, lay: _Layout, rounding: torch.Tensor | None, top=None) -> torch.Tensor:
+    """Nearest-rounding codes, or channel-ordered ones when a rounding matrix is given
+    (``top``: per-channel top codes for per-channel bit widths)."""
     if rounding is None:
-        return _codes(xg, s, zp, spec)
-    return _codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay))
+        if top is None:
+            return _codes(xg, s, zp, spec)
+        return torch.minimum(torch.round(xg / s + zp).clamp_(min=0), top)  # asymmetric int (checked)
+    return _codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay), top)
 
 
 def _empty_stat(xg, lay):
@@ -489,6 +535,7 @@ def quantize(
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
     rounding: torch.Tensor | None = None,
+    channel_bits: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x [B, H_kv, S, D]`` (any float dtype) to packed storage.
 
@@ -498,8 +545,9 @@ def quantize(
     ``scale``. ``global_scale``: NVFP4 fp32 outer scale (default ``amax(x) / 2688``).
     ``check_finite=False`` skips the NaN/Inf check (results for non-finite inputs are then
     undefined). ``rounding``: ``U [H, D, D]`` for query-aware rounding (int formats; module
-    docstring). 16-bit specs return ``data = x`` cast to fp16/bf16 with no parameters.
-    Raises ``ValueError`` (see module docstring).
+    docstring). ``channel_bits``: per-channel widths ``[H, D]`` (asymmetric int, per-channel
+    granularities, each head summing to ``spec.bits · D``; module docstring). 16-bit specs return
+    ``data = x`` cast to fp16/bf16 with no parameters. Raises ``ValueError`` (see module docstring).
     """
     _check_input(x, check_finite)
     shape = tuple(x.shape)
@@ -507,10 +555,12 @@ def quantize(
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return QuantizedTensor(x.to(dt), None, None, shape, spec, x.dtype)
     lay = _Layout(spec, shape)
+    w = None if channel_bits is None else _check_channel_bits(channel_bits, spec, lay)
+    top = None if w is None else _top_codes(w, lay, x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
-    s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
-    q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding))  # [B,H,S_g,D_g]
+    s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top)
+    q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
         data = F.pad(q.float(), (0, lay.D_pad - lay.D_g)).to(q.dtype) if lay.D_pad > lay.D_g else q
@@ -520,12 +570,14 @@ def quantize(
         if spec.symmetric:
             q = q + 2 ** (spec.bits - 1) if spec.bits < 8 else q
         q = F.pad(q, (0, lay.D_pad - lay.D_g)) if lay.D_pad > lay.D_g else q
-        if spec.bits == 8:
+        if w is not None:
+            data = pack_channels(q.to(torch.uint8), w.to(q.device))
+        elif spec.bits == 8:
             data = q.to(torch.int8 if spec.symmetric else torch.uint8)
         else:
             data = pack(q.to(torch.uint8), spec.bits)
     return QuantizedTensor(data.contiguous(), s_st.contiguous(), None if zp_st is None else zp_st.contiguous(),
-                           shape, spec, x.dtype, gs)
+                           shape, spec, x.dtype, gs, w)
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -542,6 +594,8 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
         q = d[..., : lay.D_g]
     elif kind == "nvfp4":
         q = unpack(d, 4, lay.D_g)
+    elif qt.channel_bits is not None:
+        q = unpack_channels(d, qt.channel_bits).to(torch.int16)
     elif spec.bits == 8:
         q = d[..., : lay.D_g]
     else:
@@ -569,6 +623,7 @@ def fake_quant(
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
     rounding: torch.Tensor | None = None,
+    channel_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` computed without packing (the fast path for search).
 
@@ -579,10 +634,11 @@ def fake_quant(
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return x.to(dt).to(x.dtype)
     lay = _Layout(spec, tuple(x.shape))
+    top = None if channel_bits is None else _top_codes(_check_channel_bits(channel_bits, spec, lay), lay, x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
-    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32)
-    y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding), s, zp, spec))
+    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top)
+    y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding, top), s, zp, spec))
     return y[:, :, : lay.S, : lay.D].to(x.dtype)
 
 

@@ -288,7 +288,9 @@ class KVCacheConfig:
     per-channel mean (``float32 [1,H,1,D]`` per layer, counted as per-layer metadata).
     ``key_rounding`` / ``value_rounding``: the side is quantized with query-aware rounding, whose
     matrix the runtime keeps as the float8 strict upper triangle ``[H, D(D-1)/2]`` per layer (counted as
-    per-layer metadata; :func:`kvcal.formats.quant.unit_rounding`). Raises
+    per-layer metadata; :func:`kvcal.formats.quant.unit_rounding`). ``key_channel_bits`` /
+    ``value_channel_bits``: the side has per-channel payload widths (``uint8 [H, D]`` per layer,
+    counted as per-layer metadata; the rows keep the spec's size). Raises
     ``ValueError`` on negative windows or another 16-bit dtype.
     """
 
@@ -300,6 +302,8 @@ class KVCacheConfig:
     key_centering: bool = False
     key_rounding: bool = False
     value_rounding: bool = False
+    key_channel_bits: bool = False
+    value_channel_bits: bool = False
 
     def __post_init__(self):
         for side in ("key", "value"):
@@ -339,6 +343,8 @@ class KVCacheConfig:
             "key_centering": self.key_centering,
             "key_rounding": self.key_rounding,
             "value_rounding": self.value_rounding,
+            "key_channel_bits": self.key_channel_bits,
+            "value_channel_bits": self.value_channel_bits,
         }
 
     @classmethod
@@ -350,6 +356,8 @@ class KVCacheConfig:
             bool(d.get("key_centering", False)),
             bool(d.get("key_rounding", False)),
             bool(d.get("value_rounding", False)),
+            bool(d.get("key_channel_bits", False)),
+            bool(d.get("value_channel_bits", False)),
         )
 
 

@@ -44,6 +44,10 @@ def triton_supports(plan, D: int) -> str | None:
     spec = plan.spec
     if getattr(plan, "transform", "none") != "none":
         return f"{plan.transform} keys run on the torch reference"
+    if getattr(plan, "rounding", None) is not None:
+        return "keys with query-aware rounding run on the torch reference"
+    if getattr(plan, "channel_bits", None) is not None:
+        return "keys with per-channel bit widths run on the torch reference"
     if spec.format.kind != "int":
         return f"{spec.format.value} keys run on the torch reference"
     g = spec.granularity

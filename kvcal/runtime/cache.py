@@ -43,7 +43,9 @@ they are quantized and rotates back when it dequantizes; a ``pre_rope`` key side
 token at its position before quantizing and re-applies RoPE after dequantizing. Sinks and the
 residual window stay as attention reads them. Both cost no bytes (the Hadamard matrix and the
 RoPE angles are recomputed). A side with query-aware rounding keeps the strict upper triangle of its
-unit-diagonal rounding matrix in float8 e4m3 ``[H, D(D-1)/2]`` (per-layer metadata, in the accounting). ``pre_rope`` needs every token's position to equal its cache slot
+unit-diagonal rounding matrix in float8 e4m3 ``[H, D(D-1)/2]`` (per-layer metadata, in the accounting); one with
+per-channel bit widths keeps them as ``uint8 [H, D]`` and packs each row with
+:func:`kvcal.formats.packing.pack_channels`. ``pre_rope`` needs every token's position to equal its cache slot
 (transformers passes ``position_ids`` to ``update``; a left-padded batch is refused with a
 ``ValueError`` rather than rotated at the wrong angle).
 
@@ -119,6 +121,9 @@ class _Side:
             iu = torch.triu_indices(D, D, offset=1)
             u = unit_rounding(torch.broadcast_to(sp.rounding.float(), (H, D, D)))
             self.rounding = u[:, iu[0], iu[1]].to(torch.float8_e4m3fn).clone()
+        self.channel_bits = None  # uint8 [H, D] per-channel payload widths (rows keep the spec's size)
+        if self.quantized and sp.channel_bits is not None:
+            self.channel_bits = torch.broadcast_to(sp.channel_bits, (H, D)).to(torch.uint8).clone()
         if self.quantized:
             spec = self.spec
             if spec.dynamic:
@@ -158,8 +163,8 @@ class _Side:
         return ns, nw, s_pad, rows
 
     def metadata_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale, self.rounding)
-                if t is not None]
+        return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale, self.rounding,
+                            self.channel_bits) if t is not None]
 
     def batch_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.sink, self.win, self.data, self.scale, self.zp) if t is not None]
@@ -172,7 +177,7 @@ class _Side:
 
     # ---- allocation ---------------------------------------------------------------------------
     def _move(self, device):
-        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding"):
+        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding", "channel_bits"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -278,6 +283,8 @@ class _Side:
         kw = self._params()
         if self.rounding is not None:
             kw["rounding"] = self._rounding_matrix()
+        if self.channel_bits is not None:
+            kw["channel_bits"] = self.channel_bits
         qt = quantize(x, spec, **kw)
         e = x.shape[2]
         s_pad = qt.data.shape[2]
@@ -302,7 +309,8 @@ class _Side:
         else:
             scale, zp = self.static_scale, self.static_zp
         gs = self.global_scale.reshape(1, 1, 1, 1) if self.global_scale is not None else None
-        return QuantizedTensor(data, scale, zp, (self.B, self.H, b - a, self.D), spec, self.dtype, gs)
+        return QuantizedTensor(data, scale, zp, (self.B, self.H, b - a, self.D), spec, self.dtype, gs,
+                               self.channel_bits)
 
     # ---- read -----------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:

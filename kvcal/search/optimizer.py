@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.formats.granularity import PerChannel
+from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup
 from kvcal.formats.quant import params_from_range
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.plan import SidePlan
@@ -124,7 +124,7 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
               mean: torch.Tensor | None = None, transform: str = "none", rope=None,
-              rounding: torch.Tensor | None = None) -> SidePlan:
+              rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
     ``family="clip"`` (dynamic specs): ``clip_ratio = t``; ``"shrink"`` / ``"std"`` (static
@@ -132,15 +132,18 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
     ``mean`` ``[H, D]``: key centering (rows of zeros = off for that head). ``transform`` /
     ``rope``: see :class:`~kvcal.plan.SidePlan` (dynamic specs only: the capture statistics that
     static ranges come from are of the untransformed tensor). ``rounding``: ``U [H, D, D]`` for
-    query-aware rounding (see :func:`query_rounding`)."""
+    query-aware rounding (see :func:`query_rounding`). ``channel_bits``: per-channel widths ``[H, D]``
+    (dynamic asymmetric per-channel specs; see :func:`channel_bit_allocation`)."""
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
             raise ValueError(f"clip search needs a dynamic spec, got {spec.granularity.name}")
         sp = SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
-                      rope=rope if transform == "pre_rope" else None, rounding=rounding)
+                      rope=rope if transform == "pre_rope" else None, rounding=rounding, channel_bits=channel_bits)
         sp.check_transform()
         return sp
+    if channel_bits is not None:
+        raise ValueError("per-channel bit widths are searched for dynamic specs only")
     if transform != "none":
         raise ValueError(f"transform {transform!r} needs a dynamic spec (static ranges come from untransformed stats)")
     if stats is None:
@@ -168,6 +171,13 @@ def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=No
     :func:`kvcal.formats.quant.rounding_matrix`. Rounding keys to minimize ``E[(qᵀΔk)²]`` is the
     OPTQ objective with the query as the layer input (Frantar et al. 2023)."""
     from kvcal.formats.quant import rounding_matrix, unit_rounding
+
+    return unit_rounding(rounding_matrix(_query_moment(caches, transform, rope)))
+
+
+def _query_moment(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
+    """``Σ_h = Σ q qᵀ`` ``[H_kv, D, D]`` float64 over every query of the GQA group of KV head ``h``,
+    in the domain the keys are quantized in (see :func:`query_rounding`)."""
     from kvcal.formats.transforms import apply_transform
 
     sig = None
@@ -179,7 +189,76 @@ def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=No
         qg = q[0].reshape(Hk, -1, q.shape[-1]).double()  # [H_kv, G*T, D]
         m = torch.einsum("hti,htj->hij", qg, qg)
         sig = m if sig is None else sig + m
-    return unit_rounding(rounding_matrix(sig))
+    return sig
+
+
+def water_fill_bits(weight: torch.Tensor, bits: int, min_bits: int = 1, max_bits: int = 8) -> torch.Tensor:
+    """Integer per-channel widths ``[H, D]`` (int64) with ``Σ_c = bits · D`` per head that minimize
+    ``Σ_c weight[h, c] / (2^{w_c} − 1)²`` — the summed squared step of asymmetric uniform quantizers
+    whose channel ``c`` spans a range ``√weight`` (reverse water-filling, Cover & Thomas §10.3.3,
+    on the integer grid).
+
+    ``weight`` ``[H, D]``: non-negative, finite. Greedy: every channel starts at ``min_bits`` and each
+    further bit goes to the channel whose distortion drops most (exact for this separable convex
+    objective); ties go to the lowest channel index. Raises ``ValueError`` for bad weights or a
+    budget outside ``[min_bits, max_bits]``."""
+    if weight.ndim != 2 or not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
+        raise ValueError("weight must be a finite, non-negative [H, D] tensor")
+    if not (1 <= min_bits <= bits <= max_bits <= 8):
+        raise ValueError(f"need 1 <= min_bits <= bits <= max_bits <= 8, got {min_bits}, {bits}, {max_bits}")
+    w = weight.double()
+    H, D = w.shape
+    out = torch.full((H, D), min_bits, dtype=torch.int64)
+
+    def dist(b):
+        return 1.0 / (2.0 ** b.double() - 1) ** 2
+
+    rows = torch.arange(H)
+    for _ in range((bits - min_bits) * D):
+        gain = w * (dist(out) - dist(out + 1))
+        gain = torch.where(out >= max_bits, torch.full_like(gain, -1.0), gain)
+        out[rows, gain.argmax(-1)] += 1
+    return out
+
+
+def channel_bit_allocation(caches: list[SequenceCache], spec: TensorQuantSpec, transform: str = "none", rope=None,
+                           sinks: int = 0) -> torch.Tensor:
+    """Per-channel key widths ``[H_kv, D]`` (int64, 1–8 bits, ``spec.bits · D`` per head) from the
+    calibration sequences: :func:`water_fill_bits` of ``weight = Σ_qq[c, c] · E[range_c²]``.
+
+    ``Σ_qq[c, c]``: the queries' second moment of channel ``c`` (:func:`query_rounding`'s ``Σ``, in
+    the quantized domain); ``E[range_c²]``: mean over the spec's token groups (whole sequences for
+    per-channel specs) of the squared range of key channel ``c`` in that domain, after the first
+    ``sinks`` tokens. The score error a key channel adds is ``q_c · Δk_c``, so its expected square
+    is ``Σ_qq[c, c] · step_c² / 12`` with ``step_c = range_c / (2^{w_c} − 1)``. Raises ``ValueError``
+    for a spec that is not an asymmetric per-channel int (the only layouts whose ranges are per channel)."""
+    from kvcal.formats.transforms import apply_transform
+
+    g = spec.granularity
+    if spec.format.kind != "int" or spec.symmetric or not isinstance(g, (PerChannel, PerChannelTokenGroup)):
+        raise ValueError("per-channel bit widths need an asymmetric int spec with per-channel ranges")
+    if not caches:
+        raise ValueError("no calibration sequences to allocate channel bits on")
+    sig = _query_moment(caches, transform, rope)
+    r2 = None
+    n = 0
+    for c in caches:
+        k = c.k.float()[None, :, sinks:]
+        if k.shape[2] == 0:
+            continue
+        if transform != "none":
+            k = apply_transform(transform, k, rope=rope, start=sinks)
+        k = k[0]  # [H, T, D]
+        tg = spec.token_group or k.shape[1]
+        T = k.shape[1] // tg * tg or k.shape[1]
+        kg = k[:, :T].reshape(k.shape[0], -1, min(tg, T), k.shape[-1])
+        rr = ((kg.amax(2) - kg.amin(2)).double() ** 2).sum(1)  # [H, D]
+        r2 = rr if r2 is None else r2 + rr
+        n += kg.shape[1]
+    if r2 is None:
+        raise ValueError(f"the calibration sequences hold no key after the {sinks} sink tokens")
+    weight = sig.diagonal(dim1=-2, dim2=-1) * (r2 / n)
+    return water_fill_bits(weight, spec.bits)
 
 
 @dataclass
@@ -207,7 +286,9 @@ class SideSearch:
         return {"spec": self.spec.to_dict(), "param": [round(float(x), 5) for x in self.param],
                 "label": self.label, "calib": self.calib, "heldout": self.heldout,
                 "heldout_minmax": self.heldout_minmax, "heldout_out": self.heldout_out,
-                "transform": self.plan.transform, "rounding": self.plan.rounding is not None}
+                "transform": self.plan.transform, "rounding": self.plan.rounding is not None,
+                **({} if self.plan.channel_bits is None else
+                   {"channel_bits": torch.bincount(self.plan.channel_bits.flatten(), minlength=9)[1:].tolist()})}
 
 
 def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals):
@@ -238,8 +319,9 @@ def _one_head(spec, family, stats, mean, h, t, H, quant_kw: dict | None = None):
     st = None if stats is None else {k: v[h : h + 1] for k, v in stats.items() if k in ("min", "max", "mean", "std")}
     mh = None if mean is None else mean[h : h + 1]
     kw = dict(quant_kw or {})
-    if kw.get("rounding") is not None:
-        kw["rounding"] = kw["rounding"][h : h + 1]
+    for name in ("rounding", "channel_bits"):
+        if kw.get(name) is not None:
+            kw[name] = kw[name][h : h + 1]
     return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, **kw)
 
 
@@ -285,6 +367,7 @@ def search_side(
     rope=None,
     rounding: bool = False,
     grid: tuple[float, ...] | None = None,
+    channel_bits: bool = False,
 ) -> SideSearch:
     """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an int ``spec``.
 
@@ -301,7 +384,9 @@ def search_side(
     ``grid``: clip-ratio grid of dynamic specs (default :func:`clip_grid`; ``(1.0,)`` = plain
     min/max ranges, no search). ``rounding=True`` (keys, int): query-aware rounding with :func:`query_rounding` of the
     calibration split; heads whose held-out winner is plain min/max get the identity (nearest
-    rounding).
+    rounding). ``channel_bits=True`` (keys, dynamic asymmetric per-channel int): per-channel widths
+    from :func:`channel_bit_allocation` in every candidate; heads whose held-out winner is plain
+    min/max get uniform widths.
     """
     U = None
     if rounding:
@@ -310,8 +395,17 @@ def search_side(
         if not spec.dynamic:
             raise ValueError("query-aware rounding is searched for dynamic key specs only")
         U = query_rounding(calib, transform, rope)
-    quant_kw = {"transform": transform, "rope": rope, "rounding": U}
-    if transform != "none" or rounding:
+    W = None
+    if channel_bits:
+        if side != "k":
+            raise ValueError("per-channel bit widths are allocated for keys (from the queries' weights)")
+        if not spec.dynamic:
+            raise ValueError("per-channel bit widths are searched for dynamic key specs only")
+        if not calib:
+            raise ValueError("no calibration sequences to search on")
+        W = channel_bit_allocation(calib, spec, transform, rope, sinks)
+    quant_kw = {"transform": transform, "rope": rope, "rounding": U, "channel_bits": W}
+    if transform != "none" or rounding or channel_bits:
         centering = "off"
     if spec.format.kind != "int":
         raise ValueError(f"search_side handles integer specs; {spec.format.value} is searched elsewhere")
@@ -391,9 +485,12 @@ def search_side(
     if U is not None:
         eye = torch.eye(U.shape[-1])
         U_final = torch.stack([U[h] if int(best_idx[h]) >= 0 else eye for h in range(H)])
+    W_final = None
+    if W is not None:
+        W_final = torch.stack([W[h] if int(best_idx[h]) >= 0 else torch.full_like(W[h], spec.bits) for h in range(H)])
     if spec.dynamic:
         plan = make_plan(spec, param, family="clip", mean=mean_rows if any_mean else None, transform=transform,
-                         rope=rope, rounding=U_final)
+                         rope=rope, rounding=U_final, channel_bits=W_final)
     else:
         plan = _static_plan_mixed(spec, stats, param, fam_final)
     # final figures (normalized over heads)
@@ -421,4 +518,4 @@ def _static_plan_mixed(spec, stats, x: torch.Tensor, families: list[str]) -> Sid
 
 
 __all__ = ["search_side", "side_error", "make_plan", "quantize_seq", "SideSearch", "clip_grid", "std_grid",
-           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding"]
+           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding", "channel_bit_allocation", "water_fill_bits"]

@@ -54,24 +54,27 @@ class SideChoice(NamedTuple):
     """One side's storage: the spec, the transform applied before quantizing (``"none"``,
     ``"pre_rope"``, ``"hadamard"``; :mod:`kvcal.formats.transforms`) and whether keys use
     query-aware rounding (:func:`kvcal.search.optimizer.query_rounding`); ``clip_search=False``
-    keeps dynamic ranges at min/max (clip ratio 1) instead of searching them."""
+    keeps dynamic ranges at min/max (clip ratio 1) instead of searching them; ``channel_bits``: keys
+    get per-channel payload widths (:func:`kvcal.search.optimizer.channel_bit_allocation`)."""
 
     spec: TensorQuantSpec
     transform: str = "none"
     rounding: bool = False
     clip_search: bool = True
+    channel_bits: bool = False
 
 
-def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True):
-    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform, rounding, clip_search)
+def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True, channel_bits=False):
+    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform, rounding, clip_search, channel_bits)
 
 
 INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
     "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
-    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True), _s("int4", PerToken(), True, "hadamard", clip_search=False)),
-    "int2": (_s("int2", PerChannelTokenGroup(32), False, "pre_rope", True),
+    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
+             _s("int4", PerToken(), True, "hadamard", clip_search=False)),
+    "int2": (_s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
              _s("int2", PerTokenGroup(32), False, "hadamard")),
-    "k4v2": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True),
+    "k4v2": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
              _s("int2", PerTokenGroup(32), False, "hadamard")),
 }
 
@@ -84,10 +87,12 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
         _s("int2", PerChannelTokenGroup(32), False),
         _s("int2", PerChannelTokenGroup(32), False, "pre_rope"),
         _s("int2", PerChannelTokenGroup(32), False, "pre_rope", True),
+        _s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
         _s("int4", PerChannel(), False),
         _s("int4", PerChannelTokenGroup(128), False),
         _s("int4", PerChannelTokenGroup(128), False, "pre_rope"),
         _s("int4", PerChannelTokenGroup(128), False, "pre_rope", True),
+        _s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
         _s("int4", PerChannelTokenGroup(32), False),
         _s("int4", PerChannelTokenGroup(32), False, "pre_rope"),
         _s("int8", PerToken(), False),
@@ -113,7 +118,7 @@ NEEDS_ROPE = ("pre_rope",)
 
 def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     """Short name, e.g. ``int4/channel/asym``, ``int4/channel_token_group128/asym/pre_rope/qround``."""
-    tr, rounding = "none", False
+    tr, rounding, spec_in = "none", False, spec
     if isinstance(spec, SideChoice):
         spec, tr, rounding = spec.spec, spec.transform, spec.rounding
     g = spec.granularity
@@ -121,7 +126,8 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     out = f"{spec.format.value}/{g.name}{gs}/{'sym' if spec.symmetric else 'asym'}"
     if tr != "none":
         out += f"/{tr}"
-    return out + "/qround" if rounding else out
+    out = out + "/qround" if rounding else out
+    return out + "/chbits" if isinstance(spec_in, SideChoice) and spec_in.channel_bits else out
 
 
 __all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label"]
