@@ -85,18 +85,19 @@ def test_plan_smollm2_1gib_hand_computed():
     assert rows[8]["bf16"] == {"max_context": 3783, "fits": 3783, "capped": False}
     # batch 32, fp8 (+240 B of fp32 scales): floor((697337626 - 240) / (32*11520)) = 1891
     assert rows[32]["fp8"]["max_context"] == 1891
-    # batch 32, kivi2: 5044 by bytes/token, but keys are allocated in whole 32-token groups:
-    # T=5032 -> K 5056*16 + 158*64*4, V 5032*24 per head-layer; x90x32 + 720 = 697,283,280 <= budget
-    # T=5033 -> 697,351,680 + 720 > budget
-    assert rows[32]["kivi2"]["max_context"] == 5032
+    # batch 32, kivi2: 5044 by bytes/token, but keys are allocated in whole 32-token groups and
+    # each sequence keeps its open key group's float32 raw min / max (2*64*4 = 512 B per head-layer):
+    # T=5024 -> K 5024*16 + 157*64*4, V 5024*24, + 512 per head-layer = 241,664; x90x32 + 720 = 695,993,040 <= budget
+    # T=5025 -> K 5056*16 + 158*64*4, V 5025*24, + 512 = 242,456; x90x32 + 720 = 698,274,000 > budget
+    assert rows[32]["kivi2"]["max_context"] == 5024
     conc = {r["context"]: r for r in plan.max_concurrency}
     assert sorted(conc) == [1024, 2048, 4096, 8192]  # 1k..128k capped at the model max
     # 8192 tokens: 16-bit floor(697337626 / 188743680) = 3; fp8 floor((b-240)/94371840) = 7;
-    # kivi2 floor((b-720)/35389440) = 19
+    # kivi2 floor((b-720)/35435520) = 19
     assert (conc[8192]["bf16"], conc[8192]["fp8"], conc[8192]["kivi2"]) == (3, 7, 19)
     assert conc[1024]["bf16"] == 697_337_626 // (1024 * 23040) == 29
     text = render_plan(plan)
-    for s in ("269,030,016", "697,337,626", "10% of GPU memory", "8,192*(30,266)", "3,783", "5,032",
+    for s in ("269,030,016", "697,337,626", "10% of GPU memory", "8,192*(30,266)", "3,783", "5,024",
               "weight precision is independent"):
         assert s in text
 

@@ -23,7 +23,10 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
        ``s.scale_dtype`` (per-token ``[B,H,n_q,1]``, per-token-group ``[B,H,n_q,ceil(D/g)]``
        — a channel group larger than ``D`` acts as ``D``, no padding —,
        per-channel-token-group ``[B,H,ceil(n_q/g),D]``), plus a ``zero_point`` of the same shape
-       and dtype when asymmetric; NVFP4: block scales ``float8_e4m3fn [B,H,n_q,ceil(D/16)]``.
+       and dtype when asymmetric; NVFP4: block scales ``float8_e4m3fn [B,H,n_q,ceil(D/16)]``;
+     - per-channel-token groups with ``residual_window < g`` and ``n_q > 0`` (tokens leave the
+       window one by one, so the last group fills up while it is read): the open group's raw
+       min / max ``float32 [B,H,2,D]``, from which its parameters are recomputed as it grows.
 
    * per-layer metadata, independent of ``B`` and ``T``:
 
@@ -192,6 +195,8 @@ def side_cache_bytes(
             params = numel  # fp8 block scales, 1 byte
         else:
             params = _n_params(spec) * numel * _sb(spec)
+    if isinstance(g, PerChannelTokenGroup) and residual_window < g.group_size and n_q > 0:
+        params += B * H * 2 * D * 4  # raw min / max of the open token group, float32 [B,H,2,D]
     dense = B * H * (n_sink + n_win) * D * dtype16_bytes
     return {"payload": payload, "params": params, "dense16": dense, "static": side_static_bytes(spec, H, D)}
 

@@ -66,10 +66,18 @@ the sinks (use ``sink_tokens = 0`` or equal-length prompts when that matters).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvcal.errors import ArtifactError
 from kvcal.formats.fp8 import FP8_FORMATS
-from kvcal.formats.quant import QuantizedTensor, dequantize, nvfp4_global_scale, quantize, unit_rounding
+from kvcal.formats.quant import (
+    QuantizedTensor,
+    dequantize,
+    nvfp4_global_scale,
+    params_from_range,
+    quantize,
+    unit_rounding,
+)
 from kvcal.formats.spec import DEFAULTS, QFormat
 from kvcal.formats.transforms import apply_transform
 from kvcal.plan import KVPlan, SidePlan
@@ -113,6 +121,7 @@ class _Side:
         self.dtype = None
         self.n_sink = self.n_win = self.n_q = 0  # tokens held in each region
         self.sink = self.win = self.data = self.scale = self.zp = None  # batch-major buffers
+        self.open_rng = None  # raw min / max of the open token group, float32 [B,H,2,D] (groups with R < g)
         # per-layer metadata (independent of B and T)
         self.static_scale = self.static_zp = self.clip = self.global_scale = None
         self.mean = None
@@ -167,7 +176,7 @@ class _Side:
                             self.channel_bits) if t is not None]
 
     def batch_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.sink, self.win, self.data, self.scale, self.zp) if t is not None]
+        return [t for t in (self.sink, self.win, self.data, self.scale, self.zp, self.open_rng) if t is not None]
 
     def nbytes(self) -> int:
         ts = self.metadata_tensors() + self.batch_tensors()
@@ -186,6 +195,7 @@ class _Side:
 
     def init(self, B: int, device, dtype: torch.dtype):
         self.B, self.dtype, self.device = B, dtype, device
+        self.open_rng = None
         self._move(device)
         D, H = self.D, self.H
         self.sink = torch.empty(B, H, 0, D, dtype=self.dtype16, device=device) if self.quantized else None
@@ -214,6 +224,8 @@ class _Side:
         self.data = grow(self.data, s_pad)
         self.scale = grow(self.scale, rows)
         self.zp = grow(self.zp, rows)
+        if self.quantized and self.tg and self.R < self.tg and s_pad > 0 and self.open_rng is None:
+            self.open_rng = torch.zeros(self.B, self.H, 2, self.D, dtype=torch.float32, device=self.device)
 
     # ---- write ----------------------------------------------------------------------------------
     @property
@@ -272,21 +284,19 @@ class _Side:
         q0 = self.n_q
         if self.transform != "none":  # into the quantized domain (positions = cache slots)
             x = apply_transform(self.transform, x, rope=self.rope, start=self.n_sink + q0)
-        if self.tg and q0 % self.tg:  # open group (residual_window < g): re-quantize it whole
-            g0 = q0 - q0 % self.tg
-            old = self._qt(g0, q0)
-            prev = dequantize(old, x.dtype)  # centered / transformed values, like x
-            x = torch.cat([prev, x], dim=2)
-            q0 = g0
+        e = x.shape[2]
+        open_range = None
+        if self.tg:
+            x, q0, kw, open_range = self._token_group_params(x, q0)
+        else:
+            kw = self._params()
         if spec.format is QFormat.NVFP4 and float(self.global_scale) == 0.0:
             self.global_scale.copy_(nvfp4_global_scale(x.abs().amax()).reshape(1))
-        kw = self._params()
         if self.rounding is not None:
             kw["rounding"] = self._rounding_matrix()
         if self.channel_bits is not None:
             kw["channel_bits"] = self.channel_bits
         qt = quantize(x, spec, **kw)
-        e = x.shape[2]
         s_pad = qt.data.shape[2]
         self.data[:, :, q0 : q0 + s_pad] = qt.data
         if spec.dynamic:
@@ -295,7 +305,53 @@ class _Side:
             self.scale[:, :, r0 : r0 + n] = qt.scale
             if self.zp is not None:
                 self.zp[:, :, r0 : r0 + n] = qt.zero_point
-        self.n_q = q0 + e
+            if open_range is not None:  # the last group is still filling: keep its raw range
+                self.open_rng[:, :, :1], self.open_rng[:, :, 1:] = open_range
+        self.n_q = self.n_q + e
+
+    def _token_group_params(self, x: torch.Tensor, q0: int):
+        """Per-channel-token-group sides: ``(tokens to quantize, first slot, explicit scale / zero
+        point, open range)`` for new tokens ``x`` written at slot ``q0``.
+
+        Every group's parameters come from the **raw** min / max of its tokens (then the clip ratio
+        and per-channel widths), exactly as Protocol A computes them from the same tokens. While a
+        group is still filling (``residual_window < g``, decode), its raw range (``open range``:
+        ``(lo, hi)`` ``[B,H,1,D]``) is kept in ``open_rng`` (float32 ``[B,H,2,D]``, in the memory
+        accounting) so that its parameters stay Protocol A's for its tokens; members are re-quantized from their
+        dequantized values when the range grows (one extra rounding each time) — never re-ranged
+        from dequantized values, which would shrink a clipped range again at every token."""
+        g = self.tg
+        n_open = q0 % g
+        raw = x.float()
+        if n_open:
+            g0 = q0 - n_open
+            prev = dequantize(self._qt(g0, q0), x.dtype)  # centered / transformed values, like x
+            x = torch.cat([prev, x], dim=2)
+            lo, hi = self._open_range(g0 // g)
+            raw = torch.cat([lo.expand(-1, -1, n_open, -1), raw], dim=2)  # stand-ins for the members
+            q0 = g0
+        S = raw.shape[2]
+        G = -(-S // g)
+        rp = F.pad(raw, (0, 0, 0, G * g - S), mode="replicate") if G * g > S else raw
+        rg = rp.reshape(raw.shape[0], raw.shape[1], G, g, raw.shape[3])
+        mn, mx = rg.amin(3), rg.amax(3)  # [B,H,G,D]
+        if n_open:
+            mx[:, :, :1] = torch.maximum(mx[:, :, :1], hi)
+        scale, zp = self._range_params(mn, mx)
+        open_range = (mn[:, :, -1:], mx[:, :, -1:]) if (q0 + x.shape[2]) % g else None
+        return x, q0, {"scale": scale, "zero_point": zp}, open_range
+
+    def _range_params(self, mn: torch.Tensor, mx: torch.Tensor):
+        """Stored ``(scale, zero_point)`` of token groups with raw ranges ``[mn, mx]`` ``[B,H,G,D]``."""
+        c = None if self._clip_arg is None else self._clip_arg.float().reshape(1, -1, 1, 1)
+        if self.spec.symmetric:
+            return params_from_range(self.spec, amax=torch.maximum(mx.abs(), mn.abs()), clip_ratio=c)
+        top = None if self.channel_bits is None else (2.0 ** self.channel_bits.float() - 1)[None, :, None, :]
+        return params_from_range(self.spec, amax=mx, amin=mn, clip_ratio=c, qmax=top)
+
+    def _open_range(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)`` fp32 ``[B,H,1,D]``: the raw range of the open group (slot ``r``)."""
+        return self.open_rng[:, :, :1], self.open_rng[:, :, 1:]
 
     def _qt(self, a: int, b: int) -> QuantizedTensor:
         """The stored tokens ``[a, b)`` of the quantized region (``a`` on a group boundary)."""
@@ -335,7 +391,7 @@ class _Side:
 
     # ---- batch ops ------------------------------------------------------------------------------
     def map_batch(self, fn) -> None:
-        for name in ("sink", "win", "data", "scale", "zp"):
+        for name in ("sink", "win", "data", "scale", "zp", "open_rng"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))

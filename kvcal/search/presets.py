@@ -8,9 +8,11 @@ preset     keys                                           values                
 =========  =============================================  ============================================  =====
 ``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
 ``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, min/max, after a    4.25
-           clip, **pre-RoPE**, query-aware rounding       64×64 Hadamard rotation                       +0.03
+           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation                       +0.03
+           **per-channel widths** (4 bits on average)
 ``int2``   int2 per channel in 32-token groups, asym,     int2 per token in 32-channel groups, asym,     3.0
-           clip, pre-RoPE, query-aware rounding           clip, after a Hadamard rotation               +0.03
+           clip, pre-RoPE, query-aware rounding,          clip, after a Hadamard rotation               +0.03
+           per-channel widths (2 bits on average)
 ``k4v2``   as ``int4``                                    as ``int2``                                   3.625
 =========  =============================================  ============================================  =====
 
@@ -30,7 +32,20 @@ keys (OPTQ-style error feedback weighted by the calibration queries' second mome
 in the same probe; its stored form, the float8 ratios above a unit diagonal
 (:func:`kvcal.formats.quant.unit_rounding`, ``H·D(D−1)/2`` bytes per layer), is counted as metadata
 (+0.03 bit at 4096 tokens, batch 1; less at longer contexts or larger batches — the float16
-triangle it replaced cost +0.06 and rounded 5% better on that probe, K-only KL 5.6e-3 vs 5.9e-3). The values'
+triangle it replaced cost +0.06 and rounded 5% better on that probe, K-only KL 5.6e-3 vs 5.9e-3).
+**Per-channel widths** (:func:`kvcal.search.optimizer.channel_bit_allocation`: each key channel gets
+1–8 bits by reverse water-filling on its queries' second moment × its squared group range, each
+head's row keeping its 4·D bits, so the payload size is unchanged; the ``uint8 [H, D]`` table is
++0.001 bit) then took the same probe's keys (min/max ranges, no clip search) from 9.4e-3 to
+3.4e-3 without rounding and from 5.4e-3 to 2.5e-3 with it; through the full search
+(clip ratios, guards) the ``int4`` keys measure K-only KL 2.45e-3 there. For ``int2`` keys (g32,
+with rounding) the widths took the probe from 102e-3 to 59e-3. Allowed widths matter: restricting
+them to {2, 3, 4, 8} (packing units the engines know) gave 3.1e-3 instead of 2.5e-3, so kvcal packs
+any width (:func:`kvcal.formats.packing.pack_channels`). A 256- or 192-token key group (half or
+two thirds of the scale / zero-point bits, which would bring ``int4`` under 4.25) measured 3.3e-3 /
+3.2e-3 — the 128-token group stays. The same allocation for values (per-channel 128-token groups,
+widths by ``o_proj`` column norms × range²) measured V-only 8.1e-3, worse than the Hadamard per-token
+layout (6.8e-3): values keep it. The values'
 clip ratio is not searched (``clip_search=False``: min/max): on the embedded model the clip ratios
 that minimized the held-out attention-output error (0.89–0.96) raised the model's V-only KL from
 6.8e-3 to 7.6e-3 on a 2 × 1024-window probe; on the 8 × 1024 benchmark windows (paired) they gave
@@ -83,15 +98,13 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
     "k": (
         _s("int2", PerChannel(), False),
         _s("int2", PerChannelTokenGroup(128), False),
-        _s("int2", PerChannelTokenGroup(128), False, "pre_rope", True),
+        _s("int2", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
         _s("int2", PerChannelTokenGroup(32), False),
         _s("int2", PerChannelTokenGroup(32), False, "pre_rope"),
-        _s("int2", PerChannelTokenGroup(32), False, "pre_rope", True),
         _s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
         _s("int4", PerChannel(), False),
         _s("int4", PerChannelTokenGroup(128), False),
         _s("int4", PerChannelTokenGroup(128), False, "pre_rope"),
-        _s("int4", PerChannelTokenGroup(128), False, "pre_rope", True),
         _s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
         _s("int4", PerChannelTokenGroup(32), False),
         _s("int4", PerChannelTokenGroup(32), False, "pre_rope"),
