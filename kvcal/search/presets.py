@@ -1,17 +1,19 @@
 """Integer presets of ``kvcal calibrate`` and the menu of the bit allocator (specs only; torch only).
 
-Average bits per cached element (payload + per-token/group fp16 parameters; per-layer metadata
-and 16-bit sinks are added by the exact accounting in :mod:`kvcal.search.allocate`):
+Average bits per cached element (payload + per-token/group fp16 parameters; per-layer metadata —
+rounding ratios, channel-width tables —, the open key group's float32 raw range and 16-bit sinks
+are added by the exact accounting in :mod:`kvcal.search.allocate`; the ``+`` column is that at
+4096 tokens, batch 1, on the embedded model):
 
 =========  =============================================  ============================================  =====
 preset     keys                                           values                                        avg
 =========  =============================================  ============================================  =====
 ``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
 ``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, min/max, after a    4.25
-           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation                       +0.03
+           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation                       +0.04
            **per-channel widths** (4 bits on average)
 ``int2``   int2 per channel in 32-token groups, asym,     int2 per token in 32-channel groups, asym,     3.0
-           clip, pre-RoPE, query-aware rounding,          clip, after a Hadamard rotation               +0.03
+           clip, pre-RoPE, query-aware rounding,          clip, after a Hadamard rotation               +0.04
            per-channel widths (2 bits on average)
 ``k4v2``   as ``int4``                                    as ``int2``                                   3.625
 =========  =============================================  ============================================  =====
