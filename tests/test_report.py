@@ -225,10 +225,13 @@ def test_integer_report_states_transforms_and_rounding():
     meta["kv"]["key_position"] = "pre_rope"
     for lm in meta["layers"][:2]:
         lm["k"]["rounding"] = True
+    meta["layers"][1]["k"]["channel_bits"] = [2, 10, 20, 110, 40, 10, 0, 0]  # histogram over 1..8 bits
     md = to_markdown(build_report(meta, make_eval(), tensors))
     assert "Keys are quantized **pre-rope**" in md
     assert "Keys are quantized after a transform: pre-rope" in md
     assert "Values are quantized after a transform: hadamard" in md
     assert f"query-aware rounding (OPTQ-style error feedback weighted by calibration queries) in 2 of {L} layers" in md
+    assert f"per-channel bit widths (1–8 bits, each head's row keeping the format's size; chosen from calibration " \
+           f"queries × key ranges) in 1 of {L} layers" in md
     plain = to_markdown(build_report(make_int_meta(), make_eval(), tensors))
-    assert "after a transform" not in plain and "query-aware rounding" not in plain
+    assert "after a transform" not in plain and "query-aware rounding" not in plain and "bit widths" not in plain

@@ -155,6 +155,11 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
     if rounded:
         items.append(f"Keys use query-aware rounding (OPTQ-style error feedback weighted by calibration queries) in "
                      f"{len(rounded)} of {_num(m.get('num_layers'))} layers; its matrix is counted as per-layer metadata.")
+    widths = [lm["layer"] for lm in meta.get("layers") or [] if (lm.get("k") or {}).get("channel_bits")]
+    if widths:
+        items.append(f"Keys use per-channel bit widths (1–8 bits, each head's row keeping the format's size; chosen "
+                     f"from calibration queries × key ranges) in {len(widths)} of {_num(m.get('num_layers'))} layers; "
+                     "the width table is counted as per-layer metadata (kvcal runtime only).")
     if kv.get("layer_specs"):
         kinds = sorted({f"K {s['k'].get('format')} / V {s['v'].get('format')}" for s in kv["layer_specs"]})
         items.append(f"Per-layer formats differ (mixed precision): {'; '.join(kinds)}.")
