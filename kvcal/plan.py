@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
+from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerHead, PerTensor
 from kvcal.formats.quant import fake_quant, unit_rounding
 from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
@@ -267,6 +267,11 @@ class KVPlan:
                 cb = tensors.get(_name(i, s, "channel_bits"))
                 if cb is not None:
                     w = cb.float()
+                    if (spec.format.kind != "int" or spec.symmetric
+                            or not isinstance(spec.granularity, (PerChannel, PerChannelTokenGroup))):
+                        raise ValueError(f"{_name(i, s, 'channel_bits')} is given for a {spec.format.value} "
+                                         f"{spec.granularity.name} {'sym' if spec.symmetric else 'asym'} side; per-channel "
+                                         "widths need an asymmetric int spec with per-channel ranges")
                     if (tuple(w.shape) != (H, D) or not bool((w == w.round()).all()) or bool((w < 1).any())
                             or bool((w > 8).any()) or not bool((w.sum(-1) == spec.bits * D).all())):
                         raise ValueError(f"{_name(i, s, 'channel_bits')} must be [H, D] = {(H, D)} integer widths "

@@ -186,6 +186,10 @@ def test_plan_artifact_round_trip_and_validation(tmp_path):
     bad["model.layers.0.self_attn.k_channel_bits"] = torch.full((H, D), 5.0)
     with pytest.raises(ValueError, match="k_channel_bits"):
         KVPlan.from_artifact(bad, meta)
+    bad = dict(t)
+    bad["model.layers.0.self_attn.v_channel_bits"] = torch.full((H, D), 4.0)  # values are per-token symmetric
+    with pytest.raises(ValueError, match="v_channel_bits is given for a int4 token sym side"):
+        KVPlan.from_artifact(bad, meta)
 
 
 def test_runtime_with_channel_bits_equals_protocol_a_and_accounting():
