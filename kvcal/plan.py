@@ -20,7 +20,7 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   quantized (transformed) domain (:func:`kvcal.formats.quant.rounding_matrix`); it is used, and
   the runtime keeps it, in its 8-bit unit-diagonal form :func:`kvcal.formats.quant.unit_rounding`
   (``H·D(D−1)/2`` bytes per layer, counted as per-layer metadata);
-* ``channel_bits`` (asymmetric int, per-channel granularities, optional): per-channel payload widths
+* ``channel_bits`` (asymmetric int, per-channel token groups, optional): per-channel payload widths
   ``[H,D]`` (int64, 1–8 bits, each head summing to ``bits·D``: the row keeps its size;
   :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata.
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerHead, PerTensor
-from kvcal.formats.quant import fake_quant, unit_rounding
+from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
+from kvcal.formats.quant import check_channel_bits, fake_quant, unit_rounding
 from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 
@@ -266,17 +266,13 @@ class KVPlan:
                     sp.rounding = unit_rounding(rd.float())  # identity for kvcal artifacts
                 cb = tensors.get(_name(i, s, "channel_bits"))
                 if cb is not None:
-                    w = cb.float()
-                    if (spec.format.kind != "int" or spec.symmetric
-                            or not isinstance(spec.granularity, (PerChannel, PerChannelTokenGroup))):
-                        raise ValueError(f"{_name(i, s, 'channel_bits')} is given for a {spec.format.value} "
-                                         f"{spec.granularity.name} {'sym' if spec.symmetric else 'asym'} side; per-channel "
-                                         "widths need an asymmetric int spec with per-channel ranges")
-                    if (tuple(w.shape) != (H, D) or not bool((w == w.round()).all()) or bool((w < 1).any())
-                            or bool((w > 8).any()) or not bool((w.sum(-1) == spec.bits * D).all())):
-                        raise ValueError(f"{_name(i, s, 'channel_bits')} must be [H, D] = {(H, D)} integer widths "
-                                         f"in 1..8 summing to {spec.bits}·D per head")
-                    sp.channel_bits = w.to(torch.int64)
+                    if tuple(cb.shape) != (H, D):
+                        raise ValueError(f"{_name(i, s, 'channel_bits')} has shape {tuple(cb.shape)}, expected {(H, D)}")
+                    try:
+                        sp.channel_bits = check_channel_bits(cb.float(), spec, H, D)
+                    except ValueError as e:
+                        raise ValueError(f"{_name(i, s, 'channel_bits')} ({spec.format.value} {spec.granularity.name} "
+                                         f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None
                 sp.check_transform()

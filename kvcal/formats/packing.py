@@ -94,6 +94,8 @@ def _channel_offsets(widths: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Bit offsets ``[H, D]`` (int64) of each channel in its head's row, and the row's bytes."""
     if widths.ndim != 2:
         raise ValueError(f"channel widths must be [H, D], got shape {tuple(widths.shape)}")
+    if widths.dtype == torch.bool or (widths.is_floating_point() and not bool((widths == widths.round()).all())):
+        raise ValueError("channel widths must be integers (1..8 bits)")
     w = widths.to(torch.int64)
     if w.numel() and (int(w.min()) < 1 or int(w.max()) > 8):
         raise ValueError("channel widths must lie in 1..8 bits")
@@ -114,6 +116,8 @@ def pack_channels(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"codes [B,H,S,D] {tuple(codes.shape)} do not match widths [H,D] {tuple(widths.shape)}")
     off, nbytes = _channel_offsets(widths)
     w = widths.to(torch.int64).to(codes.device)
+    if codes.dtype == torch.bool or (codes.is_floating_point() and not bool((codes == codes.round()).all())):
+        raise ValueError("codes must be integers")
     c = codes.to(torch.int64)
     if c.numel() and (bool((c < 0).any()) or bool((c >= (1 << w)[None, :, None, :]).any())):
         raise ValueError("a code does not fit its channel's width")

@@ -44,7 +44,7 @@ those of the plain path, computed from ``x`` before any feedback; fed-back value
 saturate. The stored format is unchanged (dequantization does not need ``U``); kvcal stores
 ``U`` in its 8-bit unit-diagonal form (:func:`unit_rounding`).
 
-Per-channel bit widths (``channel_bits=W``, asymmetric int, per-channel granularities): channel
+Per-channel bit widths (``channel_bits=W``, asymmetric int, per-channel token groups): channel
 ``(h, c)`` uses ``W[h, c]`` bits (1–8), i.e. ``2^W − 1`` in place of ``2^b − 1`` in the asymmetric
 formulas above, while every head's row keeps the spec's size (``Σ_c W[h, c] = b·D``; packing:
 :func:`kvcal.formats.packing.pack_channels`). Bits move from channels whose errors the queries barely
@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.formats.fp8 import FP8_FORMATS, quantize_fp8
-from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerTokenGroup
+from kvcal.formats.granularity import PerChannelTokenGroup, PerTokenGroup
 from kvcal.formats.packing import pack, pack_channels, unpack, unpack_channels
 from kvcal.formats.spec import DEFAULTS, QFormat, TensorQuantSpec
 
@@ -422,26 +422,42 @@ def _check_rounding(rounding: torch.Tensor, spec, lay: _Layout) -> torch.Tensor:
     return U.expand(lay.H, lay.D, lay.D)
 
 
-def _check_channel_bits(channel_bits, spec, lay: _Layout) -> torch.Tensor:
-    """Validated widths ``[H, D]`` (int64) for ``channel_bits=`` (module docstring)."""
+def check_channel_bits(channel_bits, spec: TensorQuantSpec, H: int, D: int) -> torch.Tensor:
+    """Validated per-channel widths ``[H, D]`` (int64) for ``spec`` (module docstring).
+
+    Per-channel widths need an asymmetric int spec with per-channel token groups
+    (:class:`~kvcal.formats.granularity.PerChannelTokenGroup`: each group's range is measured,
+    so its scale can follow the channel's width), ``D`` a multiple of the spec's packing unit,
+    integer widths in 1–8 and every head's widths summing to ``spec.bits · D``. Raises
+    ``ValueError`` naming the first rule broken."""
     if spec.format.kind != "int" or spec.symmetric:
         raise ValueError("per-channel bit widths need an asymmetric int spec")
-    if not isinstance(lay.gran, (PerChannel, PerChannelTokenGroup)):
-        raise ValueError(f"per-channel bit widths need a per-channel granularity, not {lay.gran.name}")
-    if lay.D_pad != lay.D:
+    if not isinstance(spec.granularity, PerChannelTokenGroup):
+        raise ValueError(f"per-channel bit widths need per-channel token groups (ranges measured per group), "
+                         f"not {spec.granularity.name}")
+    if spec.padded_dims(1, D)[1] != D:
         raise ValueError(f"per-channel bit widths need head_dim a multiple of the {spec.bits}-bit packing unit")
     try:
-        w = torch.broadcast_to(torch.as_tensor(channel_bits), (lay.H, lay.D)).to(torch.int64)
+        t = torch.as_tensor(channel_bits)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"channel_bits must be an integer tensor [H, D], got {type(channel_bits).__name__}") from None
+    if t.dtype == torch.bool or t.is_complex() or (t.is_floating_point() and not bool((t == t.round()).all())):
+        raise ValueError("channel_bits must be integers (bit widths 1..8)")
+    try:
+        w = torch.broadcast_to(t, (H, D)).to(torch.int64)
     except RuntimeError:
-        raise ValueError(f"channel_bits of shape {tuple(torch.as_tensor(channel_bits).shape)} does not fit "
-                         f"[H, D] = {(lay.H, lay.D)}") from None
+        raise ValueError(f"channel_bits of shape {tuple(t.shape)} does not fit [H, D] = {(H, D)}") from None
     if w.numel() and (int(w.min()) < 1 or int(w.max()) > 8):
         raise ValueError("channel_bits must lie in 1..8")
-    bad = (w.sum(-1) != spec.bits * lay.D).nonzero().flatten().tolist()
+    bad = (w.sum(-1) != spec.bits * D).nonzero().flatten().tolist()
     if bad:
-        raise ValueError(f"channel_bits of heads {bad} do not sum to {spec.bits}·D = {spec.bits * lay.D} bits "
+        raise ValueError(f"channel_bits of heads {bad} do not sum to {spec.bits}·D = {spec.bits * D} bits "
                          "(the spec's row size)")
     return w
+
+
+def _check_channel_bits(channel_bits, spec, lay: _Layout) -> torch.Tensor:
+    return check_channel_bits(channel_bits, spec, lay.H, lay.D)
 
 
 def _top_codes(w: torch.Tensor, lay: _Layout, device) -> torch.Tensor:
@@ -545,8 +561,10 @@ def quantize(
     ``scale``. ``global_scale``: NVFP4 fp32 outer scale (default ``amax(x) / 2688``).
     ``check_finite=False`` skips the NaN/Inf check (results for non-finite inputs are then
     undefined). ``rounding``: ``U [H, D, D]`` for query-aware rounding (int formats; module
-    docstring). ``channel_bits``: per-channel widths ``[H, D]`` (asymmetric int, per-channel
-    granularities, each head summing to ``spec.bits · D``; module docstring). 16-bit specs return
+    docstring). ``channel_bits``: per-channel widths ``[H, D]`` (asymmetric int, per-channel token
+    groups, each head summing to ``spec.bits · D``; :func:`check_channel_bits`); explicit ``scale`` /
+    ``zero_point`` given with them must come from :func:`params_from_range` with
+    ``qmax = 2^W − 1`` (what the runtime cache does). 16-bit specs return
     ``data = x`` cast to fp16/bf16 with no parameters. Raises ``ValueError`` (see module docstring).
     """
     _check_input(x, check_finite)
@@ -658,5 +676,6 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
 __all__ = [
     "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
     "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "unit_rounding", "E2M1_VALUES",
+    "check_channel_bits",
     "DEFAULTS",
 ]

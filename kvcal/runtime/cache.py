@@ -75,6 +75,7 @@ from kvcal.errors import ArtifactError
 from kvcal.formats.fp8 import FP8_FORMATS
 from kvcal.formats.quant import (
     QuantizedTensor,
+    check_channel_bits,
     dequantize,
     nvfp4_global_scale,
     params_from_range,
@@ -135,7 +136,7 @@ class _Side:
             self.rounding = u[:, iu[0], iu[1]].to(torch.float8_e4m3fn).clone()
         self.channel_bits = None  # uint8 [H, D] per-channel payload widths (rows keep the spec's size)
         if self.quantized and sp.channel_bits is not None:
-            self.channel_bits = torch.broadcast_to(sp.channel_bits, (H, D)).to(torch.uint8).clone()
+            self.channel_bits = check_channel_bits(sp.channel_bits, self.spec, H, D).to(torch.uint8)
         if self.quantized:
             spec = self.spec
             if spec.dynamic:

@@ -200,7 +200,8 @@ def water_fill_bits(weight: torch.Tensor, bits: int, min_bits: int = 1, max_bits
 
     ``weight`` ``[H, D]``: non-negative, finite. Greedy: every channel starts at ``min_bits`` and each
     further bit goes to the channel whose distortion drops most (exact for this separable convex
-    objective); ties go to the lowest channel index. Raises ``ValueError`` for bad weights or a
+    objective); ties go to the channel with the fewest bits, then the lowest index (so equal
+    weights, all-zero ones included, give uniform widths). Raises ``ValueError`` for bad weights or a
     budget outside ``[min_bits, max_bits]``."""
     if weight.ndim != 2 or not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
         raise ValueError("weight must be a finite, non-negative [H, D] tensor")
@@ -217,7 +218,9 @@ def water_fill_bits(weight: torch.Tensor, bits: int, min_bits: int = 1, max_bits
     for _ in range((bits - min_bits) * D):
         gain = w * (dist(out) - dist(out + 1))
         gain = torch.where(out >= max_bits, torch.full_like(gain, -1.0), gain)
-        out[rows, gain.argmax(-1)] += 1
+        tie = gain == gain.max(-1, keepdim=True).values
+        pick = torch.where(tie, -out.double(), torch.full_like(gain, -float("inf"))).argmax(-1)
+        out[rows, pick] += 1
     return out
 
 
@@ -234,9 +237,8 @@ def channel_bit_allocation(caches: list[SequenceCache], spec: TensorQuantSpec, t
     for a spec that is not an asymmetric per-channel int (the only layouts whose ranges are per channel)."""
     from kvcal.formats.transforms import apply_transform
 
-    g = spec.granularity
-    if spec.format.kind != "int" or spec.symmetric or not isinstance(g, (PerChannel, PerChannelTokenGroup)):
-        raise ValueError("per-channel bit widths need an asymmetric int spec with per-channel ranges")
+    if spec.format.kind != "int" or spec.symmetric or not isinstance(spec.granularity, PerChannelTokenGroup):
+        raise ValueError("per-channel bit widths need an asymmetric int spec with per-channel token groups")
     if not caches:
         raise ValueError("no calibration sequences to allocate channel bits on")
     sig = _query_moment(caches, transform, rope)
