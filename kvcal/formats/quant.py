@@ -456,10 +456,6 @@ def check_channel_bits(channel_bits, spec: TensorQuantSpec, H: int, D: int) -> t
     return w
 
 
-def _check_channel_bits(channel_bits, spec, lay: _Layout) -> torch.Tensor:
-    return check_channel_bits(channel_bits, spec, lay.H, lay.D)
-
-
 def _top_codes(w: torch.Tensor, lay: _Layout, device) -> torch.Tensor:
     """``2^W − 1`` as fp32 broadcastable to the grouped view."""
     return lay.from_stored(((2.0 ** w.to(device).float()) - 1)[None, :, None, :])
@@ -573,7 +569,7 @@ def quantize(
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return QuantizedTensor(x.to(dt), None, None, shape, spec, x.dtype)
     lay = _Layout(spec, shape)
-    w = None if channel_bits is None else _check_channel_bits(channel_bits, spec, lay)
+    w = None if channel_bits is None else check_channel_bits(channel_bits, spec, lay.H, lay.D)
     top = None if w is None else _top_codes(w, lay, x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
@@ -652,7 +648,7 @@ def fake_quant(
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return x.to(dt).to(x.dtype)
     lay = _Layout(spec, tuple(x.shape))
-    top = None if channel_bits is None else _top_codes(_check_channel_bits(channel_bits, spec, lay), lay, x.device)
+    top = None if channel_bits is None else _top_codes(check_channel_bits(channel_bits, spec, lay.H, lay.D), lay, x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top)

@@ -289,9 +289,8 @@ class _Side:
         if self.transform != "none":  # into the quantized domain (positions = cache slots)
             x = apply_transform(self.transform, x, rope=self.rope, start=self.n_sink + q0)
         e = x.shape[2]
-        open_range = None
         if self.tg:
-            x, q0, kw, open_range = self._token_group_params(x, q0)
+            x, q0, kw = self._token_group_params(x, q0)
         else:
             kw = self._params()
         if spec.format is QFormat.NVFP4 and float(self.global_scale) == 0.0:
@@ -309,18 +308,16 @@ class _Side:
             self.scale[:, :, r0 : r0 + n] = qt.scale
             if self.zp is not None:
                 self.zp[:, :, r0 : r0 + n] = qt.zero_point
-            if open_range is not None:  # the last group is still filling: keep its raw range
-                self.open_rng[:, :, :1], self.open_rng[:, :, 1:] = open_range
         self.n_q = self.n_q + e
 
     def _token_group_params(self, x: torch.Tensor, q0: int):
         """Per-channel-token-group sides: ``(tokens to quantize, first slot, explicit scale / zero
-        point, open range)`` for new tokens ``x`` written at slot ``q0``.
+        point)`` for new tokens ``x`` written at slot ``q0``.
 
         Every group's parameters come from the **raw** min / max of its tokens (then the clip ratio
         and per-channel widths), exactly as Protocol A computes them from the same tokens. While a
-        group is still filling (``residual_window < g``, decode), its raw range (``open range``:
-        ``(lo, hi)`` ``[B,H,1,D]``) is kept in ``open_rng`` (float32 ``[B,H,2,D]``, in the memory
+        group is still filling (``residual_window < g``, decode), its raw range ``(lo, hi)`` is kept
+        in ``open_rng`` (float32 ``[B,H,2,D]``, in the memory
         accounting) so that its parameters stay Protocol A's for its tokens; members are re-quantized from their
         dequantized values when the range grows (one extra rounding each time) — never re-ranged
         from dequantized values, which would shrink a clipped range again at every token."""
@@ -331,7 +328,7 @@ class _Side:
             g0 = q0 - n_open
             prev = dequantize(self._qt(g0, q0), x.dtype)  # centered / transformed values, like x
             x = torch.cat([prev, x], dim=2)
-            lo, hi = self._open_range(g0 // g)
+            lo, hi = self.open_rng[:, :, :1], self.open_rng[:, :, 1:]
             raw = torch.cat([lo.expand(-1, -1, n_open, -1), raw], dim=2)  # stand-ins for the members
             q0 = g0
         S = raw.shape[2]
@@ -341,9 +338,9 @@ class _Side:
         mn, mx = rg.amin(3), rg.amax(3)  # [B,H,G,D]
         if n_open:
             mx[:, :, :1] = torch.maximum(mx[:, :, :1], hi)
-        scale, zp = self._range_params(mn, mx)
-        open_range = (mn[:, :, -1:], mx[:, :, -1:]) if (q0 + x.shape[2]) % g else None
-        return x, q0, {"scale": scale, "zero_point": zp}, open_range
+        if (q0 + x.shape[2]) % g:  # the last group is still filling: keep its raw range
+            self.open_rng[:, :, :1], self.open_rng[:, :, 1:] = mn[:, :, -1:], mx[:, :, -1:]
+        return x, q0, dict(zip(("scale", "zero_point"), self._range_params(mn, mx), strict=True))
 
     def _range_params(self, mn: torch.Tensor, mx: torch.Tensor):
         """Stored ``(scale, zero_point)`` of token groups with raw ranges ``[mn, mx]`` ``[B,H,G,D]``."""
@@ -352,10 +349,6 @@ class _Side:
             return params_from_range(self.spec, amax=torch.maximum(mx.abs(), mn.abs()), clip_ratio=c)
         top = None if self.channel_bits is None else (2.0 ** self.channel_bits.float() - 1)[None, :, None, :]
         return params_from_range(self.spec, amax=mx, amin=mn, clip_ratio=c, qmax=top)
-
-    def _open_range(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(lo, hi)`` fp32 ``[B,H,1,D]``: the raw range of the open group (slot ``r``)."""
-        return self.open_rng[:, :, :1], self.open_rng[:, :, 1:]
 
     def _qt(self, a: int, b: int) -> QuantizedTensor:
         """The stored tokens ``[a, b)`` of the quantized region (``a`` on a group boundary)."""
