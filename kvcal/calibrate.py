@@ -590,7 +590,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     """
     from tqdm.auto import tqdm
 
-    from kvcal.formats.memory import cache_bytes, rounding_bytes
+    from kvcal.formats.memory import cache_bytes, levels_bytes, rounding_bytes
     from kvcal.formats.spec import KVCacheConfig
     from kvcal.plan import KVPlan, LayerPlan
     from kvcal.search import allocate as al
@@ -612,16 +612,16 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         return cache[key]
 
     def run(layer, side, choice, refine):
-        spec, tr, rounding, clip_search, chbits = choice
-        key = ("search", layer, side, spec, tr, rounding, clip_search, chbits, refine, s_try, key_centering, obj[side],
-               max_queries)
+        spec, tr, rounding, clip_search, chbits, lv = choice
+        key = ("search", layer, side, spec, tr, rounding, clip_search, chbits, lv, refine, s_try, key_centering,
+               obj[side], max_queries)
         if key not in cache:
             cal, held = caches(layer)
             st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
             cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine,
                                      transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding,
-                                     grid=None if clip_search else (1.0,), channel_bits=chbits)
+                                     grid=None if clip_search else (1.0,), channel_bits=chbits, levels=lv)
         return cache[key]
 
     menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
@@ -637,7 +637,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             for side in ("k", "v"):
                 rs = [run(layer, side, c, False) for c in menu[side]]
                 costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r)
-                                           + (rounding_bytes(H, D) if c.rounding else 0) + (H * D if c.channel_bits else 0))
+                                           + (rounding_bytes(H, D) if c.rounding else 0) + (H * D if c.channel_bits else 0)
+                                           + (levels_bytes(c.spec, H) if c.levels else 0))
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
@@ -702,7 +703,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     configs = [KVCacheConfig(r["k"].spec, r["v"].spec, residual_window=residual_window, sink_tokens=final_sinks,
                              key_rounding=r["k"].plan.rounding is not None, value_rounding=r["v"].plan.rounding is not None,
                              key_channel_bits=r["k"].plan.channel_bits is not None,
-                             value_channel_bits=r["v"].plan.channel_bits is not None)
+                             value_channel_bits=r["v"].plan.channel_bits is not None,
+                             key_levels=r["k"].plan.levels is not None, value_levels=r["v"].plan.levels is not None)
                for r in results]
     total = cache_bytes({"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H},
                         configs, budget_context) + sum(_key_mean_bytes(r["k"]) for r in results)
@@ -748,6 +750,7 @@ def render_int_report(meta: dict) -> str:
         if side.get("transform", "none") != "none":
             out += f", {side['transform'].replace('_', '-')}"
         out += ", query-aware rounding" if side.get("rounding") else ""
+        out += ", non-uniform levels" if side.get("levels") else ""
         return out + (", per-channel bit widths" if side.get("channel_bits") else "")
 
     for lm in meta["layers"]:

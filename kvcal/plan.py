@@ -22,11 +22,14 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   (``H·D(D−1)/2`` bytes per layer, counted as per-layer metadata);
 * ``channel_bits`` (asymmetric int, per-channel token groups, optional): per-channel payload widths
   ``[H,D]`` (int64, 1–8 bits, each head summing to ``bits·D``: the row keeps its size;
-  :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata.
+  :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata;
+* ``levels`` (symmetric int2–4, per-token / per-token-group, optional): non-uniform levels
+  ``float32 [H, 2^b]`` in units of each group's absmax (:func:`kvcal.formats.quant.check_levels`;
+  fitted by :func:`kvcal.search.optimizer.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata.
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
-``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
+``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``, ``{s}_levels`` ``[H,2^b]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
 (per-layer transforms go in the metadata's ``kv.transforms``).
 """
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
-from kvcal.formats.quant import check_channel_bits, fake_quant, unit_rounding
+from kvcal.formats.quant import check_channel_bits, check_levels, fake_quant, unit_rounding
 from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 
@@ -72,6 +75,7 @@ class SidePlan:
     rope: RopeTable | None = None
     rounding: torch.Tensor | None = None
     channel_bits: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
 
     def check_transform(self) -> None:
         """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
@@ -105,7 +109,7 @@ class SidePlan:
         params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
                   else {"scale": self.scale, "zero_point": self.zero_point})
         rounding = None if self.rounding is None else self._unit_rounding()  # as the runtime keeps it
-        y = fake_quant(xq, self.spec, rounding=rounding, channel_bits=self.channel_bits, **params)
+        y = fake_quant(xq, self.spec, rounding=rounding, channel_bits=self.channel_bits, levels=self.levels, **params)
         if self.transform != "none":
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
@@ -145,7 +149,8 @@ class KVPlan:
                              key_centering=lp.k.mean is not None, key_rounding=lp.k.rounding is not None,
                              value_rounding=lp.v.rounding is not None,
                              key_channel_bits=lp.k.channel_bits is not None,
-                             value_channel_bits=lp.v.channel_bits is not None)
+                             value_channel_bits=lp.v.channel_bits is not None,
+                             key_levels=lp.k.levels is not None, value_levels=lp.v.levels is not None)
 
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.
@@ -180,6 +185,8 @@ class KVPlan:
                     out[_name(i, s, "rounding")] = sp.rounding.float().contiguous()
                 if sp.channel_bits is not None:
                     out[_name(i, s, "channel_bits")] = sp.channel_bits.float().contiguous()
+                if sp.levels is not None:
+                    out[_name(i, s, "levels")] = sp.levels.float().contiguous()
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
@@ -272,6 +279,17 @@ class KVPlan:
                         sp.channel_bits = check_channel_bits(cb.float(), spec, H, D)
                     except ValueError as e:
                         raise ValueError(f"{_name(i, s, 'channel_bits')} ({spec.format.value} {spec.granularity.name} "
+                                         f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
+                lv = tensors.get(_name(i, s, "levels"))
+                if lv is not None:
+                    n = 2**spec.bits if spec.format.kind == "int" else 0
+                    if tuple(lv.shape) != (H, n):
+                        raise ValueError(f"{_name(i, s, 'levels')} has shape {tuple(lv.shape)}, expected [H, 2^bits] = "
+                                         f"{(H, n)} for its {spec.format.value} side")
+                    try:
+                        sp.levels = check_levels(lv.float(), spec, H)
+                    except ValueError as e:
+                        raise ValueError(f"{_name(i, s, 'levels')} ({spec.format.value} {spec.granularity.name} "
                                          f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None

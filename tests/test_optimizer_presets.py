@@ -183,8 +183,10 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     # head_dim 16: keys 4 + 32/128 bits, values 4 + 16/16 (one fp16 scale per token) -> 4.625, plus the
     # keys' float8 strict rounding triangle per layer and head, 8·(16·15/2)/(4096·2·16) = 0.0073 bit,
     # the open key group's float32 raw min / max, 8·(2·16·4)/(4096·2·16) = 0.0078 bit, the uint8
-    # channel-width table, 8·16/(4096·2·16) = 0.001 bit, plus the 16-bit sink token (≈ 0.003) and clip ratios
-    assert cal["preset"] == "int4" and 4.6431 < cal["average_bits"] < 4.648 and "sinks" in cal
+    # channel-width table, 8·16/(4096·2·16) = 0.001 bit, the values' float32 levels table,
+    # 8·(4·16)/(4096·2·16) = 0.0039 bit, plus the 16-bit sink token (≈ 0.003) and clip ratios
+    assert cal["preset"] == "int4" and 4.6470 < cal["average_bits"] < 4.6519 and "sinks" in cal
+    assert all(len(lm["v"]["levels"]) == HK and len(lm["v"]["levels"][0]) == 16 for lm in art.metadata["layers"])
     assert all(lm["k"]["rounding"] for lm in art.metadata["layers"])
     # per-channel key widths: a histogram over 1..8 bits of H·D channels holding 4·H·D bits
     for lm in art.metadata["layers"]:
@@ -193,11 +195,12 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     report = (tmp_path / "art" / "report.md").read_text()
     assert report.startswith("# KV-cache calibration report (integer)")
     assert "int4 channel_token_group128 asym, pre-rope, query-aware rounding, per-channel bit widths" in report
-    assert "int4 token sym, hadamard |" in report
+    assert "int4 token sym, hadamard, non-uniform levels |" in report
     plan = KVPlan.from_artifact(art.tensors, art.metadata)
     assert plan.layers[0].k.clip_ratio.shape == (HK,) and plan.sink_tokens == kv["sink_tokens"]
     assert plan.layers[0].k.transform == "pre_rope" and plan.layers[0].v.transform == "hadamard"
     assert plan.layers[0].k.channel_bits.sum(-1).tolist() == [4 * 16] * HK
+    assert plan.layers[0].v.levels.shape == (HK, 16) and plan.kv_config(0).value_levels
 
 
 def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
@@ -243,7 +246,7 @@ def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
     assert r.summary["allocation"]["probe"]["floor_nats"] == pytest.approx(floor, rel=1e-12)
     assert len(r.summary["allocation"]["probe"]["floored"]) == 2 * L - 1
     alloc = r.summary["allocation"]
-    assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround/chbits", "v": "int4/token/sym/hadamard"}
+    assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround/chbits", "v": "int4/token/sym/hadamard/levels"}
     rows = {(t["layer"], t["side"]): t for t in alloc["table"]}
     bits = {k: r.plan.layers[k[0]].side(k[1]).spec.bits for k in rows}
     assert bits[hot] == max(bits.values()) == 8

@@ -39,7 +39,9 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
      - sides with query-aware rounding (``key_rounding`` / ``value_rounding``): the strict upper
        triangle of the unit-diagonal rounding matrix, ``float8_e4m3fn [H, D(D-1)/2]``;
      - sides with per-channel bit widths (``key_channel_bits`` / ``value_channel_bits``): the
-       widths table ``uint8 [H, D]``.
+       widths table ``uint8 [H, D]``;
+     - sides with non-uniform levels (``key_levels`` / ``value_levels``): the table
+       ``float32 [H, 2^b]``.
 
 :func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
 :class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns
@@ -142,6 +144,12 @@ def side_bytes_per_token(spec: TensorQuantSpec, H: int, D: int) -> Fraction:
     else:  # static: per-layer metadata only
         params = Fraction(0)
     return H * (payload + params)
+
+
+def levels_bytes(spec, H: int) -> int:
+    """Bytes of one side's non-uniform levels table, ``float32 [H, 2^b]``
+    (:func:`kvcal.formats.quant.check_levels`)."""
+    return 4 * H * 2**spec.bits
 
 
 def rounding_bytes(H: int, D: int) -> int:
@@ -285,6 +293,9 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1) -> Memo
         for flag, spec in ((c.key_channel_bits, c.key), (c.value_channel_bits, c.value)):
             if flag and spec.is_quantized:
                 acc["static"] += H * D  # uint8 widths [H, D]
+        for flag, spec in ((c.key_levels, c.key), (c.value_levels, c.value)):
+            if flag and spec.is_quantized:
+                acc["static"] += levels_bytes(spec, H)
     conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
     return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
                         acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)
@@ -299,5 +310,5 @@ def cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> int:
 
 __all__ = [
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
-    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes", "rounding_bytes",
+    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes", "rounding_bytes", "levels_bytes",
 ]

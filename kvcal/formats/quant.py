@@ -52,6 +52,19 @@ see to those they weight most — reverse water-filling over channels (see
 :func:`kvcal.search.optimizer.channel_bit_allocation`); KVQuant's per-channel key ranges and KVTuner's
 layer-wise widths are the coarser relatives.
 
+Non-uniform levels (``levels=L``, symmetric int, per-token or per-token-group): the ``2^b`` codes
+index a calibrated, non-decreasing table ``L [H, 2^b]`` in ``[-1, 1]`` instead of the uniform grid:
+``scale = clip_ratio * absmax`` of the group (the grid's ``qmax`` is 1), ``q`` = index of the
+nearest level to ``x / scale`` (ties to the lower level, values beyond ``±1`` to the end levels),
+``x̂ = L[h, q] * scale``; codes are stored unsigned (no offset). The table is per-layer metadata
+(``float32 [H, 2^b]``), the per-token scale is unchanged — a non-uniform grid costs no per-token
+bits. This is KVQuant's non-uniform datatype (Hooper et al., "KVQuant", NeurIPS 2024, §3.4: a
+per-layer codebook fitted offline by weighted k-means) applied to per-token values; NF4 (Dettmers
+et al., QLoRA, 2023) is the fixed-table special case for Gaussian data. The uniform symmetric grid
+is, up to the rounding of the stored scale, the table ``[-1, -1, -(qmax-1)/qmax, …, 1]`` (the unused
+code duplicates an end level), and
+``linspace(-1, 1, 2^b)`` the uniform grid using all ``2^b`` codes.
+
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
 quantizing them would silently poison a whole group), non-positive / non-finite scales or clip
 ratios, a scale that overflows its storage dtype, or parameters of the wrong shape.
@@ -65,7 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.formats.fp8 import FP8_FORMATS, quantize_fp8
-from kvcal.formats.granularity import PerChannelTokenGroup, PerTokenGroup
+from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.packing import pack, pack_channels, unpack, unpack_channels
 from kvcal.formats.spec import DEFAULTS, QFormat, TensorQuantSpec
 
@@ -91,6 +104,8 @@ class QuantizedTensor:
     * ``global_scale``: NVFP4 fp32 outer scale (``[1,1,1,1]``), else ``None``.
     * ``channel_bits``: per-channel widths ``[H, D]`` (int64) when quantized with ``channel_bits=``
       (payload then packed by :func:`kvcal.formats.packing.pack_channels`), else ``None``.
+    * ``levels``: non-uniform levels ``float32 [H, 2^b]`` when quantized with ``levels=`` (codes
+      stored unsigned, ``scale`` = the group's clipped absmax), else ``None``.
     * ``shape``: logical ``(B, H, S, D)``; ``dtype``: the input's dtype (what dequantize returns).
     """
 
@@ -102,6 +117,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     global_scale: torch.Tensor | None = None
     channel_bits: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
 
     @property
     def payload_nbytes(self) -> int:
@@ -195,7 +211,8 @@ def params_from_range(
     streaming statistics gets identical results. Returns tensors in ``spec.scale_dtype``
     (``zero_point`` is ``None`` when symmetric). Not for NVFP4 (see :func:`nvfp4_global_scale`).
     ``qmax``: per-element top code ``2^W − 1`` (broadcastable; asymmetric ints with per-channel
-    widths) instead of the spec's.
+    widths) instead of the spec's; symmetric ints with non-uniform levels use ``qmax = 1`` (the
+    scale is the clipped absmax).
     """
     kind = spec.format.kind
     if kind not in ("int", "fp8"):
@@ -207,8 +224,9 @@ def params_from_range(
         a = amax.float().abs()
         if c is not None:
             a = a * c.to(a.device)
-        qmax = FP8_FORMATS[spec.format.value].max if kind == "fp8" else float(spec.qmax)
-        s = a / qmax
+        if qmax is None:
+            qmax = FP8_FORMATS[spec.format.value].max if kind == "fp8" else float(spec.qmax)
+        s = a / (qmax if isinstance(qmax, float) else qmax.to(a.device).float())
         s = torch.where(s > 0, s, torch.ones_like(s))
         return round_scale_up(s, spec.scale_dtype), None
     if amax is None or amin is None:
@@ -353,7 +371,7 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
         red = lay.red
         if spec.symmetric:
             amax = xg.abs().amax(dim=red, keepdim=True) if xg.numel() else _empty_stat(xg, lay)
-            s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c)
+            s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c, qmax=top)
         else:
             if xg.numel():
                 mn, mx = torch.aminmax(xg, dim=red[0], keepdim=True) if len(red) == 1 else (
@@ -456,6 +474,53 @@ def check_channel_bits(channel_bits, spec: TensorQuantSpec, H: int, D: int) -> t
     return w
 
 
+def check_levels(levels, spec: TensorQuantSpec, H: int) -> torch.Tensor:
+    """Validated non-uniform levels ``float32 [H, 2^b]`` for ``spec`` (module docstring).
+
+    Levels need a symmetric int2/int3/int4 spec with a per-token or per-token-group granularity
+    (each group's absmax is measured when it is written), and a finite, non-decreasing table of
+    ``2^b`` values in ``[-1, 1]`` per KV head (shape ``[2^b]`` or ``[H, 2^b]``). Raises
+    ``ValueError`` naming the first rule broken."""
+    if spec.format.kind != "int" or not spec.symmetric or spec.bits > 4:
+        raise ValueError(f"non-uniform levels need a symmetric int2/int3/int4 spec, got {spec.format.value}"
+                         f"{'' if spec.symmetric else ' asymmetric'}")
+    if not isinstance(spec.granularity, (PerToken, PerTokenGroup)):
+        raise ValueError(f"non-uniform levels need per-token or per-token-group scales, not {spec.granularity.name}")
+    n = 2**spec.bits
+    try:
+        t = torch.as_tensor(levels)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"levels must be a float tensor [H, {n}], got {type(levels).__name__}") from None
+    if not t.is_floating_point():
+        raise ValueError(f"levels must be a float tensor [H, {n}], got {t.dtype}")
+    try:
+        L = torch.broadcast_to(t.float(), (H, n)).contiguous()
+    except RuntimeError:
+        raise ValueError(f"levels of shape {tuple(t.shape)} do not fit [H, 2^b] = {(H, n)}") from None
+    if not bool(torch.isfinite(L).all()) or bool((L.abs() > 1).any()):
+        raise ValueError("levels must be finite and lie in [-1, 1] (units of the group's scale)")
+    if bool((L[:, 1:] < L[:, :-1]).any()):
+        raise ValueError("levels must be non-decreasing along the last dimension")
+    return L
+
+
+def _level_codes(xg, s, L: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """Index of the nearest level (ties to the lower one) of ``xg / s``, per KV head (dim 1)."""
+    u = xg / s
+    mids = ((L[:, 1:] + L[:, :-1]) * 0.5).to(u.device)
+    q = torch.empty_like(u)
+    for h in range(lay.H):
+        q[:, h] = torch.bucketize(u[:, h].contiguous(), mids[h].contiguous()).to(u.dtype)
+    return q
+
+
+def _level_values(q, s, L: torch.Tensor) -> torch.Tensor:
+    """``L[h, q] * s`` for codes ``q`` (any int/float dtype) with heads on dim 1."""
+    H, n = L.shape
+    hidx = torch.arange(H, device=q.device).reshape(1, H, *([1] * (q.ndim - 2)))
+    return L.to(q.device).flatten()[hidx * n + q.long()] * s
+
+
 def _top_codes(w: torch.Tensor, lay: _Layout, device) -> torch.Tensor:
     """``2^W − 1`` as fp32 broadcastable to the grouped view."""
     return lay.from_stored(((2.0 ** w.to(device).float()) - 1)[None, :, None, :])
@@ -487,9 +552,11 @@ def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor, top=None) -> 
     return lay.group(q)
 
 
-def _codes_for(xg, s, zp, spec, lay: _Layout, rounding: torch.Tensor | None, top=None) -> torch.Tensor:
+def _codes_for(xg, s, zp, spec, lay: _Layout, rounding: torch.Tensor | None, top=None, levels=None) -> torch.Tensor:
     """Nearest-rounding codes, or channel-ordered ones when a rounding matrix is given
-    (``top``: per-channel top codes for per-channel bit widths)."""
+    (``top``: per-channel top codes for per-channel bit widths; ``levels``: checked non-uniform levels)."""
+    if levels is not None:
+        return _level_codes(xg, s, levels, lay)
     if rounding is None:
         if top is None:
             return _codes(xg, s, zp, spec)
@@ -548,6 +615,7 @@ def quantize(
     check_finite: bool = True,
     rounding: torch.Tensor | None = None,
     channel_bits: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x [B, H_kv, S, D]`` (any float dtype) to packed storage.
 
@@ -560,7 +628,9 @@ def quantize(
     docstring). ``channel_bits``: per-channel widths ``[H, D]`` (asymmetric int, per-channel token
     groups, each head summing to ``spec.bits · D``; :func:`check_channel_bits`); explicit ``scale`` /
     ``zero_point`` given with them must come from :func:`params_from_range` with
-    ``qmax = 2^W − 1`` (what the runtime cache does). 16-bit specs return
+    ``qmax = 2^W − 1`` (what the runtime cache does). ``levels``: non-uniform levels ``[H, 2^b]``
+    (symmetric int2–4, per-token / per-token-group; :func:`check_levels`; not with ``rounding``,
+    ``channel_bits`` or an explicit ``scale``). 16-bit specs return
     ``data = x`` cast to fp16/bf16 with no parameters. Raises ``ValueError`` (see module docstring).
     """
     _check_input(x, check_finite)
@@ -571,17 +641,20 @@ def quantize(
     lay = _Layout(spec, shape)
     w = None if channel_bits is None else check_channel_bits(channel_bits, spec, lay.H, lay.D)
     top = None if w is None else _top_codes(w, lay, x.device)
+    L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
+    if L is not None:
+        top = torch.ones((), device=x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top)
-    q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top))  # [B,H,S_g,D_g]
+    q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top, L))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
         data = F.pad(q.float(), (0, lay.D_pad - lay.D_g)).to(q.dtype) if lay.D_pad > lay.D_g else q
     elif kind == "nvfp4":
         data = pack(F.pad(q, (0, lay.D_pad - lay.D_g)), 4)
     else:
-        if spec.symmetric:
+        if spec.symmetric and L is None:
             q = q + 2 ** (spec.bits - 1) if spec.bits < 8 else q
         q = F.pad(q, (0, lay.D_pad - lay.D_g)) if lay.D_pad > lay.D_g else q
         if w is not None:
@@ -591,7 +664,17 @@ def quantize(
         else:
             data = pack(q.to(torch.uint8), spec.bits)
     return QuantizedTensor(data.contiguous(), s_st.contiguous(), None if zp_st is None else zp_st.contiguous(),
-                           shape, spec, x.dtype, gs, w)
+                           shape, spec, x.dtype, gs, w, L)
+
+
+def _levels_arg(levels, spec, lay: _Layout, rounding, channel_bits, scale) -> torch.Tensor | None:
+    if levels is None:
+        return None
+    if rounding is not None or channel_bits is not None:
+        raise ValueError("non-uniform levels do not combine with query-aware rounding or per-channel widths")
+    if scale is not None:
+        raise ValueError("non-uniform levels take the group's absmax as scale; pass clip_ratio, not scale")
+    return check_levels(levels, spec, lay.H)
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -610,6 +693,8 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
         q = unpack(d, 4, lay.D_g)
     elif qt.channel_bits is not None:
         q = unpack_channels(d, qt.channel_bits).to(torch.int16)
+    elif qt.levels is not None:
+        q = unpack(d, spec.bits, lay.D_g)
     elif spec.bits == 8:
         q = d[..., : lay.D_g]
     else:
@@ -623,7 +708,10 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     else:
         s = lay.from_stored(qt.scale.float())
         zp = None if qt.zero_point is None else lay.from_stored(qt.zero_point.float())
-    out = lay.ungroup(_dequant_codes(qg, s, zp, spec))
+    if qt.levels is not None:
+        out = lay.ungroup(_level_values(qg, s, check_levels(qt.levels, spec, lay.H)))
+    else:
+        out = lay.ungroup(_dequant_codes(qg, s, zp, spec))
     return out[:, :, : lay.S, : lay.D].to(dtype)
 
 
@@ -638,6 +726,7 @@ def fake_quant(
     check_finite: bool = True,
     rounding: torch.Tensor | None = None,
     channel_bits: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` computed without packing (the fast path for search).
 
@@ -649,10 +738,16 @@ def fake_quant(
         return x.to(dt).to(x.dtype)
     lay = _Layout(spec, tuple(x.shape))
     top = None if channel_bits is None else _top_codes(check_channel_bits(channel_bits, spec, lay.H, lay.D), lay, x.device)
+    L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
+    if L is not None:
+        top = torch.ones((), device=x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top)
-    y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding, top), s, zp, spec))
+    if L is not None:
+        y = lay.ungroup(_level_values(_level_codes(xg, s, L, lay), s, L))
+    else:
+        y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding, top), s, zp, spec))
     return y[:, :, : lay.S, : lay.D].to(x.dtype)
 
 
@@ -660,8 +755,8 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
     """Per-element quantization step (fp32 ``[B,H,S,D]``) for int formats: the scale broadcast
     to every element (error bounds in tests are half of this)."""
     spec = qt.spec
-    if spec.format.kind != "int":
-        raise ValueError("quant_step is defined for int formats (uniform grids)")
+    if spec.format.kind != "int" or qt.levels is not None:
+        raise ValueError("quant_step is defined for int formats with uniform grids (not nvfp4/fp8/non-uniform levels)")
     lay = _Layout(spec, qt.shape)
     s = lay.from_stored(qt.scale.float())
     xg_shape = lay.group(torch.empty(lay.B, lay.H, lay.S_g, lay.D_g, device="meta")).shape
@@ -672,6 +767,6 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
 __all__ = [
     "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
     "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "unit_rounding", "E2M1_VALUES",
-    "check_channel_bits",
+    "check_channel_bits", "check_levels",
     "DEFAULTS",
 ]

@@ -290,7 +290,9 @@ class KVCacheConfig:
     matrix the runtime keeps as the float8 strict upper triangle ``[H, D(D-1)/2]`` per layer (counted as
     per-layer metadata; :func:`kvcal.formats.quant.unit_rounding`). ``key_channel_bits`` /
     ``value_channel_bits``: the side has per-channel payload widths (``uint8 [H, D]`` per layer,
-    counted as per-layer metadata; the rows keep the spec's size). Raises
+    counted as per-layer metadata; the rows keep the spec's size). ``key_levels`` /
+    ``value_levels``: the side uses non-uniform levels (``float32 [H, 2^b]`` per layer, counted as
+    per-layer metadata; :func:`kvcal.formats.quant.check_levels`). Raises
     ``ValueError`` on negative windows or another 16-bit dtype.
     """
 
@@ -304,6 +306,8 @@ class KVCacheConfig:
     value_rounding: bool = False
     key_channel_bits: bool = False
     value_channel_bits: bool = False
+    key_levels: bool = False
+    value_levels: bool = False
 
     def __post_init__(self):
         for side in ("key", "value"):
@@ -345,6 +349,8 @@ class KVCacheConfig:
             "value_rounding": self.value_rounding,
             "key_channel_bits": self.key_channel_bits,
             "value_channel_bits": self.value_channel_bits,
+            "key_levels": self.key_levels,
+            "value_levels": self.value_levels,
         }
 
     @classmethod
@@ -358,6 +364,8 @@ class KVCacheConfig:
             bool(d.get("value_rounding", False)),
             bool(d.get("key_channel_bits", False)),
             bool(d.get("value_channel_bits", False)),
+            bool(d.get("key_levels", False)),
+            bool(d.get("value_levels", False)),
         )
 
 

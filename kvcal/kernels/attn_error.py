@@ -48,6 +48,8 @@ def triton_supports(plan, D: int) -> str | None:
         return "keys with query-aware rounding run on the torch reference"
     if getattr(plan, "channel_bits", None) is not None:
         return "keys with per-channel bit widths run on the torch reference"
+    if getattr(plan, "levels", None) is not None:
+        return "non-uniform levels run on the torch reference"
     if spec.format.kind != "int":
         return f"{spec.format.value} keys run on the torch reference"
     g = spec.granularity

@@ -76,6 +76,7 @@ from kvcal.formats.fp8 import FP8_FORMATS
 from kvcal.formats.quant import (
     QuantizedTensor,
     check_channel_bits,
+    check_levels,
     dequantize,
     nvfp4_global_scale,
     params_from_range,
@@ -137,6 +138,9 @@ class _Side:
         self.channel_bits = None  # uint8 [H, D] per-channel payload widths (rows keep the spec's size)
         if self.quantized and sp.channel_bits is not None:
             self.channel_bits = check_channel_bits(sp.channel_bits, self.spec, H, D).to(torch.uint8)
+        self.levels = None  # float32 [H, 2^b] non-uniform levels (codes index them)
+        if self.quantized and sp.levels is not None:
+            self.levels = check_levels(sp.levels, self.spec, H).clone()
         if self.quantized:
             spec = self.spec
             if spec.dynamic:
@@ -177,7 +181,7 @@ class _Side:
 
     def metadata_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale, self.rounding,
-                            self.channel_bits) if t is not None]
+                            self.channel_bits, self.levels) if t is not None]
 
     def batch_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.sink, self.win, self.data, self.scale, self.zp, self.open_rng) if t is not None]
@@ -190,7 +194,7 @@ class _Side:
 
     # ---- allocation ---------------------------------------------------------------------------
     def _move(self, device):
-        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding", "channel_bits"):
+        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding", "channel_bits", "levels"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -299,6 +303,8 @@ class _Side:
             kw["rounding"] = self._rounding_matrix()
         if self.channel_bits is not None:
             kw["channel_bits"] = self.channel_bits
+        if self.levels is not None:
+            kw["levels"] = self.levels
         qt = quantize(x, spec, **kw)
         s_pad = qt.data.shape[2]
         self.data[:, :, q0 : q0 + s_pad] = qt.data
@@ -363,7 +369,7 @@ class _Side:
             scale, zp = self.static_scale, self.static_zp
         gs = self.global_scale.reshape(1, 1, 1, 1) if self.global_scale is not None else None
         return QuantizedTensor(data, scale, zp, (self.B, self.H, b - a, self.D), spec, self.dtype, gs,
-                               self.channel_bits)
+                               self.channel_bits, self.levels)
 
     # ---- read -----------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:

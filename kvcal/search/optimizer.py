@@ -11,6 +11,9 @@ What is searched, for a side (K or V) with a given :class:`~kvcal.formats.spec.T
   min/max shrunk about its centre by ``c`` (``"shrink"``), or ``mean ± z·std`` cut to min/max
   (``"std"``), the statistics coming from the streaming capture over every calibration token
   (sink tokens excluded);
+* **non-uniform levels** (symmetric per-token / per-token-group values, ``levels=True``): one
+  ``2^b``-entry table per layer fitted by Lloyd / k-means on the calibration
+  values (:func:`fit_levels`), kept per KV head only where it beats the uniform grid on held-out;
 * **key centering** (dynamic keys): a per-channel mean ``[1,H,1,D]`` subtracted before quantizing
   and added back after — exact under softmax (it shifts every score of a query by ``q·μ``);
   kept per KV head only where it lowers the held-out error. Static asymmetric per-channel keys
@@ -35,9 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup
-from kvcal.formats.quant import params_from_range
+from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
+from kvcal.formats.quant import check_levels, params_from_range
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.transforms import apply_transform
 from kvcal.plan import SidePlan
 from kvcal.search.objectives import SequenceCache
 
@@ -124,7 +128,8 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
               mean: torch.Tensor | None = None, transform: str = "none", rope=None,
-              rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None) -> SidePlan:
+              rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None,
+              levels: torch.Tensor | None = None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
     ``family="clip"`` (dynamic specs): ``clip_ratio = t``; ``"shrink"`` / ``"std"`` (static
@@ -133,17 +138,19 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
     ``rope``: see :class:`~kvcal.plan.SidePlan` (dynamic specs only: the capture statistics that
     static ranges come from are of the untransformed tensor). ``rounding``: ``U [H, D, D]`` for
     query-aware rounding (see :func:`query_rounding`). ``channel_bits``: per-channel widths ``[H, D]``
-    (dynamic asymmetric per-channel specs; see :func:`channel_bit_allocation`)."""
+    (dynamic asymmetric per-channel specs; see :func:`channel_bit_allocation`). ``levels``:
+    non-uniform levels ``[H, 2^b]`` (dynamic symmetric per-token specs; see :func:`fit_levels`)."""
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
             raise ValueError(f"clip search needs a dynamic spec, got {spec.granularity.name}")
         sp = SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
-                      rope=rope if transform == "pre_rope" else None, rounding=rounding, channel_bits=channel_bits)
+                      rope=rope if transform == "pre_rope" else None, rounding=rounding, channel_bits=channel_bits,
+                      levels=levels)
         sp.check_transform()
         return sp
-    if channel_bits is not None:
-        raise ValueError("per-channel bit widths are searched for dynamic specs only")
+    if channel_bits is not None or levels is not None:
+        raise ValueError("per-channel bit widths and non-uniform levels are searched for dynamic specs only")
     if transform != "none":
         raise ValueError(f"transform {transform!r} needs a dynamic spec (static ranges come from untransformed stats)")
     if stats is None:
@@ -263,6 +270,59 @@ def channel_bit_allocation(caches: list[SequenceCache], spec: TensorQuantSpec, t
     return water_fill_bits(weight, spec.bits)
 
 
+
+def uniform_levels(bits: int) -> torch.Tensor:
+    """The symmetric uniform grid as a levels table ``[2^b]``: ``[-1, -1, -(qmax-1)/qmax, …, 1]``
+    (``qmax = 2^(b-1) - 1``; the one code the symmetric grid leaves unused duplicates ``-1``), i.e.
+    plain symmetric min/max quantization up to the rounding of the stored scale."""
+    qmax = 2 ** (bits - 1) - 1
+    return torch.cat([torch.tensor([-1.0]), torch.arange(-qmax, qmax + 1, dtype=torch.float32) / qmax])
+
+
+def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: str = "none", sinks: int = 0,
+               iters: int = 40) -> torch.Tensor:
+    """Non-uniform levels ``float32 [H, 2^b]`` for a value side (one table per layer, the same row
+    for every KV head) by Lloyd / k-means in units of each group's absmax.
+
+    The elements ``u = x / absmax(group)`` of the calibration values ``[H, T, D]`` (after
+    ``transform``, first ``sinks`` tokens excluded) are pooled over heads and tokens with equal
+    weight — every token's *relative* error counts the same — and ``2^b`` levels are fitted by
+    Lloyd's algorithm (initialized at the quantiles ``0, 1/(2^b−1), …, 1``; ``iters`` steps; end
+    levels free, so the fit clips when that pays). KVQuant (Hooper et al., NeurIPS 2024, §3.4) fits
+    its per-layer non-uniform datatype by k-means the same way (weighted by a sensitivity). Weighting
+    each token by its squared scale (its absolute error), or by that times its squared attention
+    weights (the value objective's expansion), measured worse on the embedded model (V-only KL
+    6.1e-3 / 5.1e-3 vs 4.9e-3, 2 × 1024 wikitext windows, ``bench_out/exp_levels_fit.py``): tokens with
+    small values are often the attended ones. Raises ``ValueError`` for specs
+    :func:`~kvcal.formats.quant.check_levels` refuses or when the caches hold no tokens after the sinks."""
+    n = 2**spec.bits
+    H0 = caches[0].v.shape[0] if caches else 1
+    check_levels(uniform_levels(spec.bits), spec, H0)  # spec check (message names the rule)
+    us = []
+    for c in caches:
+        v = c.v[:, sinks:].float()  # [H, T, D]
+        if v.shape[1] == 0:
+            continue
+        x = apply_transform(transform, v[None])[0] if transform != "none" else v
+        g = spec.effective_channel_group(x.shape[-1]) if isinstance(spec.granularity, PerTokenGroup) else x.shape[-1]
+        xg = x.reshape(x.shape[0], x.shape[1], -1, g)
+        a = xg.abs().amax(-1, keepdim=True)
+        us.append((xg / torch.where(a > 0, a, torch.ones_like(a))).flatten())
+    if not us:
+        raise ValueError("no value tokens after the sinks to fit levels on")
+    u, _ = torch.sort(torch.cat(us).double())
+    L = u[torch.linspace(0, u.numel() - 1, n, dtype=torch.float64).round().long()].clone()
+    for _ in range(iters):
+        idx = torch.bucketize(u, (L[1:] + L[:-1]) / 2)
+        cnt = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, torch.ones_like(u))
+        su = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, u)
+        new, _ = torch.sort(torch.where(cnt > 0, su / cnt.clamp_min(1), L).clamp(-1, 1))
+        if torch.equal(new, L):
+            break
+        L = new
+    return L.float()[None].expand(H0, n).contiguous()
+
+
 @dataclass
 class SideSearch:
     """Result of :func:`search_side` for one layer and side.
@@ -290,7 +350,9 @@ class SideSearch:
                 "heldout_minmax": self.heldout_minmax, "heldout_out": self.heldout_out,
                 "transform": self.plan.transform, "rounding": self.plan.rounding is not None,
                 **({} if self.plan.channel_bits is None else
-                   {"channel_bits": torch.bincount(self.plan.channel_bits.flatten(), minlength=9)[1:].tolist()})}
+                   {"channel_bits": torch.bincount(self.plan.channel_bits.flatten(), minlength=9)[1:].tolist()}),
+                **({} if self.plan.levels is None else
+                   {"levels": [[round(float(x), 4) for x in row] for row in self.plan.levels]})}
 
 
 def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals):
@@ -321,7 +383,7 @@ def _one_head(spec, family, stats, mean, h, t, H, quant_kw: dict | None = None):
     st = None if stats is None else {k: v[h : h + 1] for k, v in stats.items() if k in ("min", "max", "mean", "std")}
     mh = None if mean is None else mean[h : h + 1]
     kw = dict(quant_kw or {})
-    for name in ("rounding", "channel_bits"):
+    for name in ("rounding", "channel_bits", "levels"):
         if kw.get(name) is not None:
             kw[name] = kw[name][h : h + 1]
     return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, **kw)
@@ -370,6 +432,7 @@ def search_side(
     rounding: bool = False,
     grid: tuple[float, ...] | None = None,
     channel_bits: bool = False,
+    levels: bool = False,
 ) -> SideSearch:
     """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an int ``spec``.
 
@@ -388,7 +451,10 @@ def search_side(
     calibration split; heads whose held-out winner is plain min/max get the identity (nearest
     rounding). ``channel_bits=True`` (keys, dynamic asymmetric per-channel int): per-channel widths
     from :func:`channel_bit_allocation` in every candidate; heads whose held-out winner is plain
-    min/max get uniform widths.
+    min/max get uniform widths. ``levels=True`` (values, dynamic symmetric per-token /
+    per-token-group int2–4): every candidate uses the :func:`fit_levels` table of the calibration
+    split; the min/max baseline is the uniform grid as a table (:func:`uniform_levels`), which
+    heads whose held-out winner is min/max keep.
     """
     U = None
     if rounding:
@@ -406,7 +472,18 @@ def search_side(
         if not calib:
             raise ValueError("no calibration sequences to search on")
         W = channel_bit_allocation(calib, spec, transform, rope, sinks)
-    quant_kw = {"transform": transform, "rope": rope, "rounding": U, "channel_bits": W}
+    Lv = L0 = None
+    if levels:
+        if side != "v":
+            raise ValueError("non-uniform levels are fitted for values (weighted by the attention weights)")
+        if not spec.dynamic or not spec.symmetric or not isinstance(spec.granularity, (PerToken, PerTokenGroup)):
+            raise ValueError(f"non-uniform levels need a symmetric per-token or per-token-group int spec, "
+                             f"not {spec.granularity.name} {'sym' if spec.symmetric else 'asym'}")
+        if not calib:
+            raise ValueError("no calibration sequences to search on")
+        Lv = fit_levels(calib, spec, transform, sinks)
+        L0 = uniform_levels(spec.bits)[None].expand_as(Lv).contiguous()
+    quant_kw = {"transform": transform, "rope": rope, "rounding": U, "channel_bits": W, "levels": Lv}
     if transform != "none" or rounding or channel_bits:
         centering = "off"
     if spec.format.kind != "int":
@@ -443,7 +520,8 @@ def search_side(
         fams = [fam1 if b else fam0 for b in pick1.tolist()]
     # held-out: each variant and plain min/max, per head
     base_family = "clip" if spec.dynamic else "shrink"
-    base_plan = make_plan(spec, torch.ones(H), family=base_family, stats=stats, transform=transform, rope=rope)
+    base_plan = make_plan(spec, torch.ones(H), family=base_family, stats=stats, transform=transform, rope=rope,
+                          levels=L0)
     nb, db = side_error(held, side, base_plan, objective, sinks)
     evals[0] += len(held) / max(len(calib), 1)
     best_err, best_idx = nb / db, torch.full((H,), -1)
@@ -490,9 +568,12 @@ def search_side(
     W_final = None
     if W is not None:
         W_final = torch.stack([W[h] if int(best_idx[h]) >= 0 else torch.full_like(W[h], spec.bits) for h in range(H)])
+    L_final = None
+    if Lv is not None:
+        L_final = torch.stack([Lv[h] if int(best_idx[h]) >= 0 else L0[h] for h in range(H)])
     if spec.dynamic:
         plan = make_plan(spec, param, family="clip", mean=mean_rows if any_mean else None, transform=transform,
-                         rope=rope, rounding=U_final, channel_bits=W_final)
+                         rope=rope, rounding=U_final, channel_bits=W_final, levels=L_final)
     else:
         plan = _static_plan_mixed(spec, stats, param, fam_final)
     # final figures (normalized over heads)
@@ -520,4 +601,4 @@ def _static_plan_mixed(spec, stats, x: torch.Tensor, families: list[str]) -> Sid
 
 
 __all__ = ["search_side", "side_error", "make_plan", "quantize_seq", "SideSearch", "clip_grid", "std_grid",
-           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding", "channel_bit_allocation", "water_fill_bits"]
+           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding", "channel_bit_allocation", "water_fill_bits", "fit_levels", "uniform_levels"]

@@ -72,23 +72,26 @@ class SideChoice(NamedTuple):
     ``"pre_rope"``, ``"hadamard"``; :mod:`kvcal.formats.transforms`) and whether keys use
     query-aware rounding (:func:`kvcal.search.optimizer.query_rounding`); ``clip_search=False``
     keeps dynamic ranges at min/max (clip ratio 1) instead of searching them; ``channel_bits``: keys
-    get per-channel payload widths (:func:`kvcal.search.optimizer.channel_bit_allocation`)."""
+    get per-channel payload widths (:func:`kvcal.search.optimizer.channel_bit_allocation`); ``levels``:
+    values use a fitted non-uniform grid (:func:`kvcal.search.optimizer.fit_levels`)."""
 
     spec: TensorQuantSpec
     transform: str = "none"
     rounding: bool = False
     clip_search: bool = True
     channel_bits: bool = False
+    levels: bool = False
 
 
-def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True, channel_bits=False):
-    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform, rounding, clip_search, channel_bits)
+def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True, channel_bits=False, levels=False):
+    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform, rounding, clip_search, channel_bits,
+                      levels)
 
 
 INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
     "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
     "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
-             _s("int4", PerToken(), True, "hadamard", clip_search=False)),
+             _s("int4", PerToken(), True, "hadamard", clip_search=False, levels=True)),
     "int2": (_s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
              _s("int2", PerTokenGroup(32), False, "hadamard")),
     "k4v2": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
@@ -117,8 +120,11 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
         _s("int2", PerToken(), False, "hadamard"),
         _s("int2", PerTokenGroup(32), False),
         _s("int2", PerTokenGroup(32), False, "hadamard"),
+        _s("int2", PerToken(), True, "hadamard", False, False, levels=True),
+        _s("int2", PerTokenGroup(32), True, "hadamard", False, False, levels=True),
+        _s("int3", PerToken(), True, "hadamard", False, False, levels=True),
         _s("int4", PerToken(), True),
-        _s("int4", PerToken(), True, "hadamard", False, False),
+        _s("int4", PerToken(), True, "hadamard", False, False, levels=True),
         _s("int4", PerTokenGroup(32), False),
         _s("int8", PerToken(), True),
     ),
@@ -142,7 +148,8 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     if tr != "none":
         out += f"/{tr}"
     out = out + "/qround" if rounding else out
-    return out + "/chbits" if isinstance(spec_in, SideChoice) and spec_in.channel_bits else out
+    out = out + "/chbits" if isinstance(spec_in, SideChoice) and spec_in.channel_bits else out
+    return out + "/levels" if isinstance(spec_in, SideChoice) and spec_in.levels else out
 
 
 __all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label"]
