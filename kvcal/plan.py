@@ -23,13 +23,15 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
 * ``channel_bits`` (asymmetric int, per-channel token groups, optional): per-channel payload widths
   ``[H,D]`` (int64, 1–8 bits, each head summing to ``bits·D``: the row keeps its size;
   :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata;
+* ``scale_base`` (log8 scales only): ``float32 [H]``, the per-head base of the 8-bit log-coded
+  per-token scales (:func:`kvcal.formats.quant.log8_base`);
 * ``levels`` (symmetric int2–4, per-token / per-token-group, optional): non-uniform levels
   ``float32 [H, 2^b]`` in units of each group's absmax (:func:`kvcal.formats.quant.check_levels`;
   fitted by :func:`kvcal.search.optimizer.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata.
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
-``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``, ``{s}_levels`` ``[H,2^b]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
+``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``, ``{s}_levels`` ``[H,2^b]``, ``{s}_scale_base`` ``[H]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
 (per-layer transforms go in the metadata's ``kv.transforms``).
 """
 
@@ -41,7 +43,7 @@ import torch
 
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
 from kvcal.formats.quant import check_channel_bits, check_levels, fake_quant, unit_rounding
-from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
+from kvcal.formats.spec import DTYPE_NAMES, LOG8, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 
 SIDES = ("k", "v")
@@ -76,6 +78,7 @@ class SidePlan:
     rounding: torch.Tensor | None = None
     channel_bits: torch.Tensor | None = None
     levels: torch.Tensor | None = None
+    scale_base: torch.Tensor | None = None
 
     def check_transform(self) -> None:
         """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
@@ -109,7 +112,8 @@ class SidePlan:
         params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
                   else {"scale": self.scale, "zero_point": self.zero_point})
         rounding = None if self.rounding is None else self._unit_rounding()  # as the runtime keeps it
-        y = fake_quant(xq, self.spec, rounding=rounding, channel_bits=self.channel_bits, levels=self.levels, **params)
+        y = fake_quant(xq, self.spec, rounding=rounding, channel_bits=self.channel_bits, levels=self.levels,
+                       scale_base=self.scale_base, **params)
         if self.transform != "none":
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
@@ -187,6 +191,8 @@ class KVPlan:
                     out[_name(i, s, "channel_bits")] = sp.channel_bits.float().contiguous()
                 if sp.levels is not None:
                     out[_name(i, s, "levels")] = sp.levels.float().contiguous()
+                if sp.scale_base is not None:
+                    out[_name(i, s, "scale_base")] = sp.scale_base.float().reshape(-1).contiguous()
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
@@ -283,7 +289,7 @@ class KVPlan:
                 lv = tensors.get(_name(i, s, "levels"))
                 if lv is not None:
                     n = 2**spec.bits if spec.format.kind == "int" else 0
-                    if tuple(lv.shape) != (H, n):
+                    if lv.ndim not in (1, 2) or lv.shape[-1] != n or lv.numel() not in (n, H * n):
                         raise ValueError(f"{_name(i, s, 'levels')} has shape {tuple(lv.shape)}, expected [H, 2^bits] = "
                                          f"{(H, n)} for its {spec.format.value} side")
                     try:
@@ -291,6 +297,17 @@ class KVPlan:
                     except ValueError as e:
                         raise ValueError(f"{_name(i, s, 'levels')} ({spec.format.value} {spec.granularity.name} "
                                          f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
+                sb = tensors.get(_name(i, s, "scale_base"))
+                if spec.is_quantized and spec.scale_dtype == LOG8:
+                    if sb is None:
+                        raise ValueError(f"artifact lacks {_name(i, s, 'scale_base')} required by its log8 scales")
+                    if sb.numel() != H or not bool(torch.isfinite(sb).all()) or bool((sb <= 0).any()):
+                        raise ValueError(f"{_name(i, s, 'scale_base')} must hold {H} finite positive values "
+                                         f"(one per KV head), got shape {tuple(sb.shape)}")
+                    sp.scale_base = sb.float().reshape(-1)
+                elif sb is not None:
+                    raise ValueError(f"{_name(i, s, 'scale_base')} is only for log8 scales; the side's scales are "
+                                     f"{DTYPE_NAMES[spec.scale_dtype]}")
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None
                 sp.check_transform()

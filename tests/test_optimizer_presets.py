@@ -180,12 +180,14 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     assert kv["v"]["granularity"] == "token" and kv["v"]["dynamic"] and kv["key_position"] == "pre_rope"
     assert kv["transforms"] == [{"k": "pre_rope", "v": "hadamard"}] * L
     assert torch.equal(art.tensors["rotary.inv_freq"], model.model.rotary_emb.inv_freq.float())
-    # head_dim 16: keys 4 + 32/128 bits, values 4 + 16/16 (one fp16 scale per token) -> 4.625, plus the
+    # head_dim 16: keys 4 + 32/128 bits, values 4 + 8/16 (one log8 scale byte per token) -> 4.375, plus the
     # keys' float8 strict rounding triangle per layer and head, 8·(16·15/2)/(4096·2·16) = 0.0073 bit,
     # the open key group's float32 raw min / max, 8·(2·16·4)/(4096·2·16) = 0.0078 bit, the uint8
     # channel-width table, 8·16/(4096·2·16) = 0.001 bit, the values' float32 levels table,
-    # 8·(4·16)/(4096·2·16) = 0.0039 bit, plus the 16-bit sink token (≈ 0.003) and clip ratios
-    assert cal["preset"] == "int4" and 4.6470 < cal["average_bits"] < 4.6519 and "sinks" in cal
+    # 8·(4·16)/(4096·2·16) = 0.0039 bit and log8 base, 8·4/(4096·2·16) = 0.0002 bit, plus the 16-bit sink
+    # token (≈ 0.003) and clip ratios
+    assert cal["preset"] == "int4" and 4.3972 < cal["average_bits"] < 4.4021 and "sinks" in cal
+    assert kv["v"]["scale_dtype"] == "log8"
     assert all(len(lm["v"]["levels"]) == HK and len(lm["v"]["levels"][0]) == 16 for lm in art.metadata["layers"])
     assert all(lm["k"]["rounding"] for lm in art.metadata["layers"])
     # per-channel key widths: a histogram over 1..8 bits of H·D channels holding 4·H·D bits
@@ -223,7 +225,8 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
     ref = teacher_forced(model, torch.stack(samples), {k: One(k) for k in kl}, progress=False)
     for k, v in kl.items():
         assert v > 0
-        assert v == pytest.approx(ref[k]["kl_mean"], rel=2e-3)  # float64 here, float32 in teacher_forced
+        # float64 KL here, float32 in teacher_forced, batch 1 vs 2: a few codes at rounding / log8 boundaries differ
+        assert v == pytest.approx(ref[k]["kl_mean"], rel=5e-3)
     with pytest.raises(ValueError, match="sink_tokens"):  # too short to read a quantized token
         side_sensitivity(model, [torch.tensor([5, 6, 7])[: plan.sink_tokens + 1]], plan, progress=False)
 
@@ -246,7 +249,7 @@ def test_probe_weights_steer_the_bit_allocation(tiny_capture, hot):
     assert r.summary["allocation"]["probe"]["floor_nats"] == pytest.approx(floor, rel=1e-12)
     assert len(r.summary["allocation"]["probe"]["floored"]) == 2 * L - 1
     alloc = r.summary["allocation"]
-    assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround/chbits", "v": "int4/token/sym/hadamard/levels"}
+    assert alloc["reference"] == {"k": "int4/channel_token_group128/asym/pre_rope/qround/chbits", "v": "int4/token/sym/hadamard/levels/log8"}
     rows = {(t["layer"], t["side"]): t for t in alloc["table"]}
     bits = {k: r.plan.layers[k[0]].side(k[1]).spec.bits for k in rows}
     assert bits[hot] == max(bits.values()) == 8

@@ -33,7 +33,8 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
      - static granularities: ``scale`` of shape ``scale_shape(1, H, 1, D)`` (per-tensor
        ``[1,1,1,1]``, per-head ``[1,H,1,1]``, per-channel ``[1,H,1,D]``) at ``s.scale_dtype``,
        plus a ``zero_point`` of the same shape/dtype when asymmetric;
-     - dynamic granularities: the calibrated ``clip_ratio`` ``float32 [H]``;
+     - dynamic granularities: the calibrated ``clip_ratio`` ``float32 [H]`` (log8 scales: and their
+       base, ``float32 [H]``);
      - NVFP4 additionally: the global scale ``float32 [1]``;
      - keys with ``key_centering``: the per-channel key mean ``float32 [1,H,1,D]``;
      - sides with query-aware rounding (``key_rounding`` / ``value_rounding``): the strict upper
@@ -62,7 +63,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.spec import DEFAULTS, KVCacheConfig, QFormat, TensorQuantSpec
+from kvcal.formats.spec import DEFAULTS, LOG8, KVCacheConfig, QFormat, TensorQuantSpec
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,8 @@ def side_static_bytes(spec: TensorQuantSpec, H: int, D: int) -> int:
         n += _n_params(spec) * numel * _sb(spec)
     else:
         n += H * DEFAULTS["clip_ratio_dtype"].itemsize
+        if spec.scale_dtype == LOG8:
+            n += H * 4  # float32 log8 scale base per KV head
     if spec.format is QFormat.NVFP4:
         n += DEFAULTS["global_scale_dtype"].itemsize
     return n

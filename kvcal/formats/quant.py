@@ -65,6 +65,14 @@ is, up to the rounding of the stored scale, the table ``[-1, -1, -(qmax-1)/qmax,
 code duplicates an end level), and
 ``linspace(-1, 1, 2^b)`` the uniform grid using all ``2^b`` codes.
 
+8-bit log-coded scales (``scale_dtype="log8"``, symmetric int, per-token / per-token-group): each
+group's scale is stored as one byte ``e`` with ``scale = base_h · 2^(e / 16)`` (``base_h``: a
+calibrated fp32 per KV head, ``scale_base=``; 256 codes span ``2^16``, steps of 4.4%). ``e`` is the
+smallest code whose scale is at least the group's exact one (never saturating its own extreme);
+scales below ``base_h`` use code 0, and scales above the top code are clipped to it (calibration puts
+the top code 16× above the largest calibration scale). It halves the per-token metadata of an fp16
+scale (0.125 instead of 0.25 bit per element at ``D = 64``) for about 4.5% more rounding error.
+
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
 quantizing them would silently poison a whole group), non-positive / non-finite scales or clip
 ratios, a scale that overflows its storage dtype, or parameters of the wrong shape.
@@ -80,7 +88,7 @@ import torch.nn.functional as F
 from kvcal.formats.fp8 import FP8_FORMATS, quantize_fp8
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.packing import pack, pack_channels, unpack, unpack_channels
-from kvcal.formats.spec import DEFAULTS, QFormat, TensorQuantSpec
+from kvcal.formats.spec import DEFAULTS, LOG8, QFormat, TensorQuantSpec
 
 #: e2m1 magnitudes by 3-bit code (OCP MX spec, FP4 E2M1).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -106,6 +114,7 @@ class QuantizedTensor:
       (payload then packed by :func:`kvcal.formats.packing.pack_channels`), else ``None``.
     * ``levels``: non-uniform levels ``float32 [H, 2^b]`` when quantized with ``levels=`` (codes
       stored unsigned, ``scale`` = the group's clipped absmax), else ``None``.
+    * ``scale_base``: ``float32 [H]`` base of log8 scales (``scale`` then holds ``uint8`` codes), else ``None``.
     * ``shape``: logical ``(B, H, S, D)``; ``dtype``: the input's dtype (what dequantize returns).
     """
 
@@ -118,6 +127,7 @@ class QuantizedTensor:
     global_scale: torch.Tensor | None = None
     channel_bits: torch.Tensor | None = None
     levels: torch.Tensor | None = None
+    scale_base: torch.Tensor | None = None
 
     @property
     def payload_nbytes(self) -> int:
@@ -195,6 +205,43 @@ def zero_point_limit(dtype: torch.dtype) -> float:
 
 _MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
 
+#: log8 scales: codes per octave and top code (module docstring).
+LOG8_STEPS, LOG8_TOP = 16, 255
+
+
+def log8_decode(code: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """fp32 scales ``base · 2^(code / 16)`` of log8 codes (``base`` broadcastable to ``code``)."""
+    return base.float() * torch.exp2(code.float() / LOG8_STEPS)
+
+
+def log8_encode(s: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``uint8`` codes of positive fp32 scales ``s``: the smallest code whose :func:`log8_decode` is
+    ``>= s``, clamped to ``[0, 255]`` (scales above the top code are clipped to it)."""
+    b = base.float()
+    e = torch.ceil(torch.log2(s.double() / b.double()) * LOG8_STEPS).clamp_(0, LOG8_TOP)
+    e = torch.where((log8_decode(e, b) < s.float()) & (e < LOG8_TOP), e + 1, e)
+    return e.to(torch.uint8)
+
+
+def log8_base(max_scale: torch.Tensor, headroom: float = 16.0) -> torch.Tensor:
+    """Per-head fp32 base putting log8's top code ``headroom`` times above ``max_scale`` ``[H]``
+    (the largest scale seen in calibration)."""
+    m = torch.as_tensor(max_scale, dtype=torch.float64).clamp_min(1e-30)
+    return (m * headroom / 2.0 ** (LOG8_TOP / LOG8_STEPS)).float()
+
+
+def _base_view(scale_base, spec, H: int, ndim: int, device) -> torch.Tensor | None:
+    if spec.scale_dtype != LOG8:
+        if scale_base is not None:
+            raise ValueError("scale_base is for log8 scales (scale_dtype='log8')")
+        return None
+    if scale_base is None:
+        raise ValueError("log8 scales need their calibrated per-head base (scale_base=, float32 [H])")
+    b = _as_param(scale_base, "scale_base", positive=True).to(device=device, dtype=torch.float32)
+    if b.numel() not in (1, H):
+        raise ValueError(f"scale_base must hold one value per KV head ({H}), got shape {tuple(b.shape)}")
+    return b.reshape(1, -1, *([1] * (ndim - 2)))
+
 
 def params_from_range(
     spec: TensorQuantSpec,
@@ -202,6 +249,7 @@ def params_from_range(
     amin: torch.Tensor | None = None,
     clip_ratio: torch.Tensor | float | None = None,
     qmax: torch.Tensor | None = None,
+    scale_base: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stored ``(scale, zero_point)`` from observed ranges (same shapes as the inputs).
 
@@ -212,7 +260,8 @@ def params_from_range(
     (``zero_point`` is ``None`` when symmetric). Not for NVFP4 (see :func:`nvfp4_global_scale`).
     ``qmax``: per-element top code ``2^W − 1`` (broadcastable; asymmetric ints with per-channel
     widths) instead of the spec's; symmetric ints with non-uniform levels use ``qmax = 1`` (the
-    scale is the clipped absmax).
+    scale is the clipped absmax). ``scale_base``: log8 specs' per-head base, broadcastable to
+    ``amax`` (the returned scale is then the ``uint8`` codes).
     """
     kind = spec.format.kind
     if kind not in ("int", "fp8"):
@@ -228,6 +277,10 @@ def params_from_range(
             qmax = FP8_FORMATS[spec.format.value].max if kind == "fp8" else float(spec.qmax)
         s = a / (qmax if isinstance(qmax, float) else qmax.to(a.device).float())
         s = torch.where(s > 0, s, torch.ones_like(s))
+        if spec.scale_dtype == LOG8:
+            if scale_base is None:
+                raise ValueError("log8 scales need their calibrated per-head base (scale_base=)")
+            return log8_encode(s, scale_base.to(s.device)), None
         return round_scale_up(s, spec.scale_dtype), None
     if amax is None or amin is None:
         raise ValueError("asymmetric specs need both amin and amax")
@@ -325,7 +378,8 @@ def xg_is_5d(gran) -> bool:
 
 # ---- the core: grouped fp32 view -> codes and back ------------------------------------------------
 
-def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale, x_for_static, top=None):
+def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale, x_for_static, top=None,
+            scale_base=None):
     """Returns fp32 params broadcastable to xg: (s, zp|None, block_scale_fp8|None, global|None),
     plus the stored tensors (scale, zero_point)."""
     kind = spec.format.kind
@@ -348,6 +402,9 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
         s = bs8.float() * gs.unsqueeze(-1)
         return s, None, (lay.to_stored(bs8), None, gs)
 
+    base = _base_view(scale_base, spec, lay.H, xg.ndim, xg.device)
+    if scale is not None and base is not None:
+        raise ValueError("log8 scales are computed per group; pass clip_ratio and scale_base, not scale")
     if scale is not None:
         if clip_ratio is not None:
             raise ValueError("pass either a calibrated scale or a clip_ratio, not both")
@@ -371,7 +428,7 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
         red = lay.red
         if spec.symmetric:
             amax = xg.abs().amax(dim=red, keepdim=True) if xg.numel() else _empty_stat(xg, lay)
-            s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c, qmax=top)
+            s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c, qmax=top, scale_base=base)
         else:
             if xg.numel():
                 mn, mx = torch.aminmax(xg, dim=red[0], keepdim=True) if len(red) == 1 else (
@@ -381,7 +438,7 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
             s_g, zp_g = params_from_range(spec, amax=mx, amin=mn, clip_ratio=c, qmax=top)
         s_st = lay.to_stored(s_g)
         zp_st = None if zp_g is None else lay.to_stored(zp_g)
-    s = lay.from_stored(s_st.float())
+    s = lay.from_stored(s_st.float() if base is None else log8_decode(s_st, lay.to_stored(base)))
     zp = None if zp_st is None else lay.from_stored(zp_st.float())
     return s, zp, (s_st, zp_st, None)
 
@@ -616,6 +673,7 @@ def quantize(
     rounding: torch.Tensor | None = None,
     channel_bits: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
+    scale_base: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x [B, H_kv, S, D]`` (any float dtype) to packed storage.
 
@@ -630,7 +688,8 @@ def quantize(
     ``zero_point`` given with them must come from :func:`params_from_range` with
     ``qmax = 2^W − 1`` (what the runtime cache does). ``levels``: non-uniform levels ``[H, 2^b]``
     (symmetric int2–4, per-token / per-token-group; :func:`check_levels`; not with ``rounding``,
-    ``channel_bits`` or an explicit ``scale``). 16-bit specs return
+    ``channel_bits`` or an explicit ``scale``). ``scale_base``: per-head base ``[H]`` of log8 scales
+    (required for, and only for, ``scale_dtype="log8"``; see :func:`log8_base`). 16-bit specs return
     ``data = x`` cast to fp16/bf16 with no parameters. Raises ``ValueError`` (see module docstring).
     """
     _check_input(x, check_finite)
@@ -646,7 +705,8 @@ def quantize(
         top = torch.ones((), device=x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
-    s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top)
+    s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top,
+                                       scale_base)
     q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top, L))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
@@ -664,7 +724,9 @@ def quantize(
         else:
             data = pack(q.to(torch.uint8), spec.bits)
     return QuantizedTensor(data.contiguous(), s_st.contiguous(), None if zp_st is None else zp_st.contiguous(),
-                           shape, spec, x.dtype, gs, w, L)
+                           shape, spec, x.dtype, gs, w, L,
+                           None if scale_base is None else torch.as_tensor(scale_base).float().reshape(-1)
+                           .to(x.device).expand(lay.H).contiguous())
 
 
 def _levels_arg(levels, spec, lay: _Layout, rounding, channel_bits, scale) -> torch.Tensor | None:
@@ -675,6 +737,15 @@ def _levels_arg(levels, spec, lay: _Layout, rounding, channel_bits, scale) -> to
     if scale is not None:
         raise ValueError("non-uniform levels take the group's absmax as scale; pass clip_ratio, not scale")
     return check_levels(levels, spec, lay.H)
+
+
+def _stored_scale(qt: QuantizedTensor) -> torch.Tensor:
+    """fp32 scales of ``qt`` as stored (log8 codes decoded with ``qt.scale_base``)."""
+    if qt.spec.scale_dtype != LOG8:
+        return qt.scale.float()
+    if qt.scale_base is None:
+        raise ValueError("a log8-scaled tensor needs its scale_base to dequantize")
+    return log8_decode(qt.scale, qt.scale_base.float().reshape(1, -1, *([1] * (qt.scale.ndim - 2))))
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -706,7 +777,7 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
         s = lay.from_stored(qt.scale.float()) * qt.global_scale.float().reshape(1, 1, 1, 1, 1)
         zp = None
     else:
-        s = lay.from_stored(qt.scale.float())
+        s = lay.from_stored(_stored_scale(qt))
         zp = None if qt.zero_point is None else lay.from_stored(qt.zero_point.float())
     if qt.levels is not None:
         out = lay.ungroup(_level_values(qg, s, check_levels(qt.levels, spec, lay.H)))
@@ -727,6 +798,7 @@ def fake_quant(
     rounding: torch.Tensor | None = None,
     channel_bits: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
+    scale_base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` computed without packing (the fast path for search).
 
@@ -743,7 +815,7 @@ def fake_quant(
         top = torch.ones((), device=x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
-    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top)
+    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, scale_base)
     if L is not None:
         y = lay.ungroup(_level_values(_level_codes(xg, s, L, lay), s, L))
     else:
@@ -758,7 +830,7 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
     if spec.format.kind != "int" or qt.levels is not None:
         raise ValueError("quant_step is defined for int formats with uniform grids (not nvfp4/fp8/non-uniform levels)")
     lay = _Layout(spec, qt.shape)
-    s = lay.from_stored(qt.scale.float())
+    s = lay.from_stored(_stored_scale(qt))
     xg_shape = lay.group(torch.empty(lay.B, lay.H, lay.S_g, lay.D_g, device="meta")).shape
     s = lay.ungroup(s.expand(xg_shape) if xg_is_5d(lay.gran) else s.expand(lay.B, lay.H, lay.S_g, lay.D_g))
     return s[:, :, : lay.S, : lay.D]
@@ -767,6 +839,6 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
 __all__ = [
     "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
     "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "unit_rounding", "E2M1_VALUES",
-    "check_channel_bits", "check_levels",
+    "check_channel_bits", "check_levels", "log8_encode", "log8_decode", "log8_base", "LOG8_STEPS", "LOG8_TOP",
     "DEFAULTS",
 ]

@@ -99,9 +99,12 @@ DEFAULTS = {
 }
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: ``scale_dtype`` of 8-bit log-coded dynamic scales: ``scale = base_h · 2^(code / 16)`` with a
+#: calibrated fp32 base per KV head (see :mod:`kvcal.formats.quant`); held as ``uint8`` codes.
+LOG8 = torch.uint8
 DTYPE_NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e4m3fn: "float8_e4m3fn", LOG8: "log8",
 }
 
 
@@ -126,7 +129,8 @@ class TensorQuantSpec:
     parameters, dynamic ones compute them when a token is written). ``symmetric``: integer formats
     only may be asymmetric (FP8/NVFP4 are symmetric). ``scale_dtype``: dtype of stored scales and
     zero points; ``None`` picks :data:`DEFAULTS` (fp32 static, fp16 dynamic; NVFP4 block scales are
-    always ``float8_e4m3fn``). Raises ``ValueError`` (message says what to change) on an invalid
+    always ``float8_e4m3fn``); ``"log8"`` (:data:`LOG8`): 8-bit log-coded per-token scales of
+    symmetric int sides, one byte instead of two per token and head. Raises ``ValueError`` (message says what to change) on an invalid
     combination. 16-bit formats ignore the other fields.
     """
 
@@ -168,8 +172,12 @@ class TensorQuantSpec:
             sd = DEFAULTS["scale_dtype_static" if gran.static else "scale_dtype_dynamic"]
         else:
             sd = dtype_from_name(sd)
-            if sd not in SCALE_DTYPES:
-                raise ValueError(f"scale_dtype must be float16, bfloat16 or float32, got {sd}")
+            if sd == LOG8:
+                if not (fmt.kind == "int" and self.symmetric and isinstance(gran, (PerToken, PerTokenGroup))):
+                    raise ValueError("log8 scales (8-bit log-coded, see kvcal.formats.quant) are for symmetric int "
+                                     "sides with per-token or per-token-group scales")
+            elif sd not in SCALE_DTYPES:
+                raise ValueError(f"scale_dtype must be float16, bfloat16, float32 or log8, got {sd}")
         object.__setattr__(self, "scale_dtype", sd)
 
     # ---- derived properties -------------------------------------------------------------------

@@ -44,6 +44,8 @@ def triton_supports(spec: TensorQuantSpec, shape: tuple[int, int, int, int]) -> 
     B, H, S, D = shape
     if spec.format.kind != "int":
         return f"{spec.format.value} runs on the torch reference"
+    if spec.scale_dtype == torch.uint8:
+        return "log8 scales run on the torch reference"
     g = spec.granularity
     if B * H * S == 0:
         return "empty input"
@@ -103,7 +105,7 @@ def quantize(
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None, *, backend: str | None = None) -> torch.Tensor:
     """Same contract as :func:`kvcal.formats.quant.dequantize`, dispatched like :func:`quantize`."""
     dtype = dtype or qt.dtype
-    if qt.channel_bits is not None or qt.levels is not None or _resolve(backend, qt.data.device, qt.spec, qt.shape) == "torch":
+    if qt.channel_bits is not None or qt.levels is not None or qt.scale_base is not None or _resolve(backend, qt.data.device, qt.spec, qt.shape) == "torch":
         return _ref.dequantize(qt, dtype)
     from kvcal.kernels.triton_quant import dequantize_triton
 

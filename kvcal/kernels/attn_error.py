@@ -50,6 +50,8 @@ def triton_supports(plan, D: int) -> str | None:
         return "keys with per-channel bit widths run on the torch reference"
     if getattr(plan, "levels", None) is not None:
         return "non-uniform levels run on the torch reference"
+    if getattr(plan, "scale_base", None) is not None:
+        return "log8 scales run on the torch reference"
     if spec.format.kind != "int":
         return f"{spec.format.value} keys run on the torch reference"
     g = spec.granularity

@@ -83,7 +83,7 @@ from kvcal.formats.quant import (
     quantize,
     unit_rounding,
 )
-from kvcal.formats.spec import DEFAULTS, QFormat
+from kvcal.formats.spec import DEFAULTS, LOG8, QFormat
 from kvcal.formats.transforms import apply_transform
 from kvcal.plan import KVPlan, SidePlan
 
@@ -141,6 +141,11 @@ class _Side:
         self.levels = None  # float32 [H, 2^b] non-uniform levels (codes index them)
         if self.quantized and sp.levels is not None:
             self.levels = check_levels(sp.levels, self.spec, H).clone()
+        self.scale_base = None  # float32 [H] base of log8 per-token scales
+        if self.quantized and self.spec.scale_dtype == LOG8:
+            if sp.scale_base is None:
+                raise ValueError("a side with log8 scales needs its calibrated scale_base (SidePlan.scale_base)")
+            self.scale_base = torch.as_tensor(sp.scale_base).float().reshape(-1).expand(H).clone()
         if self.quantized:
             spec = self.spec
             if spec.dynamic:
@@ -181,7 +186,7 @@ class _Side:
 
     def metadata_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale, self.rounding,
-                            self.channel_bits, self.levels) if t is not None]
+                            self.channel_bits, self.levels, self.scale_base) if t is not None]
 
     def batch_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.sink, self.win, self.data, self.scale, self.zp, self.open_rng) if t is not None]
@@ -194,7 +199,7 @@ class _Side:
 
     # ---- allocation ---------------------------------------------------------------------------
     def _move(self, device):
-        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding", "channel_bits", "levels"):
+        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding", "channel_bits", "levels", "scale_base"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -305,6 +310,8 @@ class _Side:
             kw["channel_bits"] = self.channel_bits
         if self.levels is not None:
             kw["levels"] = self.levels
+        if self.scale_base is not None:
+            kw["scale_base"] = self.scale_base
         qt = quantize(x, spec, **kw)
         s_pad = qt.data.shape[2]
         self.data[:, :, q0 : q0 + s_pad] = qt.data
@@ -369,7 +376,7 @@ class _Side:
             scale, zp = self.static_scale, self.static_zp
         gs = self.global_scale.reshape(1, 1, 1, 1) if self.global_scale is not None else None
         return QuantizedTensor(data, scale, zp, (self.B, self.H, b - a, self.D), spec, self.dtype, gs,
-                               self.channel_bits, self.levels)
+                               self.channel_bits, self.levels, self.scale_base)
 
     # ---- read -----------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import check_levels, params_from_range
-from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.quant import check_levels, log8_base, log8_decode, log8_encode, params_from_range
+from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.transforms import apply_transform
 from kvcal.plan import SidePlan
 from kvcal.search.objectives import SequenceCache
@@ -129,7 +129,7 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
               mean: torch.Tensor | None = None, transform: str = "none", rope=None,
               rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None,
-              levels: torch.Tensor | None = None) -> SidePlan:
+              levels: torch.Tensor | None = None, scale_base: torch.Tensor | None = None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
     ``family="clip"`` (dynamic specs): ``clip_ratio = t``; ``"shrink"`` / ``"std"`` (static
@@ -139,14 +139,15 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
     static ranges come from are of the untransformed tensor). ``rounding``: ``U [H, D, D]`` for
     query-aware rounding (see :func:`query_rounding`). ``channel_bits``: per-channel widths ``[H, D]``
     (dynamic asymmetric per-channel specs; see :func:`channel_bit_allocation`). ``levels``:
-    non-uniform levels ``[H, 2^b]`` (dynamic symmetric per-token specs; see :func:`fit_levels`)."""
+    non-uniform levels ``[H, 2^b]`` (dynamic symmetric per-token specs; see :func:`fit_levels`).
+    ``scale_base``: ``[H]`` base of log8 scales (see :func:`log8_scale_base`)."""
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
             raise ValueError(f"clip search needs a dynamic spec, got {spec.granularity.name}")
         sp = SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
                       rope=rope if transform == "pre_rope" else None, rounding=rounding, channel_bits=channel_bits,
-                      levels=levels)
+                      levels=levels, scale_base=scale_base)
         sp.check_transform()
         return sp
     if channel_bits is not None or levels is not None:
@@ -279,8 +280,24 @@ def uniform_levels(bits: int) -> torch.Tensor:
     return torch.cat([torch.tensor([-1.0]), torch.arange(-qmax, qmax + 1, dtype=torch.float32) / qmax])
 
 
+def log8_scale_base(caches: list[SequenceCache], side: str, spec: TensorQuantSpec, transform: str = "none",
+                    rope=None, sinks: int = 0, levels: bool = False) -> torch.Tensor:
+    """Per-head base ``float32 [H]`` of log8 scales: the top code 16× above the largest per-group
+    scale of the calibration split (after ``transform``, sinks excluded; ``absmax / qmax``, or
+    ``absmax`` with non-uniform levels) — :func:`kvcal.formats.quant.log8_base`."""
+    H = (caches[0].k if side == "k" else caches[0].v).shape[0]
+    top = torch.zeros(H, dtype=torch.float64)
+    for c in caches:
+        x = (c.k if side == "k" else c.v)[None, :, sinks:].float()
+        if x.shape[2] == 0:
+            continue
+        x = apply_transform(transform, x, rope=rope, start=sinks) if transform != "none" else x
+        top = torch.maximum(top, x[0].abs().amax(dim=(1, 2)).double())
+    return log8_base((top / (1.0 if levels else spec.qmax)).clamp_min(1e-12))
+
+
 def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: str = "none", sinks: int = 0,
-               iters: int = 40) -> torch.Tensor:
+               iters: int = 40, scale_base: torch.Tensor | None = None) -> torch.Tensor:
     """Non-uniform levels ``float32 [H, 2^b]`` for a value side (one table per layer, the same row
     for every KV head) by Lloyd / k-means in units of each group's absmax.
 
@@ -293,7 +310,8 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
     each token by its squared scale (its absolute error), or by that times its squared attention
     weights (the value objective's expansion), measured worse on the embedded model (V-only KL
     6.1e-3 / 5.1e-3 vs 4.9e-3, 2 × 1024 wikitext windows, ``bench_out/exp_levels_fit.py``): tokens with
-    small values are often the attended ones. Raises ``ValueError`` for specs
+    small values are often the attended ones. ``scale_base``: with log8 scales, ``u`` is taken
+    relative to the stored (rounded-up) scale, as quantization will see it. Raises ``ValueError`` for specs
     :func:`~kvcal.formats.quant.check_levels` refuses or when the caches hold no tokens after the sinks."""
     n = 2**spec.bits
     H0 = caches[0].v.shape[0] if caches else 1
@@ -307,7 +325,11 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
         g = spec.effective_channel_group(x.shape[-1]) if isinstance(spec.granularity, PerTokenGroup) else x.shape[-1]
         xg = x.reshape(x.shape[0], x.shape[1], -1, g)
         a = xg.abs().amax(-1, keepdim=True)
-        us.append((xg / torch.where(a > 0, a, torch.ones_like(a))).flatten())
+        a = torch.where(a > 0, a, torch.ones_like(a))
+        if scale_base is not None:
+            b = torch.as_tensor(scale_base).float().reshape(-1, 1, 1, 1)
+            a = log8_decode(log8_encode(a, b), b)
+        us.append((xg / a).flatten())
     if not us:
         raise ValueError("no value tokens after the sinks to fit levels on")
     u, _ = torch.sort(torch.cat(us).double())
@@ -383,7 +405,7 @@ def _one_head(spec, family, stats, mean, h, t, H, quant_kw: dict | None = None):
     st = None if stats is None else {k: v[h : h + 1] for k, v in stats.items() if k in ("min", "max", "mean", "std")}
     mh = None if mean is None else mean[h : h + 1]
     kw = dict(quant_kw or {})
-    for name in ("rounding", "channel_bits", "levels"):
+    for name in ("rounding", "channel_bits", "levels", "scale_base"):
         if kw.get(name) is not None:
             kw[name] = kw[name][h : h + 1]
     return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, **kw)
@@ -472,6 +494,11 @@ def search_side(
         if not calib:
             raise ValueError("no calibration sequences to search on")
         W = channel_bit_allocation(calib, spec, transform, rope, sinks)
+    base = None
+    if spec.dynamic and spec.scale_dtype == LOG8:
+        if not calib:
+            raise ValueError("no calibration sequences to search on")
+        base = log8_scale_base(calib, side, spec, transform, rope, sinks, levels)
     Lv = L0 = None
     if levels:
         if side != "v":
@@ -481,9 +508,10 @@ def search_side(
                              f"not {spec.granularity.name} {'sym' if spec.symmetric else 'asym'}")
         if not calib:
             raise ValueError("no calibration sequences to search on")
-        Lv = fit_levels(calib, spec, transform, sinks)
+        Lv = fit_levels(calib, spec, transform, sinks, scale_base=base)
         L0 = uniform_levels(spec.bits)[None].expand_as(Lv).contiguous()
-    quant_kw = {"transform": transform, "rope": rope, "rounding": U, "channel_bits": W, "levels": Lv}
+    quant_kw = {"transform": transform, "rope": rope, "rounding": U, "channel_bits": W, "levels": Lv,
+                "scale_base": base}
     if transform != "none" or rounding or channel_bits:
         centering = "off"
     if spec.format.kind != "int":
@@ -521,7 +549,7 @@ def search_side(
     # held-out: each variant and plain min/max, per head
     base_family = "clip" if spec.dynamic else "shrink"
     base_plan = make_plan(spec, torch.ones(H), family=base_family, stats=stats, transform=transform, rope=rope,
-                          levels=L0)
+                          levels=L0, scale_base=base)
     nb, db = side_error(held, side, base_plan, objective, sinks)
     evals[0] += len(held) / max(len(calib), 1)
     best_err, best_idx = nb / db, torch.full((H,), -1)
@@ -573,7 +601,7 @@ def search_side(
         L_final = torch.stack([Lv[h] if int(best_idx[h]) >= 0 else L0[h] for h in range(H)])
     if spec.dynamic:
         plan = make_plan(spec, param, family="clip", mean=mean_rows if any_mean else None, transform=transform,
-                         rope=rope, rounding=U_final, channel_bits=W_final, levels=L_final)
+                         rope=rope, rounding=U_final, channel_bits=W_final, levels=L_final, scale_base=base)
     else:
         plan = _static_plan_mixed(spec, stats, param, fam_final)
     # final figures (normalized over heads)
@@ -601,4 +629,5 @@ def _static_plan_mixed(spec, stats, x: torch.Tensor, families: list[str]) -> Sid
 
 
 __all__ = ["search_side", "side_error", "make_plan", "quantize_seq", "SideSearch", "clip_grid", "std_grid",
-           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding", "channel_bit_allocation", "water_fill_bits", "fit_levels", "uniform_levels"]
+           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding", "channel_bit_allocation", "water_fill_bits", "fit_levels", "uniform_levels",
+           "log8_scale_base"]

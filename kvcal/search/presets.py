@@ -63,6 +63,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.spec import TensorQuantSpec
 
@@ -83,15 +85,16 @@ class SideChoice(NamedTuple):
     levels: bool = False
 
 
-def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True, channel_bits=False, levels=False):
-    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym), transform, rounding, clip_search, channel_bits,
-                      levels)
+def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True, channel_bits=False, levels=False,
+       scale_dtype=None):
+    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym, scale_dtype=scale_dtype), transform, rounding,
+                      clip_search, channel_bits, levels)
 
 
 INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
     "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
     "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
-             _s("int4", PerToken(), True, "hadamard", clip_search=False, levels=True)),
+             _s("int4", PerToken(), True, "hadamard", clip_search=False, levels=True, scale_dtype="log8")),
     "int2": (_s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
              _s("int2", PerTokenGroup(32), False, "hadamard")),
     "k4v2": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
@@ -120,11 +123,11 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
         _s("int2", PerToken(), False, "hadamard"),
         _s("int2", PerTokenGroup(32), False),
         _s("int2", PerTokenGroup(32), False, "hadamard"),
-        _s("int2", PerToken(), True, "hadamard", False, False, levels=True),
-        _s("int2", PerTokenGroup(32), True, "hadamard", False, False, levels=True),
-        _s("int3", PerToken(), True, "hadamard", False, False, levels=True),
+        _s("int2", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
+        _s("int2", PerTokenGroup(32), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
+        _s("int3", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
         _s("int4", PerToken(), True),
-        _s("int4", PerToken(), True, "hadamard", False, False, levels=True),
+        _s("int4", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
         _s("int4", PerTokenGroup(32), False),
         _s("int8", PerToken(), True),
     ),
@@ -149,7 +152,8 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
         out += f"/{tr}"
     out = out + "/qround" if rounding else out
     out = out + "/chbits" if isinstance(spec_in, SideChoice) and spec_in.channel_bits else out
-    return out + "/levels" if isinstance(spec_in, SideChoice) and spec_in.levels else out
+    out = out + "/levels" if isinstance(spec_in, SideChoice) and spec_in.levels else out
+    return out + "/log8" if spec.scale_dtype == torch.uint8 else out
 
 
 __all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label"]
