@@ -226,6 +226,9 @@ def test_integer_report_states_transforms_and_rounding():
     for lm in meta["layers"][:2]:
         lm["k"]["rounding"] = True
     meta["layers"][1]["k"]["channel_bits"] = [2, 10, 20, 110, 40, 10, 0, 0]  # histogram over 1..8 bits
+    for lm in meta["layers"][:3]:
+        lm["v"]["levels"] = [[-1.0 + 2 * i / 15 for i in range(16)]]
+    meta["kv"]["v"] = dict(meta["kv"]["v"], scale_dtype="log8")
     md = to_markdown(build_report(meta, make_eval(), tensors))
     assert "Keys are quantized **pre-rope**" in md
     assert "Keys are quantized after a transform: pre-rope" in md
@@ -233,5 +236,9 @@ def test_integer_report_states_transforms_and_rounding():
     assert f"query-aware rounding (OPTQ-style error feedback weighted by calibration queries) in 2 of {L} layers" in md
     assert f"per-channel bit widths (1–8 bits, each head's row keeping the format's size; chosen from calibration " \
            f"queries × key ranges) in 1 of {L} layers" in md
+    assert f"Values use non-uniform levels (a per-layer table of 2^bits levels fitted on the calibration values; codes " \
+           f"index it) in 3 of {L} layers" in md
+    assert "per-token scales are stored as log8: one byte per token and head" in md
     plain = to_markdown(build_report(make_int_meta(), make_eval(), tensors))
     assert "after a transform" not in plain and "query-aware rounding" not in plain and "bit widths" not in plain
+    assert "non-uniform levels" not in plain and "log8" not in plain

@@ -160,6 +160,15 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
         items.append(f"Keys use per-channel bit widths (1–8 bits, each head's row keeping the format's size; chosen "
                      f"from calibration queries × key ranges) in {len(widths)} of {_num(m.get('num_layers'))} layers; "
                      "the width table is counted as per-layer metadata (kvcal runtime only).")
+    lv = [lm["layer"] for lm in meta.get("layers") or [] if (lm.get("v") or {}).get("levels")]
+    if lv:
+        items.append(f"Values use non-uniform levels (a per-layer table of 2^bits levels fitted on the calibration "
+                     f"values; codes index it) in {len(lv)} of {_num(m.get('num_layers'))} layers; the table is counted "
+                     "as per-layer metadata (kvcal runtime only).")
+    specs_all = [kv.get("k") or {}, kv.get("v") or {}] + [s.get(x) or {} for s in kv.get("layer_specs") or [] for x in "kv"]
+    if any(sp.get("scale_dtype") == "log8" for sp in specs_all):
+        items.append("Some per-token scales are stored as log8: one byte per token and head, scale = base · "
+                     "2^(code/16) with a calibrated per-head base (≤ 4.4% coarser than the exact scale; kvcal runtime only).")
     if kv.get("layer_specs"):
         kinds = sorted({f"K {s['k'].get('format')} / V {s['v'].get('format')}" for s in kv["layer_specs"]})
         items.append(f"Per-layer formats differ (mixed precision): {'; '.join(kinds)}.")
