@@ -1,7 +1,7 @@
 """Integer presets of ``kvcal calibrate`` and the menu of the bit allocator (specs only; torch only).
 
-Average bits per cached element (payload + per-token/group fp16 parameters; per-layer metadata —
-rounding ratios, channel-width tables —, the open key group's float32 raw range and 16-bit sinks
+Average bits per cached element (payload + per-token/group parameters; per-layer metadata —
+rounding ratios, channel-width and levels tables —, the open key group's float32 raw range and 16-bit sinks
 are added by the exact accounting in :mod:`kvcal.search.allocate`; the ``+`` column is that at
 4096 tokens, batch 1, on the embedded model):
 
@@ -9,9 +9,9 @@ are added by the exact accounting in :mod:`kvcal.search.allocate`; the ``+`` col
 preset     keys                                           values                                        avg
 =========  =============================================  ============================================  =====
 ``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
-``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, min/max, after a    4.25
-           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation                       +0.04
-           **per-channel widths** (4 bits on average)
+``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, min/max, after a    4.1875
+           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation, **non-uniform**       +0.044
+           **per-channel widths** (4 bits on average)     **levels**, **log8** scale (1 byte / token)
 ``int2``   int2 per channel in 32-token groups, asym,     int2 per token in 32-channel groups, asym,     3.0
            clip, pre-RoPE, query-aware rounding,          clip, after a Hadamard rotation               +0.04
            per-channel widths (2 bits on average)
@@ -22,9 +22,11 @@ preset     keys                                           values                
 (dynamic int8 g64; KIVI-2 g32) — plus, for ``int2``, the keys' rounding triangle — so their gain is
 the calibration and the transforms (clip ratios, centering, sinks; ``int2``: pre-RoPE keys with
 query-aware rounding and Hadamard-rotated values, which took the 2 × 1024-window probe from KL 0.405
-with the plain KIVI layout + clips to 0.192, KIVI-2 itself 0.623). ``int4`` spends exactly 0.25 bit of metadata per side (fp16 scale + zero point per 128
-tokens of a key channel; one fp16 scale per value token and head) plus the per-layer clip ratios
-and the 16-bit sinks, and uses the two transforms that measured best on the embedded model at that
+with the plain KIVI layout + clips to 0.192, KIVI-2 itself 0.623). ``int4`` spends 0.25 bit of
+metadata on the keys (fp16 scale + zero point per 128 tokens of a key channel) and 0.125 on the
+values (one log8 byte per value token and head: ``kvcal.formats.quant``, 4.4% scale steps, which cost
+V-only KL 5.11e-3 → 5.21e-3 on the 2 × 1024 probe and brought the preset from 4.29 to 4.23 bits) plus
+the per-layer clip ratios, tables and the 16-bit sinks, and uses the two transforms that measured best on the embedded model at that
 budget (``bench_out/exp_*.py`` probes, 2 × 1024 wikitext windows, K-only / V-only mean KL):
 pre-RoPE 128-token key groups 9.4e-3 vs post-RoPE 14.1e-3 (and static per-channel pre-RoPE
 ranges 16.7e-3, the previous preset's layout); Hadamard-rotated symmetric g64 values 6.7e-3 vs
@@ -54,6 +56,16 @@ that minimized the held-out attention-output error (0.89–0.96) raised the mode
 KL 5.73e-3 vs 5.84e-3 but ΔPPL +0.152 vs +0.107 — no consistent gain, so the cheaper min/max stays.
 (Until this release a keyword slip passed ``False`` as the rounding flag and the preset searched
 value clips anyway; the README's earlier int4 rows were measured that way.)
+
+**Non-uniform value levels** (:func:`kvcal.search.optimizer.fit_levels`, KVQuant's per-layer
+non-uniform datatype applied to Hadamard-rotated per-token values): the 16 codes index a per-layer table
+fitted by Lloyd's algorithm on the calibration values in units of each token's absmax, instead of the
+uniform grid ``k/7`` (which also leaves one code unused). On Gaussian rows of 64 the fitted table cuts
+the MSE from 0.0116σ² to 0.0080σ² (the same as an asymmetric grid, without its per-token zero point);
+on the 2 × 1024 probe the int4 values went from V-only KL 6.83e-3 to 5.11e-3 (NF4's fixed table: 6.82e-3;
+a table per head instead of per layer: 4.81e-3 vs 4.66e-3 in the same experiment, so one per layer).
+The ``--bits`` menu offers 2-, 3- and 4-bit level entries with log8 scales too (a 2-bit table
+on groups of 32 has 0.113σ² vs 0.155σ² for KIVI's asymmetric 2-bit grid, at half its metadata).
 
 The ``--bits`` menu below is searched per layer and side; ``ALLOC_REFERENCE`` is the choice at which
 the model-level sensitivity probe measures each (layer, side).
