@@ -205,7 +205,7 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
 
     from kvcal.formats.granularity import granularity_from_name
     from kvcal.formats.memory import memory_report, model_shape
-    from kvcal.formats.spec import PRESETS, KVCacheConfig, TensorQuantSpec
+    from kvcal.formats.spec import DTYPE_NAMES, PRESETS, KVCacheConfig, TensorQuantSpec
 
     try:
         p = Path(model).expanduser()
@@ -252,7 +252,7 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
         g = s.granularity
         gs = f"(g={g.group_size})" if hasattr(g, "group_size") else ""
         sym = "sym" if s.symmetric else "asym"
-        return f"{s.format.value} {g.name}{gs} {sym}, {str(s.scale_dtype).replace('torch.', '')} scales"
+        return f"{s.format.value} {g.name}{gs} {sym}, {DTYPE_NAMES[s.scale_dtype]} scales"
 
     b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     bpt = rep.bytes_per_token

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
-from kvcal.formats.quant import check_channel_bits, check_levels, fake_quant, unit_rounding
+from kvcal.formats.quant import check_channel_bits, check_levels, check_scale_base, fake_quant, unit_rounding
 from kvcal.formats.spec import DTYPE_NAMES, LOG8, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 
@@ -172,11 +172,14 @@ class KVPlan:
 
     # ---- artifact tensors ------------------------------------------------------------------
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Artifact tensors (float32) named as in the module docstring."""
+        """Artifact tensors (float32) named as in the module docstring. Raises ``ValueError`` for a
+        log8 side without its ``scale_base`` (the artifact could not be loaded back)."""
         out = {}
         for i, lp in enumerate(self.layers):
             for s in SIDES:
                 sp = lp.side(s)
+                if sp.spec.is_quantized and sp.spec.scale_dtype == LOG8 and sp.scale_base is None:
+                    raise ValueError(f"layer {i} {s}: log8 scales need SidePlan.scale_base (calibrate the side)")
                 if sp.scale is not None:
                     out[_name(i, s, "scale")] = _squeeze_static(sp.scale.float(), sp.spec)
                 if sp.zero_point is not None:
@@ -301,13 +304,17 @@ class KVPlan:
                 if spec.is_quantized and spec.scale_dtype == LOG8:
                     if sb is None:
                         raise ValueError(f"artifact lacks {_name(i, s, 'scale_base')} required by its log8 scales")
-                    if sb.numel() != H or not bool(torch.isfinite(sb).all()) or bool((sb <= 0).any()):
-                        raise ValueError(f"{_name(i, s, 'scale_base')} must hold {H} finite positive values "
-                                         f"(one per KV head), got shape {tuple(sb.shape)}")
-                    sp.scale_base = sb.float().reshape(-1)
+                    if sb.numel() != H:
+                        raise ValueError(f"{_name(i, s, 'scale_base')} must hold {H} values (one per KV head), "
+                                         f"got shape {tuple(sb.shape)}")
+                    try:
+                        sp.scale_base = check_scale_base(sb.float(), H)
+                    except ValueError as e:
+                        raise ValueError(f"{_name(i, s, 'scale_base')}: {e}") from None
                 elif sb is not None:
-                    raise ValueError(f"{_name(i, s, 'scale_base')} is only for log8 scales; the side's scales are "
-                                     f"{DTYPE_NAMES[spec.scale_dtype]}")
+                    what = (f"{DTYPE_NAMES[spec.scale_dtype]}" if spec.is_quantized else "absent (the side is not "
+                            "quantized)")
+                    raise ValueError(f"{_name(i, s, 'scale_base')} is only for log8 scales; the side's scales are {what}")
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None
                 sp.check_transform()

@@ -14,13 +14,14 @@ V8 = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
 
 def test_log8_codes_hand_worked():
     base = torch.tensor(1.0)
-    # 16·log2(1.5) = 9.36 -> code 10, 2^(10/16) = 1.54221; exactly 1 -> 0; below the base -> 0;
-    # 2^(255/16) = 62 757 is the top code, anything larger is clipped to it
-    s = torch.tensor([1.5, 1.0, 0.25, 2.0**4, 1e6])
+    # 16·log2(1.5) = 9.36 -> code 10, 2^(10/16) = 1.54221; exactly 2^(1/16) -> 1 (code 0 is reserved for
+    # scale 0); below the base -> 1; 2^4 -> 64; 2^(255/16) = 62 757 is the top code, larger is clipped to it
+    s = torch.tensor([1.5, 2 ** (1 / 16), 0.25, 2.0**4, 1e6, 0.0])
     e = log8_encode(s, base)
-    assert e.dtype == torch.uint8 and e.tolist() == [10, 0, 0, 64, 255]
-    ref = 2.0 ** (torch.tensor([10, 0, 0, 64, 255], dtype=torch.float64) / 16)
-    torch.testing.assert_close(log8_decode(e, base).double(), ref, rtol=1e-7, atol=0)
+    assert e.dtype == torch.uint8 and e.tolist() == [10, 1, 1, 64, 255, 0]
+    ref = 2.0 ** (torch.tensor([10, 1, 1, 64, 255], dtype=torch.float64) / 16)
+    torch.testing.assert_close(log8_decode(e, base)[:5].double(), ref, rtol=1e-7, atol=0)
+    assert float(log8_decode(e, base)[5]) == 0.0
     # the base puts the top code 16x above the largest calibration scale
     torch.testing.assert_close(log8_base(torch.tensor([3.0])).double() * 2 ** (255 / 16),
                                torch.tensor([48.0], dtype=torch.float64), rtol=1e-6, atol=0)
@@ -71,6 +72,10 @@ def test_log8_refusals_and_spec_round_trip():
         quantize(x, V8, scale_base=torch.ones(3))
     with pytest.raises(ValueError, match="finite and > 0"):
         quantize(x, V8, scale_base=torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="scale_base must be a number or a float tensor"):
+        quantize(x, V8, scale_base="a")
+    with pytest.raises(ValueError, match="overflows float32 at the top log8 code"):
+        quantize(x, V8, scale_base=torch.tensor([3e38, 1.0]))
 
 
 def test_log8_memory_accounting():
@@ -123,5 +128,5 @@ def test_log8_plan_artifact_and_runtime_equal_protocol_a():
         KVPlan.from_artifact(bad, meta)
     bad = dict(t)
     bad["model.layers.0.self_attn.v_scale_base"] = torch.tensor([1.0, -1.0])
-    with pytest.raises(ValueError, match="finite positive"):
+    with pytest.raises(ValueError, match="v_scale_base: scale_base must be finite and > 0"):
         KVPlan.from_artifact(bad, meta)

@@ -56,7 +56,8 @@ Non-uniform levels (``levels=L``, symmetric int, per-token or per-token-group): 
 index a calibrated, non-decreasing table ``L [H, 2^b]`` in ``[-1, 1]`` instead of the uniform grid:
 ``scale = clip_ratio * absmax`` of the group (the grid's ``qmax`` is 1), ``q`` = index of the
 nearest level to ``x / scale`` (ties to the lower level, values beyond ``±1`` to the end levels),
-``x̂ = L[h, q] * scale``; codes are stored unsigned (no offset). The table is per-layer metadata
+``x̂ = L[h, q] * scale``; codes are stored unsigned (no offset). An all-zero group gets scale 0
+and reads back as zeros (a fitted table need not contain 0). The table is per-layer metadata
 (``float32 [H, 2^b]``), the per-token scale is unchanged — a non-uniform grid costs no per-token
 bits. This is KVQuant's non-uniform datatype (Hooper et al., "KVQuant", NeurIPS 2024, §3.4: a
 per-layer codebook fitted offline by weighted k-means) applied to per-token values; NF4 (Dettmers
@@ -68,9 +69,10 @@ code duplicates an end level), and
 8-bit log-coded scales (``scale_dtype="log8"``, symmetric int, per-token / per-token-group): each
 group's scale is stored as one byte ``e`` with ``scale = base_h · 2^(e / 16)`` (``base_h``: a
 calibrated fp32 per KV head, ``scale_base=``; 256 codes span ``2^16``, steps of 4.4%). ``e`` is the
-smallest code whose scale is at least the group's exact one (never saturating its own extreme);
-scales below ``base_h`` use code 0, and scales above the top code are clipped to it (calibration puts
-the top code 16× above the largest calibration scale). It halves the per-token metadata of an fp16
+smallest code in 1–255 whose scale is at least the group's exact one (never saturating its own
+extreme); scales below ``base_h · 2^(1/16)`` use code 1, scales above the top code are clipped to it
+(calibration puts the top code 16× above the largest calibration scale), and code 0 is scale 0 (an
+all-zero group with non-uniform levels). It halves the per-token metadata of an fp16
 scale (0.125 instead of 0.25 bit per element at ``D = 64``) for about 4.5% more rounding error.
 
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
@@ -162,7 +164,11 @@ def _check_input(x: torch.Tensor, check_finite: bool = True) -> None:
 
 
 def _as_param(t, name: str, positive: bool) -> torch.Tensor:
-    t = torch.as_tensor(t, dtype=torch.float32) if not isinstance(t, torch.Tensor) else t
+    if not isinstance(t, torch.Tensor):
+        try:
+            t = torch.as_tensor(t, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{name} must be a number or a float tensor, got {type(t).__name__}") from None
     if not torch.isfinite(t.float()).all() or (positive and bool((t <= 0).any())):
         raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}; got {t.flatten()[:4].tolist()}")
     return t
@@ -210,17 +216,21 @@ LOG8_STEPS, LOG8_TOP = 16, 255
 
 
 def log8_decode(code: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """fp32 scales ``base · 2^(code / 16)`` of log8 codes (``base`` broadcastable to ``code``)."""
-    return base.float() * torch.exp2(code.float() / LOG8_STEPS)
+    """fp32 scales of log8 codes: ``base · 2^(code / 16)`` for codes 1–255, 0 for code 0 (the scale of
+    an all-zero group); ``base`` broadcastable to ``code``."""
+    c = code.float()
+    return torch.where(c > 0, base.float() * torch.exp2(c / LOG8_STEPS), torch.zeros_like(c))
 
 
 def log8_encode(s: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """``uint8`` codes of positive fp32 scales ``s``: the smallest code whose :func:`log8_decode` is
-    ``>= s``, clamped to ``[0, 255]`` (scales above the top code are clipped to it)."""
+    """``uint8`` codes of fp32 scales ``s >= 0``: 0 for ``s == 0``; else the smallest code in 1–255
+    whose :func:`log8_decode` is ``>= s`` (scales above the top code are clipped to it)."""
     b = base.float()
-    e = torch.ceil(torch.log2(s.double() / b.double()) * LOG8_STEPS).clamp_(0, LOG8_TOP)
-    e = torch.where((log8_decode(e, b) < s.float()) & (e < LOG8_TOP), e + 1, e)
-    return e.to(torch.uint8)
+    sf = s.float()
+    e = torch.ceil(torch.log2(sf.double().clamp_min(1e-45) / b.double()) * LOG8_STEPS).clamp_(1, LOG8_TOP)
+    e = torch.where((e > 1) & (log8_decode(e - 1, b) >= sf), e - 1, e)  # float32 decode decides, not float64
+    e = torch.where((log8_decode(e, b) < sf) & (e < LOG8_TOP), e + 1, e)
+    return torch.where(sf > 0, e, torch.zeros_like(e)).to(torch.uint8)
 
 
 def log8_base(max_scale: torch.Tensor, headroom: float = 16.0) -> torch.Tensor:
@@ -230,6 +240,18 @@ def log8_base(max_scale: torch.Tensor, headroom: float = 16.0) -> torch.Tensor:
     return (m * headroom / 2.0 ** (LOG8_TOP / LOG8_STEPS)).float()
 
 
+def check_scale_base(scale_base, H: int) -> torch.Tensor:
+    """Validated log8 base ``float32 [H]`` (a scalar broadcasts): finite, positive, and small enough
+    that the top code's scale is finite in float32. Raises ``ValueError``."""
+    b = _as_param(scale_base, "scale_base", positive=True).float().reshape(-1)
+    if b.numel() not in (1, H):
+        raise ValueError(f"scale_base must hold one value per KV head ({H}), got {b.numel()} values")
+    if not bool(torch.isfinite(log8_decode(torch.tensor(float(LOG8_TOP)), b)).all()):
+        raise ValueError(f"scale_base {float(b.max()):.4g} overflows float32 at the top log8 code "
+                         f"(base · 2^({LOG8_TOP}/{LOG8_STEPS}))")
+    return b.expand(H).contiguous()
+
+
 def _base_view(scale_base, spec, H: int, ndim: int, device) -> torch.Tensor | None:
     if spec.scale_dtype != LOG8:
         if scale_base is not None:
@@ -237,10 +259,7 @@ def _base_view(scale_base, spec, H: int, ndim: int, device) -> torch.Tensor | No
         return None
     if scale_base is None:
         raise ValueError("log8 scales need their calibrated per-head base (scale_base=, float32 [H])")
-    b = _as_param(scale_base, "scale_base", positive=True).to(device=device, dtype=torch.float32)
-    if b.numel() not in (1, H):
-        raise ValueError(f"scale_base must hold one value per KV head ({H}), got shape {tuple(b.shape)}")
-    return b.reshape(1, -1, *([1] * (ndim - 2)))
+    return check_scale_base(scale_base, H).to(device).reshape(1, -1, *([1] * (ndim - 2)))
 
 
 def params_from_range(
@@ -260,7 +279,8 @@ def params_from_range(
     (``zero_point`` is ``None`` when symmetric). Not for NVFP4 (see :func:`nvfp4_global_scale`).
     ``qmax``: per-element top code ``2^W − 1`` (broadcastable; asymmetric ints with per-channel
     widths) instead of the spec's; symmetric ints with non-uniform levels use ``qmax = 1`` (the
-    scale is the clipped absmax). ``scale_base``: log8 specs' per-head base, broadcastable to
+    scale is the clipped absmax, and an all-zero group gets scale 0 so that it reads back as
+    zeros whatever the table). ``scale_base``: log8 specs' per-head base, broadcastable to
     ``amax`` (the returned scale is then the ``uint8`` codes).
     """
     kind = spec.format.kind
@@ -276,7 +296,8 @@ def params_from_range(
         if qmax is None:
             qmax = FP8_FORMATS[spec.format.value].max if kind == "fp8" else float(spec.qmax)
         s = a / (qmax if isinstance(qmax, float) else qmax.to(a.device).float())
-        s = torch.where(s > 0, s, torch.ones_like(s))
+        if not (kind == "int" and torch.is_tensor(qmax)):  # non-uniform levels keep 0 for all-zero groups
+            s = torch.where(s > 0, s, torch.ones_like(s))
         if spec.scale_dtype == LOG8:
             if scale_base is None:
                 raise ValueError("log8 scales need their calibrated per-head base (scale_base=)")
@@ -562,8 +583,9 @@ def check_levels(levels, spec: TensorQuantSpec, H: int) -> torch.Tensor:
 
 
 def _level_codes(xg, s, L: torch.Tensor, lay: _Layout) -> torch.Tensor:
-    """Index of the nearest level (ties to the lower one) of ``xg / s``, per KV head (dim 1)."""
-    u = xg / s
+    """Index of the nearest level (ties to the lower one) of ``xg / s``, per KV head (dim 1); groups
+    with scale 0 (all zero) get the level nearest 0 (they dequantize to 0 whatever it is)."""
+    u = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
     mids = ((L[:, 1:] + L[:, :-1]) * 0.5).to(u.device)
     q = torch.empty_like(u)
     for h in range(lay.H):
@@ -839,6 +861,6 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
 __all__ = [
     "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
     "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "unit_rounding", "E2M1_VALUES",
-    "check_channel_bits", "check_levels", "log8_encode", "log8_decode", "log8_base", "LOG8_STEPS", "LOG8_TOP",
+    "check_channel_bits", "check_levels", "log8_encode", "log8_decode", "log8_base", "check_scale_base", "LOG8_STEPS", "LOG8_TOP",
     "DEFAULTS",
 ]

@@ -83,17 +83,20 @@ def quantize(
     zero_point: torch.Tensor | None = None,
     clip_ratio: torch.Tensor | float | None = None,
     global_scale: torch.Tensor | float | None = None,
+    levels: torch.Tensor | None = None,
+    scale_base: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> QuantizedTensor:
     """Same contract as :func:`kvcal.formats.quant.quantize`, dispatched to Triton when supported
-    (dynamic int layouts without given parameters). Raises ``ValueError`` like the reference."""
+    (dynamic int layouts without given parameters, uniform grids, float scales; non-uniform
+    ``levels`` and log8 ``scale_base`` run on the torch reference). Raises ``ValueError`` like the reference."""
     _ref._check_input(x)
     use = "torch"
-    if scale is None and zero_point is None and global_scale is None:
+    if scale is None and zero_point is None and global_scale is None and levels is None and scale_base is None:
         use = _resolve(backend, x.device, spec, tuple(x.shape))
     if use == "torch":
         return _ref.quantize(x, spec, scale=scale, zero_point=zero_point, clip_ratio=clip_ratio,
-                             global_scale=global_scale, check_finite=False)
+                             global_scale=global_scale, check_finite=False, levels=levels, scale_base=scale_base)
     from kvcal.kernels.triton_quant import quantize_triton
 
     H = x.shape[1]

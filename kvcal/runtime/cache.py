@@ -77,6 +77,7 @@ from kvcal.formats.quant import (
     QuantizedTensor,
     check_channel_bits,
     check_levels,
+    check_scale_base,
     dequantize,
     nvfp4_global_scale,
     params_from_range,
@@ -145,7 +146,7 @@ class _Side:
         if self.quantized and self.spec.scale_dtype == LOG8:
             if sp.scale_base is None:
                 raise ValueError("a side with log8 scales needs its calibrated scale_base (SidePlan.scale_base)")
-            self.scale_base = torch.as_tensor(sp.scale_base).float().reshape(-1).expand(H).clone()
+            self.scale_base = check_scale_base(sp.scale_base, H).clone()
         if self.quantized:
             spec = self.spec
             if spec.dynamic:

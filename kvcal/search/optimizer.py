@@ -323,13 +323,12 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
             continue
         x = apply_transform(transform, v[None])[0] if transform != "none" else v
         g = spec.effective_channel_group(x.shape[-1]) if isinstance(spec.granularity, PerTokenGroup) else x.shape[-1]
-        xg = x.reshape(x.shape[0], x.shape[1], -1, g)
-        a = xg.abs().amax(-1, keepdim=True)
-        a = torch.where(a > 0, a, torch.ones_like(a))
-        if scale_base is not None:
-            b = torch.as_tensor(scale_base).float().reshape(-1, 1, 1, 1)
-            a = log8_decode(log8_encode(a, b), b)
-        us.append((xg / a).flatten())
+        for xg in x.split(g, dim=-1):  # channel groups (the last may be shorter, as quantize pads it)
+            a = xg.abs().amax(-1, keepdim=True)
+            if scale_base is not None:
+                b = torch.as_tensor(scale_base).float().reshape(-1, 1, 1)
+                a = log8_decode(log8_encode(a, b), b)
+            us.append((xg / torch.where(a > 0, a, torch.ones_like(a))).flatten())
     if not us:
         raise ValueError("no value tokens after the sinks to fit levels on")
     u, _ = torch.sort(torch.cat(us).double())
