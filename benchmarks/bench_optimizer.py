@@ -17,6 +17,7 @@ Writes ``bench_out/bench_optimizer.json`` (gitignored) and prints the table with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -160,8 +161,10 @@ def main():
         from kvcal.search.presets import INT_PRESETS
 
         (ck, cv) = INT_PRESETS["int4"]
-        plans["int4 layout min/max, no calibration"] = KVPlan(
-            [LayerPlan(SidePlan(ck.spec, transform=ck.transform, rope=cap.rope), SidePlan(cv.spec, transform=cv.transform))
+        # no calibration: no log8 base and no levels table, so values keep fp16 scales on the uniform grid
+        v_spec = dataclasses.replace(cv.spec, scale_dtype=None)
+        plans["int4 layout min/max, no calibration (fp16 value scales)"] = KVPlan(
+            [LayerPlan(SidePlan(ck.spec, transform=ck.transform, rope=cap.rope), SidePlan(v_spec, transform=cv.transform))
              for i in range(L)], sink_tokens=plans["kvcal int4"].sink_tokens)
     print(f"evaluating {len(plans)} plans on {len(eval_w)} windows ...", flush=True)
     t0 = time.perf_counter()
@@ -204,7 +207,7 @@ def main():
         checks["k4v2 dPPL / KIVI-2"] = ratio("kvcal k4v2", "KIVI-2 g32 (baseline)", "delta_ppl")
     if "fp8 kvcal tensor @16" in res:
         checks["fp8 kvcal@16 KL / absmax@64 (target <= 1)"] = ratio("fp8 kvcal tensor @16", absmax_name, "kl_mean")
-        checks["int4 kvcal@16 KL / same layout uncalibrated"] = ratio("kvcal int4 @16", "int4 layout min/max, no calibration",
+        checks["int4 kvcal@16 KL / same layout uncalibrated"] = ratio("kvcal int4 @16", "int4 layout min/max, no calibration (fp16 value scales)",
                                                                      "kl_mean")
         checks["int4 KL / KIVI-4 KL"] = ratio("kvcal int4", "KIVI-4 g32 (baseline)", "kl_mean")
     out["ratios"] = checks

@@ -64,8 +64,11 @@ uniform grid ``k/7`` (which also leaves one code unused). On Gaussian rows of 64
 the MSE from 0.0116σ² to 0.0080σ² (the same as an asymmetric grid, without its per-token zero point);
 on the 2 × 1024 probe the int4 values went from V-only KL 6.83e-3 to 5.11e-3 (NF4's fixed table: 6.82e-3;
 a table per head instead of per layer: 4.81e-3 vs 4.66e-3 in the same experiment, so one per layer).
-The ``--bits`` menu offers 2-, 3- and 4-bit level entries with log8 scales too (a 2-bit table
-on groups of 32 has 0.113σ² vs 0.155σ² for KIVI's asymmetric 2-bit grid, at half its metadata).
+The ``--bits`` menu offers 2-, 3- and 4-bit level entries with log8 scales too. At 2 bits the Gaussian
+picture (a 2-bit table on groups of 32: 0.113σ² vs 0.155σ² for KIVI's asymmetric grid) did not carry over:
+on the 2 × 1024 probe the ``int2`` values measured V-only KL 118e-3 with that table (16-channel groups:
+101e-3) vs 85e-3 with the preset's asymmetric, clip-searched 32-channel groups, so ``int2`` keeps its
+layout and the level entries only compete per layer in the allocator.
 
 The ``--bits`` menu below is searched per layer and side; ``ALLOC_REFERENCE`` is the choice at which
 the model-level sensitivity probe measures each (layer, side).
