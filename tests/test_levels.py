@@ -208,3 +208,21 @@ def test_runtime_with_levels_equals_protocol_a_and_accounting():
         with attention_hook(model, plan_hook(plan)):
             ref = model(ids[:, :20], use_cache=False).logits[:, 4:]
     torch.testing.assert_close(torch.stack(outs, 1), ref, rtol=0, atol=1e-5)
+
+
+def test_search_side_refuses_undefined_combinations():
+    from kvcal.formats.granularity import PerChannel
+
+    g = torch.Generator().manual_seed(7)
+    calib = [_value_cache(torch.randn(2, 32, 16, generator=g))]
+    k4 = TensorQuantSpec("int4", PerChannelTokenGroup(8), symmetric=False)
+    with pytest.raises(ValueError, match="query-aware rounding is defined for keys"):
+        search_side(calib, [], "v", V4, rounding=True)
+    with pytest.raises(ValueError, match="per-channel bit widths are defined for keys"):
+        search_side(calib, [], "v", k4, channel_bits=True)
+    with pytest.raises(ValueError, match="per-channel bit widths are searched for dynamic key specs only"):
+        search_side(calib, [], "k", TensorQuantSpec("int4", PerChannel(), symmetric=False), channel_bits=True)
+    with pytest.raises(ValueError, match="no calibration sequences"):
+        search_side([], [], "v", TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8"))
+    with pytest.raises(ValueError, match="no calibration sequences"):
+        search_side([], [], "v", V4, levels=True)

@@ -477,38 +477,26 @@ def search_side(
     split; the min/max baseline is the uniform grid as a table (:func:`uniform_levels`), which
     heads whose held-out winner is min/max keep.
     """
-    U = None
-    if rounding:
+    if rounding or channel_bits:
+        what = "query-aware rounding is" if rounding else "per-channel bit widths are"
         if side != "k":
-            raise ValueError("query-aware rounding is defined for keys (it weights errors by the queries)")
+            raise ValueError(f"{what} defined for keys (errors weighted by the queries)")
         if not spec.dynamic:
-            raise ValueError("query-aware rounding is searched for dynamic key specs only")
-        U = query_rounding(calib, transform, rope)
-    W = None
-    if channel_bits:
-        if side != "k":
-            raise ValueError("per-channel bit widths are allocated for keys (from the queries' weights)")
-        if not spec.dynamic:
-            raise ValueError("per-channel bit widths are searched for dynamic key specs only")
-        if not calib:
-            raise ValueError("no calibration sequences to search on")
-        W = channel_bit_allocation(calib, spec, transform, rope, sinks)
-    base = None
-    if spec.dynamic and spec.scale_dtype == LOG8:
-        if not calib:
-            raise ValueError("no calibration sequences to search on")
-        base = log8_scale_base(calib, side, spec, transform, rope, sinks, levels)
-    Lv = L0 = None
+            raise ValueError(f"{what} searched for dynamic key specs only")
     if levels:
         if side != "v":
-            raise ValueError("non-uniform levels are fitted for values (weighted by the attention weights)")
+            raise ValueError("non-uniform levels are fitted for values")
         if not spec.dynamic or not spec.symmetric or not isinstance(spec.granularity, (PerToken, PerTokenGroup)):
             raise ValueError(f"non-uniform levels need a symmetric per-token or per-token-group int spec, "
                              f"not {spec.granularity.name} {'sym' if spec.symmetric else 'asym'}")
-        if not calib:
-            raise ValueError("no calibration sequences to search on")
-        Lv = fit_levels(calib, spec, transform, sinks, scale_base=base)
-        L0 = uniform_levels(spec.bits)[None].expand_as(Lv).contiguous()
+    log8 = spec.dynamic and spec.scale_dtype == LOG8
+    if (rounding or channel_bits or levels or log8) and not calib:
+        raise ValueError("no calibration sequences to search on")
+    U = query_rounding(calib, transform, rope) if rounding else None
+    W = channel_bit_allocation(calib, spec, transform, rope, sinks) if channel_bits else None
+    base = log8_scale_base(calib, side, spec, transform, rope, sinks, levels) if log8 else None
+    Lv = fit_levels(calib, spec, transform, sinks, scale_base=base) if levels else None
+    L0 = None if Lv is None else uniform_levels(spec.bits)[None].expand_as(Lv).contiguous()
     quant_kw = {"transform": transform, "rope": rope, "rounding": U, "channel_bits": W, "levels": Lv,
                 "scale_base": base}
     if transform != "none" or rounding or channel_bits:
