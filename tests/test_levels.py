@@ -175,8 +175,7 @@ def test_runtime_with_levels_equals_protocol_a_and_accounting():
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import (
-        attention_hook,
-        plan_hook,
+        decode_and_protocol_a,
         prefill_matches_protocol_a,
         tiny_model,
         transform_plan,
@@ -200,14 +199,8 @@ def test_runtime_with_levels_equals_protocol_a_and_accounting():
     mc = {"num_hidden_layers": TL, "num_key_value_heads": TH, "head_dim": 16, "num_attention_heads": TH}
     assert cache_bytes(mc, plan.kv_config(0), 64) - cache_bytes(mc, plain.kv_config(0), 64) == TL * TH * 16 * 4
     # decode token by token (per-token values and keys): every step reads what Protocol A reads
-    with torch.no_grad():
-        cache = QuantizedKVCache(plan, model.config)
-        outs = [model(ids[:, :5], cache=cache, use_cache=True).logits[:, -1]]
-        for t in range(5, 20):
-            outs.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
-        with attention_hook(model, plan_hook(plan)):
-            ref = model(ids[:, :20], use_cache=False).logits[:, 4:]
-    torch.testing.assert_close(torch.stack(outs, 1), ref, rtol=0, atol=1e-5)
+    got, ref = decode_and_protocol_a(model, plan, ids, 5, 20)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
 def test_search_side_refuses_undefined_combinations():

@@ -140,6 +140,19 @@ def prefill_matches_protocol_a(model, plan, ids) -> QuantizedKVCache:
     return cache
 
 
+def decode_and_protocol_a(model, plan, ids, prefill: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``ids[:, :prefill]`` through the runtime cache, then decode token by token up to
+    ``end``; returns ``(decode logits, Protocol A logits)`` for positions ``prefill-1 .. end-1``."""
+    with torch.no_grad():
+        cache = QuantizedKVCache(plan, model.config)
+        outs = [model(ids[:, :prefill], cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(prefill, end):
+            outs.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
+        with attention_hook(model, plan_hook(plan)):
+            ref = model(ids[:, :end], use_cache=False).logits[:, prefill - 1 :]
+    return torch.stack(outs, 1), ref
+
+
 def test_runtime_prefill_and_decode_equal_protocol_a(model):
     ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
     prefill_matches_protocol_a(model, transform_plan(model, sinks=1), ids)
@@ -147,13 +160,7 @@ def test_runtime_prefill_and_decode_equal_protocol_a(model):
         # decode token by token: with per-token keys (pre-RoPE) every token is quantized alone, so each
         # step reads exactly what Protocol A reads (token groups re-quantize an open group: documented)
         plan = transform_plan(model, sinks=1, k_spec=TensorQuantSpec("int4", PerToken(), symmetric=False))
-        cache = QuantizedKVCache(plan, model.config)
-        outs = [model(ids[:, :6], cache=cache, use_cache=True).logits[:, -1]]
-        for t in range(6, 30):
-            outs.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
-        with attention_hook(model, plan_hook(plan)):
-            ref = model(ids[:, :30], use_cache=False).logits[:, 5:]
-        got = torch.stack(outs, 1)
+        got, ref = decode_and_protocol_a(model, plan, ids, 6, 30)
         torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)  # fp32 reassociation of the rotations
         with attention_hook(model, plan_hook(transform_plan(model, sinks=1, k_tr="none", v_tr="none",
                                                             k_spec=plan.layers[0].k.spec))):
