@@ -269,6 +269,7 @@ def params_from_range(
     clip_ratio: torch.Tensor | float | None = None,
     qmax: torch.Tensor | None = None,
     scale_base: torch.Tensor | None = None,
+    levels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stored ``(scale, zero_point)`` from observed ranges (same shapes as the inputs).
 
@@ -278,10 +279,10 @@ def params_from_range(
     streaming statistics gets identical results. Returns tensors in ``spec.scale_dtype``
     (``zero_point`` is ``None`` when symmetric). Not for NVFP4 (see :func:`nvfp4_global_scale`).
     ``qmax``: per-element top code ``2^W − 1`` (broadcastable; asymmetric ints with per-channel
-    widths) instead of the spec's; symmetric ints with non-uniform levels use ``qmax = 1`` (the
-    scale is the clipped absmax, and an all-zero group gets scale 0 so that it reads back as
-    zeros whatever the table). ``scale_base``: log8 specs' per-head base, broadcastable to
-    ``amax`` (the returned scale is then the ``uint8`` codes).
+    widths) instead of the spec's. ``levels=True`` (symmetric ints with non-uniform levels): the
+    scale is the clipped absmax (the grid's top is 1), and an all-zero group gets scale 0 so that it
+    reads back as zeros whatever the table. ``scale_base``: log8 specs' per-head base, broadcastable
+    to ``amax`` (the returned scale is then the ``uint8`` codes).
     """
     kind = spec.format.kind
     if kind not in ("int", "fp8"):
@@ -293,10 +294,10 @@ def params_from_range(
         a = amax.float().abs()
         if c is not None:
             a = a * c.to(a.device)
-        if qmax is None:
-            qmax = FP8_FORMATS[spec.format.value].max if kind == "fp8" else float(spec.qmax)
-        s = a / (qmax if isinstance(qmax, float) else qmax.to(a.device).float())
-        if not (kind == "int" and torch.is_tensor(qmax)):  # non-uniform levels keep 0 for all-zero groups
+        if levels:
+            s = a  # all-zero groups keep scale 0
+        else:
+            s = a / (FP8_FORMATS[spec.format.value].max if kind == "fp8" else float(spec.qmax))
             s = torch.where(s > 0, s, torch.ones_like(s))
         if spec.scale_dtype == LOG8:
             if scale_base is None:
@@ -400,7 +401,7 @@ def xg_is_5d(gran) -> bool:
 # ---- the core: grouped fp32 view -> codes and back ------------------------------------------------
 
 def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale, x_for_static, top=None,
-            scale_base=None):
+            scale_base=None, levels: bool = False):
     """Returns fp32 params broadcastable to xg: (s, zp|None, block_scale_fp8|None, global|None),
     plus the stored tensors (scale, zero_point)."""
     kind = spec.format.kind
@@ -449,7 +450,7 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
         red = lay.red
         if spec.symmetric:
             amax = xg.abs().amax(dim=red, keepdim=True) if xg.numel() else _empty_stat(xg, lay)
-            s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c, qmax=top, scale_base=base)
+            s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c, scale_base=base, levels=levels)
         else:
             if xg.numel():
                 mn, mx = torch.aminmax(xg, dim=red[0], keepdim=True) if len(red) == 1 else (
@@ -670,7 +671,9 @@ def _codes(xg, s, zp, spec):
 _E2M1_TABLE = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
 
 
-def _dequant_codes(q, s, zp, spec):
+def _dequant_codes(q, s, zp, spec, levels=None):
+    if levels is not None:
+        return _level_values(q, s, levels)
     kind = spec.format.kind
     if kind == "fp8":
         return q.float() * s
@@ -723,12 +726,10 @@ def quantize(
     w = None if channel_bits is None else check_channel_bits(channel_bits, spec, lay.H, lay.D)
     top = None if w is None else _top_codes(w, lay, x.device)
     L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
-    if L is not None:
-        top = torch.ones((), device=x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top,
-                                       scale_base)
+                                       scale_base, L is not None)
     q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top, L))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
@@ -747,8 +748,7 @@ def quantize(
             data = pack(q.to(torch.uint8), spec.bits)
     return QuantizedTensor(data.contiguous(), s_st.contiguous(), None if zp_st is None else zp_st.contiguous(),
                            shape, spec, x.dtype, gs, w, L,
-                           None if scale_base is None else torch.as_tensor(scale_base).float().reshape(-1)
-                           .to(x.device).expand(lay.H).contiguous())
+                           None if scale_base is None else check_scale_base(scale_base, lay.H).to(x.device))
 
 
 def _levels_arg(levels, spec, lay: _Layout, rounding, channel_bits, scale) -> torch.Tensor | None:
@@ -801,10 +801,8 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     else:
         s = lay.from_stored(_stored_scale(qt))
         zp = None if qt.zero_point is None else lay.from_stored(qt.zero_point.float())
-    if qt.levels is not None:
-        out = lay.ungroup(_level_values(qg, s, check_levels(qt.levels, spec, lay.H)))
-    else:
-        out = lay.ungroup(_dequant_codes(qg, s, zp, spec))
+    L = None if qt.levels is None else torch.broadcast_to(qt.levels.float(), (lay.H, 2**spec.bits))  # checked by quantize
+    out = lay.ungroup(_dequant_codes(qg, s, zp, spec, L))
     return out[:, :, : lay.S, : lay.D].to(dtype)
 
 
@@ -833,15 +831,10 @@ def fake_quant(
     lay = _Layout(spec, tuple(x.shape))
     top = None if channel_bits is None else _top_codes(check_channel_bits(channel_bits, spec, lay.H, lay.D), lay, x.device)
     L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
-    if L is not None:
-        top = torch.ones((), device=x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
-    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, scale_base)
-    if L is not None:
-        y = lay.ungroup(_level_values(_level_codes(xg, s, L, lay), s, L))
-    else:
-        y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding, top), s, zp, spec))
+    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, scale_base, L is not None)
+    y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding, top, L), s, zp, spec, L))
     return y[:, :, : lay.S, : lay.D].to(x.dtype)
 
 
