@@ -49,6 +49,15 @@ from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 SIDES = ("k", "v")
 
 
+def _checked(tensor_name: str, spec: TensorQuantSpec, check, *args):
+    """``check(*args)``, its ``ValueError`` prefixed with the artifact tensor and the side's spec."""
+    try:
+        return check(*args)
+    except ValueError as e:
+        raise ValueError(f"{tensor_name} ({spec.format.value} {spec.granularity.name} "
+                         f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
+
+
 def _name(layer: int, side: str, kind: str) -> str:
     return f"model.layers.{layer}.self_attn.{side}_{kind}"
 
@@ -284,22 +293,14 @@ class KVPlan:
                 if cb is not None:
                     if tuple(cb.shape) != (H, D):
                         raise ValueError(f"{_name(i, s, 'channel_bits')} has shape {tuple(cb.shape)}, expected {(H, D)}")
-                    try:
-                        sp.channel_bits = check_channel_bits(cb.float(), spec, H, D)
-                    except ValueError as e:
-                        raise ValueError(f"{_name(i, s, 'channel_bits')} ({spec.format.value} {spec.granularity.name} "
-                                         f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
+                    sp.channel_bits = _checked(_name(i, s, "channel_bits"), spec, check_channel_bits, cb.float(), spec, H, D)
                 lv = tensors.get(_name(i, s, "levels"))
                 if lv is not None:
                     n = 2**spec.bits if spec.format.kind == "int" else 0
                     if lv.ndim not in (1, 2) or lv.shape[-1] != n or lv.numel() not in (n, H * n):
                         raise ValueError(f"{_name(i, s, 'levels')} has shape {tuple(lv.shape)}, expected [H, 2^bits] = "
                                          f"{(H, n)} for its {spec.format.value} side")
-                    try:
-                        sp.levels = check_levels(lv.float(), spec, H)
-                    except ValueError as e:
-                        raise ValueError(f"{_name(i, s, 'levels')} ({spec.format.value} {spec.granularity.name} "
-                                         f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
+                    sp.levels = _checked(_name(i, s, "levels"), spec, check_levels, lv.float(), spec, H)
                 sb = tensors.get(_name(i, s, "scale_base"))
                 if spec.is_quantized and spec.scale_dtype == LOG8:
                     if sb is None:
