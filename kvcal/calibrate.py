@@ -513,10 +513,6 @@ class IntSearchResult:
     summary: dict
 
 
-def _key_mean_bytes(res) -> int:
-    return 0 if res.plan.mean is None else int(res.plan.mean.numel()) * 4
-
-
 def _reference_index(menu: tuple, side: str) -> tuple[int, bool]:
     """``(index, fallback)`` in ``menu`` of the sensitivity probe's reference choice: the ``int4``
     preset's side when the menu has it; else (``fallback=True``, e.g. no RoPE table, so no pre-RoPE
@@ -590,8 +586,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     """
     from tqdm.auto import tqdm
 
-    from kvcal.formats.memory import cache_bytes, levels_bytes, rounding_bytes
-    from kvcal.formats.spec import KVCacheConfig
+    from kvcal.formats.memory import cache_bytes, side_extra_bytes
     from kvcal.plan import KVPlan, LayerPlan
     from kvcal.search import allocate as al
     from kvcal.search.optimizer import search_side, side_error
@@ -636,9 +631,10 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         for layer in tqdm(range(L), desc="sensitivity", disable=not progress):
             for side in ("k", "v"):
                 rs = [run(layer, side, c, False) for c in menu[side]]
-                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window, _key_mean_bytes(r)
-                                           + (rounding_bytes(H, D) if c.rounding else 0) + (H * D if c.channel_bits else 0)
-                                           + (levels_bytes(c.spec, H) if c.levels else 0))
+                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window,
+                                           side_extra_bytes(c.spec, H, D, centering=r.plan.mean is not None,
+                                                            rounding=c.rounding, channel_bits=c.channel_bits,
+                                                            levels=c.levels))
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
@@ -700,14 +696,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     sink_meta["kept"] = final_sinks
     plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
                   sink_tokens=final_sinks)
-    configs = [KVCacheConfig(r["k"].spec, r["v"].spec, residual_window=residual_window, sink_tokens=final_sinks,
-                             key_rounding=r["k"].plan.rounding is not None, value_rounding=r["v"].plan.rounding is not None,
-                             key_channel_bits=r["k"].plan.channel_bits is not None,
-                             value_channel_bits=r["v"].plan.channel_bits is not None,
-                             key_levels=r["k"].plan.levels is not None, value_levels=r["v"].plan.levels is not None)
-               for r in results]
     total = cache_bytes({"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H},
-                        configs, budget_context) + sum(_key_mean_bytes(r["k"]) for r in results)
+                        [plan.kv_config(i) for i in range(L)], budget_context)
     avg = al.average_bits(total, L, H, D, budget_context)
     if bits is not None:
         assert avg <= bits + 1e-12, (avg, bits)

@@ -153,6 +153,18 @@ def levels_bytes(spec, H: int) -> int:
     return 4 * H * 2**spec.bits
 
 
+def side_extra_bytes(spec: TensorQuantSpec, H: int, D: int, *, centering: bool = False, rounding: bool = False,
+                     channel_bits: bool = False, levels: bool = False) -> int:
+    """Per-layer metadata bytes a side's options add beyond its spec's own (0 for an unquantized
+    side): key-centering mean ``float32 [1,H,1,D]``, query-aware rounding triangle
+    (:func:`rounding_bytes`), per-channel widths ``uint8 [H, D]``, non-uniform levels
+    (:func:`levels_bytes`)."""
+    if not spec.is_quantized:
+        return 0
+    return ((H * D * 4 if centering else 0) + (rounding_bytes(H, D) if rounding else 0)
+            + (H * D if channel_bits else 0) + (levels_bytes(spec, H) if levels else 0))
+
+
 def rounding_bytes(H: int, D: int) -> int:
     """Bytes of one side's query-aware rounding matrix as the runtime keeps it: the strict upper
     triangle of the unit-diagonal ``Ũ`` in float8 e4m3 (:func:`kvcal.formats.quant.unit_rounding`),
@@ -288,17 +300,10 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1) -> Memo
                                     c.dtype16.itemsize)
             for k in acc:
                 acc[k] += part[k]
-        if c.key_centering and c.key.is_quantized:
-            acc["static"] += H * D * 4  # k_mean float32 [1,H,1,D]
-        for flag, spec in ((c.key_rounding, c.key), (c.value_rounding, c.value)):
-            if flag and spec.is_quantized:
-                acc["static"] += rounding_bytes(H, D)
-        for flag, spec in ((c.key_channel_bits, c.key), (c.value_channel_bits, c.value)):
-            if flag and spec.is_quantized:
-                acc["static"] += H * D  # uint8 widths [H, D]
-        for flag, spec in ((c.key_levels, c.key), (c.value_levels, c.value)):
-            if flag and spec.is_quantized:
-                acc["static"] += levels_bytes(spec, H)
+        acc["static"] += side_extra_bytes(c.key, H, D, centering=c.key_centering, rounding=c.key_rounding,
+                                          channel_bits=c.key_channel_bits, levels=c.key_levels)
+        acc["static"] += side_extra_bytes(c.value, H, D, rounding=c.value_rounding,
+                                          channel_bits=c.value_channel_bits, levels=c.value_levels)
     conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
     return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
                         acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)
@@ -314,4 +319,5 @@ def cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> int:
 __all__ = [
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
     "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes", "rounding_bytes", "levels_bytes",
+    "side_extra_bytes",
 ]
