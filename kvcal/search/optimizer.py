@@ -183,11 +183,20 @@ def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=No
     return unit_rounding(rounding_matrix(_query_moment(caches, transform, rope)))
 
 
+def _quantized_domain(caches: list[SequenceCache], side: str, transform: str = "none", rope=None, sinks: int = 0):
+    """Each calibration sequence's keys (``side="k"``) or values ``[H, T, D]`` float32 after the first
+    ``sinks`` tokens, in the domain they are quantized in (after ``transform``); sequences with no
+    token left are skipped."""
+    for c in caches:
+        x = (c.k if side == "k" else c.v).float()[None, :, sinks:]
+        if x.shape[2] == 0:
+            continue
+        yield (apply_transform(transform, x, rope=rope, start=sinks) if transform != "none" else x)[0]
+
+
 def _query_moment(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
     """``Σ_h = Σ q qᵀ`` ``[H_kv, D, D]`` float64 over every query of the GQA group of KV head ``h``,
     in the domain the keys are quantized in (see :func:`query_rounding`)."""
-    from kvcal.formats.transforms import apply_transform
-
     sig = None
     for c in caches:
         Hk = c.k.shape[0]
@@ -243,8 +252,6 @@ def channel_bit_allocation(caches: list[SequenceCache], spec: TensorQuantSpec, t
     ``sinks`` tokens. The score error a key channel adds is ``q_c · Δk_c``, so its expected square
     is ``Σ_qq[c, c] · step_c² / 12`` with ``step_c = range_c / (2^{w_c} − 1)``. Raises ``ValueError``
     for a spec that is not an asymmetric per-channel int (the only layouts whose ranges are per channel)."""
-    from kvcal.formats.transforms import apply_transform
-
     if spec.format.kind != "int" or spec.symmetric or not isinstance(spec.granularity, PerChannelTokenGroup):
         raise ValueError("per-channel bit widths need an asymmetric int spec with per-channel token groups")
     if not caches:
@@ -252,13 +259,7 @@ def channel_bit_allocation(caches: list[SequenceCache], spec: TensorQuantSpec, t
     sig = _query_moment(caches, transform, rope)
     r2 = None
     n = 0
-    for c in caches:
-        k = c.k.float()[None, :, sinks:]
-        if k.shape[2] == 0:
-            continue
-        if transform != "none":
-            k = apply_transform(transform, k, rope=rope, start=sinks)
-        k = k[0]  # [H, T, D]
+    for k in _quantized_domain(caches, "k", transform, rope, sinks):
         tg = spec.token_group or k.shape[1]
         T = k.shape[1] // tg * tg or k.shape[1]
         kg = k[:, :T].reshape(k.shape[0], -1, min(tg, T), k.shape[-1])
@@ -287,12 +288,8 @@ def log8_scale_base(caches: list[SequenceCache], side: str, spec: TensorQuantSpe
     ``absmax`` with non-uniform levels) — :func:`kvcal.formats.quant.log8_base`."""
     H = (caches[0].k if side == "k" else caches[0].v).shape[0]
     top = torch.zeros(H, dtype=torch.float64)
-    for c in caches:
-        x = (c.k if side == "k" else c.v)[None, :, sinks:].float()
-        if x.shape[2] == 0:
-            continue
-        x = apply_transform(transform, x, rope=rope, start=sinks) if transform != "none" else x
-        top = torch.maximum(top, x[0].abs().amax(dim=(1, 2)).double())
+    for x in _quantized_domain(caches, side, transform, rope, sinks):
+        top = torch.maximum(top, x.abs().amax(dim=(1, 2)).double())
     return log8_base((top / (1.0 if levels else spec.qmax)).clamp_min(1e-12))
 
 
@@ -317,11 +314,7 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
     H0 = caches[0].v.shape[0] if caches else 1
     check_levels(uniform_levels(spec.bits), spec, H0)  # spec check (message names the rule)
     us = []
-    for c in caches:
-        v = c.v[:, sinks:].float()  # [H, T, D]
-        if v.shape[1] == 0:
-            continue
-        x = apply_transform(transform, v[None])[0] if transform != "none" else v
+    for x in _quantized_domain(caches, "v", transform, None, sinks):
         g = spec.effective_channel_group(x.shape[-1]) if isinstance(spec.granularity, PerTokenGroup) else x.shape[-1]
         for xg in x.split(g, dim=-1):  # channel groups (the last may be shorter, as quantize pads it)
             a = xg.abs().amax(-1, keepdim=True)
