@@ -25,7 +25,7 @@ import torch
 from kvcal.formats import quant as _ref
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.quant import QuantizedTensor
-from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.spec import LOG8, TensorQuantSpec
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -44,7 +44,7 @@ def triton_supports(spec: TensorQuantSpec, shape: tuple[int, int, int, int]) -> 
     B, H, S, D = shape
     if spec.format.kind != "int":
         return f"{spec.format.value} runs on the torch reference"
-    if spec.scale_dtype == torch.uint8:
+    if spec.scale_dtype == LOG8:
         return "log8 scales run on the torch reference"
     g = spec.granularity
     if B * H * S == 0:

@@ -78,10 +78,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.spec import LOG8, TensorQuantSpec
 
 
 class SideChoice(NamedTuple):
@@ -168,7 +166,7 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     out = out + "/qround" if rounding else out
     out = out + "/chbits" if isinstance(spec_in, SideChoice) and spec_in.channel_bits else out
     out = out + "/levels" if isinstance(spec_in, SideChoice) and spec_in.levels else out
-    return out + "/log8" if spec.scale_dtype == torch.uint8 else out
+    return out + "/log8" if spec.scale_dtype == LOG8 else out
 
 
 __all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label"]
