@@ -28,7 +28,7 @@ from kvcal.formats.quant import (
 )
 from kvcal.formats.spec import PRESETS, KVCacheConfig, QFormat, TensorQuantSpec, preset
 
-INT_FORMATS = ["int8", "int4", "int3", "int2"]
+INT_FORMATS = ["int8", "int6", "int5", "int4", "int3", "int2"]
 GRANS = [PerTensor(), PerHead(), PerChannel(), PerToken(), PerTokenGroup(16), PerChannelTokenGroup(8)]
 
 
@@ -47,8 +47,9 @@ def test_spec_validation_and_defaults():
     assert TensorQuantSpec("int4").qmax == 7 and TensorQuantSpec("int2", symmetric=False).qmax == 3
     assert TensorQuantSpec("fp8_e4m3").scale_dtype == torch.float32  # static -> fp32
     assert TensorQuantSpec("nvfp4").granularity == PerTokenGroup(16)
+    assert TensorQuantSpec("int5").qmax == 15 and TensorQuantSpec("int6", symmetric=False).qmax == 63
     with pytest.raises(ValueError, match="unknown KV format"):
-        TensorQuantSpec("int5")
+        TensorQuantSpec("int7")
     with pytest.raises(ValueError, match="symmetric only"):
         TensorQuantSpec("fp8_e4m3", symmetric=False)
     with pytest.raises(ValueError, match="blocks of 16"):

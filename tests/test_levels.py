@@ -30,7 +30,9 @@ def test_levels_hand_worked_codes_bytes_and_values():
 
 
 @pytest.mark.parametrize("spec", [V4, TensorQuantSpec("int2", PerTokenGroup(8), symmetric=True),
-                                  TensorQuantSpec("int3", PerToken(), symmetric=True)])
+                                  TensorQuantSpec("int3", PerToken(), symmetric=True),
+                                  TensorQuantSpec("int5", PerToken(), symmetric=True),
+                                  TensorQuantSpec("int6", PerTokenGroup(8), symmetric=True)])
 def test_levels_against_float64_reference_and_round_trip(spec):
     g = torch.Generator().manual_seed(spec.bits)
     H, D = 3, 16
@@ -66,9 +68,9 @@ def test_uniform_levels_row_is_plain_symmetric_quantization():
 
 def test_levels_refused_where_undefined():
     x = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="symmetric int2/int3/int4"):
+    with pytest.raises(ValueError, match="symmetric int2–int6"):
         fake_quant(x, TensorQuantSpec("int4", PerToken(), symmetric=False), levels=EXACT)
-    with pytest.raises(ValueError, match="symmetric int2/int3/int4"):
+    with pytest.raises(ValueError, match="symmetric int2–int6"):
         fake_quant(x, TensorQuantSpec("int8", PerToken(), symmetric=True), levels=torch.linspace(-1, 1, 256))
     with pytest.raises(ValueError, match="per-token or per-token-group"):
         fake_quant(x, TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=True), levels=EXACT)

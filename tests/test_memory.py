@@ -196,7 +196,7 @@ def test_cli_memory(config_json):
 def test_cli_memory_errors(config_json, tmp_path):
     from kvcal.cli import main
 
-    r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int5"])
+    r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int7"])
     assert r.exit_code == 2 and "unknown KV format" in r.output
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "fp8", "--sinks", "-1"])
     assert r.exit_code == 2 and "sink_tokens" in r.output

@@ -6,8 +6,9 @@ cache stores and the Triton kernels reproduce):
 * 8 bits: one code per byte (no-op).
 * 4 bits: two codes per byte, ``byte = c[2i] | c[2i+1] << 4`` (NVFP4's nibble order).
 * 2 bits: four codes per byte, ``byte = c[4i] | c[4i+1] << 2 | c[4i+2] << 4 | c[4i+3] << 6``.
-* 3 bits: dense, eight codes per three bytes: ``w = sum_j c[8i+j] << 3j`` (24 bits) stored as
-  ``w & 255, w >> 8 & 255, w >> 16``.
+* 3, 5, 6 bits: dense, ``n`` codes per ``m`` bytes (3 bits: 8 per 3, 5 bits: 8 per 5, 6 bits: 4 per
+  3): ``w = sum_j c[n·i+j] << b·j`` (an ``8m``-bit word) stored little-endian as
+  ``w & 255, w >> 8 & 255, …``.
 
 Per-channel widths (:func:`pack_channels`): a row of ``D`` codes whose channel ``c`` has its own
 width ``w_c`` (1–8 bits) is one little-endian bit stream, channel ``c`` at bit offset
@@ -25,10 +26,12 @@ import torch
 
 from kvcal.formats.spec import PACK_UNITS
 
+_WIDTHS = (8, 6, 5, 4, 3, 2)
+
 
 def _check(codes: torch.Tensor, bits: int) -> tuple[int, int]:
-    if bits not in (8, 4, 3, 2):
-        raise ValueError(f"can pack 8, 4, 3 or 2-bit codes, got bits={bits}")
+    if bits not in _WIDTHS:
+        raise ValueError(f"can pack 8, 6, 5, 4, 3 or 2-bit codes, got bits={bits}")
     vpu, bpu = PACK_UNITS[bits]
     if codes.shape[-1] % vpu:
         raise ValueError(
@@ -46,16 +49,15 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     vpu, bpu = _check(codes, bits)
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
         raise ValueError(f"codes must lie in [0, {2**bits - 1}] for {bits}-bit packing")
-    c = codes.to(torch.int32)
+    c = codes.to(torch.int64)  # a unit's word is up to 40 bits (int5)
     if bits == 8:
         return c.to(torch.uint8)
     lead = c.shape[:-1]
     units = c.shape[-1] // vpu
     c = c.reshape(*lead, units, vpu)  # [..., N/vpu, vpu]
-    shifts = torch.arange(vpu, dtype=torch.int32, device=c.device) * bits
-    w = (c << shifts).sum(-1)  # [..., N/vpu]  bits are disjoint, so sum == or
-    if bits == 3:
-        w = torch.stack([w & 255, (w >> 8) & 255, (w >> 16) & 255], dim=-1)  # [..., N/8, 3]
+    shifts = torch.arange(vpu, dtype=torch.int64, device=c.device) * bits
+    w = (c << shifts).sum(-1, keepdim=True)  # [..., N/vpu, 1]  bits are disjoint, so sum == or
+    w = (w >> (8 * torch.arange(bpu, dtype=torch.int64, device=c.device))) & 255  # [..., N/vpu, bpu]
     return w.reshape(*lead, units * bpu).to(torch.uint8)
 
 
@@ -64,8 +66,8 @@ def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tenso
     (or the first ``n`` of them). Raises ``ValueError`` on a wrong dtype or misaligned ``M``."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed data must be uint8, got {packed.dtype}")
-    if bits not in (8, 4, 3, 2):
-        raise ValueError(f"can unpack 8, 4, 3 or 2-bit codes, got bits={bits}")
+    if bits not in _WIDTHS:
+        raise ValueError(f"can unpack 8, 6, 5, 4, 3 or 2-bit codes, got bits={bits}")
     vpu, bpu = PACK_UNITS[bits]
     if packed.shape[-1] % bpu:
         raise ValueError(f"last dimension {packed.shape[-1]} is not a multiple of {bpu} bytes")
@@ -74,12 +76,9 @@ def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tenso
     else:
         lead = packed.shape[:-1]
         units = packed.shape[-1] // bpu
-        p = packed.to(torch.int32).reshape(*lead, units, bpu)  # [..., units, bpu]
-        if bits == 3:
-            w = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # [..., units]
-        else:
-            w = p[..., 0]
-        shifts = torch.arange(vpu, dtype=torch.int32, device=p.device) * bits
+        p = packed.to(torch.int64).reshape(*lead, units, bpu)  # [..., units, bpu]
+        w = (p << (8 * torch.arange(bpu, dtype=torch.int64, device=p.device))).sum(-1)  # [..., units]
+        shifts = torch.arange(vpu, dtype=torch.int64, device=p.device) * bits
         out = ((w.unsqueeze(-1) >> shifts) & (2**bits - 1)).reshape(*lead, units * vpu).to(torch.uint8)
     return out if n is None else out[..., :n]
 

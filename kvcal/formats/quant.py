@@ -3,7 +3,7 @@
 One meaning of ``scale`` everywhere: the dequantization multiplier,
 
 * int symmetric:   ``q = clamp(round(x / scale), -qmax, qmax)``, ``x̂ = q * scale``
-  (``qmax = 2^(b-1) - 1``: 127, 7, 3, 1 for int8/4/3/2);
+  (``qmax = 2^(b-1) - 1``: 127, 31, 15, 7, 3, 1 for int8/6/5/4/3/2);
 * int asymmetric:  ``q = clamp(round(x / scale + zero_point), 0, 2^b - 1)``,
   ``x̂ = (q - zero_point) * scale`` with a floating-point ``zero_point`` (= ``-lo / scale``);
 * FP8:             ``q = fp8(clamp(x / scale, -max, max))``, ``x̂ = float(q) * scale``;
@@ -104,7 +104,7 @@ class QuantizedTensor:
 
     * ``data``: payload, tokens padded to whole token groups and channels to whole channel groups
       and packing units (``S_pad, D_pad = spec.padded_dims(S, D)``): FP8 dtype ``[B,H,S_pad,D_pad]``;
-      int8 ``int8`` (symmetric) / ``uint8`` (asymmetric) ``[B,H,S_pad,D_pad]``; int4/int3/int2/nvfp4
+      int8 ``int8`` (symmetric) / ``uint8`` (asymmetric) ``[B,H,S_pad,D_pad]``; int6/int5/int4/int3/int2/nvfp4
       ``uint8 [B,H,S_pad,spec.row_bytes(D)]`` packed (:mod:`kvcal.formats.packing`; symmetric codes
       stored offset by ``2^(b-1)``; nvfp4 codes are sign<<3 | e2m1 index).
     * ``scale``: ``spec.scale_dtype``; static: the calibrated parameter (``[1,1,1,1]``,
@@ -556,12 +556,12 @@ def check_channel_bits(channel_bits, spec: TensorQuantSpec, H: int, D: int) -> t
 def check_levels(levels, spec: TensorQuantSpec, H: int) -> torch.Tensor:
     """Validated non-uniform levels ``float32 [H, 2^b]`` for ``spec`` (module docstring).
 
-    Levels need a symmetric int2/int3/int4 spec with a per-token or per-token-group granularity
+    Levels need a symmetric int2–int6 spec with a per-token or per-token-group granularity
     (each group's absmax is measured when it is written), and a finite, non-decreasing table of
     ``2^b`` values in ``[-1, 1]`` per KV head (shape ``[2^b]`` or ``[H, 2^b]``). Raises
     ``ValueError`` naming the first rule broken."""
-    if spec.format.kind != "int" or not spec.symmetric or spec.bits > 4:
-        raise ValueError(f"non-uniform levels need a symmetric int2/int3/int4 spec, got {spec.format.value}"
+    if spec.format.kind != "int" or not spec.symmetric or spec.bits > 6:
+        raise ValueError(f"non-uniform levels need a symmetric int2–int6 spec, got {spec.format.value}"
                          f"{'' if spec.symmetric else ' asymmetric'}")
     if not isinstance(spec.granularity, (PerToken, PerTokenGroup)):
         raise ValueError(f"non-uniform levels need per-token or per-token-group scales, not {spec.granularity.name}")

@@ -12,8 +12,9 @@ format                  bits  payload element
 ``fp8_e4m3``               8  OCP e4m3fn, max 448 (torch ``float8_e4m3fn``)
 ``fp8_e4m3fnuz``           8  AMD e4m3fnuz, max 240 (torch ``float8_e4m3fnuz``)
 ``fp8_e5m2``               8  OCP e5m2, max 57344 (torch ``float8_e5m2``)
-``int8/int4/int3/int2``  b    integer codes; symmetric ``[-(2^(b-1)-1), 2^(b-1)-1]`` (int8: ±127) or
-                              asymmetric ``[0, 2^b-1]`` with a floating-point zero point
+``int8/int6/int5/``      b    integer codes; symmetric ``[-(2^(b-1)-1), 2^(b-1)-1]`` (int8: ±127) or
+``int4/int3/int2``             asymmetric ``[0, 2^b-1]`` with a floating-point zero point (int6/int5:
+                              kvcal's own runtime cache only, for per-layer bit allocation)
 ``nvfp4``                  4  e2m1 values in blocks of 16 channels, FP8 e4m3 block scales, fp32
                               global scale (NVIDIA's recipe: global = amax / (448*6))
 ======================  ====  ======================================================================
@@ -47,6 +48,8 @@ class QFormat(str, Enum):
     FP8_E4M3FNUZ = "fp8_e4m3fnuz"
     FP8_E5M2 = "fp8_e5m2"
     INT8 = "int8"
+    INT6 = "int6"
+    INT5 = "int5"
     INT4 = "int4"
     INT3 = "int3"
     INT2 = "int2"
@@ -75,15 +78,16 @@ class QFormat(str, Enum):
 
 _BITS = {
     QFormat.FP16: 16, QFormat.BF16: 16, QFormat.FP8_E4M3: 8, QFormat.FP8_E4M3FNUZ: 8,
-    QFormat.FP8_E5M2: 8, QFormat.INT8: 8, QFormat.INT4: 4, QFormat.INT3: 3, QFormat.INT2: 2,
+    QFormat.FP8_E5M2: 8, QFormat.INT8: 8, QFormat.INT6: 6, QFormat.INT5: 5, QFormat.INT4: 4, QFormat.INT3: 3, QFormat.INT2: 2,
     QFormat.NVFP4: 4,
 }
 
 #: Packing unit per payload bit width: ``bits -> (values per unit, bytes per unit)``. A row of D
 #: channels (padded to whole groups) occupies ``ceil(D_pad / values) * bytes`` bytes. int4/nvfp4
 #: put two values in a byte (element 0 in the low nibble), int2 four (element i at bits 2i),
-#: int3 eight values in three bytes (element i at bits 3i of a little-endian 24-bit word).
-PACK_UNITS = {16: (1, 2), 8: (1, 1), 4: (2, 1), 3: (8, 3), 2: (4, 1)}
+#: int3 eight values in three bytes (element i at bits 3i of a little-endian 24-bit word), int5 eight
+#: in five bytes (40-bit word), int6 four in three bytes (24-bit word).
+PACK_UNITS = {16: (1, 2), 8: (1, 1), 6: (4, 3), 5: (8, 5), 4: (2, 1), 3: (8, 3), 2: (4, 1)}
 
 #: Defaults in one place.
 DEFAULTS = {

@@ -4,7 +4,7 @@ The torch implementation (:mod:`kvcal.formats.quant`) is the spec; Triton kernel
 (:mod:`kvcal.kernels.triton_quant`, imported lazily so kvcal works without triton) reproduce it bit
 for bit for the dynamic integer layouts the runtime cache writes on every token:
 
-* int8/int4/int3/int2, symmetric or asymmetric, fp16/bf16/fp32 scales;
+* int8/int4/int3/int2 (int6/int5 on the torch reference), symmetric or asymmetric, fp16/bf16/fp32 scales;
 * per-token and per-token-group (``g`` a power of two dividing ``D``), with fused packing;
 * per-channel-token-group (KIVI keys; ``g`` and ``D`` powers of two).
 
@@ -46,6 +46,8 @@ def triton_supports(spec: TensorQuantSpec, shape: tuple[int, int, int, int]) -> 
         return f"{spec.format.value} runs on the torch reference"
     if spec.scale_dtype == LOG8:
         return "log8 scales run on the torch reference"
+    if spec.bits not in (8, 4, 3, 2):
+        return f"{spec.format.value} runs on the torch reference"
     g = spec.granularity
     if B * H * S == 0:
         return "empty input"

@@ -64,7 +64,12 @@ uniform grid ``k/7`` (which also leaves one code unused). On Gaussian rows of 64
 the MSE from 0.0116σ² to 0.0080σ² (the same as an asymmetric grid, without its per-token zero point);
 on the 2 × 1024 probe the int4 values went from V-only KL 6.83e-3 to 5.11e-3 (NF4's fixed table: 6.82e-3;
 a table per head instead of per layer: 4.81e-3 vs 4.66e-3 in the same experiment, so one per layer).
-The ``--bits`` menu offers 2-, 3- and 4-bit level entries with log8 scales too. At 2 bits the Gaussian
+The ``--bits`` menu offers 2-, 3-, 4-, 5- and 6-bit level entries with log8 scales too: int5 / int6 (kvcal's
+runtime only; eight codes in five bytes / four in three) let the allocator spend a budget's last few hundredths
+of a bit on the value layers the probe ranks first. On the 2 × 1024 probe (``bench_out/exp_v5.py``), layer 1's
+values alone at 6 bits took the ``int4`` plan's KL from 8.1e-3 to 6.5e-3 (that layer held 16% of the summed
+single-side KL); ``--bits 4.25`` with int5/int6 in the menu moved four value layers to int5 and paid with
+layer 0 (keys int2, values int3): KL 7.4e-3 vs the preset's 8.1e-3 (``bench_out/exp_bits425_v56.py``). At 2 bits the Gaussian
 picture (a 2-bit table on groups of 32: 0.113σ² vs 0.155σ² for KIVI's asymmetric grid) did not carry over:
 on the 2 × 1024 probe the ``int2`` values measured V-only KL 118e-3 with that table (16-channel groups:
 101e-3) vs 85e-3 with the preset's asymmetric, clip-searched 32-channel groups, so ``int2`` keeps its
@@ -142,6 +147,8 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
         _s("int4", PerToken(), True),
         _s("int4", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
         _s("int4", PerTokenGroup(32), False),
+        _s("int5", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
+        _s("int6", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
         _s("int8", PerToken(), True),
     ),
 }

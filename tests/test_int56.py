@@ -1,0 +1,108 @@
+"""int5 / int6 payloads (kvcal's runtime only): quantization against a float64 reference, packed
+bytes, accounting, plan/artifact and runtime cache equal to Protocol A, and the ``--bits`` menu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
+from kvcal.formats.quant import dequantize, fake_quant, quantize
+from kvcal.formats.spec import TensorQuantSpec
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("sym", [True, False])
+def test_uniform_int56_against_float64_reference(bits, sym):
+    spec = TensorQuantSpec(f"int{bits}", PerTokenGroup(8), symmetric=sym, scale_dtype=torch.float32)
+    g = torch.Generator().manual_seed(bits + 10 * sym)
+    x = torch.randn(2, 3, 5, 16, generator=g, dtype=torch.float64).float()
+    qt = quantize(x, spec)
+    # packed payload: 16 codes per row -> int5: 2 units of 8 codes in 5 bytes; int6: 4 units of 4 in 3 bytes
+    assert qt.data.dtype == torch.uint8 and qt.data.shape[-1] == {5: 10, 6: 12}[bits]
+    y = dequantize(qt)
+    assert torch.equal(fake_quant(x, spec), y)
+    xg = x.double().reshape(2, 3, 5, 2, 8)
+    if sym:
+        qmax = 2 ** (bits - 1) - 1  # 15 / 31
+        s = (xg.abs().amax(-1, keepdim=True) / qmax).float().double()
+        ref = torch.round(xg / s).clamp(-qmax, qmax) * s
+    else:
+        qmax = 2**bits - 1  # 31 / 63
+        lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+        s = ((hi - lo) / qmax).float().double()
+        zp = (-lo / s).float().double()  # floating-point zero point, stored like the scale (fp32)
+        ref = (torch.round(xg / s + zp).clamp(0, qmax) - zp) * s
+    torch.testing.assert_close(y.double(), ref.reshape(x.shape), rtol=0, atol=1e-6)
+    # the error shrinks as the grid refines: each extra bit about halves the worst-case error
+    err = (y - x).abs().max()
+    err4 = (fake_quant(x, TensorQuantSpec("int4", PerTokenGroup(8), symmetric=sym, scale_dtype=torch.float32)) - x).abs().max()
+    assert err < err4 / 1.5
+
+
+def test_int56_memory_accounting_and_levels_tables():
+    from kvcal.formats.memory import cache_bytes
+    from kvcal.formats.spec import KVCacheConfig
+
+    mc = {"num_hidden_layers": 2, "num_key_value_heads": 3, "head_dim": 64, "num_attention_heads": 3}
+    fp = TensorQuantSpec("fp16")
+    for bits, row in ((5, 40), (6, 48)):  # 64 codes: 8 units × 5 bytes / 16 units × 3 bytes
+        v = TensorQuantSpec(f"int{bits}", PerToken(), symmetric=True)
+        got = cache_bytes(mc, KVCacheConfig(fp, v), 100) - cache_bytes(mc, KVCacheConfig(fp, fp), 100)
+        # payload + fp16 scale per token and head, minus the 16-bit values they replace, plus the
+        # float32 clip ratio per head and layer of a dynamic side
+        assert got == 2 * 3 * 100 * (row + 2 - 128) + 2 * 3 * 4
+        lv = cache_bytes(mc, KVCacheConfig(fp, v, value_levels=True), 100) - cache_bytes(mc, KVCacheConfig(fp, v), 100)
+        assert lv == 2 * 3 * 2**bits * 4  # float32 [H, 2^b] per layer
+
+
+def test_int56_levels_plan_artifact_and_runtime_equal_protocol_a():
+    from test_transforms import H as TH
+    from test_transforms import L as TL
+    from test_transforms import decode_and_protocol_a, prefill_matches_protocol_a, tiny_model, transform_plan
+
+    from kvcal.plan import KVPlan
+
+    model = tiny_model()
+    kspec = TensorQuantSpec("int4", PerToken(), symmetric=False)
+    plan = transform_plan(model, sinks=1, k_spec=kspec)
+    g = torch.Generator().manual_seed(5)
+    for i, lp in enumerate(plan.layers):
+        bits = 5 + i % 2  # layer 0 int5, layer 1 int6 values
+        lp.v.spec = TensorQuantSpec(f"int{bits}", PerToken(), symmetric=True, scale_dtype="log8")
+        lp.v.scale_base = torch.tensor([1e-4, 3e-4])
+        lp.v.levels = torch.sort(torch.rand(TH, 2**bits, generator=g) * 2 - 1).values
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(8))
+    prefill_matches_protocol_a(model, plan, ids)
+    got, ref = decode_and_protocol_a(model, plan, ids, 6, 18)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    meta = {"model": {"num_layers": TL, "num_kv_heads": TH, "head_dim": 16}, "kv": plan.kv_metadata()}
+    t = plan.to_tensors()
+    assert t["model.layers.1.self_attn.v_levels"].shape == (TH, 64)
+    back = KVPlan.from_artifact(t, meta)
+    x = torch.randn(1, TH, 12, 16)
+    for layer in range(TL):
+        assert torch.equal(back.fake_quant(layer, "v", x), plan.fake_quant(layer, "v", x))
+    bad = dict(t)
+    bad["model.layers.0.self_attn.v_levels"] = torch.linspace(-1, 1, 16).expand(TH, 16).clone()  # an int4 table
+    with pytest.raises(ValueError, match=r"v_levels has shape \(2, 16\), expected"):
+        KVPlan.from_artifact(bad, meta)
+
+
+def test_int56_kernels_fall_back_to_the_reference():
+    from kvcal import kernels
+
+    spec = TensorQuantSpec("int5", PerChannelTokenGroup(4), symmetric=False)
+    assert "torch reference" in kernels.triton_supports(spec, (1, 2, 8, 16))
+    x = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(kernels.dequantize(kernels.quantize(x, spec, backend="triton"
+                                                           if kernels.triton_available() else "torch")),
+                       fake_quant(x, spec))
+
+
+def test_bits_menu_offers_int56_values_with_levels():
+    from kvcal.search.presets import ALLOC_MENU, spec_label
+
+    labels = [spec_label(c) for c in ALLOC_MENU["v"]]
+    assert any(lab.startswith("int5/token/sym/hadamard") and "/levels" in lab for lab in labels)
+    assert any(lab.startswith("int6/token/sym/hadamard") and "/levels" in lab for lab in labels)
