@@ -153,6 +153,13 @@ class CaptureResult:
     rope: object = None  # the model's RopeTable, set by calibrate() for pre-RoPE key choices
 
 
+#: Sink-token counts ``search_int`` chooses from when ``sinks`` is not given: none, the first token
+#: (the BOS / attention-sink position), or StreamingLLM's four initial tokens (Xiao et al., "Efficient
+#: Streaming Language Models with Attention Sinks", ICLR 2024). Each costs ``2·L·H·D`` 16-bit values
+#: (counted in the average bits); at 4096 tokens four sinks add about 0.009 bit to an int4 cache.
+SINK_CANDIDATES = (0, 1, 4)
+
+
 def split_heldout(n: int, fraction: float, seed: int) -> set[int]:
     """Indices of held-out samples: ``round(n·fraction)`` (at least 1 when n ≥ 2 and fraction > 0)."""
     if n < 2 or fraction <= 0:
@@ -570,8 +577,9 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     (:data:`kvcal.search.presets.ALLOC_MENU`) is first searched on a coarse grid to measure its
     held-out attention-output error, :func:`kvcal.search.allocate.allocate` picks per-layer specs
     under the exact byte budget at ``budget_context`` tokens, and the chosen specs are refined.
-    ``sinks``: ``None`` tries 1 sink token and keeps it only if the summed held-out output error
-    is lower than with 0. ``cache``: dict reused across calls on the same capture (benchmarks).
+    ``sinks``: ``None`` searches with 1 sink token and then keeps the count in
+    :data:`SINK_CANDIDATES` (0, 1 or 4 first tokens in 16 bits) with the lowest summed held-out
+    attention-output error (``--bits`` budgets count the largest, so any choice fits). ``cache``: dict reused across calls on the same capture (benchmarks).
     ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable`
     (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4``, ``int2``, ``k4v2`` presets; with
     ``bits`` the pre-RoPE menu entries are skipped when it is ``None``).
@@ -597,6 +605,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     L = len(cap.stats.k)
     H, D = cap.stats.k[0].num_heads, cap.stats.k[0].head_dim
     s_try = 1 if sinks is None else sinks
+    s_cost = max(SINK_CANDIDATES) if sinks is None else sinks  # sink tokens the --bits costs count
     obj = {"k": objective_k, "v": "out"}
 
     def caches(layer):
@@ -631,7 +640,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         for layer in tqdm(range(L), desc="sensitivity", disable=not progress):
             for side in ("k", "v"):
                 rs = [run(layer, side, c, False) for c in menu[side]]
-                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_try, residual_window,
+                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_cost, residual_window,
                                            side_extra_bytes(c.spec, H, D, centering=r.plan.mean is not None,
                                                             rounding=c.rounding, channel_bits=c.channel_bits,
                                                             levels=c.levels))
@@ -680,19 +689,19 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         results.append({side: run(layer, side, specs[layer][i], True) for i, side in enumerate(("k", "v"))})
         for i, side in enumerate(("k", "v")):
             results[-1][side].extra["transform"] = specs[layer][i].transform
-    # sinks: keep only where the summed held-out output error says so
-    sink_meta = {"tried": s_try}
+    # sinks: the count with the lowest summed held-out output error (ties: fewer)
+    sink_meta = {"tried": list(SINK_CANDIDATES) if sinks is None else [s_try]}
     final_sinks = s_try
-    if sinks is None and s_try > 0:
-        tot = {0: 0.0, s_try: 0.0}
+    if sinks is None:
+        tot = dict.fromkeys(SINK_CANDIDATES, 0.0)
         for layer, r in enumerate(results):
             cal, held = caches(layer)
             for side in ("k", "v"):
-                for n in (0, s_try):
+                for n in SINK_CANDIDATES:
                     a, b = side_error(held or cal, side, r[side].plan, "out", n)
                     tot[n] += float(a.sum() / b.sum())
-        final_sinks = s_try if tot[s_try] < tot[0] else 0
-        sink_meta.update({"heldout_out_sum_with": tot[s_try], "heldout_out_sum_without": tot[0]})
+        final_sinks = min(SINK_CANDIDATES, key=lambda n: (tot[n], n))
+        sink_meta["heldout_out_sum"] = {str(n): tot[n] for n in SINK_CANDIDATES}
     sink_meta["kept"] = final_sinks
     plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
                   sink_tokens=final_sinks)

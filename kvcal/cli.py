@@ -76,8 +76,8 @@ def main():
               help="Average bits per cached element INCLUDING scales/zero points/sinks/metadata; per-layer K/V "
                    "formats are allocated from measured sensitivity (overrides --preset).")
 @click.option("--sinks", "sinks", default=None, type=int,
-              help="First tokens kept in 16 bits and excluded from statistics [integer paths; default: 1 if it "
-                   "helps on held-out data].")
+              help="First tokens kept in 16 bits and excluded from statistics [integer paths; default: 0, 1 or 4, "
+                   "whichever gives the lowest held-out attention-output error].")
 @click.option("--residual-window", default=0, show_default=True, type=int,
               help="Recent tokens the runtime cache keeps in 16 bits (recorded, counted in --bits).")
 @click.option("--key-centering", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
