@@ -29,6 +29,11 @@ from kvcal.formats.spec import PACK_UNITS
 _WIDTHS = (8, 6, 5, 4, 3, 2)
 
 
+def _word_dtype(bpu: int) -> torch.dtype:
+    """Integer dtype holding one packing unit's word: int32 up to 3 bytes (int2/3/4/6), int64 for int5's 5."""
+    return torch.int32 if bpu <= 3 else torch.int64
+
+
 def _check(codes: torch.Tensor, bits: int) -> tuple[int, int]:
     if bits not in _WIDTHS:
         raise ValueError(f"can pack 8, 6, 5, 4, 3 or 2-bit codes, got bits={bits}")
@@ -49,15 +54,17 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     vpu, bpu = _check(codes, bits)
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
         raise ValueError(f"codes must lie in [0, {2**bits - 1}] for {bits}-bit packing")
-    c = codes.to(torch.int64)  # a unit's word is up to 40 bits (int5)
     if bits == 8:
-        return c.to(torch.uint8)
+        return codes.to(torch.uint8)
+    wt = _word_dtype(bpu)
+    c = codes.to(wt)
     lead = c.shape[:-1]
     units = c.shape[-1] // vpu
     c = c.reshape(*lead, units, vpu)  # [..., N/vpu, vpu]
-    shifts = torch.arange(vpu, dtype=torch.int64, device=c.device) * bits
+    shifts = torch.arange(vpu, dtype=wt, device=c.device) * bits
     w = (c << shifts).sum(-1, keepdim=True)  # [..., N/vpu, 1]  bits are disjoint, so sum == or
-    w = (w >> (8 * torch.arange(bpu, dtype=torch.int64, device=c.device))) & 255  # [..., N/vpu, bpu]
+    if bpu > 1:
+        w = torch.cat([(w >> (8 * j)) & 255 for j in range(bpu)], dim=-1)  # [..., N/vpu, bpu]
     return w.reshape(*lead, units * bpu).to(torch.uint8)
 
 
@@ -76,9 +83,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tenso
     else:
         lead = packed.shape[:-1]
         units = packed.shape[-1] // bpu
-        p = packed.to(torch.int64).reshape(*lead, units, bpu)  # [..., units, bpu]
-        w = (p << (8 * torch.arange(bpu, dtype=torch.int64, device=p.device))).sum(-1)  # [..., units]
-        shifts = torch.arange(vpu, dtype=torch.int64, device=p.device) * bits
+        wt = _word_dtype(bpu)
+        p = packed.to(wt).reshape(*lead, units, bpu)  # [..., units, bpu]
+        w = p[..., 0]  # [..., units]
+        for j in range(1, bpu):
+            w = w | (p[..., j] << (8 * j))
+        shifts = torch.arange(vpu, dtype=wt, device=p.device) * bits
         out = ((w.unsqueeze(-1) >> shifts) & (2**bits - 1)).reshape(*lead, units * vpu).to(torch.uint8)
     return out if n is None else out[..., :n]
 
