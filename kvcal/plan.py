@@ -25,7 +25,7 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata;
 * ``scale_base`` (log8 scales only): ``float32 [H]``, the per-head base of the 8-bit log-coded
   per-token scales (:func:`kvcal.formats.quant.log8_base`);
-* ``levels`` (symmetric int2–4, per-token / per-token-group, optional): non-uniform levels
+* ``levels`` (symmetric int2–int6, per-token / per-token-group, optional): non-uniform levels
   ``float32 [H, 2^b]`` in units of each group's absmax (:func:`kvcal.formats.quant.check_levels`;
   fitted by :func:`kvcal.search.optimizer.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata.
 
@@ -208,7 +208,9 @@ class KVPlan:
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
-        return out
+        # own storage per name: a plan built through the API may share one tensor between sides or
+        # layers, which safetensors refuses to write
+        return {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in out.items()}
 
     def transforms(self) -> list[dict[str, str]]:
         """Per-layer ``{"k": transform, "v": transform}``."""

@@ -482,3 +482,29 @@ def test_tp_that_the_model_heads_cannot_split_is_warned(tmp_path):
     assert r.exit_code == 0 and "cannot split" not in r.output
     r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out", str(tmp_path / "v")])
     assert r.exit_code == 0 and "next: merge into the checkpoint with --model-dir" in r.output
+
+
+@pytest.mark.parametrize("later", ["static_int5", "dynamic_int6", "static_fp8_head"])
+def test_every_layer_must_be_loadable_not_just_layer_0(tmp_path, later):
+    """Per-layer specs (``kv.layer_specs``, e.g. from --bits or the API): a layer other than 0 in a format,
+    mode or granularity engines cannot load is refused by name, before anything is written."""
+    from kvcal.artifact import write_artifact
+    from kvcal.formats.granularity import PerToken
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.plan import KVPlan, LayerPlan, SidePlan
+
+    D = 16
+    fp8 = SidePlan(TensorQuantSpec("fp8_e4m3"), scale=torch.full((1, 1, 1, 1), 0.01))
+    other = {"static_int5": SidePlan(TensorQuantSpec("int5"), scale=torch.full((1, 1, 1, 1), 0.3)),
+             "dynamic_int6": SidePlan(TensorQuantSpec("int6", PerToken()), clip_ratio=torch.full((H_KV,), 0.9)),
+             "static_fp8_head": SidePlan(TensorQuantSpec("fp8_e4m3", "head"), scale=torch.full((1, H_KV, 1, 1), 0.01))}[later]
+    plan = KVPlan([LayerPlan(fp8, fp8)] + [LayerPlan(other, other) for _ in range(L - 1)])
+    meta = {"model": {"num_layers": L, "num_kv_heads": H_KV, "head_dim": D}, "kv": plan.kv_metadata()}
+    assert "layer_specs" in meta["kv"]
+    write_artifact(tmp_path / "art", plan.to_tensors(), meta)
+    assert targets_that_can_load(meta) == []
+    for target in ("vllm", "modelopt", "trtllm-legacy", "sglang-json", "compressed-tensors"):
+        r = CliRunner().invoke(main, ["export", "--artifact", str(tmp_path / "art"), "--target", target,
+                                      "--out", str(tmp_path / f"out_{target}")])
+        assert r.exit_code == 2 and "(layer 1)" in r.output and "Traceback" not in r.output, r.output
+        assert not (tmp_path / f"out_{target}").exists()

@@ -106,3 +106,15 @@ def test_bits_menu_offers_int56_values_with_levels():
     labels = [spec_label(c) for c in ALLOC_MENU["v"]]
     assert any(lab.startswith("int5/token/sym/hadamard") and "/levels" in lab for lab in labels)
     assert any(lab.startswith("int6/token/sym/hadamard") and "/levels" in lab for lab in labels)
+
+
+def test_triton_entry_points_refuse_int56():
+    pytest.importorskip("triton")
+    from kvcal.kernels.triton_quant import dequantize_triton, quantize_triton
+
+    spec = TensorQuantSpec("int5", PerToken(), symmetric=True)
+    x = torch.randn(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="int5 runs on the torch reference"):
+        quantize_triton(x, spec, torch.ones(1))
+    with pytest.raises(ValueError, match="int5 runs on the torch reference"):
+        dequantize_triton(quantize(x, spec), torch.float32)

@@ -115,12 +115,12 @@ class Target:
         reason = engine_common_reason(meta)
         if reason:
             return reason
-        kv = meta["kv"]
-        fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
-        if fmt not in self.formats:
-            return f"{self.name} loads {'/'.join(self.formats)} scales, not {fmt}"
-        if gran not in self.granularities:
-            return f"{self.name} loads per-{' or per-'.join(self.granularities)} scales, not per-{gran}"
+        for where, specs in layer_kv_specs(meta):
+            fmt, gran = specs["k"]["format"], specs["k"]["granularity"]
+            if fmt not in self.formats:
+                return f"{self.name} loads {'/'.join(self.formats)} scales, not {fmt}{where}"
+            if gran not in self.granularities:
+                return f"{self.name} loads per-{' or per-'.join(self.granularities)} scales, not per-{gran}{where}"
         return None
 
     def write(self, ctx: ExportContext, staging: Path) -> str:
@@ -176,21 +176,40 @@ def describe_kv(meta: dict) -> str:
     return " / ".join(parts) or "no quantized K/V"
 
 
+def layer_kv_specs(meta: dict) -> list[tuple[str, dict]]:
+    """``[(where, {"k": spec dict, "v": spec dict})]`` for every layer of an artifact's metadata:
+    ``kv.layer_specs`` when the layers differ (``--bits``), else layer 0's ``kv.k`` / ``kv.v`` once.
+    ``where`` is ``""`` or ``" (layer i)"`` for messages."""
+    kv = meta.get("kv", {})
+    per_layer = kv.get("layer_specs")
+    if isinstance(per_layer, list) and per_layer:
+        return [(f" (layer {i})", {"k": ls.get("k"), "v": ls.get("v")}) for i, ls in enumerate(per_layer)
+                if isinstance(ls, dict)]
+    return [("", {"k": kv.get("k"), "v": kv.get("v")})]
+
+
 def engine_common_reason(meta: dict) -> str | None:
     """Checks every engine target shares (runtime-formats.md): static symmetric scales for both K
-    and V in one format, measured post-RoPE (engines quantize the cache, i.e. post-RoPE keys)."""
+    and V in one format, in every layer, measured post-RoPE (engines quantize the cache, i.e.
+    post-RoPE keys)."""
     kv = meta.get("kv", {})
-    k, v = kv.get("k"), kv.get("v")
-    if not k or not v:
-        return "engines quantize both K and V; this artifact quantizes only " + ("K" if k else "V")
-    for side, s in (("K", k), ("V", v)):
-        if s.get("dynamic"):
-            return (f"{side} uses a dynamic per-{s.get('granularity')} format whose scales are computed at "
-                    "runtime; engines load static scales only (their dynamic modes ignore checkpoint scales)")
-        if not s.get("symmetric", True):
-            return f"{side} is asymmetric (zero points); engines load symmetric scales only"
-    if (k.get("format"), k.get("granularity")) != (v.get("format"), v.get("granularity")):
-        return "K and V use different formats/granularities; engines use one KV-cache dtype for both"
+    first = None
+    for where, specs in layer_kv_specs(meta):
+        k, v = specs["k"], specs["v"]
+        if not k or not v:
+            return "engines quantize both K and V; this artifact quantizes only " + ("K" if k else "V") + where
+        for side, s in (("K", k), ("V", v)):
+            if s.get("dynamic"):
+                return (f"{side}{where} uses a dynamic per-{s.get('granularity')} format whose scales are computed "
+                        "at runtime; engines load static scales only (their dynamic modes ignore checkpoint scales)")
+            if not s.get("symmetric", True):
+                return f"{side}{where} is asymmetric (zero points); engines load symmetric scales only"
+        if (k.get("format"), k.get("granularity")) != (v.get("format"), v.get("granularity")):
+            return f"K and V{where} use different formats/granularities; engines use one KV-cache dtype for both"
+        first = first or (k.get("format"), k.get("granularity"))
+        if (k.get("format"), k.get("granularity")) != first:
+            return (f"layers use different formats ({first[0]} per-{first[1]} in layer 0, {k.get('format')} "
+                    f"per-{k.get('granularity')}{where}); engines use one KV-cache dtype for every layer")
     if kv.get("key_position", "post_rope") != "post_rope":
         return ("K scales were measured pre-RoPE; engines quantize post-RoPE keys "
                 "(recalibrate with post-RoPE key capture)")

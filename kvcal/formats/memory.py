@@ -18,7 +18,8 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
      - payload ``[B, H, S_pad, row_bytes]`` (1-byte elements: ``uint8``/``int8``/fp8 dtype),
        where ``S_pad, D_pad = s.padded_dims(n_q, D)`` (tokens rounded up to whole token groups:
        a partially filled group is allocated whole) and ``row_bytes = s.row_bytes(D)``
-       (``D_pad`` values packed: 8-bit 1/byte, 4-bit 2/byte, 2-bit 4/byte, 3-bit 8 per 3 bytes);
+       (``D_pad`` values packed: 8-bit 1/byte, 4-bit 2/byte, 2-bit 4/byte, 3-bit 8 per 3 bytes,
+       5-bit 8 per 5 bytes, 6-bit 4 per 3 bytes);
      - dynamic granularities: ``scale`` of shape ``s.granularity.scale_shape(B, H, n_q, D)`` at
        ``s.scale_dtype`` (per-token ``[B,H,n_q,1]``, per-token-group ``[B,H,n_q,ceil(D/g)]``
        — a channel group larger than ``D`` acts as ``D``, no padding —,

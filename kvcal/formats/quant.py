@@ -712,7 +712,7 @@ def quantize(
     groups, each head summing to ``spec.bits · D``; :func:`check_channel_bits`); explicit ``scale`` /
     ``zero_point`` given with them must come from :func:`params_from_range` with
     ``qmax = 2^W − 1`` (what the runtime cache does). ``levels``: non-uniform levels ``[H, 2^b]``
-    (symmetric int2–4, per-token / per-token-group; :func:`check_levels`; not with ``rounding``,
+    (symmetric int2–int6, per-token / per-token-group; :func:`check_levels`; not with ``rounding``,
     ``channel_bits`` or an explicit ``scale``). ``scale_base``: per-head base ``[H]`` of log8 scales
     (required for, and only for, ``scale_dtype="log8"``; see :func:`log8_base`). 16-bit specs return
     ``data = x`` cast to fp16/bf16 with no parameters. Raises ``ValueError`` (see module docstring).

@@ -12,9 +12,9 @@ format                  bits  payload element
 ``fp8_e4m3``               8  OCP e4m3fn, max 448 (torch ``float8_e4m3fn``)
 ``fp8_e4m3fnuz``           8  AMD e4m3fnuz, max 240 (torch ``float8_e4m3fnuz``)
 ``fp8_e5m2``               8  OCP e5m2, max 57344 (torch ``float8_e5m2``)
-``int8/int6/int5/``      b    integer codes; symmetric ``[-(2^(b-1)-1), 2^(b-1)-1]`` (int8: ±127) or
-``int4/int3/int2``             asymmetric ``[0, 2^b-1]`` with a floating-point zero point (int6/int5:
-                              kvcal's own runtime cache only, for per-layer bit allocation)
+``int8 … int2``           b    integer codes (int8, int6, int5, int4, int3, int2); symmetric
+                              ``[-(2^(b-1)-1), 2^(b-1)-1]`` (int8: ±127) or asymmetric ``[0, 2^b-1]``
+                              with a floating-point zero point (int6/int5: kvcal's runtime cache only)
 ``nvfp4``                  4  e2m1 values in blocks of 16 channels, FP8 e4m3 block scales, fp32
                               global scale (NVIDIA's recipe: global = amax / (448*6))
 ======================  ====  ======================================================================

@@ -282,9 +282,16 @@ def _meta(spec: TensorQuantSpec):
     return dict(VPU=vpu, BPU=bpu, BITS=spec.bits, QMAX=spec.qmax, SYM=spec.symmetric)
 
 
+def _check_width(spec: TensorQuantSpec) -> None:
+    if spec.bits not in (8, 4, 3, 2):
+        raise ValueError(f"the Triton kernels pack 8/4/3/2-bit codes; {spec.format.value} runs on the torch reference")
+
+
 def quantize_triton(x: torch.Tensor, spec: TensorQuantSpec, clip: torch.Tensor) -> QuantizedTensor:
     """Dynamic int quantization on the Triton path. ``clip``: float32 ``[H]`` on ``x.device``.
-    The caller (:mod:`kvcal.kernels`) has checked support and finiteness."""
+    The caller (:mod:`kvcal.kernels`) has checked support and finiteness; widths outside the
+    kernels' packing units (int5/int6) raise ``ValueError``."""
+    _check_width(spec)
     B, H, S, D = x.shape
     x = x.contiguous()
     m = _meta(spec)
@@ -318,8 +325,10 @@ def quantize_triton(x: torch.Tensor, spec: TensorQuantSpec, clip: torch.Tensor) 
 
 
 def dequantize_triton(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """Triton dequantization of a tensor produced by either path (same storage layout)."""
+    """Triton dequantization of a tensor produced by either path (same storage layout); int5/int6
+    raise ``ValueError`` (torch reference only)."""
     spec = qt.spec
+    _check_width(spec)
     B, H, S, D = qt.shape
     m = _meta(spec)
     out = torch.empty(B, H, S, D, dtype=dtype, device=qt.data.device)

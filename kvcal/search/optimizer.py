@@ -466,7 +466,7 @@ def search_side(
     rounding). ``channel_bits=True`` (keys, dynamic asymmetric per-channel int): per-channel widths
     from :func:`channel_bit_allocation` in every candidate; heads whose held-out winner is plain
     min/max get uniform widths. ``levels=True`` (values, dynamic symmetric per-token /
-    per-token-group int2–4): every candidate uses the :func:`fit_levels` table of the calibration
+    per-token-group int2–int6): every candidate uses the :func:`fit_levels` table of the calibration
     split; the min/max baseline is the uniform grid as a table (:func:`uniform_levels`), which
     heads whose held-out winner is min/max keep.
     """
