@@ -174,7 +174,7 @@ class KVPlan:
         """
         sp = self.layers[layer].side(side)
         n = min(self.sink_tokens, x.shape[2])
-        if n == 0:
+        if n == 0 or not sp.spec.is_quantized:  # an unquantized side keeps its own 16-bit dtype, sinks too
             return sp.fake_quant(x)
         head = x[:, :, :n].to(torch.bfloat16).to(x.dtype)
         return torch.cat([head, sp.fake_quant(x[:, :, n:], start=n)], dim=2)

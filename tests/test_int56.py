@@ -118,3 +118,20 @@ def test_triton_entry_points_refuse_int56():
         quantize_triton(x, spec, torch.ones(1))
     with pytest.raises(ValueError, match="int5 runs on the torch reference"):
         dequantize_triton(quantize(x, spec), torch.float32)
+
+
+@pytest.mark.parametrize("dtype16", ["fp16", "bf16"])
+def test_unquantized_side_sinks_keep_the_side_dtype(dtype16):
+    """Protocol A == runtime when one side is kept in 16 bits and sinks are on: the sink tokens of an
+    unquantized side are in that side's own dtype (fp16 or bf16), as the runtime cache stores them."""
+    from test_transforms import H as TH
+    from test_transforms import L as TL
+    from test_transforms import prefill_matches_protocol_a, tiny_model
+
+    from kvcal.plan import KVPlan, LayerPlan, SidePlan
+
+    model = tiny_model()
+    k = SidePlan(TensorQuantSpec("int4", PerToken(), symmetric=False), clip_ratio=torch.ones(TH))
+    plan = KVPlan([LayerPlan(k, SidePlan(TensorQuantSpec(dtype16))) for _ in range(TL)], sink_tokens=2)
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    prefill_matches_protocol_a(model, plan, ids)
