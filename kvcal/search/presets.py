@@ -3,17 +3,17 @@
 Average bits per cached element (payload + per-token/group parameters; per-layer metadata —
 rounding ratios, channel-width and levels tables —, the open key group's float32 raw range and 16-bit sinks
 are added by the exact accounting in :mod:`kvcal.search.allocate`; the ``+`` column is that at
-4096 tokens, batch 1, on the embedded model):
+4096 tokens, batch 1, on the embedded model, with the 4 sink tokens the search keeps there):
 
 =========  =============================================  ============================================  =====
 preset     keys                                           values                                        avg
 =========  =============================================  ============================================  =====
 ``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
 ``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, min/max, after a    4.1875
-           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation, **non-uniform**       +0.044
+           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation, **non-uniform**       +0.054
            **per-channel widths** (4 bits on average)     **levels**, **log8** scale (1 byte / token)
 ``int2``   int2 per channel in 32-token groups, asym,     int2 per token in 32-channel groups, asym,     3.0
-           clip, pre-RoPE, query-aware rounding,          clip, after a Hadamard rotation               +0.04
+           clip, pre-RoPE, query-aware rounding,          clip, after a Hadamard rotation               +0.054
            per-channel widths (2 bits on average)
 ``k4v2``   as ``int4``                                    as ``int2``                                   3.625
 =========  =============================================  ============================================  =====
@@ -69,7 +69,8 @@ runtime only; eight codes in five bytes / four in three) let the allocator spend
 of a bit on the value layers the probe ranks first. On the 2 × 1024 probe (``bench_out/exp_v5.py``), layer 1's
 values alone at 6 bits took the ``int4`` plan's KL from 8.1e-3 to 6.5e-3 (that layer held 16% of the summed
 single-side KL); ``--bits 4.25`` with int5/int6 in the menu moved four value layers to int5 and paid with
-layer 0 (keys int2, values int3): KL 7.4e-3 vs the preset's 8.1e-3 (``bench_out/exp_bits425_v56.py``). At 2 bits the Gaussian
+layer 0 (keys int2, values int3): KL 7.4e-3 vs the preset's 8.1e-3 (``bench_out/exp_bits425_v56.py``, 1 sink).
+On the 8 × 1024 benchmark with 4 sinks it moved three value layers: ΔPPL +0.119 vs the preset's +0.136. At 2 bits the Gaussian
 picture (a 2-bit table on groups of 32: 0.113σ² vs 0.155σ² for KIVI's asymmetric grid) did not carry over:
 on the 2 × 1024 probe the ``int2`` values measured V-only KL 118e-3 with that table (16-channel groups:
 101e-3) vs 85e-3 with the preset's asymmetric, clip-searched 32-channel groups, so ``int2`` keeps its
