@@ -211,14 +211,25 @@ def describe_config(cfg) -> str:
     return s
 
 
-def artifact_kv_config(meta: dict):
-    """The cache config an artifact's metadata describes: one :class:`KVCacheConfig`, or a list
-    with one per layer when ``kv.layer_specs`` is present. Raises :class:`KvcalError`."""
+def artifact_kv_config(meta: dict, tensors: dict | None = None):
+    """The cache config an artifact describes: one :class:`KVCacheConfig`, or a list with one per
+    layer. With the artifact's ``tensors`` the configs come from the rebuilt plan
+    (:meth:`kvcal.plan.KVPlan.kv_config`), so per-layer metadata — key-centering means, rounding
+    triangles, channel-width and levels tables — is counted exactly; from the metadata
+    alone (``tensors=None``) only the specs, sinks and residual window are. Raises :class:`KvcalError`."""
     from kvcal.formats.spec import KVCacheConfig
 
     kv = meta.get("kv")
     if not kv:
         raise KvcalError("artifact metadata has no 'kv' section")
+    if tensors is not None:
+        from kvcal.plan import KVPlan
+
+        try:
+            plan = KVPlan.from_artifact(tensors, meta)
+        except (KeyError, ValueError) as e:
+            raise KvcalError(f"artifact does not rebuild into a cache plan: {e}") from None
+        return [plan.kv_config(i) for i in range(len(plan.layers))]
     try:
         common = {"residual_window": kv.get("residual_window", 0), "sink_tokens": kv.get("sink_tokens", 0)}
         if kv.get("layer_specs"):
@@ -240,13 +251,14 @@ def resolve_option(name: str, shape) -> CacheOption:
     if p.exists():
         from kvcal.artifact import load_artifact
 
-        meta = load_artifact(p).metadata
+        art = load_artifact(p)
+        meta = art.metadata
         m = meta["model"]
         for key, want in (("num_layers", shape.num_layers), ("num_kv_heads", shape.num_kv_heads),
                           ("head_dim", shape.head_dim)):
             if int(m.get(key, -1)) != want:
                 raise KvcalError(f"artifact {p} was made for a model with {key}={m.get(key)}, but --model has {want}")
-        cfg = artifact_kv_config(meta)
+        cfg = artifact_kv_config(meta, art.tensors)
         return CacheOption(p.name, cfg, describe_config(cfg), source=str(p))
     raise KvcalError(f"--kv-config {name!r} is neither a preset ({', '.join(PRESETS)}) nor an artifact directory")
 

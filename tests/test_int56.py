@@ -135,3 +135,37 @@ def test_unquantized_side_sinks_keep_the_side_dtype(dtype16):
     plan = KVPlan([LayerPlan(k, SidePlan(TensorQuantSpec(dtype16))) for _ in range(TL)], sink_tokens=2)
     ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
     prefill_matches_protocol_a(model, plan, ids)
+
+
+def test_plan_and_report_count_an_artifacts_per_layer_metadata(tmp_path):
+    """``kvcal plan --kv-config ARTIFACT`` and the report's memory section count the per-layer tables an
+    artifact carries (levels, rounding, widths, centering means) exactly: the same bytes as the runtime plan's
+    configs, more than the specs alone by exactly those tables."""
+    from test_transforms import H as TH
+    from test_transforms import L as TL
+    from test_transforms import tiny_model, transform_plan
+
+    from kvcal.artifact import load_artifact, write_artifact
+    from kvcal.formats.memory import ModelShape, cache_bytes
+    from kvcal.planner import artifact_kv_config, resolve_option
+    from kvcal.report.data import memory_summary
+
+    model = tiny_model()
+    plan = transform_plan(model, sinks=1, k_spec=TensorQuantSpec("int4", PerToken(), symmetric=False))
+    for lp in plan.layers:
+        lp.v.spec = TensorQuantSpec("int5", PerToken(), symmetric=True, scale_dtype="log8")
+        lp.v.scale_base = torch.tensor([1e-4, 3e-4])
+        lp.v.levels = torch.linspace(-1, 1, 32).expand(TH, 32).clone()
+    meta = {"model": {"num_layers": TL, "num_kv_heads": TH, "head_dim": 16}, "kv": plan.kv_metadata()}
+    write_artifact(tmp_path / "a", plan.to_tensors(), meta)
+    art = load_artifact(tmp_path / "a")
+    mc = {"num_hidden_layers": TL, "num_key_value_heads": TH, "head_dim": 16, "num_attention_heads": TH}
+    exact = cache_bytes(mc, [plan.kv_config(i) for i in range(TL)], 100)
+    assert cache_bytes(mc, artifact_kv_config(art.metadata, art.tensors), 100) == exact
+    specs_only = cache_bytes(mc, artifact_kv_config(art.metadata), 100)
+    # float32 levels [H, 32] per layer (the log8 base follows from the spec, so both count it)
+    assert exact - specs_only == TL * TH * 32 * 4
+    opt = resolve_option(str(tmp_path / "a"), ModelShape(TL, TH, 16, None))
+    assert cache_bytes(mc, opt.kv_config, 100) == exact
+    mem = memory_summary(art.metadata, contexts=[100], batches=[1], tensors=art.tensors)
+    assert mem["cache_bytes"][1] == [exact]

@@ -391,8 +391,10 @@ def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_co
 
 
 # ---- memory ----------------------------------------------------------------------------------
-def memory_summary(meta: dict, contexts: list[int] | None = None, batches: list[int] | None = None) -> dict | None:
-    """Exact accounting (:mod:`kvcal.formats.memory`) for the artifact's cache vs 16-bit.
+def memory_summary(meta: dict, contexts: list[int] | None = None, batches: list[int] | None = None,
+                   tensors: dict | None = None) -> dict | None:
+    """Exact accounting (:mod:`kvcal.formats.memory`) for the artifact's cache vs 16-bit (per-layer
+    metadata counted exactly when the artifact's ``tensors`` are given; :func:`kvcal.planner.artifact_kv_config`).
 
     Returns ``{"bytes_per_token", "bytes_per_token_16", "ratio", "contexts", "batches",
     "cache_bytes": {batch: [bytes per context]}, "cache_bytes_16": {...}}`` or ``None`` when the
@@ -405,7 +407,7 @@ def memory_summary(meta: dict, contexts: list[int] | None = None, batches: list[
     try:
         shape = ModelShape(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]),
                            int(m.get("max_position_embeddings") or 0) or None)
-        cfg = artifact_kv_config(meta)
+        cfg = artifact_kv_config(meta, tensors)
     except Exception:
         return None
     mmax = shape.max_position_embeddings or 8192

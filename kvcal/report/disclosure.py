@@ -258,9 +258,9 @@ def _regimes(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
     rep.add(Bullets(items))
 
 
-def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict) -> dict | None:
+def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict, tensors: dict | None = None) -> dict | None:
     rep.add(Heading("Memory: cache bytes per token and capacity"))
-    mem = D.memory_summary(meta, batches=reg["batches"] or None)
+    mem = D.memory_summary(meta, batches=reg["batches"] or None, tensors=tensors)
     if mem is None:
         rep.add(Para("The artifact metadata lacks the model shape or kv config; memory cannot be computed."))
         return None
@@ -272,7 +272,7 @@ def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict) -> dict | None:
     ]))
     rows = []
     show_ctx = reg["contexts"] or [c for c in mem["contexts"] if c >= 1024]
-    sub = D.memory_summary(meta, contexts=show_ctx, batches=reg["batches"] or [1, 8])
+    sub = D.memory_summary(meta, contexts=show_ctx, batches=reg["batches"] or [1, 8], tensors=tensors)
     for b in sub["batches"]:
         for c, q, f in zip(sub["contexts"], sub["cache_bytes"][b], sub["cache_bytes_16"][b], strict=True):
             rows.append([_num(c), _num(b), f"{q:,}", _bytes(q), _bytes(f), f"{f / q:.2f}×" if q else "–"])
@@ -420,7 +420,7 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
     _weights(rep, meta, ev)
     _corpora(rep, meta, ev, reg)
     _regimes(rep, meta, ev, reg)
-    mem = _memory(rep, meta, ev, reg)
+    mem = _memory(rep, meta, ev, reg, tensors)
     _quality(rep, ev)
     if figures:
         _figures(rep, meta, ev, tensors, mem)
