@@ -221,7 +221,9 @@ SCHEMA = "kvcal-eval/1"
 METRICS = ("ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree", "greedy_agree", "greedy_prefix")
 _OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b, ">": lambda a, b: a > b}
 
-#: Default acceptance per precision (fewest payload bits among the plan's quantized sides). The
+#: Default acceptance per precision (the mean payload bits of the plan's quantized sides, rounded
+#: down to a key of this table: a ``--bits`` plan with one 2-bit layer among 4-bit ones is held to
+#: the 4-bit bar, ``k4v2`` to the 3-bit one). The
 #: 8-bit bar admits the FP8 floor of the embedded model (prior-art: unity +0.090 / 5.9e-3); the
 #: 2-bit bar refuses KIVI-2 (+13 ppl there) — a configuration that went too far is a FAIL.
 DEFAULT_ACCEPT = {
@@ -268,7 +270,10 @@ def plan_bits(plan) -> int:
 
 
 def default_accept(plan) -> str:
-    b = plan_bits(plan)
+    """The :data:`DEFAULT_ACCEPT` bar for ``plan``: by the mean payload bits over its (layer, side)s
+    that are quantized (16 when none is), rounded down to a bar (2 at least)."""
+    bits = [sp.spec.bits for lp in plan.layers for sp in (lp.k, lp.v) if sp.spec.is_quantized]
+    b = sum(bits) / len(bits) if bits else 16
     return DEFAULT_ACCEPT[max(k for k in DEFAULT_ACCEPT if k <= b)] if b >= 2 else DEFAULT_ACCEPT[2]
 
 

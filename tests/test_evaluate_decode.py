@@ -59,6 +59,19 @@ def test_judge_and_defaults():
     assert default_accept(make_plan("kivi2")) == DEFAULT_ACCEPT[2]
     assert default_accept(make_plan("int4")) == DEFAULT_ACCEPT[4]
     assert default_accept(make_plan("bf16")) == DEFAULT_ACCEPT[16]
+    # mixed plans (--bits, k4v2) are held to the bar of their mean payload bits, not their weakest side
+    from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.plan import KVPlan, LayerPlan, SidePlan
+
+    def side(bits):
+        return SidePlan(TensorQuantSpec(f"int{bits}", PerToken()), clip_ratio=torch.ones(2))
+
+    k4v2 = KVPlan([LayerPlan(SidePlan(TensorQuantSpec("int4", PerChannelTokenGroup(8), symmetric=False),
+                                      clip_ratio=torch.ones(2)), side(2))] * 3)
+    assert default_accept(k4v2) == DEFAULT_ACCEPT[3]  # mean (4 + 2) / 2 = 3
+    mixed = KVPlan([LayerPlan(side(2), side(3))] + [LayerPlan(side(4), side(5))] * 3)
+    assert default_accept(mixed) == DEFAULT_ACCEPT[4]  # (2 + 3 + 3·(4 + 5)) / 8 = 4.0, though one side is int2
 
 
 @pytest.fixture(scope="module")
