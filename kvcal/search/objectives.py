@@ -58,7 +58,7 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, qpos: torch.
     h_kv, T = k.shape[0], k.shape[1]
     qg = _group(q[:, qpos].float(), h_kv)  # [H_kv, G, Tq, D]
     s = torch.einsum("hgqd,htd->hgqt", qg, k.float()) * scaling
-    mask = torch.arange(T)[None, :] > qpos[:, None]  # [Tq, T]
+    mask = torch.arange(T, device=s.device)[None, :] > qpos.to(s.device)[:, None]  # [Tq, T], on the scores' device
     return s.masked_fill(mask, float("-inf"))
 
 
