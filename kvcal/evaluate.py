@@ -263,16 +263,21 @@ def parse_accept(spec: str) -> list[tuple[str, str, float]]:
     return out
 
 
+def _quantized_bits(plan) -> list[int]:
+    """Payload bits of every quantized (layer, side) of ``plan``."""
+    return [sp.spec.bits for lp in plan.layers for sp in (lp.k, lp.v) if sp.spec.is_quantized]
+
+
 def plan_bits(plan) -> int:
     """Fewest payload bits among the plan's quantized sides (16 if nothing is quantized)."""
-    bits = [sp.spec.bits for lp in plan.layers for sp in (lp.k, lp.v) if sp.spec.is_quantized]
+    bits = _quantized_bits(plan)
     return min(bits) if bits else 16
 
 
 def default_accept(plan) -> str:
     """The :data:`DEFAULT_ACCEPT` bar for ``plan``: by the mean payload bits over its (layer, side)s
     that are quantized (16 when none is), rounded down to a bar (2 at least)."""
-    bits = [sp.spec.bits for lp in plan.layers for sp in (lp.k, lp.v) if sp.spec.is_quantized]
+    bits = _quantized_bits(plan)
     b = sum(bits) / len(bits) if bits else 16
     return DEFAULT_ACCEPT[max(k for k in DEFAULT_ACCEPT if k <= b)] if b >= 2 else DEFAULT_ACCEPT[2]
 

@@ -115,12 +115,13 @@ class Target:
         reason = engine_common_reason(meta)
         if reason:
             return reason
-        for where, specs in layer_kv_specs(meta):
-            fmt, gran = specs["k"]["format"], specs["k"]["granularity"]
-            if fmt not in self.formats:
-                return f"{self.name} loads {'/'.join(self.formats)} scales, not {fmt}{where}"
-            if gran not in self.granularities:
-                return f"{self.name} loads per-{' or per-'.join(self.granularities)} scales, not per-{gran}{where}"
+        # engine_common_reason has checked that every layer shares layer 0's (kv.k) format and granularity
+        kv = meta["kv"]
+        fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
+        if fmt not in self.formats:
+            return f"{self.name} loads {'/'.join(self.formats)} scales, not {fmt}"
+        if gran not in self.granularities:
+            return f"{self.name} loads per-{' or per-'.join(self.granularities)} scales, not per-{gran}"
         return None
 
     def write(self, ctx: ExportContext, staging: Path) -> str:

@@ -26,7 +26,8 @@ import torch
 
 from kvcal.formats.spec import PACK_UNITS
 
-_WIDTHS = (8, 6, 5, 4, 3, 2)
+_WIDTHS = tuple(sorted((b for b in PACK_UNITS if b <= 8), reverse=True))  # 8, 6, 5, 4, 3, 2
+_WIDTHS_TEXT = ", ".join(map(str, _WIDTHS[:-1])) + f" or {_WIDTHS[-1]}"
 
 
 def _word_dtype(bpu: int) -> torch.dtype:
@@ -36,7 +37,7 @@ def _word_dtype(bpu: int) -> torch.dtype:
 
 def _check(codes: torch.Tensor, bits: int) -> tuple[int, int]:
     if bits not in _WIDTHS:
-        raise ValueError(f"can pack 8, 6, 5, 4, 3 or 2-bit codes, got bits={bits}")
+        raise ValueError(f"can pack {_WIDTHS_TEXT}-bit codes, got bits={bits}")
     vpu, bpu = PACK_UNITS[bits]
     if codes.shape[-1] % vpu:
         raise ValueError(
@@ -74,7 +75,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tenso
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed data must be uint8, got {packed.dtype}")
     if bits not in _WIDTHS:
-        raise ValueError(f"can unpack 8, 6, 5, 4, 3 or 2-bit codes, got bits={bits}")
+        raise ValueError(f"can unpack {_WIDTHS_TEXT}-bit codes, got bits={bits}")
     vpu, bpu = PACK_UNITS[bits]
     if packed.shape[-1] % bpu:
         raise ValueError(f"last dimension {packed.shape[-1]} is not a multiple of {bpu} bytes")

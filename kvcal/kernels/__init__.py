@@ -35,6 +35,10 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+#: Payload widths the Triton kernels pack (int6/int5 run on the torch reference).
+TRITON_WIDTHS = (8, 4, 3, 2)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -46,7 +50,7 @@ def triton_supports(spec: TensorQuantSpec, shape: tuple[int, int, int, int]) -> 
         return f"{spec.format.value} runs on the torch reference"
     if spec.scale_dtype == LOG8:
         return "log8 scales run on the torch reference"
-    if spec.bits not in (8, 4, 3, 2):
+    if spec.bits not in TRITON_WIDTHS:
         return f"{spec.format.value} runs on the torch reference"
     g = spec.granularity
     if B * H * S == 0:
