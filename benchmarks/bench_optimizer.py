@@ -60,7 +60,7 @@ def main():
     from scipy.stats import spearmanr
 
     from kvcal.calibrate import plan_from_choices, run_capture, search_int, search_scales, split_heldout
-    from kvcal.evaluate import side_only, side_sensitivity, teacher_forced, text_windows
+    from kvcal.evaluate import plans_kl, side_only, side_sensitivity, teacher_forced, text_windows
     from kvcal.formats.granularity import PerToken, PerTokenGroup
     from kvcal.formats.spec import TensorQuantSpec, preset
     from kvcal.models import head_dim_of, load_model, load_tokenizer
@@ -120,6 +120,11 @@ def main():
     held_w = [samples[i] for i in sorted(split_heldout(len(samples), 0.25, 0))[:2]]
     probe_memo: dict = {}
 
+    def sink_probe_on(held):
+        def sink_probe(plans):  # as `kvcal calibrate` chooses the sink count (default --probe-tokens 1024)
+            return plans_kl(model, held, plans, progress=False)
+        return sink_probe
+
     def probe(plan):
         key = tuple(id(lp.k) for lp in plan.layers)
         if key not in probe_memo:
@@ -137,7 +142,8 @@ def main():
         int_runs = int_runs[:3]
     for name, kw in int_runs:
         t0 = time.perf_counter()
-        r = search_int(cap, max_queries=a.max_queries, cache=shared, progress=False, **kw)
+        r = search_int(cap, max_queries=a.max_queries, cache=shared, progress=False, sink_probe=sink_probe_on(held_w),
+                       **kw)
         timings[name] = time.perf_counter() - t0
         plans[f"kvcal {name}"] = r.plan
         if name == "int4":
@@ -155,7 +161,9 @@ def main():
         cap16 = capture(samples[:16])
         rows = search_scales(cap16, "fp8_e4m3", False, a.max_queries, progress=False)
         plans["fp8 kvcal tensor @16"] = plan_from_choices(rows, "fp8_e4m3", "tensor", Hk)[0]
-        r16 = search_int(cap16, preset="int4", max_queries=a.max_queries, progress=False)
+        held16 = [samples[i] for i in sorted(split_heldout(16, 0.25, 0))[:2]]
+        r16 = search_int(cap16, preset="int4", max_queries=a.max_queries, progress=False,
+                         sink_probe=sink_probe_on(held16))
         plans["kvcal int4 @16"] = r16.plan
         # the int4 layout with plain min/max ranges and nearest rounding (no calibration at all)
         from kvcal.search.presets import INT_PRESETS

@@ -77,7 +77,8 @@ def main():
                    "formats are allocated from measured sensitivity (overrides --preset).")
 @click.option("--sinks", "sinks", default=None, type=int,
               help="First tokens kept in 16 bits and excluded from statistics [integer paths; default: 0, 1 or 4, "
-                   "whichever gives the lowest held-out attention-output error].")
+                   "whichever gives the lowest model-level KL on the --probe-tokens held-out tokens (with "
+                   "--probe-tokens 0: the lowest held-out attention-output error)].")
 @click.option("--residual-window", default=0, show_default=True, type=int,
               help="Recent tokens the runtime cache keeps in 16 bits (recorded, counted in --bits).")
 @click.option("--key-centering", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
@@ -85,10 +86,11 @@ def main():
 @click.option("--budget-context", default=4096, show_default=True, type=int,
               help="Context (tokens) at which --bits amortizes per-layer metadata and sink tokens.")
 @click.option("--probe-tokens", default=1024, show_default=True, type=int,
-              help="With --bits (ignored otherwise): tokens of held-out samples (calibration samples when nothing is "
-                   "held out; the last sample cut to fit) on which each layer's K and V are quantized alone to "
-                   "measure the model-level KL that weights the allocation — 1 + 2·layers forward passes over them "
-                   "(61 on SmolLM2-135M). 0: allocate on summed attention-level errors alone.")
+              help="Integer paths (ignored by fp8): tokens of held-out samples (calibration samples when nothing is "
+                   "held out; the last sample cut to fit) on which the sink count is chosen by model-level KL (4 "
+                   "forward passes; without --sinks) and, with --bits, each layer's K and V are quantized alone to "
+                   "measure the model-level KL that weights the allocation — 1 + 2·layers more passes "
+                   "(61 on SmolLM2-135M). 0: use summed attention-level errors for both.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--batch-size", default=8, show_default=True, type=int)

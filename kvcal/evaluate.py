@@ -147,6 +147,43 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
     return {k: v / n for k, v in kl_sum.items()}
 
 
+def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = True) -> dict:
+    """Model-level mean ``KL(P_16bit ‖ P_plan)`` in nats over every predicted position of
+    ``samples``, for each plan of ``plans`` (any keys; values :class:`~kvcal.plan.KVPlan` or
+    anything with ``fake_quant(layer, side, x)``), under Protocol A (every key and value attention
+    reads is fake-quantized, sinks as the plan keeps them) — the ``kl_mean`` of
+    :func:`teacher_forced`, for samples of different lengths.
+
+    ``samples``: int64 token ids, each ``[T_i]`` (held-out text; never the evaluation windows);
+    samples shorter than 2 tokens are skipped and ``ValueError`` is raised when none is left.
+    Every plan is scored on the same positions, so the results compare directly. Cost:
+    ``1 + len(plans)`` forward passes per sample. Used by ``kvcal calibrate`` to choose the sink
+    count (:data:`kvcal.calibrate.SINK_CANDIDATES`) on held-out samples."""
+    from tqdm.auto import tqdm
+
+    kl_sum = dict.fromkeys(plans, 0.0)
+    n = 0
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(samples) * len(plans), desc="plan probe", disable=not progress)
+    with torch.no_grad():
+        for ids in samples:
+            ids = ids.reshape(1, -1).to(device)
+            if ids.shape[1] < 2:
+                bar.update(len(plans))
+                continue
+            logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
+            n += ids.shape[1] - 1
+            for name, plan in plans.items():
+                with attention_hook(model, plan_hook(plan)):
+                    logp = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
+                kl_sum[name] += float((logp_ref.exp() * (logp_ref - logp)).sum())
+                bar.update()
+    bar.close()
+    if n == 0:
+        raise ValueError("plans_kl needs a sample of at least 2 tokens")
+    return {k: v / n for k, v in kl_sum.items()}
+
+
 class _Acc:
     def __init__(self):
         self.nll, self.n, self.top1 = 0.0, 0, 0

@@ -188,7 +188,9 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     # token (≈ 0.003) and clip ratios; each further 16-bit sink token replaces 4 key bits and 4.5 value bits
     # per element by 16: (12 + 11.5) / 2 / 4096 = 0.00287 bit
     sk = cal["sinks"]
-    assert sk["tried"] == [0, 1, 4] and sk["kept"] == min((0, 1, 4), key=lambda n: (sk["heldout_out_sum"][str(n)], n))
+    # default --probe-tokens: the sink count is the one with the lowest held-out model KL (ties: fewer)
+    assert sk["tried"] == [0, 1, 4] and sk["chosen_by"].startswith("held-out model-level KL")
+    assert sk["kept"] == min((0, 1, 4), key=lambda n: (sk["heldout_model_kl"][str(n)], n))
     extra = (sk["kept"] - 1) * (12 + 11.5) / 2 / 4096
     assert cal["preset"] == "int4" and 4.3972 + extra < cal["average_bits"] < 4.4021 + extra
     assert kv["v"]["scale_dtype"] == "log8"
@@ -234,6 +236,31 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
         assert v == pytest.approx(ref[k]["kl_mean"], rel=5e-3)
     with pytest.raises(ValueError, match="sink_tokens"):  # too short to read a quantized token
         side_sensitivity(model, [torch.tensor([5, 6, 7])[: plan.sink_tokens + 1]], plan, progress=False)
+
+
+def test_plans_kl_is_protocol_a_kl_over_samples_of_any_length(tiny_capture):
+    """plans_kl = teacher_forced's kl_mean per plan, pooled over samples of different lengths by
+    predicted positions; an identity plan scores 0; no usable sample raises."""
+    from kvcal.evaluate import plans_kl
+    from kvcal.plan import KVPlan
+
+    model, cap = tiny_capture
+    base = search_int(cap, preset="int4", max_queries=8, progress=False, budget_context=256, sinks=1).plan
+    plans = {n: KVPlan(base.layers, sink_tokens=n) for n in (0, 1, 4)}
+
+    class Identity:
+        def fake_quant(self, layer, side, x):
+            return x
+
+    a, b = _samples(1, 24, seed=11)[0], _samples(1, 13, seed=12)[0]
+    kl = plans_kl(model, [a, b, torch.tensor([7])], {**plans, "none": Identity()}, progress=False)
+    assert kl["none"] == 0.0
+    for n, p in plans.items():
+        ra = teacher_forced(model, a[None], {"p": p}, progress=False)["p"]["kl_mean"]
+        rb = teacher_forced(model, b[None], {"p": p}, progress=False)["p"]["kl_mean"]
+        assert kl[n] > 0 and kl[n] == pytest.approx((23 * ra + 12 * rb) / 35, rel=5e-3)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        plans_kl(model, [torch.tensor([7])], plans, progress=False)
 
 
 @pytest.mark.parametrize("hot", [(0, "v"), (1, "k")])
@@ -322,3 +349,63 @@ def test_allocate_refuses_non_finite_errors():
         allocate(items, Fraction(35))
     items[0] = Item(0, "k", (None, None), (10, 20), (2.0, 1.0))
     assert allocate(items, Fraction(30)) == [1, 0]  # one upgrade fits: the larger gain (k: 2 -> 1)
+
+
+def test_search_int_keeps_the_sink_count_with_the_lowest_probe_kl(tiny_capture):
+    """With a ``sink_probe`` the kept count is the argmin of its KLs (ties: fewer), whatever the
+    attention-level sums say; every candidate is offered as a whole plan differing only in
+    ``sink_tokens``; a NaN / negative / missing KL is refused with a clear error."""
+    _, cap = tiny_capture
+    seen = {}
+
+    def probe_for(kls):
+        def sink_probe(plans):
+            seen.update(plans)
+            return dict(kls)
+        return sink_probe
+
+    for kls, kept in [({0: 3.0, 1: 1.0, 4: 1.0}, 1), ({0: 0.5, 1: 1.0, 4: 2.0}, 0), ({0: 3.0, 1: 2.0, 4: 1.5}, 4)]:
+        seen.clear()
+        r = search_int(cap, preset="int8", max_queries=8, progress=False, sink_probe=probe_for(kls))
+        sk = r.summary["sinks"]
+        assert r.plan.sink_tokens == kept and sk["kept"] == kept and sk["chosen_by"].startswith("held-out model-level")
+        assert sk["heldout_model_kl"] == {str(n): v for n, v in kls.items()} and set(sk["heldout_out_sum"]) == {"0", "1", "4"}
+        assert sorted(seen) == [0, 1, 4] and [p.sink_tokens for p in seen.values()] == [0, 1, 4]
+        assert all(a.k is b.k and a.v is b.v for a, b in zip(seen[0].layers, seen[4].layers, strict=True))
+    for bad in ({0: float("nan"), 1: 1.0, 4: 1.0}, {0: 1.0, 1: -0.5, 4: 1.0}, {0: 1.0, 1: 1.0}):
+        with pytest.raises(KvcalError, match="sink probe"):
+            search_int(cap, preset="int8", max_queries=8, progress=False, sink_probe=probe_for(bad))
+    # a given --sinks count is never probed
+    seen.clear()
+    r = search_int(cap, preset="int8", sinks=2, max_queries=8, progress=False, sink_probe=probe_for({0: 0.0}))
+    assert r.plan.sink_tokens == 2 and not seen and "chosen_by" not in r.summary["sinks"]
+
+
+@pytest.mark.parametrize("probe_tokens", [0, 40])
+def test_calibrate_chooses_sinks_on_held_out_model_kl(tmp_path, smollm_tokenizer, probe_tokens):
+    """``calibrate --preset int4``: with ``--probe-tokens`` the sink count comes from the model KL
+    of the whole plan on the held-out probe samples (recorded, logged, in the report); with 0 from
+    the summed attention-level error as before."""
+    from kvcal.artifact import load_artifact
+    from kvcal.calibrate import calibrate
+
+    model, corpus = _tokenizer_llama_and_corpus(tmp_path, smollm_tokenizer)
+    logs = []
+    cfg = CalibrateConfig(corpus=str(corpus), out=str(tmp_path / "art"), max_samples=12, max_seq_len=64,
+                          preset="int4", probe_tokens=probe_tokens, max_queries=16, search_tokens=64)
+    res = calibrate(cfg, log=logs.append, progress=False, model=model, tokenizer=smollm_tokenizer)
+    art = load_artifact(res["out"])
+    sk = art.metadata["calibration"]["sinks"]
+    report = (tmp_path / "art" / "report.md").read_text()
+    assert art.metadata["kv"]["sink_tokens"] == sk["kept"]
+    if probe_tokens == 0:
+        assert "heldout_model_kl" not in sk and sk["chosen_by"].startswith("held-out attention-output")
+        assert sk["kept"] == min((0, 1, 4), key=lambda n: (sk["heldout_out_sum"][str(n)], n))
+        assert "lowest summed held-out attention-output error" in report
+    else:
+        kl = {int(n): v for n, v in sk["heldout_model_kl"].items()}
+        assert sorted(kl) == [0, 1, 4] and all(v >= 0 for v in kl.values())
+        assert sk["kept"] == min(kl, key=lambda n: (kl[n], n))
+        assert sk["probe"]["tokens"] == 40 and sk["probe"]["samples"] == 2 and sk["probe"]["source"] == "held-out"
+        assert any(m.startswith("sink tokens by held-out model KL") and m.endswith(f"-> {sk['kept']}") for m in logs)
+        assert "the lowest model KL on 2 held-out samples (40 tokens)" in report
