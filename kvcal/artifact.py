@@ -101,13 +101,16 @@ def write_artifact(
     metadata: dict,
     extra_files: dict[str, str | bytes] | None = None,
     overwrite: bool = False,
+    inputs: dict[str, object] | None = None,
 ) -> Path:
     """Write an artifact directory atomically and return its path.
 
     ``tensors``: name -> tensor (stored as contiguous float32). ``metadata``: JSON-serializable
     dict (``schema_version`` is set here). ``extra_files``: file name -> text/bytes written beside
-    (e.g. ``report.md``). Raises :class:`ArtifactError` if ``out_dir`` exists and ``overwrite``
-    is False, if a scale is invalid, or if the location is not writable; nothing partial is left.
+    (e.g. ``report.md``). ``inputs``: paths the caller read (see :func:`check_output_dir`).
+    Raises :class:`ArtifactError` if ``out_dir`` exists and ``overwrite`` is False (or it is not a
+    kvcal output), if it is or contains an input, if a scale is invalid, or if the location is not
+    writable; nothing partial is left.
     """
     from safetensors.torch import save_file
 
@@ -130,24 +133,76 @@ def write_artifact(
             else:
                 p.write_text(content, encoding="utf-8")
 
-    return write_dir_atomically(Path(out_dir), fill, overwrite, ArtifactError)
+    return write_dir_atomically(Path(out_dir), fill, overwrite, ArtifactError, inputs)
+
+
+def is_kvcal_output(path: Path) -> bool:
+    """True when directory ``path`` is something kvcal wrote and ``--overwrite`` may replace: an
+    artifact (``kv_scales.safetensors`` whose header carries kvcal metadata) or an export (its
+    ``kvcal-export.json`` manifest names a ``kvcal_version``)."""
+    import struct
+
+    f = path / SCALES_FILE
+    try:
+        if f.is_file():
+            with open(f, "rb") as h:
+                n = struct.unpack("<Q", h.read(8))[0]
+                if 0 < n <= 100_000_000:
+                    header = json.loads(h.read(n))
+                    if "kvcal" in (header.get("__metadata__") or {}):
+                        return True
+        m = path / "kvcal-export.json"
+        if m.is_file():
+            return "kvcal_version" in json.loads(m.read_text(encoding="utf-8"))
+    except (OSError, ValueError, struct.error, AttributeError):
+        return False
+    return False
+
+
+def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, object] | None = None,
+                     error: type[KvcalError] = ArtifactError) -> None:
+    """Refuse an output directory before any work is done (and again when it is written).
+
+    ``inputs``: option name -> path the command reads (``--corpus``, ``--artifact``,
+    ``--model-dir``, …; ``None`` entries ignored). Raises ``error`` when ``out`` is, or contains, one
+    of them (replacing it would destroy the input); when ``out`` exists without ``overwrite``;
+    when it exists and is not a directory; when ``overwrite`` would replace a non-empty directory
+    kvcal did not write (:func:`is_kvcal_output`: a mistyped ``--out . --overwrite`` must not wipe a
+    working tree); or when a parent of ``out`` is a file."""
+    out = Path(out)
+    dst = out.resolve()
+    for opt, p in (inputs or {}).items():
+        if p is None or isinstance(p, Artifact):
+            continue
+        src = Path(p).resolve()
+        if src == dst or dst in src.parents:
+            raise error(f"--out {out} is or contains the input {opt} {p}; writing there would destroy it — "
+                        "choose an --out outside it")
+    if out.exists():
+        if not out.is_dir():
+            raise error(f"output path {out} exists and is not a directory; choose a directory path for --out")
+        if not overwrite:
+            raise error(f"output directory {out} already exists; pass --overwrite to replace it")
+        if any(out.iterdir()) and not is_kvcal_output(out):
+            raise error(f"--overwrite replaces only directories kvcal wrote (an artifact or an export), and {out} "
+                        "is neither; remove it yourself or choose another --out")
+    for par in dst.parents:
+        if par.exists() and not par.is_dir():
+            raise error(f"cannot write {out}: {par} is a file, not a directory; choose another --out")
 
 
 def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False,
-                         error: type[KvcalError] = ArtifactError) -> Path:
+                         error: type[KvcalError] = ArtifactError, inputs: dict[str, object] | None = None) -> Path:
     """Create directory ``out`` atomically: ``fill(staging)`` populates a temporary sibling which
     replaces ``out`` only when ``fill`` returns normally; on any error (also Ctrl-C) nothing is
     left and an existing ``out`` is untouched. Files and the directory get normal permissions
     (``mkdtemp`` and safetensors create 0700/0600).
 
-    Raises ``error`` (a :class:`KvcalError` subclass) if ``out`` exists and ``overwrite`` is
-    False, if it is not a directory, or on OS errors (read-only location, disk full).
+    Raises ``error`` (a :class:`KvcalError` subclass) for every refusal of
+    :func:`check_output_dir` (``inputs`` as there) or on OS errors (read-only location, disk full).
     """
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise error(f"output directory {out} already exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise error(f"output path {out} exists and is not a directory")
+    check_output_dir(out, overwrite, inputs, error)
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

@@ -826,8 +826,9 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     rank, world = _init_distributed(cfg.device)
     if rank != 0:
         log, progress = (lambda s: None), False
-    if Path(out).exists() and not cfg.overwrite:
-        raise KvcalError(f"output directory {out} already exists; pass --overwrite to replace it")
+    from kvcal.artifact import check_output_dir
+
+    check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError)  # before the model loads: nothing to wait for
     torch.manual_seed(cfg.seed)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
@@ -947,7 +948,8 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
         "layers": layers_meta,
     }
     report = render_calibration_report(meta)
-    path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
+    path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite,
+                          inputs=_out_inputs(cfg))
     table = layer_table(meta)
     return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg)}
 
@@ -1023,6 +1025,13 @@ def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, 
     return probe
 
 
+def _out_inputs(cfg) -> dict:
+    """Paths ``calibrate`` reads, which its ``--out`` must not be or contain."""
+    from pathlib import Path
+
+    return {"--corpus": cfg.corpus, "--model": cfg.model if cfg.model and Path(cfg.model).exists() else None}
+
+
 def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model=None) -> dict:
     """Integer preset / ``--bits`` branch of :func:`calibrate` (after capture)."""
     from kvcal.artifact import write_artifact
@@ -1052,7 +1061,8 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress,
         "layers": res.layers_meta,
     }
     report = render_int_report(meta)
-    path = write_artifact(out, plan.to_tensors(), meta, extra_files={"report.md": report}, overwrite=cfg.overwrite)
+    path = write_artifact(out, plan.to_tensors(), meta, extra_files={"report.md": report}, overwrite=cfg.overwrite,
+                          inputs=_out_inputs(cfg))
     s = res.summary
     head = f"preset {s['preset']}" if s["bits_budget"] is None else f"per-layer allocation under {s['bits_budget']} bits"
     table = (f"{head}: average {s['average_bits']:.4f} bits/element incl. "

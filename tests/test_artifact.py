@@ -51,6 +51,55 @@ def test_existing_dir_needs_overwrite(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a"]
 
 
+def test_overwrite_replaces_only_kvcal_outputs_and_never_an_input(tmp_path):
+    """``--overwrite`` must not wipe a directory kvcal did not write (a mistyped ``--out .``), nor an
+    ``--out`` that is or contains an input; an empty directory or an artifact / export is fine;
+    a parent that is a file is refused before any work."""
+    from kvcal.artifact import check_output_dir, is_kvcal_output
+
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("important")
+    with pytest.raises(ArtifactError, match="replaces only directories kvcal wrote"):
+        write_artifact(user, tensors(), META, overwrite=True)
+    assert (user / "notes.txt").read_text() == "important" and not is_kvcal_output(user)
+    # a foreign safetensors file (no kvcal metadata) is not a kvcal artifact either
+    from safetensors.torch import save_file
+
+    save_file(tensors(), str(user / SCALES_FILE))
+    assert not is_kvcal_output(user)
+    (user / SCALES_FILE).write_bytes(b"\xff" * 20)  # garbage header
+    assert not is_kvcal_output(user)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_artifact(empty, tensors(), META, overwrite=True)
+    assert is_kvcal_output(empty)
+    write_artifact(empty, tensors(0.02), META, overwrite=True)  # an artifact may be replaced
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "kvcal-export.json").write_text('{"kvcal_version": "0.1"}')
+    assert is_kvcal_output(exp)
+    (exp / "kvcal-export.json").write_text('{"other": 1}')
+    assert not is_kvcal_output(exp)
+    # the output must not be or contain an input, even an artifact with --overwrite
+    corpus = tmp_path / "cc" / "chat.jsonl"
+    corpus.parent.mkdir()
+    corpus.write_text("{}")
+    for out in (corpus.parent, tmp_path):
+        with pytest.raises(ArtifactError, match="is or contains the input --corpus"):
+            check_output_dir(out, True, {"--corpus": str(corpus)})
+    with pytest.raises(ArtifactError, match="is or contains the input --artifact"):
+        write_artifact(empty, tensors(), META, overwrite=True, inputs={"--artifact": empty / SCALES_FILE})
+    assert float(load_artifact(empty).scale(0, "k")) == pytest.approx(0.02)
+    check_output_dir(tmp_path / "new", False, {"--corpus": str(corpus)})  # a sibling is fine
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ArtifactError, match="is a file, not a directory"):
+        check_output_dir(afile / "sub", False)
+    with pytest.raises(ArtifactError, match="not a directory"):
+        check_output_dir(afile, True)
+
+
 def test_truncated_and_foreign_files_refused(tmp_path):
     out = write_artifact(tmp_path / "a", tensors(), META)
     f = out / SCALES_FILE

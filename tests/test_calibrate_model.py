@@ -97,6 +97,25 @@ def test_cli_refuses_conflicting_or_invalid_options(tmp_path, args, match):
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_overwrite_never_destroys_inputs_or_foreign_dirs(tmp_path):
+    """Reviewer's reproducers: ``--out`` holding the corpus, or a user directory, with
+    ``--overwrite`` — refused at once (before the model loads), nothing deleted."""
+    d = tmp_path / "cc"
+    d.mkdir()
+    corpus = d / "chat.jsonl"
+    corpus.write_text(json.dumps({"text": "hello there"}) + "\n")
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(d), "--overwrite", "--quiet"])
+    assert r.exit_code == 2 and "is or contains the input --corpus" in r.output and corpus.exists()
+    user = tmp_path / "d"
+    user.mkdir()
+    (user / "notes.txt").write_text("important")
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(user), "--overwrite", "--quiet"])
+    assert r.exit_code == 2 and "replaces only directories kvcal wrote" in r.output
+    assert (user / "notes.txt").read_text() == "important" and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(corpus / "sub"), "--quiet"])
+    assert r.exit_code == 2 and "is a file, not a directory" in r.output
+
+
 def test_cli_out_is_an_existing_file(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"text": "hello there"}) + "\n")

@@ -417,6 +417,20 @@ def test_cli_export_and_refusal(tmp_path, art):
     assert "Traceback" not in r.output
     r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "tgi", "--out", str(tmp_path / "y")])
     assert r.exit_code == 2 and "unknown export target 'tgi'" in r.output
+    # --out onto the artifact itself (reviewer: the source kv_scales.safetensors was deleted)
+    before = sorted(p.name for p in path.iterdir())
+    r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "vllm", "--out", str(path), "--overwrite"])
+    assert r.exit_code == 2 and "is or contains the input --artifact" in r.output
+    assert sorted(p.name for p in path.iterdir()) == before
+    user = tmp_path / "mine"
+    (user / "sub").mkdir(parents=True)
+    r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "vllm", "--out", str(user), "--overwrite"])
+    assert r.exit_code == 2 and "replaces only directories kvcal wrote" in r.output and (user / "sub").is_dir()
+    # an earlier export may be replaced
+    for _ in range(2):
+        r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "vllm", "--out", str(tmp_path / "v"),
+                                      "--overwrite"])
+        assert r.exit_code == 0, r.output
 
 
 def test_export_error_is_kvcal_error():

@@ -72,6 +72,10 @@ def export(
     if not isinstance(tp, int) or tp < 1:
         raise ExportError(f"--tp must be a positive integer, got {tp!r}")
     out = Path(out)
+    from kvcal.artifact import check_output_dir
+
+    inputs = {"--artifact": art.path, "--model-dir": model_dir}
+    check_output_dir(out, overwrite, inputs, ExportError)
     notes: list[str] = []
     ckpt = None
     if model_dir is not None:
@@ -133,6 +137,6 @@ def export(
         result["serve"] = serve
         result["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
 
-    stage_output(out, overwrite, fill)
+    stage_output(out, overwrite, fill, inputs)
     return ExportResult(out, t.name, result["files"], ctx.tensors, ctx.notes, ctx.warnings,
                         result["serve"].replace("{out}", str(out)))

@@ -342,12 +342,14 @@ def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 
-def stage_output(out: Path, overwrite: bool, fill) -> None:
+def stage_output(out: Path, overwrite: bool, fill, inputs: dict | None = None) -> None:
     """Create ``out`` atomically: ``fill(staging_dir)`` populates a temporary sibling directory
     which replaces ``out`` only if ``fill`` returns normally; on any error nothing is left.
 
-    Raises :class:`ExportError` if ``out`` exists and ``overwrite`` is False, or on OS errors.
+    Raises :class:`ExportError` for the refusals of :func:`kvcal.artifact.check_output_dir`
+    (``out`` exists without ``overwrite``, is not a kvcal output, is or contains one of
+    ``inputs``) or on OS errors.
     """
     from kvcal.artifact import write_dir_atomically
 
-    write_dir_atomically(out, fill, overwrite, ExportError)
+    write_dir_atomically(out, fill, overwrite, ExportError, inputs)
