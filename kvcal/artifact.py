@@ -117,6 +117,7 @@ def write_artifact(
     validate_scales(tensors)
     meta = dict(metadata)
     meta["schema_version"] = SCHEMA_VERSION
+    meta["tensor_names"] = sorted(tensors)  # load_artifact refuses a file missing one of them, or holding others
     payload = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in tensors.items()}
     try:
         meta_json = json.dumps(meta, allow_nan=False, default=_json_default)
@@ -134,6 +135,18 @@ def write_artifact(
                 p.write_text(content, encoding="utf-8")
 
     return write_dir_atomically(Path(out_dir), fill, overwrite, ArtifactError, inputs)
+
+
+def artifact_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of an artifact's ``kv_scales.safetensors`` (``path``: the directory or the file):
+    what ``kvcal evaluate`` records so a report can tell which artifact an evaluation measured.
+    Raises :class:`ArtifactError` when the file cannot be read."""
+    p = Path(path)
+    f = p / SCALES_FILE if p.is_dir() else p
+    try:
+        return hashlib.sha256(f.read_bytes()).hexdigest()
+    except OSError as e:
+        raise ArtifactError(f"cannot read {f}: {e.strerror}") from None
 
 
 def is_kvcal_output(path: Path) -> bool:
@@ -271,6 +284,17 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     if ver != SCHEMA_VERSION:
         raise ArtifactError(f"{f}: schema_version {ver!r} is not supported (this kvcal reads {SCHEMA_VERSION})")
     _validate_metadata(f, meta, tensors)
+    listed = meta.get("tensor_names")  # absent in artifacts written before it was recorded
+    if listed is not None:
+        if not isinstance(listed, list) or not all(isinstance(x, str) for x in listed):
+            raise ArtifactError(f"{f}: metadata tensor_names must be a list of tensor names; re-run calibration")
+        lost, extra = sorted(set(listed) - set(tensors)), sorted(set(tensors) - set(listed))
+        if lost:
+            raise ArtifactError(f"{f}: lacks {len(lost)} tensor(s) it was written with (first: {lost[0]}); the file "
+                                "was edited or is incomplete — re-run calibration")
+        if extra:
+            raise ArtifactError(f"{f}: holds {len(extra)} tensor(s) kvcal did not write (first: {extra[0]}); the file "
+                                "was edited — re-run calibration")
     n = int(meta["model"]["num_layers"])
     layer_specs = meta["kv"].get("layer_specs")
     for side in SIDES:
@@ -289,7 +313,23 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     for name, t in tensors.items():
         if name.endswith("_scale") and (not torch.isfinite(t).all() or (t <= 0).any()):
             raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales")
+    if _has_calibrated_parameters(meta, tensors):
+        from kvcal.plan import KVPlan
+
+        try:  # every per-layer parameter (clip ratios, widths, levels, rounding, log8 bases) checked once, here
+            KVPlan.from_artifact(tensors, meta)
+        except (ValueError, KeyError, TypeError) as e:
+            msg = str(e) if isinstance(e, ValueError) else f"metadata field {e} is missing or malformed"
+            raise ArtifactError(f"{f}: {msg}; re-run calibration") from None
     return Artifact(path=p if p.is_dir() else p.parent, tensors=tensors, metadata=meta)
+
+
+def _has_calibrated_parameters(meta: dict, tensors: dict) -> bool:
+    """True when the artifact is more than static scales (integer / dynamic sides, transforms)."""
+    kv = meta["kv"]
+    specs = kv.get("layer_specs") or [{s: kv.get(s) for s in SIDES}]
+    dynamic = any((sp.get(s) or {}).get("dynamic") for sp in specs for s in SIDES)
+    return dynamic or bool(kv.get("transforms")) or any(not n.endswith(("_scale", "_zero_point")) for n in tensors)
 
 
 def _validate_metadata(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:

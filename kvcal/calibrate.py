@@ -137,8 +137,20 @@ class CalibrateConfig:
             raise KvcalError("--max-samples must be at least 1")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise KvcalError("heldout_fraction must be in [0, 1)")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise KvcalError(f"--device {self.device!r}: choose cpu or cuda")
+        from kvcal.models import check_device
+
+        check_device(self.device)
+        int_path = self.bits is not None or self.preset != "fp8"
+        if not int_path:
+            ignored = [f for f, on in (("--sinks", self.sink_tokens is not None), ("--residual-window", self.residual_window),
+                                       ("--key-centering", self.key_centering != "auto")) if on]
+            if ignored:
+                raise KvcalError(f"{', '.join(ignored)} appl{'ies' if len(ignored) == 1 else 'y'} to integer presets and "
+                                 "--bits only (FP8 quantizes every token with static scales); drop "
+                                 f"{'it' if len(ignored) == 1 else 'them'} or choose --preset int8/int4/int2/k4v2")
+        if self.sink_tokens is not None and self.sink_tokens >= self.max_seq_len - 1:
+            raise KvcalError(f"--sinks {self.sink_tokens} leaves no quantized token in a --max-seq-len "
+                             f"{self.max_seq_len} sample; choose fewer sinks (e.g. 4) or a longer --max-seq-len")
 
 
 @dataclass
@@ -669,6 +681,13 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             items = [al.Item(it.layer, it.side, it.specs, it.costs,
                              tuple(weights[(it.layer, it.side)][0] * e for e in it.errors)) for it in items]
         budget = al.budget_bytes(bits, L, H, D, budget_context)
+        cheapest = sum(min(it.costs) for it in items)
+        if cheapest > budget:
+            need = math.ceil(al.average_bits(cheapest, L, H, D, budget_context) * 100) / 100
+            raise KvcalError(f"--bits {bits}: even the cheapest choice for every layer needs "
+                             f"{al.average_bits(cheapest, L, H, D, budget_context):.4f} bits per element at "
+                             f"{budget_context} tokens (payload, scales, tables and {s_cost} 16-bit sink tokens); "
+                             f"raise --bits to at least {need:.2f}")
         try:
             choice = al.allocate(items, budget)
         except ValueError as e:

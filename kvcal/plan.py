@@ -281,10 +281,19 @@ class KVPlan:
                     zp = tensors.get(_name(i, s, "zero_point"))
                     sp.zero_point = None if zp is None else _unsqueeze_static(zp.float(), spec, H, D)
                 cr = tensors.get(_name(i, s, "clip_ratio"))
-                if cr is not None and spec.dynamic:
+                if cr is not None:
+                    if not spec.dynamic:
+                        raise ValueError(f"{_name(i, s, 'clip_ratio')} is only for dynamic sides; this side's "
+                                         f"{spec.format.value} {spec.granularity.name} ranges are static")
+                    if cr.numel() not in (1, H) or not bool(torch.isfinite(cr).all()) or bool((cr <= 0).any()):
+                        raise ValueError(f"{_name(i, s, 'clip_ratio')} must hold 1 or {H} finite values > 0, got "
+                                         f"shape {tuple(cr.shape)} {cr.flatten()[:4].tolist()}")
                     sp.clip_ratio = cr.float().reshape(-1)
                 mean = tensors.get(_name(i, s, "mean"))
                 if mean is not None:
+                    if mean.numel() != H * D or not bool(torch.isfinite(mean).all()):
+                        raise ValueError(f"{_name(i, s, 'mean')} must hold {H}×{D} finite values (one per KV head and "
+                                         f"channel), got shape {tuple(mean.shape)}")
                     sp.mean = mean.float().reshape(1, H, 1, D)
                 rd = tensors.get(_name(i, s, "rounding"))
                 if rd is not None:

@@ -245,9 +245,12 @@ def resolve_option(name: str, shape) -> CacheOption:
 
     from kvcal.formats.spec import PRESETS
 
-    if name in PRESETS:
-        return CacheOption(name, PRESETS[name], describe_config(PRESETS[name]))
     p = Path(name)
+    if name in PRESETS:
+        if p.is_dir():
+            raise KvcalError(f"--kv-config {name!r} is both a preset and a directory here; write ./{name} (or its full "
+                             "path) for the artifact, or run from another directory for the preset")
+        return CacheOption(name, PRESETS[name], describe_config(PRESETS[name]))
     if p.exists():
         from kvcal.artifact import load_artifact
 
@@ -332,6 +335,18 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
                          f"= {budget} B; use a larger --gpu-mem, a smaller --reserve or --weights-dtype")
     names = [BASELINE] + [n for n in cfg.kv_configs if n != BASELINE]
     opts = [resolve_option(n, shape) for n in names]
+    # results are keyed by name: an artifact whose directory name repeats a preset or another artifact is
+    # labelled by the path given (reviewer: two columns silently showed one artifact's numbers)
+    counts = {}
+    for o in opts:
+        counts[o.name] = counts.get(o.name, 0) + 1
+    opts = [o if counts[o.name] == 1 or o.source == "preset" else
+            CacheOption(str(n), o.kv_config, o.description, source=o.source) for o, n in zip(opts, names, strict=True)]
+    seen = set()
+    for o, n in zip(opts, names, strict=True):
+        if o.name in seen:
+            raise KvcalError(f"--kv-config lists {n!r} twice; give each option once")
+        seen.add(o.name)
     opts[0].description = "16-bit baseline: " + opts[0].description
     b16 = bytes_per_token_exact(shape, PRESETS[BASELINE])
     mmax = shape.max_position_embeddings

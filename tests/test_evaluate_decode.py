@@ -87,6 +87,11 @@ def test_evaluate_json_document(tmp_path, tiny):
                      greedy_tokens=3, per_layer_tokens=32)
     doc = evaluate(cfg, log=lambda s: None, progress=False, model=tiny, tokenizer=CharTok())
     assert TOP_KEYS <= set(doc) and doc["schema"] == "kvcal-eval/1"
+    import hashlib
+    from pathlib import Path
+
+    f = Path(art) / "kv_scales.safetensors" if Path(art).is_dir() else Path(art)
+    assert doc["artifact"]["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()  # what `kvcal report` checks
     methods = {"16-bit", "artifact", "bf16-cache", "fp8-unity", "fp8-absmax", "kivi4", "kivi2"}
     assert set(doc["methods"]) == methods
     assert doc["regimes"] == [{"context": 48, "batch": 2}]
@@ -214,3 +219,16 @@ def test_embedded_runtime_matches_protocol_a(smollm_model, smollm_tokenizer, sha
     assert torch.equal(dec.argmax(-1), ref[:, 128:].argmax(-1))
     assert cache.allocated_bytes() == cache.expected_bytes()
     assert cache.layers[5].k.data.dtype == torch.float8_e4m3fn
+
+
+def test_eval_config_refuses_a_device_torch_cannot_use():
+    """Reviewer: ``kvcal evaluate --device cuda`` on a CPU-only torch ended in an AssertionError
+    traceback; now a one-line error before anything loads."""
+    from kvcal.evaluate import EvalConfig
+
+    if not torch.cuda.is_available():
+        with pytest.raises(KvcalError, match="--device cuda: this torch build .* use --device cpu"):
+            EvalConfig("a", "c", device="cuda")
+    with pytest.raises(KvcalError, match="choose cpu, cuda or cuda:N"):
+        EvalConfig("a", "c", device="tpu")
+    assert EvalConfig("a", "c").device == "cpu"

@@ -93,14 +93,79 @@ def test_presets_write_loadable_artifacts(tmp_path, tiny_capture, preset):
             assert torch.equal(back.fake_quant(i, s, x), r.plan.fake_quant(i, s, x))
 
 
+def _tampered(src, dst, edit):
+    """Copy artifact ``src`` to ``dst`` with its tensors edited by ``edit(dict)``, metadata kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    with safe_open(str(src / "kv_scales.safetensors"), framework="pt") as fh:
+        header, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    edit(tensors)
+    save_file(tensors, str(dst / "kv_scales.safetensors"), metadata=header)
+    return dst
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.pop("model.layers.1.self_attn.k_rounding"), "lacks 1 tensor.*model.layers.1.self_attn.k_rounding"),
+    (lambda t: [t.pop(n) for n in [n for n in t if n.endswith(("k_rounding", "k_channel_bits", "v_levels"))]],
+     "lacks 6 tensor"),
+    (lambda t: t.pop("model.layers.0.self_attn.v_clip_ratio"), "model.layers.0.self_attn.v_clip_ratio"),
+    (lambda t: t.__setitem__("model.layers.1.self_attn.k_clip_ratio", -t["model.layers.1.self_attn.k_clip_ratio"]),
+     "k_clip_ratio must hold 1 or 2 finite values > 0"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.v_levels", t["model.layers.0.self_attn.v_levels"] * float("nan")),
+     "v_levels"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.k_mean", torch.zeros(HK, D)), "did not write.*k_mean"),
+])
+def test_tampered_int_artifacts_are_refused_on_load(tmp_path, tiny_capture, edit, match):
+    """Reviewer: an int4 artifact with calibrated tensors deleted (rounding, widths, levels) loaded
+    and evaluated 2x worse with a PASS; a negative clip ratio crashed evaluate with a traceback.
+    Every command loads through load_artifact, which now refuses them naming the tensor; the CLI
+    prints one line and exits 2."""
+    from click.testing import CliRunner
+
+    from kvcal.artifact import ArtifactError, load_artifact, write_artifact
+    from kvcal.cli import main
+
+    _, cap = tiny_capture
+    r = search_int(cap, preset="int4", max_queries=8, progress=False, budget_context=256)
+    meta = {"model": {"num_layers": L, "num_kv_heads": HK, "head_dim": D}, "kv": r.plan.kv_metadata(),
+            "calibration": r.summary, "layers": r.layers_meta}
+    src = write_artifact(tmp_path / "a", r.plan.to_tensors(), meta)
+    assert load_artifact(src).metadata["tensor_names"] == sorted(r.plan.to_tensors())
+    bad = _tampered(src, tmp_path / "bad", edit)
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(bad)
+    res = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert res.exit_code == 2 and "Traceback" not in res.output and "re-run calibration" in res.output
+
+
 def test_config_validation_and_budget_errors(tiny_capture):
     with pytest.raises(KvcalError, match="preset"):
         CalibrateConfig(corpus="x", preset="int5")
     with pytest.raises(KvcalError, match="bits"):
         CalibrateConfig(corpus="x", bits=1.0)
     assert CalibrateConfig(corpus="x").preset == "fp8"  # default path unchanged
-    with pytest.raises(KvcalError, match="budget"):
+    with pytest.raises(KvcalError, match="raise --bits to at least") as e:
         search_int(tiny_capture[1], bits=2.0, max_queries=8, progress=False, budget_context=64)
+    import re
+
+    need = float(re.search(r"at least (\d+\.\d+)", str(e.value)).group(1))
+    assert 2.0 < need < 4.0  # the advice is feasible: that budget allocates
+    assert search_int(tiny_capture[1], bits=need, max_queries=8, progress=False,
+                      budget_context=64).summary["average_bits"] <= need
+    # options an FP8 run would silently ignore, sinks that leave nothing to quantize, no CUDA
+    with pytest.raises(KvcalError, match="--sinks, --residual-window apply to integer presets"):
+        CalibrateConfig(corpus="x", sink_tokens=4, residual_window=16)
+    with pytest.raises(KvcalError, match="--key-centering applies to integer presets"):
+        CalibrateConfig(corpus="x", key_centering="on")
+    with pytest.raises(KvcalError, match="leaves no quantized token"):
+        CalibrateConfig(corpus="x", preset="int4", sink_tokens=300, max_seq_len=256)
+    if not torch.cuda.is_available():
+        with pytest.raises(KvcalError, match="use --device cpu"):
+            CalibrateConfig(corpus="x", device="cuda")
+    with pytest.raises(KvcalError, match="choose cpu, cuda or cuda:N"):
+        CalibrateConfig(corpus="x", device="gpu")
 
 
 def _twin(model, factor_k=600.0, factor_v=1 / 300.0):

@@ -140,6 +140,35 @@ def test_plan_with_artifact_kv_config(tmp_path):
         plan_capacity(SMOL, PlanConfig("1GiB", kv_configs=str(small)))
 
 
+def test_plan_options_sharing_a_name_keep_their_own_numbers(tmp_path, monkeypatch):
+    """Reviewer: an artifact directory named like a preset (or two artifacts with one basename)
+    overwrote each other's columns. Each option keeps its own capacity, labelled by the path
+    given; an option listed twice and a bare name that is both a preset and a directory are refused."""
+    from test_report_fixtures import make_artifact, make_meta, make_tensors
+
+    from kvcal.artifact import write_artifact
+
+    a = make_artifact(tmp_path / "x" / "int4", num_layers=30, num_kv_heads=3, head_dim=64, per_head=True)
+    meta = make_meta(num_layers=30, num_kv_heads=3, head_dim=64)
+    meta["kv"]["sink_tokens"] = 2048  # 16-bit sinks: a different cache size than ``a``
+    b = write_artifact(tmp_path / "y" / "int4", make_tensors(meta), meta)
+    plan = plan_capacity(SMOL, PlanConfig("1GiB", kv_configs=f"int4,{a},{b}"))
+    names = [o["name"] for o in plan.options]
+    assert names == ["bf16", "int4", str(a), str(b)]
+    alone = {n: plan_capacity(SMOL, PlanConfig("1GiB", kv_configs=n)) for n in ("int4", str(a), str(b))}
+    for n, p in alone.items():
+        own = p.options[-1]["name"]
+        assert [r[n] for r in plan.max_concurrency] == [r[own] for r in p.max_concurrency]
+        assert [r[n] for r in plan.max_context] == [r[own] for r in p.max_context]
+    assert [r[str(a)] for r in plan.max_concurrency] != [r[str(b)] for r in plan.max_concurrency]
+    with pytest.raises(KvcalError, match="twice"):
+        plan_capacity(SMOL, PlanConfig("1GiB", kv_configs=f"{a},{a}"))
+    monkeypatch.chdir(tmp_path / "x")
+    with pytest.raises(KvcalError, match="both a preset and a directory"):
+        plan_capacity(SMOL, PlanConfig("1GiB", kv_configs="int4"))
+    assert plan_capacity(SMOL, PlanConfig("1GiB", kv_configs="./int4")).options[-1]["name"] == "int4"
+
+
 def test_cli_plan(tmp_path):
     from kvcal.cli import main
 

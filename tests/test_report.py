@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from test_report_fixtures import make_artifact, make_eval, make_meta, make_tensors
 
+from kvcal.artifact import load_artifact
 from kvcal.report import data as D
 from kvcal.report.disclosure import build_report, to_html, to_markdown, write_report
 
@@ -177,6 +178,33 @@ def test_write_report_and_cli(tmp_path):
     assert not (tmp_path / "o2").exists()
     r = CliRunner().invoke(main, ["report", "--artifact", str(tmp_path / "missing")])
     assert r.exit_code == 2 and r.output.startswith("error: no artifact at")
+
+
+def test_report_refuses_an_evaluation_of_another_artifact(tmp_path):
+    """Reviewer: an FP8 report took an int4 artifact's evaluation (its bytes/token and PASS). The
+    evaluation's recorded sha256 (or, for older files, its kv section) must match --artifact."""
+    import hashlib
+
+    from kvcal.cli import main
+
+    art = make_artifact(tmp_path / "art")
+    other = make_artifact(tmp_path / "other", per_head=True)
+    ev = make_eval()
+    ev["artifact"] = {**ev["artifact"], "path": str(other),
+                      "sha256": hashlib.sha256((other / "kv_scales.safetensors").read_bytes()).hexdigest()}
+    f = tmp_path / "ev.json"
+    f.write_text(json.dumps(ev))
+    r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--eval", str(f), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and f"was run on artifact {other}" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "o").exists()
+    r = CliRunner().invoke(main, ["report", "--artifact", str(other), "--eval", str(f), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    # an evaluation written before the sha256 was recorded: its kv section must match
+    del ev["artifact"]["sha256"]
+    ev["artifact"]["kv"] = load_artifact(other).metadata["kv"]
+    f.write_text(json.dumps(ev))
+    r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--eval", str(f), "--out", str(tmp_path / "o3")])
+    assert r.exit_code == 2 and "cache format (kv section) differs" in r.output
 
 
 def test_calibration_report_still_renders():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -503,6 +504,24 @@ def to_html(rep: Report) -> str:
     return "\n".join(out)
 
 
+def check_eval_matches(art, ev: dict, source) -> None:
+    """Refuse an evaluation of another artifact: its recorded ``artifact.sha256`` (evaluations
+    written since it was recorded) must equal the artifact file's, else (older files) its recorded
+    ``kv`` section must equal the artifact's. Raises :class:`KvcalError` naming both paths."""
+    from kvcal.artifact import artifact_sha256
+    from kvcal.errors import KvcalError
+
+    rec = ev.get("artifact") if isinstance(ev.get("artifact"), dict) else {}
+    where = f"{source} was run on artifact {rec.get('path', '?')}"
+    if rec.get("sha256") is not None:
+        if rec["sha256"] != artifact_sha256(art.path):
+            raise KvcalError(f"{where}, whose kv_scales.safetensors differs from --artifact {art.path} (sha256); "
+                             "evaluate this artifact (`kvcal evaluate --artifact ... --json`) or pass its own --eval")
+    elif rec.get("kv") and json.loads(json.dumps(rec["kv"])) != json.loads(json.dumps(art.metadata["kv"])):
+        raise KvcalError(f"{where}, whose cache format (kv section) differs from --artifact {art.path}; evaluate this "
+                         "artifact or pass its own --eval")
+
+
 def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dict | None = None,
                  out: str | os.PathLike | None = None) -> dict:
     """Render ``report.md`` (+ ``figures/*.png``) and ``report.html`` for an artifact directory.
@@ -516,6 +535,8 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
 
     art = load_artifact(artifact)
     ev = eval_json if isinstance(eval_json, dict) or eval_json is None else D.load_eval(eval_json)
+    if ev is not None:
+        check_eval_matches(art, ev, eval_json if not isinstance(eval_json, dict) else "the evaluation")
     rep = build_report(art.metadata, ev, art.tensors, artifact_path=str(artifact))
     od = Path(out) if out is not None else art.path
     try:
