@@ -101,9 +101,11 @@ class CalibrateConfig:
             raise KvcalError(f"--batch-size must be at least 1, got {self.batch_size}")
         if (self.bits is not None or self.preset != "fp8") and (self.format != "fp8_e4m3" or self.granularity != "tensor"):
             raise KvcalError(
-                f"--format/--granularity apply to --preset fp8 only; --preset {self.preset}"
-                f"{'' if self.bits is None else f' / --bits {self.bits:g}'} chooses its own formats "
-                "(drop --format/--granularity, or use --preset fp8)"
+                "--format/--granularity apply to --preset fp8 only; "
+                + (f"--preset {self.preset} chooses its own formats (drop --format/--granularity, or use --preset fp8)"
+                   if self.bits is None else
+                   f"--bits {self.bits:g} allocates integer formats per layer (drop --format/--granularity, or drop "
+                   "--bits for an FP8 artifact)")
             )
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise KvcalError(f"--out {self.out} exists and is not a directory; choose a directory path")
@@ -224,8 +226,15 @@ def _save_checkpoint(ck: Checkpointing, state: dict) -> None:
     p = Path(ck.path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, p)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, p)
+    except BaseException as e:  # Ctrl-C or a full disk mid-write: no half-written temp file stays behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise KvcalError(f"cannot write the checkpoint {p}: {e.strerror or e}; free space or drop "
+                             "--checkpoint-every") from None
+        raise
 
 
 def _load_checkpoint(ck: Checkpointing) -> dict | None:

@@ -91,6 +91,8 @@ MAX_LINE_BYTES = 8 * 1024 * 1024
 #: A ``.txt`` document is split (at a line boundary) once it holds this many characters.
 MAX_DOCUMENT_CHARS = 8 * 1024 * 1024
 #: JSONL formats, in the order their keys are looked for on a line.
+#: Roles a ``messages`` record may use (OpenAI chat roles; Llama 3's ``ipython`` tool role).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 JSONL_FORMATS = ("messages", "turns", "prompt_completion", "prompt", "text")
 ACCEPTED_FIELDS = 'text, prompt, prompt + completion|response, messages, turns'
 EXTENSIONS = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".txt", ".txt.gz")
@@ -358,6 +360,10 @@ class _JsonlParser:
         if not isinstance(rec, dict):
             raise _err(path, lineno, f"expected a JSON object, got {_type_name(rec)}; write one object "
                                      f"per line, e.g. {_EXAMPLE}")
+        present = [k for k in ("messages", "turns", "prompt", "text") if k in rec]
+        if len(present) > 1:  # which one the service sees is ambiguous: refuse rather than drop one silently
+            raise _err(path, lineno, f"the record has both {' and '.join(repr(k) for k in present[:2])}; "
+                                     f"keep one sample field per line (use one of {ACCEPTED_FIELDS})")
         if "messages" in rec:
             return "messages", self._messages(lineno, rec["messages"]), False
         if "turns" in rec:
@@ -397,6 +403,9 @@ class _JsonlParser:
                     fix = ('use "system", "user", "assistant" or "tool"' if key == "role"
                            else "flatten content parts into one string")
                     raise _err(path, lineno, f"messages[{i}].{key} must be a string, got {_type_name(m[key])}; {fix}")
+            if m["role"] not in CHAT_ROLES:
+                raise _err(path, lineno, f"messages[{i}].role {_one_line(m['role'], 40)!r} is not a chat role; "
+                                         f"use one of {', '.join(CHAT_ROLES)}")
         self._need_chat(lineno, "messages")
         agp = messages[-1]["role"] != "assistant"
         return self._chat(lineno, messages, agp)

@@ -811,6 +811,11 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         },
         "notes": notes,
     }
+    short = [T for T in contexts if "decode" in cfg.modes and cfg.decode_tokens > T - 1]
+    if short:  # decode_eval decodes min(decode_tokens, T - 1) positions: the prompt keeps at least 1 token
+        notes.append(f"--decode-tokens {cfg.decode_tokens} exceeds context {', '.join(map(str, short))} − 1: "
+                     + ", ".join(f"{T - 1} tokens decoded at context {T}" for T in short))
+        doc["description"]["decode_tokens_by_context"] = {str(T): min(cfg.decode_tokens, T - 1) for T in contexts}
     return doc
 
 

@@ -88,6 +88,11 @@ def test_cli_refuses_existing_output(tmp_path):
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--preset", "int4", "--format", "fp8_e5m2"], "--format/--granularity apply to --preset fp8 only"),
     (["--preset", "int8", "--granularity", "head"], "--format/--granularity apply to --preset fp8 only"),
+    (["--bits", "4", "--format", "fp8_e5m2"], "allocates integer formats per layer (drop --format/--granularity, "
+                                              "or drop --bits for an FP8 artifact)"),
+    (["--sinks", "4"], "--sinks applies to integer presets and --bits only"),
+    (["--preset", "int4", "--sinks", "600", "--max-seq-len", "512"], "leaves no quantized token"),
+    (["--device", "cuda:7"], "--device cuda:7"),
 ])
 def test_cli_refuses_conflicting_or_invalid_options(tmp_path, args, match):
     corpus = tmp_path / "c.jsonl"

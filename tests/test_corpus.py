@@ -319,6 +319,13 @@ HOSTILE = [
     ("no_known_field", _write(GOOD + '{"content": "x", "id": 3}\n', "bad.jsonl"), 2,
      r"no known field \(keys: content, id\); use one of text, prompt"),
     ("completion_without_prompt", _write('{"completion": "x"}\n', "bad.jsonl"), 1, r'need a "prompt"'),
+    # reviewer: the 4-token prompt was used and the long text dropped without a word
+    ("prompt_and_text", _write(GOOD + '{"prompt": "Summarize.", "text": "a long document"}\n', "bad.jsonl"), 2,
+     r"the record has both 'prompt' and 'text'; keep one sample field per line"),
+    ("messages_and_text", _write('{"text": "x", "messages": [{"role": "user", "content": "hi"}]}\n', "bad.jsonl"), 1,
+     r"both 'messages' and 'text'"),
+    ("unknown_role", _write(GOOD + '{"messages": [{"role": "wizard", "content": "hi there friend"}]}\n', "bad.jsonl"),
+     2, r"messages\[0\]\.role 'wizard' is not a chat role; use one of system, developer, user, assistant, tool"),
     ("text_not_string", _write('{"text": 5}\n', "bad.jsonl"), 1, r'"text" must be a string, got a number'),
     ("text_null", _write('{"text": null}\n', "bad.jsonl"), 1, r'"text" must be a string, got null'),
     ("prompt_list", _write('{"prompt": ["a"]}\n', "bad.jsonl"), 1, r'"prompt" must be a string, got a list'),

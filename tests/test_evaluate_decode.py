@@ -232,3 +232,17 @@ def test_eval_config_refuses_a_device_torch_cannot_use():
     with pytest.raises(KvcalError, match="choose cpu, cuda or cuda:N"):
         EvalConfig("a", "c", device="tpu")
     assert EvalConfig("a", "c").device == "cpu"
+
+
+def test_decode_tokens_above_the_context_are_disclosed(tmp_path, tiny):
+    """Reviewer: --decode-tokens 200 at --context 128 decoded 127 tokens without a word; the JSON
+    now says how many were decoded at each context, and a note says why."""
+    art = write_tiny_artifact(tmp_path, tiny, make_plan("int8", sinks=1))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 12)
+    cfg = EvalConfig(str(art), str(corpus), contexts=(12, 48), batches=(1,), windows=1, decode_tokens=20,
+                     greedy_tokens=0, baselines=False, modes=("decode",), per_layer_tokens=32)
+    doc = evaluate(cfg, log=lambda s: None, progress=False, model=tiny, tokenizer=CharTok())
+    assert doc["description"]["decode_tokens_by_context"] == {"12": 11, "48": 20}
+    assert any("--decode-tokens 20 exceeds context 12 − 1: 11 tokens decoded at context 12" in n for n in doc["notes"])
+    assert {r["context"]: r["tokens"] for r in doc["results"] if r["method"] == "artifact"} == {12: 11, 48: 20}
