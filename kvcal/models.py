@@ -120,10 +120,17 @@ def load_tokenizer(model: str | None):
     from transformers import AutoTokenizer
 
     src = resolve_model(model)
+    p = Path(src.path)
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if p.is_dir() and not any((p / n).exists() for n in names):
+        raise ModelLoadError(f"{p} has no tokenizer files ({', '.join(names)}); copy the model's tokenizer.json and "
+                             "tokenizer_config.json into it (the tokenizer must be the one the server uses)")
     try:
         return AutoTokenizer.from_pretrained(src.path, **src.load_kwargs)
     except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {src.model_id}: {e}") from None
+        msg = " ".join(str(e).split())
+        raise ModelLoadError(f"cannot load the tokenizer of {src.model_id}: {msg[:300]}; check that {p} holds the "
+                             "model's tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
 
 def load_model(

@@ -194,3 +194,16 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
     with pytest.raises(KvcalError, match="cannot write the checkpoint .*No space left"):
         _save_checkpoint(ck, {"batch": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.checkpoint.pt"]
+
+
+def test_model_dir_without_tokenizer_says_what_to_copy(tmp_path):
+    """Reviewer: a model directory with config and weights but no tokenizer got a 5-line
+    transformers message with no fix; now one line naming the files to copy."""
+    from kvcal.models import load_tokenizer
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="has no tokenizer files .*copy the model's tokenizer.json") as e:
+        load_tokenizer(str(d))
+    assert "\n" not in str(e.value)
