@@ -122,7 +122,7 @@ def load_tokenizer(model: str | None):
     src = resolve_model(model)
     p = Path(src.path)
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-    if p.is_dir() and not any((p / n).exists() for n in names):
+    if p.is_dir() and "gguf_file" not in src.load_kwargs and not any((p / n).exists() for n in names):
         raise ModelLoadError(f"{p} has no tokenizer files ({', '.join(names)}); copy the model's tokenizer.json and "
                              "tokenizer_config.json into it (the tokenizer must be the one the server uses)")
     try:
