@@ -119,7 +119,7 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
     skipped (no predicted position reads a quantized token there); ``ValueError`` when none is
     left. Cost: ``1 + 2·L`` forward passes per sample; memory: one ``[T, vocab]`` float64 pair. On the
     embedded model these single-side KLs add up to the all-sides KL within ~10%
-    (``bench_out`` probe, 4-bit, 2 × 1024 tokens), which is what makes them usable as per-layer
+    (``benchmarks/probe_int4.py``, 4-bit, 2 × 1024 tokens), which is what makes them usable as per-layer
     weights of a bit allocation (HAWQ-style sensitivity; KVTuner measures it the same way).
     """
     from tqdm.auto import tqdm

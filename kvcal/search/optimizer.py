@@ -306,7 +306,7 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
     its per-layer non-uniform datatype by k-means the same way (weighted by a sensitivity). Weighting
     each token by its squared scale (its absolute error), or by that times its squared attention
     weights (the value objective's expansion), measured worse on the embedded model (V-only KL
-    6.1e-3 / 5.1e-3 vs 4.9e-3, 2 × 1024 wikitext windows, ``bench_out/exp_levels_fit.py``): tokens with
+    6.1e-3 / 5.1e-3 vs 4.9e-3, 2 × 1024 wikitext windows, exploratory probe, script not kept): tokens with
     small values are often the attended ones. ``scale_base``: with log8 scales, ``u`` is taken
     relative to the stored (rounded-up) scale, as quantization will see it. Raises ``ValueError`` for specs
     :func:`~kvcal.formats.quant.check_levels` refuses or when the caches hold no tokens after the sinks."""

@@ -27,7 +27,7 @@ metadata on the keys (fp16 scale + zero point per 128 tokens of a key channel) a
 values (one log8 byte per value token and head: ``kvcal.formats.quant``, 4.4% scale steps, which cost
 V-only KL 5.11e-3 → 5.21e-3 on the 2 × 1024 probe and brought the preset from 4.29 to 4.23 bits) plus
 the per-layer clip ratios, tables and the 16-bit sinks, and uses the two transforms that measured best on the embedded model at that
-budget (``bench_out/exp_*.py`` probes, 2 × 1024 wikitext windows, K-only / V-only mean KL):
+budget (exploratory probes whose scripts were not kept; 2 × 1024 wikitext windows, K-only / V-only mean KL):
 pre-RoPE 128-token key groups 9.4e-3 vs post-RoPE 14.1e-3 (and static per-channel pre-RoPE
 ranges 16.7e-3, the previous preset's layout); Hadamard-rotated symmetric g64 values 6.7e-3 vs
 10.0e-3 without the rotation. See :mod:`kvcal.formats.transforms`. Query-aware rounding of the
@@ -66,10 +66,10 @@ on the 2 × 1024 probe the int4 values went from V-only KL 6.83e-3 to 5.11e-3 (N
 a table per head instead of per layer: 4.81e-3 vs 4.66e-3 in the same experiment, so one per layer).
 The ``--bits`` menu offers 2-, 3-, 4-, 5- and 6-bit level entries with log8 scales too: int5 / int6 (kvcal's
 runtime only; eight codes in five bytes / four in three) let the allocator spend a budget's last few hundredths
-of a bit on the value layers the probe ranks first. On the 2 × 1024 probe (``bench_out/exp_v5.py``), layer 1's
+of a bit on the value layers the probe ranks first. On the 2 × 1024 probe (exploratory probe, script not kept), layer 1's
 values alone at 6 bits took the ``int4`` plan's KL from 8.1e-3 to 6.5e-3 (that layer held 16% of the summed
 single-side KL); ``--bits 4.25`` with int5/int6 in the menu moved four value layers to int5 and paid with
-layer 0 (keys int2, values int3): KL 7.4e-3 vs the preset's 8.1e-3 (``bench_out/exp_bits425_v56.py``, 1 sink).
+layer 0 (keys int2, values int3): KL 7.4e-3 vs the preset's 8.1e-3 (1 sink; exploratory probe, script not kept).
 On the 8 × 1024 benchmark with 4 sinks it moved three value layers: ΔPPL +0.119 vs the preset's +0.136. At 2 bits the Gaussian
 picture (a 2-bit table on groups of 32: 0.113σ² vs 0.155σ² for KIVI's asymmetric grid) did not carry over:
 on the 2 × 1024 probe the ``int2`` values measured V-only KL 118e-3 with that table (16-channel groups:
