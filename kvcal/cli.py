@@ -151,7 +151,7 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
               help="HF safetensors checkpoint to merge into (a linked copy goes to --out; the source is untouched).")
 @click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel ranks (sglang-json entries).")
 @click.option("--headroom", default=None, type=float,
-              help="Margin >= 1: every scale >= observed max / 448 x MARGIN (for engines that do not saturate).")
+              help="Margin in [1, 16]: every scale >= observed max / 448 x MARGIN (for engines that do not saturate).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @user_errors
 def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite):

@@ -229,6 +229,10 @@ def test_sharded_two_file_merge(tmp_path, art, sharded_ckpt):
     assert QuantizationConfig.model_validate(qc).kv_cache_scheme.strategy == "tensor"
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == L
     assert (out / "generation_config.json").is_file()
+    # files a user may edit are copies, never a shared inode with the source (editing the export in
+    # place must not change the checkpoint); only weight shards are linked
+    for f in ("generation_config.json", "config.json"):
+        assert not os.path.samefile(out / f, sharded_ckpt / f)
     # the source is untouched
     assert sorted(os.listdir(sharded_ckpt)) == src_files
     assert (sharded_ckpt / "config.json").read_bytes() == src_cfg
@@ -332,6 +336,12 @@ def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
     assert not export(unclipped, "sglang-json", tmp_path / "e").warnings
     with pytest.raises(ExportError, match="headroom"):
         export(unclipped, "sglang-json", tmp_path / "f", headroom=0.5)
+    # reviewer's fault: --headroom 1e9 raised layer 0's k_scale to 2.4e7 (every K/V flushed to 0 in FP8)
+    for bad in (1e9, 16.5, float("inf"), float("nan")):
+        with pytest.raises(ExportError, match="between 1.0 and 16"):
+            export(unclipped, "sglang-json", tmp_path / "g", headroom=bad)
+    assert not (tmp_path / "g").exists()
+    export(unclipped, "sglang-json", tmp_path / "h", headroom=16.0)  # the bound itself is accepted
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
@@ -522,3 +532,19 @@ def test_every_layer_must_be_loadable_not_just_layer_0(tmp_path, later):
                                       "--out", str(tmp_path / f"out_{target}")])
         assert r.exit_code == 2 and "(layer 1)" in r.output and "Traceback" not in r.output, r.output
         assert not (tmp_path / f"out_{target}").exists()
+
+
+@pytest.mark.parametrize("target", ["vllm", "modelopt", "sglang-json"])
+def test_export_copies_editable_files_and_links_only_weights(tmp_path, art, sharded_ckpt, target):
+    """Reviewer's fault: modelopt / sglang-json exports shared config.json, the index and tokenizer
+    files with the source through hard links, so editing the export in place edited the source."""
+    path, _ = art
+    out = tmp_path / target
+    export(path, target, out, model_dir=sharded_ckpt)
+    for f in sorted(sharded_ckpt.iterdir()):
+        if not (out / f.name).exists():
+            continue
+        linked = os.path.samefile(out / f.name, f)
+        assert linked == f.name.endswith(".safetensors"), f.name
+    shards = sorted(set(json.loads((sharded_ckpt / INDEX).read_text())["weight_map"].values()))
+    assert all(os.path.samefile(out / s, sharded_ckpt / s) for s in shards)  # shards not copied

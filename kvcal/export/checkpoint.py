@@ -1,7 +1,7 @@
 """Merging exported scales into a copy of a Hugging Face safetensors checkpoint directory.
 
-The copy never rewrites the source: every file is hard-linked into the output (falling back to a
-copy across file systems), the scales go into a *new* shard (:data:`SCALES_SHARD`), and
+The copy never rewrites the source: weight files are hard-linked into the output (falling back to a
+copy across file systems), every other file (configs, tokenizer files) is copied so it can be edited safely, the scales go into a *new* shard (:data:`SCALES_SHARD`), and
 ``model.safetensors.index.json`` maps their names to it (the index is created when the source is a
 single ``model.safetensors``; that file is then linked as :data:`SINGLE_RENAMED`, because
 transformers loads ``model.safetensors`` in preference to an index and would miss the new shard).
@@ -92,13 +92,24 @@ def filtered_copy(src: Path, dst: Path, drop: set[str]) -> list[str]:
     return kept
 
 
+#: File suffixes hard-linked rather than copied: weight files, large and never edited in place.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".npz")
+
+
 def link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` (symlinks followed, e.g. hub-cache blobs) to ``dst``; copy if linking fails."""
+    """Put ``src`` (symlinks followed, e.g. hub-cache blobs) at ``dst``: weight files
+    (:data:`WEIGHT_SUFFIXES`) are hard-linked (copied if linking fails, e.g. across file systems);
+    every other file — ``config.json``, tokenizer and generation configs, JSON a user may edit — is
+    copied, so editing the export in place can never change the source checkpoint through a shared
+    inode."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    if src.name.endswith(WEIGHT_SUFFIXES):
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copy2(src, dst)
 
 
 @dataclass
