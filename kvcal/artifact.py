@@ -181,7 +181,9 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, 
     of them (replacing it would destroy the input); when ``out`` exists without ``overwrite``;
     when it exists and is not a directory; when ``overwrite`` would replace a non-empty directory
     kvcal did not write (:func:`is_kvcal_output`: a mistyped ``--out . --overwrite`` must not wipe a
-    working tree); or when a parent of ``out`` is a file."""
+    working tree); when a parent of ``out`` is a file; or when the nearest existing ancestor of
+    ``out`` does not take a new directory (read-only, ``/proc``, permissions — probed with an empty
+    temporary directory that is removed at once)."""
     out = Path(out)
     dst = out.resolve()
     for opt, p in (inputs or {}).items():
@@ -202,6 +204,14 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, 
     for par in dst.parents:
         if par.exists() and not par.is_dir():
             raise error(f"cannot write {out}: {par} is a file, not a directory; choose another --out")
+    # the output is staged in a sibling directory: probe that the nearest existing ancestor takes one,
+    # so a read-only or pseudo-file-system --out fails now, not after the whole calibration
+    anc = next(par for par in dst.parents if par.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvcal-probe-", dir=anc))
+    except OSError as e:
+        raise error(f"cannot write {out}: {anc} does not take new directories ({e.strerror or e}); "
+                    "choose a writable --out") from None
 
 
 def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False,

@@ -107,6 +107,8 @@ class CalibrateConfig:
                    f"--bits {self.bits:g} allocates integer formats per layer (drop --format/--granularity, or drop "
                    "--bits for an FP8 artifact)")
             )
+        if self.out is not None and not str(self.out).strip():
+            raise KvcalError("--out is empty; give a directory path, or omit --out for artifacts/<model>-<preset>")
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise KvcalError(f"--out {self.out} exists and is not a directory; choose a directory path")
         if self.search_tokens < 2:
@@ -128,7 +130,7 @@ class CalibrateConfig:
         if self.probe_tokens < 0:
             raise KvcalError("--probe-tokens must be >= 0 (0: no model-level sensitivity probe)")
         if self.budget_context < 1:
-            raise KvcalError("budget_context must be >= 1 token")
+            raise KvcalError(f"--budget-context must be >= 1 token, got {self.budget_context}")
         if self.format not in FORMATS:
             raise KvcalError(f"--format {self.format!r} is not supported by this calibrator; choose one of {', '.join(FORMATS)}")
         if self.granularity not in GRANULARITIES:
@@ -690,13 +692,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             items = [al.Item(it.layer, it.side, it.specs, it.costs,
                              tuple(weights[(it.layer, it.side)][0] * e for e in it.errors)) for it in items]
         budget = al.budget_bytes(bits, L, H, D, budget_context)
-        cheapest = sum(min(it.costs) for it in items)
-        if cheapest > budget:
-            need = math.ceil(al.average_bits(cheapest, L, H, D, budget_context) * 100) / 100
-            raise KvcalError(f"--bits {bits}: even the cheapest choice for every layer needs "
-                             f"{al.average_bits(cheapest, L, H, D, budget_context):.4f} bits per element at "
-                             f"{budget_context} tokens (payload, scales, tables and {s_cost} 16-bit sink tokens); "
-                             f"raise --bits to at least {need:.2f}")
+        _check_bits_feasible(bits, sum(min(it.costs) for it in items), L, H, D, budget_context, s_cost)
         try:
             choice = al.allocate(items, budget)
         except ValueError as e:
@@ -857,6 +853,11 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     from kvcal.artifact import check_output_dir
 
     check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError)  # before the model loads: nothing to wait for
+    if cfg.bits is not None:  # an infeasible budget is known from the config alone
+        from kvcal.models import load_model_config
+
+        bits_precheck(cfg.bits, model.config if model is not None else load_model_config(cfg.model),
+                      cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
     torch.manual_seed(cfg.seed)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
@@ -1058,6 +1059,44 @@ def _out_inputs(cfg) -> dict:
     from pathlib import Path
 
     return {"--corpus": cfg.corpus, "--model": cfg.model if cfg.model and Path(cfg.model).exists() else None}
+
+
+def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, context: int, sinks: int) -> None:
+    """Raise :class:`KvcalError` naming the smallest feasible ``--bits`` when ``cheapest`` (bytes of
+    the cheapest menu choice of every layer's K and V at ``context`` tokens, batch 1, ``sinks``
+    16-bit sink tokens counted) exceeds the ``bits`` budget."""
+    from kvcal.search import allocate as al
+
+    if cheapest > al.budget_bytes(bits, L, H, D, context):
+        avg = al.average_bits(cheapest, L, H, D, context)
+        raise KvcalError(f"--bits {bits}: even the cheapest choice for every layer needs {avg:.4f} bits per "
+                         f"element at {context} tokens (payload, scales, tables and {sinks} 16-bit sink tokens); "
+                         f"raise --bits to at least {math.ceil(avg * 100) / 100:.2f}")
+
+
+def bits_precheck(bits: float, config, context: int, sinks: int | None, residual_window: int) -> None:
+    """Refuse an infeasible ``--bits`` from the model's config alone, before any weight loads or
+    capture runs (the allocation itself comes after a capture, a search and a sensitivity probe).
+
+    Lower bound of the cheapest plan: every layer's K and V at the cheapest
+    :data:`~kvcal.search.presets.ALLOC_MENU` entry, without key centering (which only adds bytes),
+    with the sink tokens the allocation counts (``--sinks``, else ``max(SINK_CANDIDATES)``), at
+    ``context`` tokens, batch 1. ``config``: a transformers config. Raises :class:`KvcalError`
+    (as the allocation would) when even that exceeds the budget."""
+    from kvcal.formats.memory import side_extra_bytes
+    from kvcal.models import head_dim_of
+    from kvcal.search import allocate as al
+    from kvcal.search.presets import ALLOC_MENU
+
+    conf = config.get_text_config() if hasattr(config, "get_text_config") else config
+    L, H, D = int(conf.num_hidden_layers), int(conf.num_key_value_heads), head_dim_of(conf)
+    s_cost = max(SINK_CANDIDATES) if sinks is None else sinks
+    cheapest = L * sum(
+        min(al.side_cost(c.spec, H, D, context, s_cost, residual_window,
+                         side_extra_bytes(c.spec, H, D, rounding=c.rounding, channel_bits=c.channel_bits, levels=c.levels))
+            for c in ALLOC_MENU[side])
+        for side in ("k", "v"))
+    _check_bits_feasible(bits, cheapest, L, H, D, context, s_cost)
 
 
 def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model=None) -> dict:

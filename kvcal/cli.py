@@ -119,6 +119,14 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
     from kvcal.calibrate import CalibrateConfig, checkpoint_path
     from kvcal.calibrate import calibrate as run
 
+    given = _explicit("fmt", "granularity", "preset")
+    if bits is not None and "preset" in given:
+        raise click.UsageError(f"--bits {bits:g} allocates formats per layer and replaces --preset; give one of them")
+    if (bits is not None or preset != "fp8") and given & {"fmt", "granularity"}:
+        opts = "/".join(o for p, o in (("fmt", "--format"), ("granularity", "--granularity")) if p in given)
+        raise click.UsageError(f"{opts} appl{'ies' if '/' not in opts else 'y'} to --preset fp8 only; "
+                               + (f"--preset {preset} chooses its own formats" if bits is None
+                                  else f"--bits {bits:g} allocates integer formats per layer") + f" (drop {opts})")
     cfg = CalibrateConfig(corpus=corpus, out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
                           format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
                           strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
@@ -132,13 +140,22 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
     except KeyboardInterrupt:
         ck = checkpoint_path(out) if out else None
         hint = (f"; resume with the same command plus --resume (checkpoint {ck})" if ck and Path(ck).exists()
-                else "; add --checkpoint-every N to make long runs resumable")
+                else f" (stopped before the first checkpoint of --checkpoint-every {checkpoint_every})"
+                if checkpoint_every else "; add --checkpoint-every N to make long runs resumable")
         click.echo(f"interrupted: no artifact was written{hint}", err=True)
         sys.exit(130)
     if res.get("rank", 0) != 0:
         return
     click.echo(res["table"])
     click.echo(f"artifact: {res['out']}  (kv_scales.safetensors, report.md)")
+
+
+def _explicit(*params: str) -> set[str]:
+    """The parameters of the running command that the user gave on the command line (not defaults)."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    return {p for p in params if ctx.get_parameter_source(p) not in (ParameterSource.DEFAULT, None)}
 
 
 # ---- export ------------------------------------------------------------------------------------

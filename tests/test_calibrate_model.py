@@ -86,10 +86,18 @@ def test_cli_refuses_existing_output(tmp_path):
 
 @pytest.mark.parametrize("args, match", [
     (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--preset", "int4", "--format", "fp8_e5m2"], "--format/--granularity apply to --preset fp8 only"),
-    (["--preset", "int8", "--granularity", "head"], "--format/--granularity apply to --preset fp8 only"),
-    (["--bits", "4", "--format", "fp8_e5m2"], "allocates integer formats per layer (drop --format/--granularity, "
-                                              "or drop --bits for an FP8 artifact)"),
+    (["--preset", "int4", "--format", "fp8_e5m2"], "--format applies to --preset fp8 only"),
+    (["--preset", "int8", "--granularity", "head"], "--granularity applies to --preset fp8 only"),
+    (["--bits", "4", "--format", "fp8_e5m2"], "--bits 4 allocates integer formats per layer (drop --format)"),
+    # reviewer: an explicit option equal to its default, or --preset beside --bits, was silently dropped
+    (["--preset", "int8", "--format", "fp8_e4m3", "--granularity", "tensor"],
+     "--format/--granularity apply to --preset fp8 only"),
+    (["--preset", "int4", "--bits", "4"], "replaces --preset; give one of them"),
+    # reviewer: an infeasible budget was refused only after capture, search and the sensitivity probe
+    (["--bits", "2.0"], "raise --bits to at least 2.09"),
+    (["--budget-context", "0"], "--budget-context must be >= 1 token"),
+    (["--out", ""], "--out is empty"),
+    (["--out", "/proc/kvcal-out"], "does not take new directories"),
     (["--sinks", "4"], "--sinks applies to integer presets and --bits only"),
     (["--preset", "int4", "--sinks", "600", "--max-seq-len", "512"], "leaves no quantized token"),
     (["--device", "cuda:7"], "--device cuda:7"),

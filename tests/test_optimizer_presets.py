@@ -154,6 +154,15 @@ def test_config_validation_and_budget_errors(tiny_capture):
     assert 2.0 < need < 4.0  # the advice is feasible: that budget allocates
     assert search_int(tiny_capture[1], bits=need, max_queries=8, progress=False,
                       budget_context=64).summary["average_bits"] <= need
+    # the same refusal from the config alone, before any capture (reviewer: `--bits 2.0` used to load the
+    # model, capture, search and probe before saying so); its bound never exceeds the allocation's
+    from kvcal.calibrate import bits_precheck
+
+    with pytest.raises(KvcalError, match="raise --bits to at least") as e0:
+        bits_precheck(2.0, tiny_capture[0].config, 64, None, 0)
+    need0 = float(re.search(r"at least (\d+\.\d+)", str(e0.value)).group(1))
+    assert 2.0 < need0 <= need
+    bits_precheck(need, tiny_capture[0].config, 64, None, 0)
     # options an FP8 run would silently ignore, sinks that leave nothing to quantize, no CUDA
     with pytest.raises(KvcalError, match="--sinks, --residual-window apply to integer presets"):
         CalibrateConfig(corpus="x", sink_tokens=4, residual_window=16)
