@@ -205,8 +205,9 @@ def inspect_cmd(path, tp):
 @click.option("--model", "model", default="smollm2-135m", show_default=True,
               help="Embedded model name, HF model dir, config.json file or .gguf (no weights are loaded).")
 @click.option("--format", "fmt", required=True,
-              help="Preset (fp16, bf16, fp8, fp8_head, fp8_e5m2, int8, int4, kivi4, kivi3, kivi2, int2, nvfp4) "
-                   "or a storage format (e.g. fp8_e4m3fnuz, int3) applied to K and V.")
+              help="A `kvcal calibrate` preset (fp8, int8, int4, int2, k4v2: their layouts, metadata included), a "
+                   "layout (fp16, bf16, fp8_head, fp8_e5m2, int4_static, kivi4, kivi3, kivi2, nvfp4) or a storage "
+                   "format (e.g. fp8_e4m3fnuz, int3) applied to K and V.")
 @click.option("--granularity", default=None,
               help="Override both sides: tensor, head, channel, token, token_group, channel_token_group.")
 @click.option("--group-size", default=None, type=int, help="Group size of grouped granularities (both sides).")
@@ -225,7 +226,8 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
 
     from kvcal.formats.granularity import granularity_from_name
     from kvcal.formats.memory import memory_report, model_shape
-    from kvcal.formats.spec import DTYPE_NAMES, PRESETS, KVCacheConfig, TensorQuantSpec
+    from kvcal.formats.spec import DTYPE_NAMES, KVCacheConfig, TensorQuantSpec
+    from kvcal.search.presets import named_cache_config
 
     try:
         p = Path(model).expanduser()
@@ -235,8 +237,11 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
             from kvcal.models import load_model_config
 
             shape = model_shape(load_model_config(model))
-        if fmt in PRESETS:
-            cfg = PRESETS[fmt]
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"--group-size must be >= 1 channels/tokens, got {group_size}")
+        named = named_cache_config(fmt)
+        if named is not None:
+            cfg = named
         else:
             kind_int = fmt.startswith("int")
             gran = granularity or ("token_group" if kind_int else "tensor")

@@ -243,14 +243,15 @@ def resolve_option(name: str, shape) -> CacheOption:
     """A preset name or an artifact directory -> :class:`CacheOption` (artifact shape checked)."""
     from pathlib import Path
 
-    from kvcal.formats.spec import PRESETS
+    from kvcal.search.presets import named_cache_config
 
     p = Path(name)
-    if name in PRESETS:
+    named = named_cache_config(name)
+    if named is not None:
         if p.is_dir():
             raise KvcalError(f"--kv-config {name!r} is both a preset and a directory here; write ./{name} (or its full "
                              "path) for the artifact, or run from another directory for the preset")
-        return CacheOption(name, PRESETS[name], describe_config(PRESETS[name]))
+        return CacheOption(name, named, describe_config(named))
     if p.exists():
         from kvcal.artifact import load_artifact
 
@@ -263,7 +264,10 @@ def resolve_option(name: str, shape) -> CacheOption:
                 raise KvcalError(f"artifact {p} was made for a model with {key}={m.get(key)}, but --model has {want}")
         cfg = artifact_kv_config(meta, art.tensors)
         return CacheOption(p.name, cfg, describe_config(cfg), source=str(p))
-    raise KvcalError(f"--kv-config {name!r} is neither a preset ({', '.join(PRESETS)}) nor an artifact directory")
+    from kvcal.search.presets import CACHE_CONFIG_NAMES
+
+    raise KvcalError(f"--kv-config {name!r} is neither a preset ({', '.join(CACHE_CONFIG_NAMES)}) nor an artifact "
+                     "directory")
 
 
 def max_context(shape, kv_config, batch: int, budget: int) -> int:

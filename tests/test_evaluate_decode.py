@@ -57,7 +57,7 @@ def test_judge_and_defaults():
     assert default_accept(make_plan("kivi4")) == DEFAULT_ACCEPT[4]
     assert default_accept(make_plan("kivi3")) == DEFAULT_ACCEPT[3]
     assert default_accept(make_plan("kivi2")) == DEFAULT_ACCEPT[2]
-    assert default_accept(make_plan("int4")) == DEFAULT_ACCEPT[4]
+    assert default_accept(make_plan("int4_static")) == DEFAULT_ACCEPT[4]
     assert default_accept(make_plan("bf16")) == DEFAULT_ACCEPT[16]
     # mixed plans (--bits, k4v2) are held to the bar of their mean payload bits, not their weakest side
     from kvcal.formats.granularity import PerChannelTokenGroup, PerToken

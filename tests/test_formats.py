@@ -76,7 +76,7 @@ def test_presets_round_trip_through_dict(name):
 def test_kivi_preset_layout():
     k = PRESETS["kivi4"].key
     assert k.granularity == PerChannelTokenGroup(32) and not k.symmetric and k.dynamic
-    assert PRESETS["int4"].key.granularity == PerChannel() and not PRESETS["int4"].key.dynamic
+    assert PRESETS["int4_static"].key.granularity == PerChannel() and not PRESETS["int4_static"].key.dynamic
 
 
 # ---- FP8: bit-exact against an independent float64 nearest-value reference ---------------------------

@@ -41,7 +41,7 @@ HAND = {
     "fp8_e5m2": per_side(64),
     "int8": per_side(64, 1 * (2 + 2)),  # one g64 group: fp16 scale + fp16 zero point -> 12240
     # keys: 32 payload bytes (static per-channel); values: 32 + 2 groups x (2 + 2) = 40
-    "int4": L * H * (32 + 40),  # 6480
+    "int4_static": L * H * (32 + 40),  # 6480
     # KIVI keys: 32 + 64 channels x (2+2) bytes / 32 tokens = 40; values 40
     "kivi4": per_side(32, 8),  # 7200
     "kivi3": per_side(24, 8),  # 5760 (int3: 64 values -> 24 bytes)
@@ -73,9 +73,9 @@ def test_every_format_per_token_group(fmt, payload):
 
 def test_int4_group_sizes_and_fp32_scales():
     # the README table rows: int4 preset with value groups 32/64/128 (g128 > D acts as D)
-    assert bytes_per_token(SMOL, preset("int4").with_group_size(32)) == L * H * (32 + 32 + 2 * 4)
-    assert bytes_per_token(SMOL, preset("int4").with_group_size(64)) == L * H * (32 + 32 + 1 * 4) == 6120
-    assert bytes_per_token(SMOL, preset("int4").with_group_size(128)) == 6120
+    assert bytes_per_token(SMOL, preset("int4_static").with_group_size(32)) == L * H * (32 + 32 + 2 * 4)
+    assert bytes_per_token(SMOL, preset("int4_static").with_group_size(64)) == L * H * (32 + 32 + 1 * 4) == 6120
+    assert bytes_per_token(SMOL, preset("int4_static").with_group_size(128)) == 6120
     spec = TensorQuantSpec("int8", PerToken(), symmetric=False, scale_dtype=torch.float32)
     assert bytes_per_token(SMOL, KVCacheConfig(spec, spec)) == per_side(64, 8)
     # amortized per-channel-token-group scales can be fractional
@@ -107,11 +107,11 @@ def test_fp8_static_metadata_per_layer():
     assert cache_bytes(SMOL, preset("fp8"), 8192) == 11520 * 8192 + 2 * L * 4
     assert cache_bytes(SMOL, preset("fp8_head"), 8192) == 11520 * 8192 + 2 * L * H * 4
     # int4 preset keys: per-channel scale + zero point [1,H,1,D] fp32
-    r = memory_report(SMOL, preset("int4"), 0)
+    r = memory_report(SMOL, preset("int4_static"), 0)
     assert r.static == L * (H * D * 4 * 2 + H * 4)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "kivi4", "kivi3", "kivi2", "nvfp4", "fp8_head"])
+@pytest.mark.parametrize("name", ["int8", "int4_static", "kivi4", "kivi3", "kivi2", "nvfp4", "fp8_head"])
 @pytest.mark.parametrize("n_q", [1, 31, 32, 45])
 def test_contract_matches_quantized_tensor_bytes(name, n_q):
     """What quantize() returns for n_q tokens is what the contract allocates for them."""
@@ -180,12 +180,12 @@ def test_cli_memory(config_json):
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "fp16"])
     assert r.exit_code == 0, r.output
     assert "bytes per token: 23040" in r.output and "188743680" in r.output
-    r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int4", "--group-size", "64",
+    r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int4_static", "--group-size", "64",
                                   "--residual-window", "128", "--sinks", "4", "--context", "1000",
                                   "--batch", "2", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
-    cfg = preset("int4", residual_window=128, sink_tokens=4).with_group_size(64)
+    cfg = preset("int4_static", residual_window=128, sink_tokens=4).with_group_size(64)
     assert d["bytes_per_token"] == 6120 and d["bytes"]["total"] == cache_bytes(SMOL, cfg, 1000, 2)
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int3", "--granularity", "token",
                                   "--asymmetric", "--json"])

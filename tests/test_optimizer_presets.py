@@ -483,3 +483,21 @@ def test_calibrate_chooses_sinks_on_held_out_model_kl(tmp_path, smollm_tokenizer
         assert sk["probe"]["tokens"] == 40 and sk["probe"]["samples"] == 2 and sk["probe"]["source"] == "held-out"
         assert any(m.startswith("sink tokens by held-out model KL") and m.endswith(f"-> {sk['kept']}") for m in logs)
         assert "the lowest model KL on 2 held-out samples (40 tokens)" in report
+
+
+@pytest.mark.parametrize("name", ["int4", "int2", "k4v2"])
+def test_memory_and_plan_count_what_the_preset_writes(tiny_capture, name):
+    """Reviewer's fault: `kvcal memory/plan --format int4` sized a 4.5-bit static layout while
+    `calibrate --preset int4` writes 4.24 bits, and k4v2 was unknown there. The named layout must
+    count exactly the bytes the calibration's own accounting reports for its artifact."""
+    from types import SimpleNamespace
+
+    from kvcal.formats.memory import memory_report
+    from kvcal.search.presets import named_cache_config, preset_cache_config
+
+    r = search_int(tiny_capture[1], preset=name, max_queries=8, progress=False, budget_context=256)
+    shape = SimpleNamespace(num_hidden_layers=L, num_key_value_heads=HK, head_dim=D, num_attention_heads=HK,
+                            hidden_size=HK * D, max_position_embeddings=4096)
+    rep = memory_report(shape, preset_cache_config(name, sink_tokens=r.plan.sink_tokens), 256)
+    assert rep.total * 8 / (256 * L * 2 * HK * D) == pytest.approx(r.summary["average_bits"], abs=1e-9)
+    assert named_cache_config(name) == preset_cache_config(name)

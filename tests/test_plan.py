@@ -107,7 +107,7 @@ def test_search_is_exact_against_cache_bytes():
     from kvcal.formats.spec import preset
 
     shape = model_shape(SMOL)
-    for name in ("bf16", "int4", "kivi4", "nvfp4"):
+    for name in ("bf16", "int4_static", "kivi4", "nvfp4"):
         cfg = preset(name, residual_window=64, sink_tokens=4)
         for budget in (10**6, 123_456_789):
             t = max_context(shape, cfg, 3, budget)

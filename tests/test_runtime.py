@@ -52,7 +52,7 @@ def make_plan(name: str, sinks: int = 0, window: int = 0, num_layers: int = L, s
     return plan
 
 
-PREFILL_PRESETS = ["fp8", "fp8_head", "int8", "int4", "kivi4", "kivi2", "kivi3", "nvfp4", "bf16"]
+PREFILL_PRESETS = ["fp8", "fp8_head", "int8", "int4_static", "kivi4", "kivi2", "kivi3", "nvfp4", "bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_prefill_equals_protocol_a(model, name):
     assert cache.get_seq_length() == 45
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8_head", "int8", "int4", "bf16"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_head", "int8", "int4_static", "bf16"])
 def test_decode_equals_protocol_a_per_token_formats(model, name):
     """Token-by-token decode reads exactly the quantized values Protocol A uses (per-token and static
     formats quantize each token independently), so logits agree to fp32 reassociation."""
@@ -162,7 +162,7 @@ def test_kivi_window_holds_incomplete_groups(model):
 
 
 CASES = [
-    ("fp8", 0, 0), ("fp8_head", 4, 16), ("int8", 1, 8), ("int4", 0, 0), ("kivi4", 0, 0), ("kivi4", 4, 32),
+    ("fp8", 0, 0), ("fp8_head", 4, 16), ("int8", 1, 8), ("int4_static", 0, 0), ("kivi4", 0, 0), ("kivi4", 4, 32),
     ("kivi2", 2, 64), ("kivi3", 0, 0), ("nvfp4", 0, 0), ("bf16", 0, 0), ("fp16", 0, 0),
 ]
 
@@ -191,7 +191,7 @@ def test_allocated_bytes_equal_accounting(model, name, sinks, window, batch):
 
 def test_allocated_bytes_mixed_layers(model):
     """Per-layer specs (bit allocation): layer 0 int8/int4 static keys, layer 1 kivi2."""
-    p8, p2 = make_plan("int4", 2, 8), make_plan("kivi2", 2, 8)
+    p8, p2 = make_plan("int4_static", 2, 8), make_plan("kivi2", 2, 8)
     plan = KVPlan([p8.layers[0], p2.layers[1]], residual_window=8, sink_tokens=2)
     cache = QuantizedKVCache(plan, model.config)
     with torch.no_grad():

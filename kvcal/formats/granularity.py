@@ -122,9 +122,9 @@ def granularity_from_name(name: str, group_size: int | None = None) -> Granulari
     if name in simple:
         return simple[name]()
     if name == "token_group":
-        return PerTokenGroup(group_size or 32)
+        return PerTokenGroup(32 if group_size is None else group_size)
     if name == "channel_token_group":
-        return PerChannelTokenGroup(group_size or 32)
+        return PerChannelTokenGroup(32 if group_size is None else group_size)
     raise ValueError(
         f"unknown granularity {name!r}; choose one of tensor, head, channel, token, token_group, "
         "channel_token_group"

@@ -403,8 +403,10 @@ PRESETS: dict[str, KVCacheConfig] = {
         TensorQuantSpec("int8", PerTokenGroup(64), symmetric=False),
         TensorQuantSpec("int8", PerTokenGroup(64), symmetric=False),
     ),
-    # keys: static per-channel (calibrated, asymmetric); values: dynamic per-token g32, asymmetric
-    "int4": KVCacheConfig(
+    # keys: static per-channel (calibrated, asymmetric); values: dynamic per-token g32, asymmetric.
+    # (``kvcal memory`` / ``kvcal plan`` read "int4" as what ``kvcal calibrate --preset int4`` writes:
+    # :func:`kvcal.search.presets.named_cache_config`)
+    "int4_static": KVCacheConfig(
         TensorQuantSpec("int4", PerChannel(), symmetric=False),
         TensorQuantSpec("int4", PerTokenGroup(32), symmetric=False),
     ),

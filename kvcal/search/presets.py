@@ -85,7 +85,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.spec import LOG8, TensorQuantSpec
+from kvcal.formats.spec import LOG8, PRESETS, KVCacheConfig, TensorQuantSpec
 
 
 class SideChoice(NamedTuple):
@@ -177,4 +177,33 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     return out + "/log8" if spec.scale_dtype == LOG8 else out
 
 
-__all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label"]
+def preset_cache_config(name: str, sink_tokens: int = 0, residual_window: int = 0) -> KVCacheConfig:
+    """The cache layout ``kvcal calibrate --preset name`` writes (``name`` in :data:`INT_PRESETS`),
+    as a :class:`~kvcal.formats.spec.KVCacheConfig` whose per-layer metadata flags (rounding
+    triangle, channel widths, levels tables) make :func:`kvcal.formats.memory.memory_report` count
+    exactly the bytes the runtime cache allocates for such an artifact. Key centering, which the
+    search turns on per run (``int8``), is not counted (``H·D·4`` bytes per layer when it is).
+    Raises ``KeyError`` for another name."""
+    k, v = INT_PRESETS[name]
+    return KVCacheConfig(k.spec, v.spec, residual_window=residual_window, sink_tokens=sink_tokens,
+                         key_rounding=k.rounding, value_rounding=v.rounding, key_channel_bits=k.channel_bits,
+                         value_channel_bits=v.channel_bits, key_levels=k.levels, value_levels=v.levels)
+
+
+#: Names ``kvcal memory --format`` and ``kvcal plan --kv-config`` accept: the calibrate presets
+#: (int8, int4, int2, k4v2: their layouts, metadata included) and the storage layouts of
+#: :data:`kvcal.formats.spec.PRESETS` (fp8, kivi4, int4_static, ...; ``fp8`` is the calibrate one).
+CACHE_CONFIG_NAMES = tuple(dict.fromkeys([*PRESETS, *INT_PRESETS]))
+
+
+def named_cache_config(name: str) -> KVCacheConfig | None:
+    """``name`` -> cache layout: a calibrate preset's (:func:`preset_cache_config`), which wins over
+    a storage layout of the same name (``int8``, ``int2``: same bytes per token, plus the preset's
+    per-layer metadata), else :data:`kvcal.formats.spec.PRESETS`; ``None`` for an unknown name."""
+    if name in INT_PRESETS:
+        return preset_cache_config(name)
+    return PRESETS.get(name)
+
+
+__all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label",
+           "preset_cache_config", "named_cache_config", "CACHE_CONFIG_NAMES"]
