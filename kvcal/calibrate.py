@@ -811,20 +811,40 @@ def render_int_report(meta: dict) -> str:
         out += ", non-uniform levels" if side.get("levels") else ""
         return out + (", per-channel bit widths" if side.get("channel_bits") else "")
 
+    def pick_cell(side: dict) -> str:
+        """What each head got: clip ratios of dynamic sides (``min/max`` where every ratio is 1 or the
+        baseline won), per-head family and parameter of static ones."""
+        labels, param = side["label"], side.get("param")
+        if param is None or not side["spec"].get("dynamic", True):
+            return ", ".join(sorted(set(labels)))
+        center = " + centering" if any(lb.endswith("center") for lb in labels) else ""
+        if all(abs(float(x) - 1.0) < 1e-9 for x in param):
+            return "min/max ranges" + center + (" (baseline)" if set(labels) == {"minmax"} else "")
+        return "clip " + "/".join(f"{float(x):.3g}" for x in param) + center
+
     for lm in meta["layers"]:
         k, v = lm["k"], lm["v"]
-        rows.append(f"| {lm['layer']} | {spec_cell(k)} | {', '.join(sorted(set(k['label'])))} | "
+        rows.append(f"| {lm['layer']} | {spec_cell(k)} | {pick_cell(k)} | "
                     f"{k['heldout']:.3e} | {k['heldout_minmax']:.3e} | {spec_cell(v)} | "
-                    f"{', '.join(sorted(set(v['label'])))} | {v['heldout']:.3e} | {v['heldout_minmax']:.3e} |")
+                    f"{pick_cell(v)} | {v['heldout']:.3e} | {v['heldout_minmax']:.3e} |")
+    from kvcal.report.markdown import corpus_section
+
+    budget = (f"--bits {cal['bits_budget']:g} (per-layer allocation)" if cal.get("bits_budget") is not None
+              else "none (fixed preset layout)")
     return f"""# KV-cache calibration report (integer)
 
 - Model `{m["id"]}` ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); weights {m["weight_precision"]}.
-- Preset: {cal.get("preset")}; bit budget: {cal.get("bits_budget")}; average bits per cached element including all
+- Preset: {cal.get("preset")}; bit budget: {budget}; average bits per cached element including all
   metadata at {cal["average_bits_context"]} tokens: **{cal["average_bits"]:.4f}**.
 - Keys quantized {kv["key_position"].replace("_", "-")}; sink tokens in 16 bits: {kv["sink_tokens"]}{_sink_note(cal)}; residual window (runtime): {kv["residual_window"]}.
 - Key objective: {cal["objective_k"]} (attention KL, nats/query, when `kl`); value objective: relative attention-output error.
-- Every choice is compared with plain min/max on held-out data and kept only where it is lower.
+- Every choice is compared with plain min/max (same transform; uniform grid, nearest rounding, uniform widths:
+  the "min/max" columns) on held-out data and kept only where it is lower. "pick" gives each KV head's clip ratio.
 {_alloc_line(cal)}
+{corpus_section(meta, "Integer parameters are per token / group at run time or per layer from calibration: batch "
+                      "size changes neither; evaluate a serving regime with `kvcal evaluate`.")}
+## Held-out error per layer
+
 | layer | K spec | K pick | K held-out | K min/max | V spec | V pick | V held-out | V min/max |
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}

@@ -278,6 +278,13 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     assert report.startswith("# KV-cache calibration report (integer)")
     assert "int4 channel_token_group128 asym, pre-rope, query-aware rounding, per-channel bit widths" in report
     assert "int4 token sym, hadamard, non-uniform levels |" in report
+    # reviewer: the integer report lacked the corpus / context section, printed "bit budget: None", and
+    # labelled the values' plain min/max ranges (no clip search in int4) as "clip"
+    assert "## Calibration corpus and context regime" in report and str(corpus) in report
+    assert "bit budget: none (fixed preset layout)" in report
+    v_picks = [row.split(" | ")[6] for row in report.splitlines() if row.startswith("| ") and "hadamard" in row]
+    assert len(v_picks) == len(art.metadata["layers"]) and all(p.startswith("min/max ranges") for p in v_picks)
+    assert all(lm["v"]["param"] == [1.0] * HK for lm in art.metadata["layers"])
     plan = KVPlan.from_artifact(art.tensors, art.metadata)
     assert plan.layers[0].k.clip_ratio.shape == (HK,) and plan.sink_tokens == kv["sink_tokens"]
     assert plan.layers[0].k.transform == "pre_rope" and plan.layers[0].v.transform == "hadamard"

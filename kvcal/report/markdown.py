@@ -33,10 +33,24 @@ def _sum(meta: dict, side: str, which: str) -> float:
     return sum(lm[side]["heldout"][which] for lm in ls) / max(len(ls), 1)
 
 
+def corpus_section(meta: dict, concurrency: str) -> str:
+    """The report's "Calibration corpus and context regime" section (FP8 and integer artifacts):
+    corpus path / sha256 / format, sample and token counts, length percentiles (tokens),
+    truncation, the calibration / held-out split, what the search saw, and the context regime;
+    ``concurrency`` says what batch size does to this artifact's parameters."""
+    cal, corp = meta["calibration"], meta["corpus"]
+    pct = corp["length_percentiles"]
+    return f"""## Calibration corpus and context regime
+- Corpus: `{corp["path"]}` (sha256 `{corp["sha256"][:16]}…`, format {corp["format"]}).
+- {corp["samples"]} samples, {corp["tokens"]} tokens; length p50 / p90 / p99 / max = {pct["p50"]} / {pct["p90"]} / {pct["p99"]} / {pct["max"]} tokens; {corp["truncated"]} truncated at {cal["max_seq_len"]} tokens.
+- Split: {cal["calib_samples"]} calibration / {cal["heldout_samples"]} held-out samples (seed {cal["seed"]}); the search saw {cal["reservoir_sequences"]["calib"]} calibration and {cal["reservoir_sequences"]["heldout"]} held-out sequences of at most {cal["search_tokens"]} tokens.
+- Context regime calibrated: {cal["context_regime"]}. {concurrency}
+"""
+
+
 def render_calibration_report(meta: dict) -> str:
     """``report.md`` text: what was quantized, how, on which data, and the held-out errors."""
-    m, kv, cal, corp = meta["model"], meta["kv"], meta["calibration"], meta["corpus"]
-    pct = corp["length_percentiles"]
+    m, kv, cal = meta["model"], meta["kv"], meta["calibration"]
     k, v = kv["k"], kv["v"]
     rows = []
     for lm in meta["layers"]:
@@ -60,12 +74,7 @@ def render_calibration_report(meta: dict) -> str:
 - Model: `{m["id"]}` ({m["architecture"]}, model_type {m["model_type"]}), config sha256 `{m["config_sha256"][:16]}…`.
 - **Weight precision:** {m["weight_precision"]}. This is independent of the KV-cache format above.
 
-## Calibration corpus and context regime
-- Corpus: `{corp["path"]}` (sha256 `{corp["sha256"][:16]}…`, format {corp["format"]}).
-- {corp["samples"]} samples, {corp["tokens"]} tokens; length p50 / p90 / p99 / max = {pct["p50"]} / {pct["p90"]} / {pct["p99"]} / {pct["max"]} tokens; {corp["truncated"]} truncated at {cal["max_seq_len"]} tokens.
-- Split: {cal["calib_samples"]} calibration / {cal["heldout_samples"]} held-out samples (seed {cal["seed"]}); the search saw {cal["reservoir_sequences"]["calib"]} calibration and {cal["reservoir_sequences"]["heldout"]} held-out sequences of at most {cal["search_tokens"]} tokens.
-- Context regime calibrated: {cal["context_regime"]}. Concurrency does not change static scales; evaluate separately (`kvcal evaluate`).
-
+{corpus_section(meta, "Concurrency does not change static scales; evaluate separately (`kvcal evaluate`).")}
 ## Method
 - Keys: {cal["objective_k"]}. Values: {cal["objective_v"]}.
 - Candidates: {cal["candidates"]}. Selection: {cal["selection"]}.
