@@ -165,7 +165,7 @@ def _explicit(*params: str) -> set[str]:
               help="vllm (= compressed-tensors), modelopt, trtllm-legacy or sglang-json (= quantization-param-path).")
 @click.option("--out", required=True, type=click.Path(), help="New output directory (written atomically).")
 @click.option("--model-dir", default=None, type=click.Path(),
-              help="HF safetensors checkpoint to merge into (a linked copy goes to --out; the source is untouched).")
+              help="HF safetensors checkpoint to merge into (a copy goes to --out, weight files hard-linked; the source is untouched).")
 @click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel ranks (sglang-json entries).")
 @click.option("--headroom", default=None, type=float,
               help="Margin in [1, 16]: every scale >= observed max / 448 x MARGIN (for engines that do not saturate).")

@@ -491,16 +491,19 @@ def test_q_scale_passed_through_when_artifact_has_query_stats(tmp_path):
     assert "model.layers.0.self_attn.q_scale" not in tensors_in(tmp_path / "art" / "kv_scales.safetensors")
 
 
-def test_tp_that_the_model_heads_cannot_split_is_warned(tmp_path):
-    """SmolLM2-135M has 9 attention / 3 KV heads: TP=2 cannot serve it; TP=3 can."""
+def test_tp_that_the_model_heads_cannot_split_is_refused(tmp_path):
+    """SmolLM2-135M has 9 attention / 3 KV heads: TP=2 cannot serve it; TP=3 can. (Reviewer: a
+    warning with exit 0 and a written export for a launch the server refuses.)"""
     from click.testing import CliRunner
 
     from kvcal.cli import main
 
     art = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-fp8"
-    r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", "2",
-                                  "--out", str(tmp_path / "tp2")])
-    assert r.exit_code == 0 and "cannot split over 2 ranks" in r.output
+    for tp, fix in ((2, "e.g. 1"), (4, "e.g. 3"), (7, "e.g. 3")):
+        r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", str(tp),
+                                      "--out", str(tmp_path / f"tp{tp}")])
+        assert r.exit_code == 2 and f"cannot split over {tp} ranks" in r.output and fix in r.output, r.output
+        assert "Traceback" not in r.output and not (tmp_path / f"tp{tp}").exists()
     r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", "3",
                                   "--out", str(tmp_path / "tp3")])
     assert r.exit_code == 0 and "cannot split" not in r.output
@@ -548,3 +551,24 @@ def test_export_copies_editable_files_and_links_only_weights(tmp_path, art, shar
         assert linked == f.name.endswith(".safetensors"), f.name
     shards = sorted(set(json.loads((sharded_ckpt / INDEX).read_text())["weight_map"].values()))
     assert all(os.path.samefile(out / s, sharded_ckpt / s) for s in shards)  # shards not copied
+
+
+def test_config_that_differs_from_the_calibrated_one_is_warned(tmp_path, sharded_ckpt):
+    """Reviewer: a --model-dir whose config differs (rope_theta, another fine-tune) merged silently; the
+    artifact records the calibrated config's sha256, so a mismatch is a warning (shapes still must match)."""
+    import shutil
+
+    from kvcal.artifact import config_hash, load_artifact, write_artifact
+    from kvcal.export.checkpoint import text_config
+
+    cfg = json.loads((sharded_ckpt / "config.json").read_text())
+    path, _ = make_artifact(tmp_path / "art")
+    meta = load_artifact(path).metadata
+    meta["model"]["config_sha256"] = config_hash(text_config(cfg))
+    same = write_artifact(tmp_path / "same", load_file(path / "kv_scales.safetensors"), meta)
+    assert not [w for w in export(same, "vllm", tmp_path / "o1", model_dir=sharded_ckpt).warnings if "differs" in w]
+    other = tmp_path / "other-ckpt"
+    shutil.copytree(sharded_ckpt, other)
+    (other / "config.json").write_text(json.dumps({**cfg, "rope_theta": 123456.0}))
+    ws = export(same, "vllm", tmp_path / "o2", model_dir=other).warnings
+    assert any("differs from the config the artifact was calibrated on" in w and "re-calibrate" in w for w in ws)

@@ -114,3 +114,17 @@ def test_inspect_hand_written_json_with_bad_values(tmp_path):
     f.write_text(json.dumps(d))
     with pytest.raises(InspectError, match="must map layer index"):
         inspect_path(f)
+
+
+def test_inspect_standalone_export_without_config_says_so(tmp_path):
+    """Reviewer: a standalone trtllm-legacy export (no config.json at all) was reported as 'config.json has no
+    quantization_config'."""
+    path, _ = make_artifact(tmp_path / "art")
+    export(path, "trtllm-legacy", tmp_path / "t")
+    assert not (tmp_path / "t" / "config.json").exists()
+    ins = inspect_path(tmp_path / "t")
+    assert ins.kind == "standalone"
+    for name in ("vLLM", "SGLang"):
+        probs = ins.engines[name].problems
+        assert probs and probs[0].startswith("no config.json here (standalone tensors)")
+        assert not any(p.startswith("config.json has no quantization_config") for p in probs)

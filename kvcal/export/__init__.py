@@ -77,7 +77,7 @@ def export(
     inputs = {"--artifact": art.path, "--model-dir": model_dir}
     check_output_dir(out, overwrite, inputs, ExportError)
     notes: list[str] = []
-    ckpt = None
+    ckpt, ckpt_warnings = None, []
     if model_dir is not None:
         if not t.accepts_model_dir:
             raise ExportError(f"{t.name} writes standalone tensors (TensorRT-LLM's converter owns its rank files); "
@@ -86,7 +86,7 @@ def export(
         src, dst = ckpt.path.resolve(), out.resolve()
         if dst == src or src in dst.parents or dst in src.parents:
             raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
-        notes += check_matches(art.metadata, ckpt.config, ckpt.path)
+        ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path)
     prep = prepare_scales(art, headroom)
     nkv = art.metadata["model"].get("num_kv_heads")
     if tp > 1 and t.name != "sglang-json":
@@ -95,6 +95,7 @@ def export(
         raise ExportError(f"--tp {tp} does not divide the {nkv} KV heads (nor they it); per-head scales cannot be sliced")
     ctx = ExportContext(art, prep, ckpt.path if ckpt else None, ckpt.config if ckpt else None, tp, ckpt=ckpt)
     ctx.notes += prep.notes + notes
+    ctx.warnings += ckpt_warnings
     engines = t.non_saturating if prep.granularity == "tensor" else ()
     warn = clipping_warning(prep, engines)
     if warn:
@@ -106,9 +107,10 @@ def export(
     hq, hkv = mm.get("num_attention_heads"), mm.get("num_kv_heads")
     if tp > 1 and isinstance(hq, int) and isinstance(hkv, int) and (
             hq % tp != 0 or (hkv % tp != 0 and tp % hkv != 0)):
-        ctx.warnings.append(
+        raise ExportError(
             f"--tp {tp}: the model has {hq} attention heads and {hkv} KV heads, which engines cannot split "
-            f"over {tp} ranks (vLLM/SGLang require heads divisible by the TP size); the server will refuse it"
+            f"over {tp} ranks (vLLM/SGLang require heads divisible by the TP size, and the server refuses such a "
+            f"launch); choose a --tp that divides {hq} (e.g. {max(d for d in range(1, tp) if hq % d == 0 and (hkv % d == 0 or d % hkv == 0))})"
         )
     kv = art.metadata["kv"]
     if kv.get("residual_window") or kv.get("sink_tokens"):

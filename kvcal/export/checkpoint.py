@@ -161,7 +161,8 @@ def text_config(config: dict) -> dict:
 
 def check_matches(meta: dict, config: dict, path: Path) -> list[str]:
     """Refuse a checkpoint whose layer count / KV heads / head_dim / model_type differ from the
-    artifact's (:class:`ExportError` naming the field); return notes for softer mismatches."""
+    artifact's (:class:`ExportError` naming the field); return warnings for softer mismatches (a
+    config that differs from the calibrated one in other fields: another fine-tune, rope_theta, ...)."""
     tc = text_config(config)
     m = meta["model"]
     heads = tc.get("num_attention_heads")
@@ -180,10 +181,12 @@ def check_matches(meta: dict, config: dict, path: Path) -> list[str]:
             )
     from kvcal.artifact import config_hash
 
-    notes = []
+    warnings = []
     if m.get("config_sha256") and config_hash(tc) != m["config_sha256"]:
-        notes.append("config.json hash differs from the artifact's (shapes match; check it is the same model)")
-    return notes
+        warnings.append(f"{path}/config.json differs from the config the artifact was calibrated on (sha256; the "
+                        "shapes match): scales from another model or fine-tune, or another rope_theta, need not fit "
+                        "this one — re-calibrate on this checkpoint unless it is the same model re-saved")
+    return warnings
 
 
 def merge_into_copy(
