@@ -387,7 +387,7 @@ def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tok
                              f"{parent} is not a writable directory") + "; choose another path")
     if quiet:
         quiet_libraries()
-    doc = evaluate(cfg, log=(lambda s: None) if quiet else click.echo, progress=not quiet)
+    doc = evaluate(cfg, log=click.echo, progress=not quiet)  # --quiet: no bars, but each stage still says what runs
     click.echo(render_table(doc))
     for note in doc["notes"]:
         click.echo(f"note: {note}")

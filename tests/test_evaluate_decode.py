@@ -157,6 +157,8 @@ def test_cli_exit_codes(tmp_path, tiny_dir):
     r = CliRunner().invoke(main, [*base, "--accept", "kl_mean<=10", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     assert "artifact: PASS" in r.output
+    # reviewer: --quiet printed nothing for minutes; it drops the progress bars, not the stage lines
+    assert "teacher-forced: 1 windows x 32 tokens" in r.output and "decode: 1 windows x 32 tokens, batch 1" in r.output
     doc = json.loads((tmp_path / "e.json").read_text())
     assert doc["schema"] == "kvcal-eval/1" and doc["passed"] and doc["exit_code"] == 0
     r = CliRunner().invoke(main, [*base, "--mode", "teacher_forced", "--accept", "kl_mean<=0,top1_agree>=1.01"])
