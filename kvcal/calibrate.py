@@ -1103,13 +1103,15 @@ def bits_precheck(bits: float, config, context: int, sinks: int | None, residual
     with the sink tokens the allocation counts (``--sinks``, else ``max(SINK_CANDIDATES)``), at
     ``context`` tokens, batch 1. ``config``: a transformers config. Raises :class:`KvcalError`
     (as the allocation would) when even that exceeds the budget."""
-    from kvcal.formats.memory import side_extra_bytes
-    from kvcal.models import head_dim_of
+    from kvcal.formats.memory import model_shape, side_extra_bytes
     from kvcal.search import allocate as al
     from kvcal.search.presets import ALLOC_MENU
 
-    conf = config.get_text_config() if hasattr(config, "get_text_config") else config
-    L, H, D = int(conf.num_hidden_layers), int(conf.num_key_value_heads), head_dim_of(conf)
+    try:
+        shape = model_shape(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    except ValueError as e:
+        raise KvcalError(str(e)) from None
+    L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
     s_cost = max(SINK_CANDIDATES) if sinks is None else sinks
     cheapest = L * sum(
         min(al.side_cost(c.spec, H, D, context, s_cost, residual_window,
