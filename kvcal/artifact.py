@@ -238,6 +238,8 @@ def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: boo
         fill(tmp)
         os.chmod(tmp, 0o777 & ~umask)
         for p in tmp.rglob("*"):
+            if p.is_file() and os.stat(p).st_nlink > 1:
+                continue  # a hard link into a source checkpoint: its permissions are the source's, leave them
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
         if out.exists():
             old = parent / f".{out.name}.old-{os.getpid()}"

@@ -1089,6 +1089,11 @@ def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, con
 
     if cheapest > al.budget_bytes(bits, L, H, D, context):
         avg = al.average_bits(cheapest, L, H, D, context)
+        if avg > 16.0:  # no allowed --bits can fit: the 16-bit tokens alone exceed the context's budget
+            raise KvcalError(f"--bits {bits}: the cheapest plan needs {avg:.4f} bits per element at --budget-context "
+                             f"{context} tokens, above any allowed --bits (2-16): the 16-bit sink tokens ({sinks}) and "
+                             "residual window take most of that context; lower --residual-window / --sinks or raise "
+                             "--budget-context")
         raise KvcalError(f"--bits {bits}: even the cheapest choice for every layer needs {avg:.4f} bits per "
                          f"element at {context} tokens (payload, scales, tables and {sinks} 16-bit sink tokens); "
                          f"raise --bits to at least {math.ceil(avg * 100) / 100:.2f}")

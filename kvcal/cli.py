@@ -264,6 +264,11 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
         if context is not None and mx is not None and context > mx:
             raise ValueError(f"--context {context} exceeds the model's max_position_embeddings {mx}; a cache that "
                              "long is never allocated for this model (pass --context <= the maximum)")
+        too_long = [sp.granularity.group_size for sp in (cfg.key, cfg.value)
+                    if getattr(sp.granularity, "name", "") == "channel_token_group" and sp.granularity.group_size > ctx]
+        if too_long:
+            raise ValueError(f"a key group of {too_long[0]} tokens is longer than --context {ctx}: such a cache never "
+                             "closes a group; choose --group-size <= the context")
         rep = memory_report(shape, cfg, ctx, batch)
     except (ValueError, json.JSONDecodeError, OSError) as e:
         raise KvcalError(str(e)) from None

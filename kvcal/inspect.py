@@ -236,12 +236,13 @@ def _inspect_standalone(p: Path) -> Inspection:
     ins.engines["SGLang"] = simulate_sglang(tensors, n, nkv, qc)
     ins.engines["TensorRT-LLM"] = simulate_trtllm(tensors, n, hq)
     if qc is None:  # there is no config.json here at all: say that, not that its quantization_config is missing
+        trt = any(n.startswith("transformer.layers.") for n in tensors)
+        why = ("these are TensorRT-LLM names (transformer.layers.*), which vLLM and SGLang never load" if trt else
+               "no config.json here (standalone tensors): vLLM and SGLang read KV scales only from a checkpoint "
+               "whose config.json has a KV quantization_config (export --target vllm or modelopt with --model-dir)")
         for name in ("vLLM", "SGLang"):
-            ins.engines[name].problems = [
-                "no config.json here (standalone tensors) and no quantization_config.json beside them: engines "
-                "load them only from a checkpoint whose config.json has a KV quantization_config "
-                "(kvcal export --model-dir writes one)" if pr.startswith("config.json has no quantization_config")
-                else pr for pr in ins.engines[name].problems]
+            ins.engines[name].problems = [why if pr.startswith("config.json has no quantization_config") else pr
+                                          for pr in ins.engines[name].problems]
     ins.notes.append("standalone tensors: layer count inferred from the names; engines see them once merged "
                      "into a checkpoint (kvcal export --model-dir)")
     _add_manifest_notes(p, ins)

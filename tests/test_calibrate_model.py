@@ -95,6 +95,7 @@ def test_cli_refuses_existing_output(tmp_path):
     (["--preset", "int4", "--bits", "4"], "replaces --preset; give one of them"),
     # reviewer: an infeasible budget was refused only after capture, search and the sensitivity probe
     (["--bits", "2.0"], "raise --bits to at least 2.09"),
+    (["--bits", "3", "--residual-window", "5000"], "above any allowed --bits (2-16)"),
     (["--budget-context", "0"], "--budget-context must be >= 1 token"),
     (["--out", ""], "--out is empty"),
     (["--out", "/proc/kvcal-out"], "does not take new directories"),

@@ -499,7 +499,7 @@ def test_tp_that_the_model_heads_cannot_split_is_refused(tmp_path):
     from kvcal.cli import main
 
     art = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-fp8"
-    for tp, fix in ((2, "e.g. 1"), (4, "e.g. 3"), (7, "e.g. 3")):
+    for tp, fix in ((2, "choose --tp from 1, 3, 9"), (4, "from 1, 3, 9"), (10**11, "from 1, 3, 9")):
         r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", str(tp),
                                       "--out", str(tmp_path / f"tp{tp}")])
         assert r.exit_code == 2 and f"cannot split over {tp} ranks" in r.output and fix in r.output, r.output
@@ -572,3 +572,68 @@ def test_config_that_differs_from_the_calibrated_one_is_warned(tmp_path, sharded
     (other / "config.json").write_text(json.dumps({**cfg, "rope_theta": 123456.0}))
     ws = export(same, "vllm", tmp_path / "o2", model_dir=other).warnings
     assert any("differs from the config the artifact was calibrated on" in w and "re-calibrate" in w for w in ws)
+
+
+def _hub_snapshot(tmp_path, ckpt):
+    """A Hugging Face hub-cache layout: snapshots/<rev>/* are relative symlinks to ../../blobs/<hash>."""
+    root = tmp_path / "models--org--tiny"
+    (root / "blobs").mkdir(parents=True)
+    snap = root / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(ckpt.iterdir())):
+        blob = root / "blobs" / f"blob{i}"
+        blob.write_bytes(f.read_bytes())
+        os.symlink(os.path.join("..", "..", "blobs", blob.name), snap / f.name)
+    return snap
+
+
+@pytest.mark.parametrize("target", ["vllm", "modelopt", "sglang-json"])
+def test_export_from_a_hub_cache_snapshot_links_the_blobs(tmp_path, art, sharded_ckpt, target):
+    """Reviewer: os.link hard-linked the relative symlink itself, leaving a broken link in the staging
+    directory ('No such file or directory' for every hub-cache checkpoint); and the staging chmod changed
+    the permissions of the source's hard-linked weight files."""
+    path, _ = art
+    snap = _hub_snapshot(tmp_path, sharded_ckpt)
+    shards = sorted(set(json.loads((sharded_ckpt / INDEX).read_text())["weight_map"].values()))
+    blob0 = Path(os.path.realpath(snap / shards[0]))
+    os.chmod(blob0, 0o600)
+    out = tmp_path / "out"
+    export(path, target, out, model_dir=snap)
+    for s in shards:
+        assert not (out / s).is_symlink() and os.path.samefile(out / s, os.path.realpath(snap / s))
+    assert not (out / "config.json").is_symlink() and (out / "config.json").is_file()
+    assert (blob0.stat().st_mode & 0o777) == 0o600  # the source's permissions are the source's
+
+
+def test_export_names_a_broken_link_and_follows_linked_dirs(tmp_path, art, sharded_ckpt):
+    import shutil
+
+    path, _ = art
+    src = tmp_path / "ckpt"
+    shutil.copytree(sharded_ckpt, src)
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    (ext / "chat_template.jinja").write_text("{{ messages }}")
+    os.symlink(ext, src / "extras")
+    export(path, "vllm", tmp_path / "o1", model_dir=src)
+    assert (tmp_path / "o1" / "extras" / "chat_template.jinja").read_text() == "{{ messages }}"
+    os.symlink(tmp_path / "missing.json", src / "tokenizer_config.json")
+    with pytest.raises(ExportError, match="tokenizer_config.json is a broken link"):
+        export(path, "vllm", tmp_path / "o2", model_dir=src)
+    assert not (tmp_path / "o2").exists()
+
+
+def test_sglang_json_warns_about_kv_scales_already_in_the_checkpoint(tmp_path, art, single_ckpt):
+    """Reviewer: the checkpoint's own k_scale/v_scale tensors were copied unchanged beside the JSON,
+    silently (SGLang may load both)."""
+    path, _ = art
+    src = tmp_path / "fp8ckpt"
+    src.mkdir()
+    stale = {f"model.layers.{i}.self_attn.{s}_scale": torch.tensor([9.0]) for i in range(L) for s in "kv"}
+    save_file({**load_file(single_ckpt / "model.safetensors"), **stale}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    (src / "config.json").write_text((single_ckpt / "config.json").read_text())
+    ws = export(path, "sglang-json", tmp_path / "o", model_dir=src).warnings
+    assert any(f"already holds {2 * L} KV-scale tensors" in w and "--target vllm" in w for w in ws), ws
+    assert not [w for w in export(path, "sglang-json", tmp_path / "o2", model_dir=single_ckpt).warnings
+                if "already holds" in w]

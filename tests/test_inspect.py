@@ -126,5 +126,5 @@ def test_inspect_standalone_export_without_config_says_so(tmp_path):
     assert ins.kind == "standalone"
     for name in ("vLLM", "SGLang"):
         probs = ins.engines[name].problems
-        assert probs and probs[0].startswith("no config.json here (standalone tensors)")
+        assert probs and probs[0].startswith("these are TensorRT-LLM names (transformer.layers.*)")
         assert not any(p.startswith("config.json has no quantization_config") for p in probs)

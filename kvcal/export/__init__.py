@@ -107,10 +107,11 @@ def export(
     hq, hkv = mm.get("num_attention_heads"), mm.get("num_kv_heads")
     if tp > 1 and isinstance(hq, int) and isinstance(hkv, int) and (
             hq % tp != 0 or (hkv % tp != 0 and tp % hkv != 0)):
+        valid = [d for d in range(1, hq + 1) if hq % d == 0 and (hkv % d == 0 or d % hkv == 0)]
         raise ExportError(
             f"--tp {tp}: the model has {hq} attention heads and {hkv} KV heads, which engines cannot split "
-            f"over {tp} ranks (vLLM/SGLang require heads divisible by the TP size, and the server refuses such a "
-            f"launch); choose a --tp that divides {hq} (e.g. {max(d for d in range(1, tp) if hq % d == 0 and (hkv % d == 0 or d % hkv == 0))})"
+            f"over {tp} ranks (tensor parallelism needs the heads divisible by the TP size, and the server refuses "
+            f"such a launch); choose --tp from {', '.join(map(str, valid))}"
         )
     kv = art.metadata["kv"]
     if kv.get("residual_window") or kv.get("sink_tokens"):

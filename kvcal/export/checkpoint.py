@@ -102,14 +102,18 @@ def link_or_copy(src: Path, dst: Path) -> None:
     every other file — ``config.json``, tokenizer and generation configs, JSON a user may edit — is
     copied, so editing the export in place can never change the source checkpoint through a shared
     inode."""
+    real = Path(os.path.realpath(src))  # hub-cache snapshots are relative symlinks to ../../blobs/<hash>
+    if not real.is_file():
+        raise ExportError(f"{src} is a broken link or not a file (it resolves to {real}); fix or remove it in "
+                          "--model-dir")
     dst.parent.mkdir(parents=True, exist_ok=True)
     if src.name.endswith(WEIGHT_SUFFIXES):
         try:
-            os.link(src, dst)
+            os.link(real, dst)  # the blob itself: os.link would otherwise link the (relative) symlink
             return
         except OSError:
             pass
-    shutil.copy2(src, dst)
+    shutil.copy2(real, dst)
 
 
 @dataclass
@@ -235,7 +239,7 @@ def merge_into_copy(
             weight_map[k] = out_name
             b, e = header[k]["data_offsets"]
             total += e - b
-    for root, dirs, files in os.walk(src):
+    for root, dirs, files in os.walk(src, followlinks=True):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for fname in files:
             rel = os.path.relpath(os.path.join(root, fname), src)

@@ -14,12 +14,14 @@ target warns when calibration clipped (see ``--headroom``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from kvcal.export.base import ExportContext, Target, register, write_json
-from kvcal.export.checkpoint import link_or_copy
+from kvcal.export.checkpoint import link_or_copy, read_header
+from kvcal.export.rules import is_kv_scale_name
 
 JSON_FILE = "kv_cache_scales.json"
 
@@ -50,12 +52,22 @@ class SglangJsonTarget(Target):
         write_json(staging / JSON_FILE, scales_json(mt, per_layer, ctx.tp))
         model = "<model>"
         if ctx.model_dir is not None:
-            for f in sorted(ctx.model_dir.rglob("*")):
-                rel = f.relative_to(ctx.model_dir)
-                if f.is_file() and not any(part.startswith(".") for part in rel.parts) and str(rel) != JSON_FILE:
-                    link_or_copy(f, staging / rel)
+            for root, dirs, files in os.walk(ctx.model_dir, followlinks=True):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for fname in sorted(files):
+                    rel = (Path(root) / fname).relative_to(ctx.model_dir)
+                    if not fname.startswith(".") and str(rel) != JSON_FILE:
+                        link_or_copy(Path(root) / fname, staging / rel)
             model = "{out}"
             ctx.notes.append(f"checkpoint linked unchanged; scales in {JSON_FILE}")
+            stale = sorted(n for shard in (ctx.ckpt.shards if ctx.ckpt else ())
+                           for n in read_header(ctx.model_dir / shard)[0] if is_kv_scale_name(n))
+            if stale:
+                ctx.warnings.append(
+                    f"--model-dir already holds {len(stale)} KV-scale tensors ({', '.join(stale[:2])}"
+                    f"{', ...' if len(stale) > 2 else ''}), copied unchanged: SGLang may load them besides "
+                    f"{JSON_FILE}, so which scale wins is up to its load order. Use --target vllm (it replaces them) "
+                    "or a checkpoint without KV scales")
         ctx.notes.append(f"K and V share one scale per layer (max of the two); {ctx.tp} TP rank(s) written")
         return (f"python -m sglang.launch_server --model-path {model} --kv-cache-dtype fp8_e4m3 "
                 f"--quantization-param-path {{out}}/{JSON_FILE} --tp {ctx.tp}")
