@@ -247,6 +247,9 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
             gran = granularity or ("token_group" if kind_int else "tensor")
             side = TensorQuantSpec(fmt, granularity_from_name(gran, group_size), symmetric=not kind_int)
             cfg = KVCacheConfig(side, side)
+        if (granularity is not None or group_size is not None) and "nvfp4" in (cfg.key.format.value, cfg.value.format.value):
+            raise ValueError("--granularity / --group-size do not apply to nvfp4: its 16-element blocks along head_dim "
+                             "with e4m3 block scales are fixed by the format (NVIDIA); drop them")
         sides = []
         for s in (cfg.key, cfg.value):
             if s.is_quantized and granularity is not None and s.format.value != "nvfp4":

@@ -228,7 +228,11 @@ def _inspect_standalone(p: Path) -> Inspection:
     if (p / "quantization_config.json").is_file():
         qc = _read_json(p / "quantization_config.json").get("quantization_config")
     hq = _read_json(p / "hf_quant_config.json") if (p / "hf_quant_config.json").is_file() else None
-    ins = Inspection(p, "standalone", n, _fmt_from_configs(qc, hq))
+    fmt = _fmt_from_configs(qc, hq)
+    if fmt is None and (p / "quantization.json").is_file():  # trtllm-legacy's snippet for the checkpoint config
+        algo = ((_read_json(p / "quantization.json").get("quantization") or {}).get("kv_cache_quant_algo"))
+        fmt = f"{algo} (quantization.json)" if algo else None
+    ins = Inspection(p, "standalone", n, fmt)
     ins.layers = _stored_layers(tensors, n)
     ins.granularity = _granularity(ins.layers)
     nkv = len(ins.layers[0]["k"]) if ins.layers and ins.layers[0]["k"] else None

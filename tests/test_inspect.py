@@ -123,7 +123,7 @@ def test_inspect_standalone_export_without_config_says_so(tmp_path):
     export(path, "trtllm-legacy", tmp_path / "t")
     assert not (tmp_path / "t" / "config.json").exists()
     ins = inspect_path(tmp_path / "t")
-    assert ins.kind == "standalone"
+    assert ins.kind == "standalone" and ins.format == "FP8 (quantization.json)"
     for name in ("vLLM", "SGLang"):
         probs = ins.engines[name].problems
         assert probs and probs[0].startswith("these are TensorRT-LLM names (transformer.layers.*)")

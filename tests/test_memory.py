@@ -193,6 +193,8 @@ def test_cli_memory(config_json):
     assert r.exit_code == 2 and "longer than --context 8192" in r.output
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "kivi4", "--group-size", "0"])
     assert r.exit_code == 2 and "--group-size must be >= 1" in r.output
+    r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "nvfp4", "--granularity", "head"])
+    assert r.exit_code == 2 and "do not apply to nvfp4" in r.output  # was silently ignored
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int3", "--granularity", "token",
                                   "--asymmetric", "--json"])
     assert r.exit_code == 0, r.output
