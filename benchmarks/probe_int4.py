@@ -38,18 +38,22 @@ def main():
     ap.add_argument("--skip-windows", type=int, default=0)
     ap.add_argument("--top", type=int, default=6, help="largest single sides to list")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="model to probe (default: the one the artifact was calibrated on)")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
 
-    from kvcal.artifact import load_artifact
+    from kvcal.artifact import check_model_match, load_artifact
     from kvcal.evaluate import plans_kl, side_only, side_sensitivity, text_windows
-    from kvcal.models import load_model, load_tokenizer
+    from kvcal.models import load_model, load_tokenizer, model_metadata
     from kvcal.plan import KVPlan
 
     art = load_artifact(a.artifact)
     plan = KVPlan.from_artifact(art.tensors, art.metadata)
-    tok, model = load_tokenizer("smollm2-135m"), load_model("smollm2-135m")
+    model_id = a.model or art.metadata["model"]["id"]
+    tok, model = load_tokenizer(model_id), load_model(model_id)
+    check_model_match(art.metadata, model_metadata(model.config, getattr(model, "kvcal_source", None),
+                                                   architecture=type(model).__name__))
     windows = text_windows(tok, DATA.read_text(encoding="utf-8"), 1024, a.windows, skip_windows=a.skip_windows)
     samples = list(windows)
     print(f"artifact {a.artifact}: {plan.num_layers} layers, {plan.sink_tokens} sink tokens; "
