@@ -122,30 +122,10 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
     (``benchmarks/probe_int4.py``, 4-bit, 2 × 1024 tokens), which is what makes them usable as per-layer
     weights of a bit allocation (HAWQ-style sensitivity; KVTuner measures it the same way).
     """
-    from tqdm.auto import tqdm
-
     keys = [(layer, side) for layer in range(plan.num_layers) for side in ("k", "v")]
-    kl_sum = dict.fromkeys(keys, 0.0)
-    n = 0
-    device = next(model.parameters()).device
-    bar = tqdm(total=len(samples) * len(keys), desc="sensitivity probe", disable=not progress)
-    with torch.no_grad():
-        for ids in samples:
-            ids = ids.reshape(1, -1).to(device)
-            if ids.shape[1] < plan.sink_tokens + 2:
-                bar.update(len(keys))
-                continue
-            logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
-            n += ids.shape[1] - 1
-            for key in keys:
-                with attention_hook(model, plan_hook(side_only(plan, key[1], key[0]))):
-                    logp = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
-                kl_sum[key] += float((logp_ref.exp() * (logp_ref - logp)).sum())  # float64: >= 0 up to rounding
-                bar.update()
-    bar.close()
-    if n == 0:
-        raise ValueError(f"side_sensitivity needs a sample of at least sink_tokens + 2 = {plan.sink_tokens + 2} tokens")
-    return {k: v / n for k, v in kl_sum.items()}
+    return _mean_kl(model, samples, {key: side_only(plan, key[1], key[0]) for key in keys}, plan.sink_tokens + 2,
+                    "sensitivity probe", progress,
+                    f"side_sensitivity needs a sample of at least sink_tokens + 2 = {plan.sink_tokens + 2} tokens")
 
 
 def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = True) -> dict:
@@ -160,16 +140,23 @@ def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = T
     Every plan is scored on the same positions, so the results compare directly. Cost:
     ``1 + len(plans)`` forward passes per sample. Used by ``kvcal calibrate`` to choose the sink
     count (:data:`kvcal.calibrate.SINK_CANDIDATES`) on held-out samples."""
+    return _mean_kl(model, samples, plans, 2, "plan probe", progress, "plans_kl needs a sample of at least 2 tokens")
+
+
+def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc: str, progress: bool,
+             too_short: str) -> dict:
+    """Mean ``KL(P_16bit ‖ P_plan)`` (nats, float64) over every predicted position of the samples of
+    at least ``min_len`` tokens, for each plan (Protocol A); ``ValueError(too_short)`` when none is."""
     from tqdm.auto import tqdm
 
     kl_sum = dict.fromkeys(plans, 0.0)
     n = 0
     device = next(model.parameters()).device
-    bar = tqdm(total=len(samples) * len(plans), desc="plan probe", disable=not progress)
+    bar = tqdm(total=len(samples) * len(plans), desc=desc, disable=not progress)
     with torch.no_grad():
         for ids in samples:
             ids = ids.reshape(1, -1).to(device)
-            if ids.shape[1] < 2:
+            if ids.shape[1] < min_len:
                 bar.update(len(plans))
                 continue
             logp_ref = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
@@ -177,11 +164,11 @@ def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = T
             for name, plan in plans.items():
                 with attention_hook(model, plan_hook(plan)):
                     logp = torch.log_softmax(model(ids, use_cache=False).logits[:, :-1].double(), -1)
-                kl_sum[name] += float((logp_ref.exp() * (logp_ref - logp)).sum())
+                kl_sum[name] += float((logp_ref.exp() * (logp_ref - logp)).sum())  # float64: >= 0 up to rounding
                 bar.update()
     bar.close()
     if n == 0:
-        raise ValueError("plans_kl needs a sample of at least 2 tokens")
+        raise ValueError(too_short)
     return {k: v / n for k, v in kl_sum.items()}
 
 
