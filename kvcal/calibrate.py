@@ -72,8 +72,8 @@ class CalibrateConfig:
     model: str | None = None
     max_samples: int | None = 64
     max_seq_len: int = 512
-    format: str = "fp8_e4m3"
-    granularity: str = "tensor"
+    format: str | None = None  # None: fp8_e4m3 (given explicitly, it is refused on integer paths)
+    granularity: str | None = None  # None: tensor
     device: str = "cpu"
     seed: int = 0
     heldout_fraction: float = 0.25
@@ -84,7 +84,7 @@ class CalibrateConfig:
     max_queries: int = 96
     strict: bool = False
     overwrite: bool = False
-    preset: str = "fp8"
+    preset: str | None = None  # None: fp8 (given together with ``bits``, refused)
     bits: float | None = None
     sink_tokens: int | None = None
     residual_window: int = 0
@@ -99,14 +99,17 @@ class CalibrateConfig:
     def __post_init__(self):
         if self.batch_size < 1:
             raise KvcalError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if (self.bits is not None or self.preset != "fp8") and (self.format != "fp8_e4m3" or self.granularity != "tensor"):
-            raise KvcalError(
-                "--format/--granularity apply to --preset fp8 only; "
-                + (f"--preset {self.preset} chooses its own formats (drop --format/--granularity, or use --preset fp8)"
-                   if self.bits is None else
-                   f"--bits {self.bits:g} allocates integer formats per layer (drop --format/--granularity, or drop "
-                   "--bits for an FP8 artifact)")
-            )
+        # options given explicitly (not None) are never dropped silently, even when equal to their defaults
+        if self.bits is not None and self.preset is not None:
+            raise KvcalError(f"--bits {self.bits:g} allocates formats per layer and replaces --preset; give one of them")
+        given = "/".join(o for o, v in (("--format", self.format), ("--granularity", self.granularity)) if v is not None)
+        if given and (self.bits is not None or self.preset not in (None, "fp8")):
+            raise KvcalError(f"{given} appl{'ies' if '/' not in given else 'y'} to --preset fp8 only; "
+                             + (f"--preset {self.preset} chooses its own formats" if self.bits is None
+                                else f"--bits {self.bits:g} allocates integer formats per layer") + f" (drop {given})")
+        for name, default in (("preset", "fp8"), ("format", "fp8_e4m3"), ("granularity", "tensor")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)  # frozen dataclass
         if self.out is not None and not str(self.out).strip():
             raise KvcalError("--out is empty; give a directory path, or omit --out for artifacts/<model>-<preset>")
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():

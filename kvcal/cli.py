@@ -60,11 +60,11 @@ def main():
 @click.option("--out", default=None, type=click.Path(), help="Artifact directory (default artifacts/<model>-fp8).")
 @click.option("--max-samples", default=64, show_default=True, type=int, help="Samples used (seeded subset).")
 @click.option("--max-seq-len", default=512, show_default=True, type=int, help="Tokens per sample (longer ones are truncated and counted).")
-@click.option("--format", "fmt", default="fp8_e4m3", show_default=True,
+@click.option("--format", "fmt", default=None, show_default="fp8_e4m3",
               type=click.Choice(["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]), help="KV-cache storage format.")
-@click.option("--granularity", default="tensor", show_default=True, type=click.Choice(["tensor", "head"]),
+@click.option("--granularity", default=None, show_default="tensor", type=click.Choice(["tensor", "head"]),
               help="One scale per layer (tensor) or per KV head (head).")
-@click.option("--preset", default="fp8", show_default=True,
+@click.option("--preset", default=None, show_default="fp8",
               type=click.Choice(["fp8", "int8", "int4", "int2", "k4v2"]),
               help="fp8: static FP8 scales (engine-loadable; --format/--granularity apply). int8: dynamic per-token "
                    "int8 with calibrated clip ratios and key centering. int4: pre-RoPE int4 keys in 128-token groups with "
@@ -74,7 +74,7 @@ def main():
                    "int4/int2/k4v2 artifacts run in kvcal's runtime cache, not in engines.")
 @click.option("--bits", default=None, type=float,
               help="Average bits per cached element INCLUDING scales/zero points/sinks/metadata; per-layer K/V "
-                   "formats are allocated from measured sensitivity (overrides --preset).")
+                   "formats are allocated from measured sensitivity (replaces --preset: give one of them).")
 @click.option("--sinks", "sinks", default=None, type=int,
               help="First tokens kept in 16 bits and excluded from statistics [integer paths; default: 0, 1 or 4, "
                    "whichever gives the lowest model-level KL on the --probe-tokens held-out tokens (with "
@@ -119,14 +119,6 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
     from kvcal.calibrate import CalibrateConfig, checkpoint_path
     from kvcal.calibrate import calibrate as run
 
-    given = _explicit("fmt", "granularity", "preset")
-    if bits is not None and "preset" in given:
-        raise click.UsageError(f"--bits {bits:g} allocates formats per layer and replaces --preset; give one of them")
-    if (bits is not None or preset != "fp8") and given & {"fmt", "granularity"}:
-        opts = "/".join(o for p, o in (("fmt", "--format"), ("granularity", "--granularity")) if p in given)
-        raise click.UsageError(f"{opts} appl{'ies' if '/' not in opts else 'y'} to --preset fp8 only; "
-                               + (f"--preset {preset} chooses its own formats" if bits is None
-                                  else f"--bits {bits:g} allocates integer formats per layer") + f" (drop {opts})")
     cfg = CalibrateConfig(corpus=corpus, out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
                           format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
                           strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
@@ -148,14 +140,6 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
         return
     click.echo(res["table"])
     click.echo(f"artifact: {res['out']}  (kv_scales.safetensors, report.md)")
-
-
-def _explicit(*params: str) -> set[str]:
-    """The parameters of the running command that the user gave on the command line (not defaults)."""
-    from click.core import ParameterSource
-
-    ctx = click.get_current_context()
-    return {p for p in params if ctx.get_parameter_source(p) not in (ParameterSource.DEFAULT, None)}
 
 
 # ---- export ------------------------------------------------------------------------------------
