@@ -623,17 +623,41 @@ def test_export_names_a_broken_link_and_follows_linked_dirs(tmp_path, art, shard
     assert not (tmp_path / "o2").exists()
 
 
-def test_sglang_json_warns_about_kv_scales_already_in_the_checkpoint(tmp_path, art, single_ckpt):
-    """Reviewer: the checkpoint's own k_scale/v_scale tensors were copied unchanged beside the JSON,
-    silently (SGLang may load both)."""
+def test_sglang_json_leaves_out_kv_scales_already_in_the_checkpoint(tmp_path, art, single_ckpt, sharded_ckpt):
+    """Reviewer: the checkpoint's own k_scale/v_scale tensors were copied unchanged beside the JSON
+    (SGLang may load both; which wins depends on its load order). They are now filtered out, as the
+    vllm target does; every other tensor is byte-identical and the source is untouched."""
     path, _ = art
     src = tmp_path / "fp8ckpt"
     src.mkdir()
+    weights = load_file(single_ckpt / "model.safetensors")
     stale = {f"model.layers.{i}.self_attn.{s}_scale": torch.tensor([9.0]) for i in range(L) for s in "kv"}
-    save_file({**load_file(single_ckpt / "model.safetensors"), **stale}, str(src / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({**weights, **stale}, str(src / "model.safetensors"), metadata={"format": "pt"})
     (src / "config.json").write_text((single_ckpt / "config.json").read_text())
-    ws = export(path, "sglang-json", tmp_path / "o", model_dir=src).warnings
-    assert any(f"already holds {2 * L} KV-scale tensors" in w and "--target vllm" in w for w in ws), ws
-    assert not [w for w in export(path, "sglang-json", tmp_path / "o2", model_dir=single_ckpt).warnings
-                if "already holds" in w]
+    res = export(path, "sglang-json", tmp_path / "o", model_dir=src)
+    out = tensors_in(tmp_path / "o" / "model.safetensors")
+    assert set(out) == set(weights)
+    assert all(torch.equal(out[k], weights[k]) for k in weights)
+    assert set(tensors_in(src / "model.safetensors")) == set(weights) | set(stale)  # source untouched
+    assert any(f"holding {2 * L} KV-scale tensors" in n and "filtered copies" in n for n in res.notes), res.notes
+    assert not res.warnings or not [w for w in res.warnings if "KV-scale" in w]
+    # a sharded checkpoint: only the shard with the scales is rewritten, and the index loses their names
+    src2 = tmp_path / "fp8sharded"
+    src2.mkdir()
+    index = json.loads((sharded_ckpt / INDEX).read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    for f in sharded_ckpt.iterdir():
+        (src2 / f.name).write_bytes(f.read_bytes())
+    save_file({**load_file(sharded_ckpt / shard), **stale}, str(src2 / shard), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(stale, shard))
+    index["metadata"] = {"total_size": 1000}
+    (src2 / INDEX).write_text(json.dumps(index))
+    export(path, "sglang-json", tmp_path / "o2", model_dir=src2)
+    got = json.loads((tmp_path / "o2" / INDEX).read_text())
+    assert not set(stale) & set(got["weight_map"])
+    assert got["metadata"]["total_size"] == 1000 - 4 * len(stale)  # one float32 each
+    assert checkpoint_tensors(tmp_path / "o2").keys() == checkpoint_tensors(sharded_ckpt).keys()
+    # a checkpoint without KV scales is linked unchanged
+    res3 = export(path, "sglang-json", tmp_path / "o3", model_dir=single_ckpt)
+    assert any("linked unchanged" in n for n in res3.notes)
+    assert (tmp_path / "o3" / "model.safetensors").stat().st_ino == (single_ckpt / "model.safetensors").stat().st_ino

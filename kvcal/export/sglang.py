@@ -10,6 +10,12 @@ Outer key: TP rank (the file must list exactly the deployment's TP size); inner:
 ``num_hidden_layers``); one float per layer shared by K and V, so kvcal writes ``max(k, v)``.
 Per-tensor scales are the same on every rank. SGLang casts to FP8 *without saturating*, so this
 target warns when calibration clipped (see ``--headroom``).
+
+With ``--model-dir`` the checkpoint is linked beside the JSON unchanged, except that KV-scale tensors
+it already holds (an FP8 checkpoint's ``k_scale`` / ``v_scale``) are left out: SGLang would load them
+with the weights as well as the JSON's scales, and which one wins would be up to its load order. The
+shards holding them are written as filtered copies (:func:`kvcal.export.checkpoint.filtered_copy`,
+other tensors byte-identical) and the index drops their names, as the ``vllm`` target does.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvcal.export.base import ExportContext, Target, register, write_json
-from kvcal.export.checkpoint import link_or_copy, read_header
+from kvcal.export.checkpoint import INDEX, Checkpoint, filtered_copy, link_or_copy, read_header
 from kvcal.export.rules import is_kv_scale_name
 
 JSON_FILE = "kv_cache_scales.json"
@@ -52,25 +58,53 @@ class SglangJsonTarget(Target):
         write_json(staging / JSON_FILE, scales_json(mt, per_layer, ctx.tp))
         model = "<model>"
         if ctx.model_dir is not None:
-            for root, dirs, files in os.walk(ctx.model_dir, followlinks=True):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for fname in sorted(files):
-                    rel = (Path(root) / fname).relative_to(ctx.model_dir)
-                    if not fname.startswith(".") and str(rel) != JSON_FILE:
-                        link_or_copy(Path(root) / fname, staging / rel)
             model = "{out}"
-            ctx.notes.append(f"checkpoint linked unchanged; scales in {JSON_FILE}")
-            stale = sorted(n for shard in (ctx.ckpt.shards if ctx.ckpt else ())
-                           for n in read_header(ctx.model_dir / shard)[0] if is_kv_scale_name(n))
-            if stale:
-                ctx.warnings.append(
-                    f"--model-dir already holds {len(stale)} KV-scale tensors ({', '.join(stale[:2])}"
-                    f"{', ...' if len(stale) > 2 else ''}), copied unchanged: SGLang may load them besides "
-                    f"{JSON_FILE}, so which scale wins is up to its load order. Use --target vllm (it replaces them) "
-                    "or a checkpoint without KV scales")
+            ctx.notes.extend(copy_without_kv_scales(ctx.model_dir, staging, ctx.ckpt, keep_out={JSON_FILE}))
         ctx.notes.append(f"K and V share one scale per layer (max of the two); {ctx.tp} TP rank(s) written")
         return (f"python -m sglang.launch_server --model-path {model} --kv-cache-dtype fp8_e4m3 "
                 f"--quantization-param-path {{out}}/{JSON_FILE} --tp {ctx.tp}")
+
+
+def copy_without_kv_scales(src: Path, staging: Path, ckpt: Checkpoint | None, keep_out: set[str]) -> list[str]:
+    """Link or copy every file of the checkpoint ``src`` into ``staging`` (hidden files and the names
+    in ``keep_out`` skipped), writing shards that hold KV-scale tensors
+    (:func:`kvcal.export.rules.is_kv_scale_name`) as filtered copies without them and, when the
+    checkpoint has an index, an index without their names (``total_size`` reduced by their bytes).
+    Returns notes for the user. Raises :class:`~kvcal.export.base.ExportError` for unreadable shards
+    or broken links."""
+    stale: dict[str, dict[str, int]] = {}  # shard -> stale name -> bytes
+    for shard in (ckpt.shards if ckpt else ()):
+        header, _ = read_header(src / shard)
+        names = {n: v["data_offsets"][1] - v["data_offsets"][0] for n, v in header.items()
+                 if n != "__metadata__" and is_kv_scale_name(n)}
+        if names:
+            stale[shard] = names
+    skip = set(keep_out) | set(stale) | ({INDEX} if stale and ckpt.index is not None else set())
+    for root, dirs, files in os.walk(src, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for fname in sorted(files):
+            rel = (Path(root) / fname).relative_to(src)
+            if not fname.startswith(".") and str(rel) not in skip:
+                link_or_copy(Path(root) / fname, staging / rel)
+    if not stale:
+        return ["checkpoint linked unchanged; scales in " + JSON_FILE]
+    for shard, names in stale.items():
+        (staging / shard).parent.mkdir(parents=True, exist_ok=True)
+        filtered_copy(src / shard, staging / shard, set(names))
+    if ckpt.index is not None:
+        dropped = {n for names in stale.values() for n in names}
+        index = dict(ckpt.index)
+        index["weight_map"] = {k: v for k, v in (ckpt.index.get("weight_map") or {}).items() if k not in dropped}
+        meta = dict(index.get("metadata") or {})
+        if isinstance(meta.get("total_size"), int):
+            meta["total_size"] -= sum(sum(names.values()) for names in stale.values())
+        index["metadata"] = meta
+        write_json(staging / INDEX, index)
+    n = sum(len(v) for v in stale.values())
+    first = sorted(n for names in stale.values() for n in names)[:2]
+    return [f"checkpoint linked except {len(stale)} shard(s) holding {n} KV-scale tensors ({', '.join(first)}"
+            f"{', ...' if n > 2 else ''}): written as filtered copies without them (other tensors byte-identical; the "
+            f"source is untouched), so SGLang reads only {JSON_FILE}'s scales"]
 
 
 TARGET = register(SglangJsonTarget())
