@@ -27,11 +27,15 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   per-token scales (:func:`kvcal.formats.quant.log8_base`);
 * ``levels`` (symmetric int2–int6, per-token / per-token-group, optional): non-uniform levels
   ``float32 [H, 2^b]`` in units of each group's absmax (:func:`kvcal.formats.quant.check_levels`;
-  fitted by :func:`kvcal.search.optimizer.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata.
+  fitted by :func:`kvcal.search.optimizer.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata;
+* ``trellis`` (symmetric int2–int4 values, per-token, optional): a trellis table ``float32 [2^(ν+b)]``
+  of int8 multiples of 1/32 (:func:`kvcal.formats.quant.check_trellis`; fitted by
+  :func:`kvcal.search.optimizer.fit_trellis`), ``2^(ν+b)`` bytes of per-layer metadata; the side then
+  has no ``clip_ratio`` (the row's RMS is its scale).
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
-``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``, ``{s}_levels`` ``[H,2^b]``, ``{s}_scale_base`` ``[H]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
+``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``, ``{s}_levels`` ``[H,2^b]``, ``{s}_trellis`` ``[2^(ν+b)]``, ``{s}_scale_base`` ``[H]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
 (per-layer transforms go in the metadata's ``kv.transforms``).
 """
 
@@ -42,7 +46,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
-from kvcal.formats.quant import check_channel_bits, check_levels, check_scale_base, fake_quant, unit_rounding
+from kvcal.formats.quant import (
+    check_channel_bits,
+    check_levels,
+    check_scale_base,
+    check_trellis,
+    fake_quant,
+    unit_rounding,
+)
 from kvcal.formats.spec import DTYPE_NAMES, LOG8, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 
@@ -88,6 +99,7 @@ class SidePlan:
     channel_bits: torch.Tensor | None = None
     levels: torch.Tensor | None = None
     scale_base: torch.Tensor | None = None
+    trellis: torch.Tensor | None = None
 
     def check_transform(self) -> None:
         """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
@@ -122,7 +134,7 @@ class SidePlan:
                   else {"scale": self.scale, "zero_point": self.zero_point})
         rounding = None if self.rounding is None else self._unit_rounding()  # as the runtime keeps it
         y = fake_quant(xq, self.spec, rounding=rounding, channel_bits=self.channel_bits, levels=self.levels,
-                       scale_base=self.scale_base, **params)
+                       scale_base=self.scale_base, trellis=self.trellis, **params)
         if self.transform != "none":
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
@@ -163,7 +175,8 @@ class KVPlan:
                              value_rounding=lp.v.rounding is not None,
                              key_channel_bits=lp.k.channel_bits is not None,
                              value_channel_bits=lp.v.channel_bits is not None,
-                             key_levels=lp.k.levels is not None, value_levels=lp.v.levels is not None)
+                             key_levels=lp.k.levels is not None, value_levels=lp.v.levels is not None,
+                             value_trellis=0 if lp.v.trellis is None else int(lp.v.trellis.numel()))
 
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.
@@ -203,6 +216,8 @@ class KVPlan:
                     out[_name(i, s, "channel_bits")] = sp.channel_bits.float().contiguous()
                 if sp.levels is not None:
                     out[_name(i, s, "levels")] = sp.levels.float().contiguous()
+                if sp.trellis is not None:
+                    out[_name(i, s, "trellis")] = sp.trellis.float().reshape(-1).contiguous()
                 if sp.scale_base is not None:
                     out[_name(i, s, "scale_base")] = sp.scale_base.float().reshape(-1).contiguous()
         rope = self.rope_table()
@@ -312,6 +327,14 @@ class KVPlan:
                         raise ValueError(f"{_name(i, s, 'levels')} has shape {tuple(lv.shape)}, expected [H, 2^bits] = "
                                          f"{(H, n)} for its {spec.format.value} side")
                     sp.levels = _checked(_name(i, s, "levels"), spec, check_levels, lv.float(), spec, H)
+                tt = tensors.get(_name(i, s, "trellis"))
+                if tt is not None:
+                    if s != "v":
+                        raise ValueError(f"{_name(i, s, 'trellis')}: trellis tables are for values only")
+                    if sp.clip_ratio is not None or sp.levels is not None:
+                        raise ValueError(f"{_name(i, s, 'trellis')}: a trellis side takes no clip_ratio or levels "
+                                         "tensor (its scale is the row's RMS)")
+                    sp.trellis = _checked(_name(i, s, "trellis"), spec, check_trellis, tt.float(), spec, D)
                 sb = tensors.get(_name(i, s, "scale_base"))
                 if spec.is_quantized and spec.scale_dtype == LOG8:
                     if sb is None:

@@ -100,3 +100,144 @@ def test_bad_rows_and_codes_are_refused():
     with pytest.raises(ValueError, match="bits <= nu"):
         fit_table(torch.zeros(2, 2), 4, 2)
     assert encode(torch.zeros(0, 4), table, 2).shape == (0, 4)
+
+
+# ---- the trellis as a cache format (kvcal.formats.quant trellis=, plan, artifact, runtime) ---------
+
+def _table(bits, nu, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1 << (nu + bits), generator=g) * 32).round().clamp(-127, 127) / 32
+
+
+def _up_fp16(s: torch.Tensor) -> torch.Tensor:
+    """float64 -> the smallest float16 >= s (independent of kvcal's round_scale_up)."""
+    r = s.to(torch.float16).double()
+    return torch.where(r < s, torch.nextafter(s.to(torch.float16), torch.tensor(float("inf"), dtype=torch.float16)).double(), r)
+
+
+@pytest.mark.parametrize("bits,nu", [(4, 6), (2, 4), (3, 3)])
+def test_quant_trellis_against_float64_reference_and_packed_round_trip(bits, nu):
+    from kvcal.formats.granularity import PerToken
+    from kvcal.formats.quant import dequantize, fake_quant, quantize
+    from kvcal.formats.spec import TensorQuantSpec
+
+    spec = TensorQuantSpec(f"int{bits}", PerToken(), symmetric=True)
+    g = torch.Generator().manual_seed(nu)
+    T = (fit_table(torch.randn(500, 16, generator=g), bits, nu, iters=6) * 32).round().clamp(-127, 127) / 32
+    x = torch.randn(2, 3, 5, 16, generator=g, dtype=torch.float64) * 1.7
+    x[0, 1, 2] = 0.0  # an all-zero row reads back as zeros
+    # reference: scale = RMS rounded up to float16, rows encoded by the (exhaustively tested) Viterbi
+    s = _up_fp16(x.pow(2).mean(-1, keepdim=True).sqrt())
+    u = torch.where(s > 0, x / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(x))
+    rows = u.reshape(-1, 16).float()
+    ref = (decode(encode(rows, T, bits), T, bits).double().reshape(x.shape) * s)
+    qt = quantize(x.float(), spec, trellis=T)
+    assert qt.data.dtype == torch.uint8 and qt.data.shape == (2, 3, 5, 16 * bits // 8)
+    assert torch.equal(qt.scale.double(), s.to(torch.float16).double())
+    torch.testing.assert_close(dequantize(qt).double(), ref, rtol=0, atol=1e-5)
+    assert torch.equal(fake_quant(x.float(), spec, trellis=T), dequantize(qt))
+    assert torch.equal(dequantize(qt)[0, 1, 2], torch.zeros(16))
+    # a fitted table beats the uniform symmetric grid of the same spec on these (Gaussian) rows
+    err_t = (dequantize(qt).double() - x).pow(2).sum()
+    err_u = (fake_quant(x.float(), spec).double() - x).pow(2).sum()
+    assert err_t < err_u
+
+
+def test_quant_trellis_with_log8_scales():
+    from kvcal.formats.granularity import PerToken
+    from kvcal.formats.quant import dequantize, fake_quant, log8_decode, quantize
+    from kvcal.formats.spec import TensorQuantSpec
+
+    spec = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
+    T = _table(4, 4)
+    x = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(2))
+    base = torch.tensor([0.01, 0.02])
+    qt = quantize(x, spec, trellis=T, scale_base=base)
+    s = log8_decode(qt.scale, base.reshape(1, 2, 1, 1))
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    assert bool((s >= rms).all()) and bool((s < rms * 2 ** (1 / 16) * (1 + 1e-6)).all())  # one log8 step up
+    assert torch.equal(fake_quant(x, spec, trellis=T, scale_base=base), dequantize(qt))
+
+
+def test_quant_trellis_refusals():
+    from kvcal.formats.granularity import PerToken, PerTokenGroup
+    from kvcal.formats.quant import fake_quant
+    from kvcal.formats.spec import TensorQuantSpec
+
+    x = torch.randn(1, 1, 2, 8)
+    v4 = TensorQuantSpec("int4", PerToken(), symmetric=True)
+    T = _table(4, 4)
+    for spec, msg in [(TensorQuantSpec("int4", PerToken(), symmetric=False), "symmetric int2–int4"),
+                      (TensorQuantSpec("int5", PerToken(), symmetric=True), "symmetric int2–int4"),
+                      (TensorQuantSpec("int4", PerTokenGroup(4), symmetric=True), "per-token scales")]:
+        with pytest.raises(ValueError, match=msg):
+            fake_quant(x, spec, trellis=T)
+    with pytest.raises(ValueError, match="nu must lie in 4..10"):
+        fake_quant(x, v4, trellis=_table(4, 2))
+    with pytest.raises(ValueError, match="multiples of 1/32"):
+        fake_quant(x, v4, trellis=T + 0.001)
+    with pytest.raises(ValueError, match="1-D"):
+        fake_quant(x, v4, trellis=T.reshape(16, 16))
+    with pytest.raises(ValueError, match="neither scale nor clip_ratio"):
+        fake_quant(x, v4, trellis=T, clip_ratio=0.9)
+    with pytest.raises(ValueError, match="does not combine"):
+        fake_quant(x, v4, trellis=T, levels=torch.linspace(-1, 1, 16))
+
+
+def test_plan_artifact_round_trip_and_refusals():
+    from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.plan import KVPlan, LayerPlan, SidePlan
+
+    H, D = 2, 8
+    kspec = TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=False)
+    vspec = TensorQuantSpec("int4", PerToken(), symmetric=True)
+    T = _table(4, 4)
+    plan = KVPlan([LayerPlan(SidePlan(kspec, clip_ratio=torch.ones(H)), SidePlan(vspec, trellis=T))])
+    meta = {"model": {"num_layers": 1, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
+    t = plan.to_tensors()
+    assert t["model.layers.0.self_attn.v_trellis"].shape == (256,)
+    back = KVPlan.from_artifact(t, meta)
+    x = torch.randn(1, H, 12, D)
+    assert torch.equal(back.fake_quant(0, "v", x), plan.fake_quant(0, "v", x))
+    assert plan.kv_config(0).value_trellis == 256
+    bad = dict(t)
+    bad["model.layers.0.self_attn.v_trellis"] = T + 0.01
+    with pytest.raises(ValueError, match=r"v_trellis \(int4 token sym side\): trellis entries must be multiples"):
+        KVPlan.from_artifact(bad, meta)
+    bad = dict(t)
+    bad["model.layers.0.self_attn.k_trellis"] = T
+    with pytest.raises(ValueError, match="k_trellis: trellis tables are for values only"):
+        KVPlan.from_artifact(bad, meta)
+    bad = dict(t)
+    bad["model.layers.0.self_attn.v_clip_ratio"] = torch.ones(H)
+    with pytest.raises(ValueError, match="takes no clip_ratio"):
+        KVPlan.from_artifact(bad, meta)
+
+
+def test_runtime_with_trellis_equals_protocol_a_and_accounting():
+    from test_transforms import H as TH
+    from test_transforms import L as TL
+    from test_transforms import decode_and_protocol_a, prefill_matches_protocol_a, tiny_model, transform_plan
+
+    from kvcal.formats.granularity import PerToken
+    from kvcal.formats.memory import cache_bytes
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.runtime import QuantizedKVCache
+
+    model = tiny_model()
+    kspec = TensorQuantSpec("int4", PerToken(), symmetric=False)
+    plan = transform_plan(model, sinks=1, k_spec=kspec)
+    for i, lp in enumerate(plan.layers):
+        lp.v.trellis = _table(4, 4, seed=i)
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(6))
+    cache = prefill_matches_protocol_a(model, plan, ids)
+    plain = transform_plan(model, sinks=1, k_spec=kspec)
+    c2 = QuantizedKVCache(plain, model.config)
+    with torch.no_grad():
+        model(ids, cache=c2, use_cache=True)
+    assert cache.allocated_bytes() - c2.allocated_bytes() == TL * 256  # int8 tables, same payload and scales
+    mc = {"num_hidden_layers": TL, "num_key_value_heads": TH, "head_dim": 16, "num_attention_heads": TH}
+    assert cache_bytes(mc, plan.kv_config(0), 64) - cache_bytes(mc, plain.kv_config(0), 64) == TL * 256
+    got, ref = decode_and_protocol_a(model, plan, ids, 5, 20)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

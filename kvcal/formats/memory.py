@@ -43,7 +43,8 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
      - sides with per-channel bit widths (``key_channel_bits`` / ``value_channel_bits``): the
        widths table ``uint8 [H, D]``;
      - sides with non-uniform levels (``key_levels`` / ``value_levels``): the table
-       ``float32 [H, 2^b]``.
+       ``float32 [H, 2^b]``;
+     - trellis-coded values (``value_trellis = n``): the table, ``int8 [n]``.
 
 :func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
 :class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns
@@ -155,15 +156,15 @@ def levels_bytes(spec, H: int) -> int:
 
 
 def side_extra_bytes(spec: TensorQuantSpec, H: int, D: int, *, centering: bool = False, rounding: bool = False,
-                     channel_bits: bool = False, levels: bool = False) -> int:
+                     channel_bits: bool = False, levels: bool = False, trellis: int = 0) -> int:
     """Per-layer metadata bytes a side's options add beyond its spec's own (0 for an unquantized
     side): key-centering mean ``float32 [1,H,1,D]``, query-aware rounding triangle
     (:func:`rounding_bytes`), per-channel widths ``uint8 [H, D]``, non-uniform levels
-    (:func:`levels_bytes`)."""
+    (:func:`levels_bytes`), a trellis table of ``trellis`` int8 entries."""
     if not spec.is_quantized:
         return 0
     return ((H * D * 4 if centering else 0) + (rounding_bytes(H, D) if rounding else 0)
-            + (H * D if channel_bits else 0) + (levels_bytes(spec, H) if levels else 0))
+            + (H * D if channel_bits else 0) + (levels_bytes(spec, H) if levels else 0) + int(trellis))
 
 
 def rounding_bytes(H: int, D: int) -> int:
@@ -304,7 +305,8 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1) -> Memo
         acc["static"] += side_extra_bytes(c.key, H, D, centering=c.key_centering, rounding=c.key_rounding,
                                           channel_bits=c.key_channel_bits, levels=c.key_levels)
         acc["static"] += side_extra_bytes(c.value, H, D, rounding=c.value_rounding,
-                                          channel_bits=c.value_channel_bits, levels=c.value_levels)
+                                          channel_bits=c.value_channel_bits, levels=c.value_levels,
+                                          trellis=c.value_trellis)
     conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
     return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
                         acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)

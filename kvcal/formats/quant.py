@@ -75,6 +75,16 @@ extreme); scales below ``base_h · 2^(1/16)`` use code 1, scales above the top c
 all-zero group with non-uniform levels). It halves the per-token metadata of an fp16
 scale (0.125 instead of 0.25 bit per element at ``D = 64``) for about 4.5% more rounding error.
 
+Trellis-coded rows (``trellis=T``, symmetric int2–int4, per-token): each token's row of ``D``
+elements is divided by its scale — the row's RMS (``sqrt(mean(x²))``, rounded up to the stored scale
+dtype or log8 code; an all-zero row gets scale 0) — and Viterbi-encoded against the table ``T``
+(:mod:`kvcal.formats.trellis`: element ``i`` reads back as ``T[w_i] · scale`` with ``w_i`` the last
+``ν + b`` bits of the row's code stream up to code ``i``; QTIP's bitshift trellis). The payload is
+the same ``b`` bits per element as plain codes (stored unsigned, packed as usual). ``T`` has
+``2^(ν+b)`` entries, ``b ≤ ν ≤ 10``, each a multiple of 1/32 in ``[-127/32, 127/32]`` — an int8 table
+in units of 1/32 of the scale, which is what the memory accounting counts (``2^(ν+b)`` bytes per
+layer; :data:`TRELLIS_UNIT`). Fitted per layer by :func:`kvcal.search.optimizer.fit_trellis`.
+
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
 quantizing them would silently poison a whole group), non-positive / non-finite scales or clip
 ratios, a scale that overflows its storage dtype, or parameters of the wrong shape.
@@ -117,6 +127,8 @@ class QuantizedTensor:
     * ``levels``: non-uniform levels ``float32 [H, 2^b]`` when quantized with ``levels=`` (codes
       stored unsigned, ``scale`` = the group's clipped absmax), else ``None``.
     * ``scale_base``: ``float32 [H]`` base of log8 scales (``scale`` then holds ``uint8`` codes), else ``None``.
+    * ``trellis``: the trellis table ``float32 [2^(ν+b)]`` when quantized with ``trellis=`` (codes
+      stored unsigned, ``scale`` = the row's RMS), else ``None``.
     * ``shape``: logical ``(B, H, S, D)``; ``dtype``: the input's dtype (what dequantize returns).
     """
 
@@ -130,6 +142,7 @@ class QuantizedTensor:
     channel_bits: torch.Tensor | None = None
     levels: torch.Tensor | None = None
     scale_base: torch.Tensor | None = None
+    trellis: torch.Tensor | None = None
 
     @property
     def payload_nbytes(self) -> int:
@@ -401,7 +414,7 @@ def xg_is_5d(gran) -> bool:
 # ---- the core: grouped fp32 view -> codes and back ------------------------------------------------
 
 def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale, x_for_static, top=None,
-            scale_base=None, levels: bool = False):
+            scale_base=None, levels: bool = False, rms: bool = False):
     """Returns fp32 params broadcastable to xg: (s, zp|None, block_scale_fp8|None, global|None),
     plus the stored tensors (scale, zero_point)."""
     kind = spec.format.kind
@@ -449,7 +462,12 @@ def _params(xg, lay: _Layout, spec, scale, zero_point, clip_ratio, global_scale,
         c = _clip_view(clip_ratio, lay.H, xg.ndim, xg.device)
         red = lay.red
         if spec.symmetric:
-            amax = xg.abs().amax(dim=red, keepdim=True) if xg.numel() else _empty_stat(xg, lay)
+            if not xg.numel():
+                amax = _empty_stat(xg, lay)
+            elif rms:  # trellis rows: the scale is the row's RMS
+                amax = xg.pow(2).mean(dim=red, keepdim=True).sqrt()
+            else:
+                amax = xg.abs().amax(dim=red, keepdim=True)
             s_g, zp_g = params_from_range(spec, amax=amax, clip_ratio=c, scale_base=base, levels=levels)
         else:
             if xg.numel():
@@ -583,6 +601,57 @@ def check_levels(levels, spec: TensorQuantSpec, H: int) -> torch.Tensor:
     return L
 
 
+#: Trellis tables are int8 in units of 1/TRELLIS_UNIT of the row's scale; the largest state count.
+TRELLIS_UNIT, TRELLIS_MAX_NU = 32, 10
+
+
+def check_trellis(trellis, spec: TensorQuantSpec, D: int) -> torch.Tensor:
+    """Validated trellis table ``float32 [2^(ν+b)]`` for ``spec`` and head_dim ``D`` (module docstring).
+
+    Needs a symmetric int2–int4 spec with per-token scales, ``D`` a multiple of the spec's packing
+    unit, and a 1-D table of ``2^(ν+b)`` entries (``b ≤ ν ≤ 10``), each a multiple of
+    ``1/TRELLIS_UNIT`` in ``[-127, 127] / TRELLIS_UNIT``. Raises ``ValueError`` naming the first rule broken."""
+    if spec.format.kind != "int" or not spec.symmetric or not 2 <= spec.bits <= 4:
+        raise ValueError(f"a trellis table needs a symmetric int2–int4 spec, got {spec.format.value}"
+                         f"{'' if spec.symmetric else ' asymmetric'}")
+    if not isinstance(spec.granularity, PerToken):
+        raise ValueError(f"a trellis table needs per-token scales (one row per token and head), not {spec.granularity.name}")
+    if spec.padded_dims(1, D)[1] != D:
+        raise ValueError(f"a trellis table needs head_dim a multiple of the {spec.bits}-bit packing unit")
+    try:
+        t = torch.as_tensor(trellis)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"trellis must be a float tensor [2^(nu+bits)], got {type(trellis).__name__}") from None
+    n = t.numel()
+    if t.ndim != 1 or not t.is_floating_point() or n < 2 or n & (n - 1):
+        raise ValueError(f"trellis must be a 1-D float tensor of 2^(nu+bits) entries, got {t.dtype} {tuple(t.shape)}")
+    nu = n.bit_length() - 1 - spec.bits
+    if not spec.bits <= nu <= TRELLIS_MAX_NU:
+        raise ValueError(f"a {n}-entry trellis table with {spec.bits}-bit codes has nu={nu}; "
+                         f"nu must lie in {spec.bits}..{TRELLIS_MAX_NU}")
+    T = t.float().contiguous()
+    k = T * TRELLIS_UNIT
+    if not bool(torch.isfinite(T).all()) or bool((k != k.round()).any()) or bool((k.abs() > 127).any()):
+        raise ValueError(f"trellis entries must be multiples of 1/{TRELLIS_UNIT} within ±127/{TRELLIS_UNIT} "
+                         "(an int8 table; round with kvcal.search.optimizer.fit_trellis)")
+    return T
+
+
+def _trellis_codes(xg, s, T: torch.Tensor, bits: int) -> torch.Tensor:
+    """Viterbi codes (fp32) of the rows ``xg / s`` ``[B,H,S,D]`` (rows with scale 0 encode zeros)."""
+    from kvcal.formats import trellis as tr
+
+    u = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+    return tr.encode(u.reshape(-1, u.shape[-1]), T.to(u.device), bits).reshape(u.shape).float()
+
+
+def _trellis_values(q, s, T: torch.Tensor, bits: int) -> torch.Tensor:
+    """``T[w_i] * s`` for codes ``q [B,H,S,D]``."""
+    from kvcal.formats import trellis as tr
+
+    return tr.decode(q.long().reshape(-1, q.shape[-1]), T.to(q.device), bits).reshape(q.shape) * s
+
+
 def _level_codes(xg, s, L: torch.Tensor, lay: _Layout) -> torch.Tensor:
     """Index of the nearest level (ties to the lower one) of ``xg / s``, per KV head (dim 1); groups
     with scale 0 (all zero) get the level nearest 0 (they dequantize to 0 whatever it is)."""
@@ -699,6 +768,7 @@ def quantize(
     channel_bits: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
     scale_base: torch.Tensor | None = None,
+    trellis: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x [B, H_kv, S, D]`` (any float dtype) to packed storage.
 
@@ -714,7 +784,9 @@ def quantize(
     ``qmax = 2^W − 1`` (what the runtime cache does). ``levels``: non-uniform levels ``[H, 2^b]``
     (symmetric int2–int6, per-token / per-token-group; :func:`check_levels`; not with ``rounding``,
     ``channel_bits`` or an explicit ``scale``). ``scale_base``: per-head base ``[H]`` of log8 scales
-    (required for, and only for, ``scale_dtype="log8"``; see :func:`log8_base`). 16-bit specs return
+    (required for, and only for, ``scale_dtype="log8"``; see :func:`log8_base`). ``trellis``: a
+    trellis table ``[2^(ν+b)]`` (symmetric int2–int4, per-token; :func:`check_trellis`; not with
+    ``levels``, ``rounding``, ``channel_bits``, ``scale`` or ``clip_ratio``). 16-bit specs return
     ``data = x`` cast to fp16/bf16 with no parameters. Raises ``ValueError`` (see module docstring).
     """
     _check_input(x, check_finite)
@@ -726,18 +798,22 @@ def quantize(
     w = None if channel_bits is None else check_channel_bits(channel_bits, spec, lay.H, lay.D)
     top = None if w is None else _top_codes(w, lay, x.device)
     L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
+    T = _trellis_arg(trellis, spec, lay, L, rounding, channel_bits, scale, clip_ratio)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top,
-                                       scale_base, L is not None)
-    q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top, L))  # [B,H,S_g,D_g]
+                                       scale_base, L is not None or T is not None, T is not None)
+    if T is not None:
+        q = _trellis_codes(xg, s, T, spec.bits)
+    else:
+        q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top, L))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
         data = F.pad(q.float(), (0, lay.D_pad - lay.D_g)).to(q.dtype) if lay.D_pad > lay.D_g else q
     elif kind == "nvfp4":
         data = pack(F.pad(q, (0, lay.D_pad - lay.D_g)), 4)
     else:
-        if spec.symmetric and L is None:
+        if spec.symmetric and L is None and T is None:
             q = q + 2 ** (spec.bits - 1) if spec.bits < 8 else q
         q = F.pad(q, (0, lay.D_pad - lay.D_g)) if lay.D_pad > lay.D_g else q
         if w is not None:
@@ -748,7 +824,7 @@ def quantize(
             data = pack(q.to(torch.uint8), spec.bits)
     return QuantizedTensor(data.contiguous(), s_st.contiguous(), None if zp_st is None else zp_st.contiguous(),
                            shape, spec, x.dtype, gs, w, L,
-                           None if scale_base is None else check_scale_base(scale_base, lay.H).to(x.device))
+                           None if scale_base is None else check_scale_base(scale_base, lay.H).to(x.device), T)
 
 
 def _levels_arg(levels, spec, lay: _Layout, rounding, channel_bits, scale) -> torch.Tensor | None:
@@ -759,6 +835,17 @@ def _levels_arg(levels, spec, lay: _Layout, rounding, channel_bits, scale) -> to
     if scale is not None:
         raise ValueError("non-uniform levels take the group's absmax as scale; pass clip_ratio, not scale")
     return check_levels(levels, spec, lay.H)
+
+
+def _trellis_arg(trellis, spec, lay: _Layout, L, rounding, channel_bits, scale, clip_ratio) -> torch.Tensor | None:
+    if trellis is None:
+        return None
+    if L is not None or rounding is not None or channel_bits is not None:
+        raise ValueError("a trellis table does not combine with non-uniform levels, query-aware rounding or "
+                         "per-channel widths")
+    if scale is not None or clip_ratio is not None:
+        raise ValueError("trellis rows take their RMS as scale; pass neither scale nor clip_ratio")
+    return check_trellis(trellis, spec, lay.D)
 
 
 def _stored_scale(qt: QuantizedTensor) -> torch.Tensor:
@@ -786,7 +873,7 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
         q = unpack(d, 4, lay.D_g)
     elif qt.channel_bits is not None:
         q = unpack_channels(d, qt.channel_bits).to(torch.int16)
-    elif qt.levels is not None:
+    elif qt.levels is not None or qt.trellis is not None:
         q = unpack(d, spec.bits, lay.D_g)
     elif spec.bits == 8:
         q = d[..., : lay.D_g]
@@ -802,7 +889,10 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
         s = lay.from_stored(_stored_scale(qt))
         zp = None if qt.zero_point is None else lay.from_stored(qt.zero_point.float())
     L = None if qt.levels is None else torch.broadcast_to(qt.levels.float(), (lay.H, 2**spec.bits))  # checked by quantize
-    out = lay.ungroup(_dequant_codes(qg, s, zp, spec, L))
+    if qt.trellis is not None:
+        out = _trellis_values(qg, s, qt.trellis.float(), spec.bits)
+    else:
+        out = lay.ungroup(_dequant_codes(qg, s, zp, spec, L))
     return out[:, :, : lay.S, : lay.D].to(dtype)
 
 
@@ -819,6 +909,7 @@ def fake_quant(
     channel_bits: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
     scale_base: torch.Tensor | None = None,
+    trellis: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` computed without packing (the fast path for search).
 
@@ -831,9 +922,14 @@ def fake_quant(
     lay = _Layout(spec, tuple(x.shape))
     top = None if channel_bits is None else _top_codes(check_channel_bits(channel_bits, spec, lay.H, lay.D), lay, x.device)
     L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
+    T = _trellis_arg(trellis, spec, lay, L, rounding, channel_bits, scale, clip_ratio)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
-    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, scale_base, L is not None)
+    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, scale_base,
+                       L is not None or T is not None, T is not None)
+    if T is not None:
+        y = _trellis_values(_trellis_codes(xg, s, T, spec.bits), s, T, spec.bits)
+        return y[:, :, : lay.S, : lay.D].to(x.dtype)
     y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding, top, L), s, zp, spec, L))
     return y[:, :, : lay.S, : lay.D].to(x.dtype)
 
@@ -842,8 +938,9 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
     """Per-element quantization step (fp32 ``[B,H,S,D]``) for int formats: the scale broadcast
     to every element (error bounds in tests are half of this)."""
     spec = qt.spec
-    if spec.format.kind != "int" or qt.levels is not None:
-        raise ValueError("quant_step is defined for int formats with uniform grids (not nvfp4/fp8/non-uniform levels)")
+    if spec.format.kind != "int" or qt.levels is not None or qt.trellis is not None:
+        raise ValueError("quant_step is defined for int formats with uniform grids (not nvfp4/fp8/non-uniform "
+                         "levels/trellis tables)")
     lay = _Layout(spec, qt.shape)
     s = lay.from_stored(_stored_scale(qt))
     xg_shape = lay.group(torch.empty(lay.B, lay.H, lay.S_g, lay.D_g, device="meta")).shape
@@ -854,6 +951,6 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
 __all__ = [
     "QuantizedTensor", "quantize", "dequantize", "fake_quant", "params_from_range",
     "nvfp4_global_scale", "round_scale_up", "zero_point_limit", "quant_step", "rounding_matrix", "unit_rounding", "E2M1_VALUES",
-    "check_channel_bits", "check_levels", "log8_encode", "log8_decode", "log8_base", "check_scale_base", "LOG8_STEPS", "LOG8_TOP",
+    "check_channel_bits", "check_levels", "check_trellis", "TRELLIS_UNIT", "TRELLIS_MAX_NU", "log8_encode", "log8_decode", "log8_base", "check_scale_base", "LOG8_STEPS", "LOG8_TOP",
     "DEFAULTS",
 ]

@@ -304,7 +304,9 @@ class KVCacheConfig:
     ``value_channel_bits``: the side has per-channel payload widths (``uint8 [H, D]`` per layer,
     counted as per-layer metadata; the rows keep the spec's size). ``key_levels`` /
     ``value_levels``: the side uses non-uniform levels (``float32 [H, 2^b]`` per layer, counted as
-    per-layer metadata; :func:`kvcal.formats.quant.check_levels`). Raises
+    per-layer metadata; :func:`kvcal.formats.quant.check_levels`). ``value_trellis``: the values are
+    trellis-coded with a table of this many int8 entries per layer (0 = no trellis; counted as per-layer
+    metadata; :func:`kvcal.formats.quant.check_trellis`). Raises
     ``ValueError`` on negative windows or another 16-bit dtype.
     """
 
@@ -320,6 +322,7 @@ class KVCacheConfig:
     value_channel_bits: bool = False
     key_levels: bool = False
     value_levels: bool = False
+    value_trellis: int = 0
 
     def __post_init__(self):
         for side in ("key", "value"):
@@ -328,7 +331,7 @@ class KVCacheConfig:
                 object.__setattr__(self, side, TensorQuantSpec(s))
             elif not isinstance(s, TensorQuantSpec):
                 raise ValueError(f"{side} must be a TensorQuantSpec, got {type(s).__name__}")
-        for name in ("residual_window", "sink_tokens"):
+        for name in ("residual_window", "sink_tokens", "value_trellis"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -363,6 +366,7 @@ class KVCacheConfig:
             "value_channel_bits": self.value_channel_bits,
             "key_levels": self.key_levels,
             "value_levels": self.value_levels,
+            "value_trellis": self.value_trellis,
         }
 
     @classmethod
@@ -378,6 +382,7 @@ class KVCacheConfig:
             bool(d.get("value_channel_bits", False)),
             bool(d.get("key_levels", False)),
             bool(d.get("value_levels", False)),
+            int(d.get("value_trellis", 0)),
         )
 
 

@@ -74,10 +74,12 @@ import torch.nn.functional as F
 from kvcal.errors import ArtifactError
 from kvcal.formats.fp8 import FP8_FORMATS
 from kvcal.formats.quant import (
+    TRELLIS_UNIT,
     QuantizedTensor,
     check_channel_bits,
     check_levels,
     check_scale_base,
+    check_trellis,
     dequantize,
     nvfp4_global_scale,
     params_from_range,
@@ -142,6 +144,9 @@ class _Side:
         self.levels = None  # float32 [H, 2^b] non-uniform levels (codes index them)
         if self.quantized and sp.levels is not None:
             self.levels = check_levels(sp.levels, self.spec, H).clone()
+        self.trellis = None  # int8 [2^(nu+b)] trellis table in units of 1/TRELLIS_UNIT of the row's scale
+        if self.quantized and sp.trellis is not None:
+            self.trellis = (check_trellis(sp.trellis, self.spec, D) * TRELLIS_UNIT).round().to(torch.int8)
         self.scale_base = None  # float32 [H] base of log8 per-token scales
         if self.quantized and self.spec.scale_dtype == LOG8:
             if sp.scale_base is None:
@@ -187,7 +192,7 @@ class _Side:
 
     def metadata_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.static_scale, self.static_zp, self.clip, self.global_scale, self.rounding,
-                            self.channel_bits, self.levels, self.scale_base) if t is not None]
+                            self.channel_bits, self.levels, self.trellis, self.scale_base) if t is not None]
 
     def batch_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.sink, self.win, self.data, self.scale, self.zp, self.open_rng) if t is not None]
@@ -200,7 +205,7 @@ class _Side:
 
     # ---- allocation ---------------------------------------------------------------------------
     def _move(self, device):
-        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding", "channel_bits", "levels", "scale_base"):
+        for name in ("static_scale", "static_zp", "clip", "global_scale", "mean", "rounding", "channel_bits", "levels", "trellis", "scale_base"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -313,6 +318,8 @@ class _Side:
             kw["levels"] = self.levels
         if self.scale_base is not None:
             kw["scale_base"] = self.scale_base
+        if self.trellis is not None:
+            kw["trellis"] = self._trellis_table()
         qt = quantize(x, spec, **kw)
         s_pad = qt.data.shape[2]
         self.data[:, :, q0 : q0 + s_pad] = qt.data
@@ -323,6 +330,10 @@ class _Side:
             if self.zp is not None:
                 self.zp[:, :, r0 : r0 + n] = qt.zero_point
         self.n_q = self.n_q + e
+
+    def _trellis_table(self) -> torch.Tensor:
+        """The int8 trellis table as the float32 values it encodes (exact)."""
+        return self.trellis.float() / TRELLIS_UNIT
 
     def _token_group_params(self, x: torch.Tensor, q0: int):
         """Per-channel-token-group sides: ``(tokens to quantize, first slot, explicit scale / zero
@@ -377,7 +388,8 @@ class _Side:
             scale, zp = self.static_scale, self.static_zp
         gs = self.global_scale.reshape(1, 1, 1, 1) if self.global_scale is not None else None
         return QuantizedTensor(data, scale, zp, (self.B, self.H, b - a, self.D), spec, self.dtype, gs,
-                               self.channel_bits, self.levels, self.scale_base)
+                               self.channel_bits, self.levels, self.scale_base,
+                               None if self.trellis is None else self._trellis_table())
 
     # ---- read -----------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:
