@@ -649,8 +649,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         return cache[key]
 
     def run(layer, side, choice, refine):
-        spec, tr, rounding, clip_search, chbits, lv = choice
-        key = ("search", layer, side, spec, tr, rounding, clip_search, chbits, lv, refine, s_try, key_centering,
+        spec, tr, rounding, clip_search, chbits, lv, tnu = choice
+        key = ("search", layer, side, spec, tr, rounding, clip_search, chbits, lv, tnu, refine, s_try, key_centering,
                obj[side], max_queries)
         if key not in cache:
             cal, held = caches(layer)
@@ -658,7 +658,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine,
                                      transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding,
-                                     grid=None if clip_search else (1.0,), channel_bits=chbits, levels=lv)
+                                     grid=None if clip_search else (1.0,), channel_bits=chbits, levels=lv,
+                                     trellis_nu=tnu)
         return cache[key]
 
     menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
@@ -676,7 +677,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                 costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_cost, residual_window,
                                            side_extra_bytes(c.spec, H, D, centering=r.plan.mean is not None,
                                                             rounding=c.rounding, channel_bits=c.channel_bits,
-                                                            levels=c.levels))
+                                                            levels=r.plan.levels is not None,
+                                                            trellis=_trellis_entries(r.plan)))
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
@@ -812,6 +814,7 @@ def render_int_report(meta: dict) -> str:
             out += f", {side['transform'].replace('_', '-')}"
         out += ", query-aware rounding" if side.get("rounding") else ""
         out += ", non-uniform levels" if side.get("levels") else ""
+        out += f", trellis-coded (nu={side['trellis']['nu']})" if side.get("trellis") else ""
         return out + (", per-channel bit widths" if side.get("channel_bits") else "")
 
     def pick_cell(side: dict) -> str:
@@ -1100,6 +1103,11 @@ def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, con
         raise KvcalError(f"--bits {bits}: even the cheapest choice for every layer needs {avg:.4f} bits per "
                          f"element at {context} tokens (payload, scales, tables and {sinks} 16-bit sink tokens); "
                          f"raise --bits to at least {math.ceil(avg * 100) / 100:.2f}")
+
+
+def _trellis_entries(sp) -> int:
+    """Entries (= bytes, int8) of a side plan's trellis table, 0 without one."""
+    return 0 if sp.trellis is None else int(sp.trellis.numel())
 
 
 def bits_precheck(bits: float, config, context: int, sinks: int | None, residual_window: int) -> None:

@@ -241,3 +241,66 @@ def test_runtime_with_trellis_equals_protocol_a_and_accounting():
     assert cache_bytes(mc, plan.kv_config(0), 64) - cache_bytes(mc, plain.kv_config(0), 64) == TL * 256
     got, ref = decode_and_protocol_a(model, plan, ids, 5, 20)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_kernel_dispatch_dequantizes_trellis_on_the_torch_reference():
+    from kvcal.formats.granularity import PerToken
+    from kvcal.formats.quant import dequantize, quantize
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.kernels import dequantize as kdeq
+
+    spec = TensorQuantSpec("int4", PerToken(), symmetric=True)
+    x = torch.randn(1, 2, 3, 16, generator=torch.Generator().manual_seed(0))
+    qt = quantize(x, spec, trellis=_table(4, 4))
+    assert torch.equal(kdeq(qt, backend="triton"), dequantize(qt))
+
+
+def _caches(seed, n=4, H=2, T=100, D=64):
+    from kvcal.search.objectives import SequenceCache
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        v = torch.randn(H, T, D, generator=g) * torch.linspace(0.5, 2, T)[None, :, None]
+        out.append(SequenceCache(q=torch.randn(2 * H, T, D, generator=g), k=torch.randn(H, T, D, generator=g), v=v,
+                                 scaling=D ** -0.5))
+    return out
+
+
+def test_fit_trellis_and_search_side_guard():
+    from kvcal.formats.granularity import PerToken, PerTokenGroup
+    from kvcal.formats.spec import TensorQuantSpec
+    from kvcal.search.optimizer import fit_trellis, search_side, side_error
+
+    spec = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
+    cal, held = _caches(1, D=64, T=100), _caches(2, D=64, T=100)  # the model's head_dim (absmax scales do
+    # better than the trellis's RMS on rows as short as 16)
+    T = fit_trellis(cal, spec, 4, "hadamard", sinks=1, scale_base=torch.tensor([1e-3, 1e-3]), iters=4)
+    assert T.shape == (256,) and torch.equal(T * 32, (T * 32).round()) and float(T.abs().max()) <= 127 / 32
+    r = search_side(cal, held, "v", spec, sinks=1, transform="hadamard", grid=(1.0,), levels=True, trellis_nu=4)
+    lv = search_side(cal, held, "v", spec, sinks=1, transform="hadamard", grid=(1.0,), levels=True)
+    tr_err, lv_err = r.extra["trellis_heldout"], r.extra["trellis_levels_heldout"]
+    assert lv_err == pytest.approx(lv.heldout)
+    # near-Gaussian rotated rows: the trellis wins on held-out, and the plan is the trellis one
+    assert tr_err < lv_err
+    assert r.plan.trellis is not None and r.plan.levels is None and r.plan.clip_ratio is None
+    assert r.label == ["trellis", "trellis"]
+    n, d = side_error(held, "v", r.plan, None, 1)
+    assert r.heldout == pytest.approx(float(n.sum() / d.sum()))
+    assert r.heldout <= r.heldout_minmax
+    assert r.to_meta()["trellis"] == {"entries": 256, "nu": 4}
+    # a layer whose levels do better keeps them: a table of zeros cannot win
+    import kvcal.search.optimizer as opt
+
+    orig = opt.fit_trellis
+    opt.fit_trellis = lambda *a, **k: torch.zeros(256)
+    try:
+        r0 = search_side(cal, held, "v", spec, sinks=1, transform="hadamard", grid=(1.0,), levels=True, trellis_nu=4)
+    finally:
+        opt.fit_trellis = orig
+    assert r0.plan.trellis is None and r0.plan.levels is not None and r0.heldout == pytest.approx(lv.heldout)
+    with pytest.raises(ValueError, match="levels=True"):
+        search_side(cal, held, "v", spec, transform="hadamard", trellis_nu=4)
+    with pytest.raises(ValueError, match="per-token int2–int4"):
+        search_side(cal, held, "v", TensorQuantSpec("int4", PerTokenGroup(8), symmetric=True), levels=True,
+                    trellis_nu=4)

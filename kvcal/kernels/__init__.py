@@ -112,9 +112,11 @@ def quantize(
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None, *, backend: str | None = None) -> torch.Tensor:
-    """Same contract as :func:`kvcal.formats.quant.dequantize`, dispatched like :func:`quantize`."""
+    """Same contract as :func:`kvcal.formats.quant.dequantize`, dispatched like :func:`quantize`
+    (trellis-coded tensors always run on the torch reference)."""
     dtype = dtype or qt.dtype
-    if qt.channel_bits is not None or qt.levels is not None or qt.scale_base is not None or _resolve(backend, qt.data.device, qt.spec, qt.shape) == "torch":
+    if (qt.channel_bits is not None or qt.levels is not None or qt.scale_base is not None or qt.trellis is not None
+            or _resolve(backend, qt.data.device, qt.spec, qt.shape) == "torch"):
         return _ref.dequantize(qt, dtype)
     from kvcal.kernels.triton_quant import dequantize_triton
 

@@ -52,6 +52,8 @@ def triton_supports(plan, D: int) -> str | None:
         return "non-uniform levels run on the torch reference"
     if getattr(plan, "scale_base", None) is not None:
         return "log8 scales run on the torch reference"
+    if getattr(plan, "trellis", None) is not None:
+        return "trellis-coded sides run on the torch reference"
     if spec.format.kind != "int":
         return f"{spec.format.value} keys run on the torch reference"
     g = spec.granularity

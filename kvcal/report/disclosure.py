@@ -166,6 +166,13 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
         items.append(f"Values use non-uniform levels (a per-layer table of 2^bits levels fitted on the calibration "
                      f"values; codes index it) in {len(lv)} of {_num(m.get('num_layers'))} layers; the table is counted "
                      "as per-layer metadata (kvcal runtime only).")
+    tl = [lm["layer"] for lm in meta.get("layers") or [] if (lm.get("v") or {}).get("trellis")]
+    if tl:
+        items.append(f"Values are trellis-coded in {len(tl)} of {_num(m.get('num_layers'))} layers (QTIP's bitshift "
+                     "trellis: each element reads a per-layer table at the last ν+b bits of its row's code stream; "
+                     "Viterbi-encoded, same payload; the row's RMS is its scale); the int8 table is counted as "
+                     "per-layer metadata (kvcal runtime only). The other layers keep their levels, which measured "
+                     "lower held-out error there.")
     specs_all = [kv.get("k") or {}, kv.get("v") or {}] + [s.get(x) or {} for s in kv.get("layer_specs") or [] for x in "kv"]
     if any(sp.get("scale_dtype") == "log8" for sp in specs_all):
         items.append("Some per-token scales are stored as log8: one byte per token and head, scale = base · "

@@ -14,6 +14,10 @@ What is searched, for a side (K or V) with a given :class:`~kvcal.formats.spec.T
 * **non-uniform levels** (symmetric per-token / per-token-group values, ``levels=True``): one
   ``2^b``-entry table per layer fitted by Lloyd / k-means on the calibration
   values (:func:`fit_levels`), kept per KV head only where it beats the uniform grid on held-out;
+* **trellis-coded values** (``trellis_nu=ν``, symmetric per-token int2–int4 values searched with
+  ``levels=True``): one ``2^(ν+b)``-entry int8 table per layer fitted by the generalized Lloyd
+  algorithm on the calibration values (:func:`fit_trellis`; :mod:`kvcal.formats.trellis`), kept for
+  the layer (all KV heads share the table) only where its held-out error is below the levels plan's;
 * **key centering** (dynamic keys): a per-channel mean ``[1,H,1,D]`` subtracted before quantizing
   and added back after — exact under softmax (it shifts every score of a query by ``q·μ``);
   kept per KV head only where it lowers the held-out error. Static asymmetric per-channel keys
@@ -39,7 +43,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import check_levels, log8_base, log8_decode, log8_encode, params_from_range
+from kvcal.formats.quant import (
+    TRELLIS_UNIT,
+    check_levels,
+    check_trellis,
+    log8_base,
+    log8_decode,
+    log8_encode,
+    params_from_range,
+)
 from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.transforms import apply_transform
 from kvcal.plan import SidePlan
@@ -337,6 +349,42 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
     return L.float()[None].expand(H0, n).contiguous()
 
 
+def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, transform: str = "none", sinks: int = 0,
+                scale_base: torch.Tensor | None = None, iters: int = 16, max_rows: int = 6000,
+                seed: int = 0) -> torch.Tensor:
+    """Trellis table ``float32 [2^(ν+b)]`` (int8 multiples of ``1/TRELLIS_UNIT``) for a value side.
+
+    The calibration values ``[H, T, D]`` (after ``transform``, first ``sinks`` tokens excluded) are
+    cut into rows, each divided by its stored scale — the row's RMS, rounded as quantization rounds
+    it (log8 code with ``scale_base``, else float16 up) — ``max_rows`` rows are drawn (seeded), and
+    :func:`kvcal.formats.trellis.fit_table` fits the table (QTIP's bitshift trellis, Tseng et al.
+    2024; Lloyd iterations as in TCQ codebook design, Marcellin & Fischer 1990), which is then
+    rounded to the int8 grid the runtime stores. Rows of zeros are left out. Raises ``ValueError``
+    for specs :func:`~kvcal.formats.quant.check_trellis` refuses or when no value rows remain."""
+    from kvcal.formats import trellis as tr
+    from kvcal.formats.quant import round_scale_up
+
+    D0 = caches[0].v.shape[-1] if caches else 0
+    check_trellis(torch.zeros(2 ** (nu + spec.bits)), spec, D0)
+    rows = []
+    for x in _quantized_domain(caches, "v", transform, None, sinks):
+        r = x.pow(2).mean(-1, keepdim=True).sqrt()  # [H, T, 1]
+        if scale_base is not None:
+            b = torch.as_tensor(scale_base).float().reshape(-1, 1, 1)
+            r = log8_decode(log8_encode(r, b), b)
+        else:
+            r = round_scale_up(r, spec.scale_dtype).float()
+        keep = r[..., 0] > 0
+        rows.append((x / torch.where(r > 0, r, torch.ones_like(r)))[keep])
+    u = torch.cat(rows) if rows else torch.zeros(0, D0)
+    if u.shape[0] == 0:
+        raise ValueError("no non-zero value rows after the sinks to fit a trellis table on")
+    g = torch.Generator().manual_seed(seed)
+    u = u[torch.randperm(u.shape[0], generator=g)[:max_rows]]
+    t = tr.fit_table(u, spec.bits, nu, iters=iters, seed=seed)
+    return (t * TRELLIS_UNIT).round().clamp(-127, 127) / TRELLIS_UNIT
+
+
 @dataclass
 class SideSearch:
     """Result of :func:`search_side` for one layer and side.
@@ -366,7 +414,11 @@ class SideSearch:
                 **({} if self.plan.channel_bits is None else
                    {"channel_bits": torch.bincount(self.plan.channel_bits.flatten(), minlength=9)[1:].tolist()}),
                 **({} if self.plan.levels is None else
-                   {"levels": [[round(float(x), 4) for x in row] for row in self.plan.levels]})}
+                   {"levels": [[round(float(x), 4) for x in row] for row in self.plan.levels]}),
+                **({} if self.plan.trellis is None else
+                   {"trellis": {"entries": int(self.plan.trellis.numel()),
+                                "nu": int(self.plan.trellis.numel()).bit_length() - 1 - self.spec.bits}}),
+                **({k: v for k, v in self.extra.items() if k.startswith("trellis_")})}
 
 
 def _refine(caches, side, objective, sinks, build, lo_b, hi_b, x0, f0, H, evals):
@@ -447,6 +499,7 @@ def search_side(
     grid: tuple[float, ...] | None = None,
     channel_bits: bool = False,
     levels: bool = False,
+    trellis_nu: int = 0,
 ) -> SideSearch:
     """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an int ``spec``.
 
@@ -468,8 +521,17 @@ def search_side(
     min/max get uniform widths. ``levels=True`` (values, dynamic symmetric per-token /
     per-token-group int2–int6): every candidate uses the :func:`fit_levels` table of the calibration
     split; the min/max baseline is the uniform grid as a table (:func:`uniform_levels`), which
-    heads whose held-out winner is min/max keep.
+    heads whose held-out winner is min/max keep. ``trellis_nu=ν > 0`` (with ``levels=True``, symmetric
+    per-token int2–int4 values): after the levels search, a :func:`fit_trellis` table of the calibration
+    split replaces the levels for the whole layer when the trellis plan's held-out error is lower
+    (``extra`` records both held-out errors; the guard against min/max still holds).
     """
+    if trellis_nu:
+        if not levels:
+            raise ValueError("a trellis side is searched as an alternative to non-uniform levels (levels=True)")
+        if not isinstance(spec.granularity, PerToken) or not 2 <= spec.bits <= 4:
+            raise ValueError(f"trellis-coded values need a symmetric per-token int2–int4 spec, not "
+                             f"{spec.format.value} {spec.granularity.name}")
     if rounding or channel_bits:
         what = "query-aware rounding is" if rounding else "per-channel bit widths are"
         if side != "k":
@@ -590,9 +652,20 @@ def search_side(
     nc, dc = side_error(calib, side, plan, objective, sinks)
     evals[0] += 1 + 2 * len(held) / max(len(calib), 1)
     assert float(n.sum() / d.sum()) <= float(nb.sum() / db.sum()) * (1 + 1e-6) + 1e-12
+    extra = {"centered_heads": [h for h in range(H) if labels[h].endswith("center")]}
+    if trellis_nu:
+        T = fit_trellis(calib, spec, trellis_nu, transform, sinks, scale_base=base)
+        tplan = SidePlan(spec, transform=transform, scale_base=base, trellis=T)
+        tn, td = side_error(held, side, tplan, objective, sinks)
+        evals[0] += len(held) / max(len(calib), 1)
+        extra.update(trellis_heldout=float(tn.sum() / td.sum()), trellis_levels_heldout=float(n.sum() / d.sum()))
+        if float(tn.sum() / td.sum()) < float(n.sum() / d.sum()):
+            plan, n, d = tplan, tn, td
+            labels, param = ["trellis"] * H, torch.ones(H, dtype=torch.float64)
+            no, do = side_error(held, side, plan, "out", sinks) if (objective or DEFAULT_OBJECTIVE[side]) != "out" else (n, d)
+            nc, dc = side_error(calib, side, plan, objective, sinks)
     return SideSearch(spec, plan, param.float(), labels, float(nc.sum() / dc.sum()), float(n.sum() / d.sum()),
-                      float(nb.sum() / db.sum()), float(no.sum() / do.sum()), evals[0],
-                      {"centered_heads": [h for h in range(H) if labels[h].endswith("center")]})
+                      float(nb.sum() / db.sum()), float(no.sum() / do.sum()), evals[0], extra)
 
 
 def _static_plan_mixed(spec, stats, x: torch.Tensor, families: list[str]) -> SidePlan:
@@ -609,5 +682,5 @@ def _static_plan_mixed(spec, stats, x: torch.Tensor, families: list[str]) -> Sid
 
 
 __all__ = ["search_side", "side_error", "make_plan", "quantize_seq", "SideSearch", "clip_grid", "std_grid",
-           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding", "channel_bit_allocation", "water_fill_bits", "fit_levels", "uniform_levels",
+           "OBJECTIVES", "DEFAULT_OBJECTIVE", "query_rounding", "channel_bit_allocation", "water_fill_bits", "fit_levels", "uniform_levels", "fit_trellis",
            "log8_scale_base"]

@@ -94,7 +94,9 @@ class SideChoice(NamedTuple):
     query-aware rounding (:func:`kvcal.search.optimizer.query_rounding`); ``clip_search=False``
     keeps dynamic ranges at min/max (clip ratio 1) instead of searching them; ``channel_bits``: keys
     get per-channel payload widths (:func:`kvcal.search.optimizer.channel_bit_allocation`); ``levels``:
-    values use a fitted non-uniform grid (:func:`kvcal.search.optimizer.fit_levels`)."""
+    values use a fitted non-uniform grid (:func:`kvcal.search.optimizer.fit_levels`); ``trellis_nu``
+    (with ``levels``): a trellis table with ``2^trellis_nu`` states replaces the levels in the layers
+    where it measures lower held-out error (:func:`kvcal.search.optimizer.fit_trellis`; 0 = never)."""
 
     spec: TensorQuantSpec
     transform: str = "none"
@@ -102,18 +104,24 @@ class SideChoice(NamedTuple):
     clip_search: bool = True
     channel_bits: bool = False
     levels: bool = False
+    trellis_nu: int = 0
+
+
+#: Trellis state bits of the int4 values (a 1024-entry int8 table per layer; ``benchmarks/probe_trellis.py``)
+TRELLIS_NU = 6
 
 
 def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True, channel_bits=False, levels=False,
-       scale_dtype=None):
+       scale_dtype=None, trellis_nu=0):
     return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym, scale_dtype=scale_dtype), transform, rounding,
-                      clip_search, channel_bits, levels)
+                      clip_search, channel_bits, levels, trellis_nu)
 
 
 INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
     "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
     "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
-             _s("int4", PerToken(), True, "hadamard", clip_search=False, levels=True, scale_dtype="log8")),
+             _s("int4", PerToken(), True, "hadamard", clip_search=False, levels=True, scale_dtype="log8",
+                trellis_nu=TRELLIS_NU)),
     "int2": (_s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
              _s("int2", PerTokenGroup(32), False, "hadamard")),
     "k4v2": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
@@ -146,7 +154,7 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
         _s("int2", PerTokenGroup(32), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
         _s("int3", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
         _s("int4", PerToken(), True),
-        _s("int4", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
+        _s("int4", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8", trellis_nu=TRELLIS_NU),
         _s("int4", PerTokenGroup(32), False),
         _s("int5", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
         _s("int6", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
@@ -174,20 +182,25 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     out = out + "/qround" if rounding else out
     out = out + "/chbits" if isinstance(spec_in, SideChoice) and spec_in.channel_bits else out
     out = out + "/levels" if isinstance(spec_in, SideChoice) and spec_in.levels else out
+    out = out + f"/trellis{spec_in.trellis_nu}" if isinstance(spec_in, SideChoice) and spec_in.trellis_nu else out
     return out + "/log8" if spec.scale_dtype == LOG8 else out
 
 
 def preset_cache_config(name: str, sink_tokens: int = 0, residual_window: int = 0) -> KVCacheConfig:
     """The cache layout ``kvcal calibrate --preset name`` writes (``name`` in :data:`INT_PRESETS`),
     as a :class:`~kvcal.formats.spec.KVCacheConfig` whose per-layer metadata flags (rounding
-    triangle, channel widths, levels tables) make :func:`kvcal.formats.memory.memory_report` count
+    triangle, channel widths, levels or trellis tables) make :func:`kvcal.formats.memory.memory_report` count
     exactly the bytes the runtime cache allocates for such an artifact. Key centering, which the
-    search turns on per run (``int8``), is not counted (``H·D·4`` bytes per layer when it is).
+    search turns on per run (``int8``), is not counted (``H·D·4`` bytes per layer when it is); value
+    sides that may use a trellis table are counted with it in every layer (the upper bound: a layer
+    whose guard keeps the levels stores ``4·H·2^b`` bytes instead of ``2^(ν+b)``).
     Raises ``KeyError`` for another name."""
     k, v = INT_PRESETS[name]
+    vt = 2 ** (v.trellis_nu + v.spec.bits) if v.trellis_nu else 0
     return KVCacheConfig(k.spec, v.spec, residual_window=residual_window, sink_tokens=sink_tokens,
                          key_rounding=k.rounding, value_rounding=v.rounding, key_channel_bits=k.channel_bits,
-                         value_channel_bits=v.channel_bits, key_levels=k.levels, value_levels=v.levels)
+                         value_channel_bits=v.channel_bits, key_levels=k.levels, value_levels=v.levels and not vt,
+                         value_trellis=vt)
 
 
 #: Names ``kvcal memory --format`` and ``kvcal plan --kv-config`` accept: the calibrate presets
