@@ -10,6 +10,10 @@ setting), and data efficiency (absmax with 64 samples vs kvcal with 16).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_optimizer.py            # ~15-25 min on 2 CPU cores
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_optimizer.py --quick    # smoke run
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_optimizer.py --only int4  # the int4 rows (~45 min)
+
+``--only int4`` re-measures just the int4 target's rows (KIVI-4, the ``int4`` preset with its K/V split,
+``--bits 4.25`` with the probe) on the same calibration and windows, into ``bench_optimizer_int4.json``.
 
 Writes ``bench_out/bench_optimizer.json`` (gitignored) and prints the table with ratios.
 """
@@ -52,7 +56,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="2 eval windows, 16 samples, fewer probes")
     ap.add_argument("--out", default=str(REPO / "bench_out" / "bench_optimizer.json"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=["int4"], default=None, help="just the rows of one target")
     a = ap.parse_args()
+    if a.only and a.out == str(REPO / "bench_out" / "bench_optimizer.json"):
+        a.out = str(REPO / "bench_out" / f"bench_optimizer_{a.only}.json")
     if a.quick:
         a.calib_samples, a.windows, a.corr_layers = 16, 2, 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,24 +102,27 @@ def main():
     plans: dict[str, object] = {}
     timings = {}
     # ---- FP8 ----------------------------------------------------------------------------------
-    unity = [(torch.ones(1), torch.ones(1))] * L
-    absmax = [(cap.stats.k[i].finalize()["tensor_absmax"].reshape(1) / 448,
-               cap.stats.v[i].finalize()["tensor_absmax"].reshape(1) / 448) for i in range(L)]
-    plans["fp8 unity"] = fp8_plan(unity, L)
-    plans["fp8 absmax (llm-compressor) @64" if a.calib_samples == 64 else "fp8 absmax"] = fp8_plan(absmax, L)
-    for gran in ("tensor", "head"):
-        t0 = time.perf_counter()
-        rows = search_scales(cap, "fp8_e4m3", gran == "head", a.max_queries, progress=False)
-        timings[f"fp8 {gran}"] = time.perf_counter() - t0
-        plans[f"fp8 kvcal {gran}"] = plan_from_choices(rows, "fp8_e4m3", gran, Hk)[0]
-    absmax_name = [n for n in plans if n.startswith("fp8 absmax")][0]
-    for base in ("fp8 unity", absmax_name, "fp8 kvcal tensor"):
-        for side in ("k", "v"):
-            plans[f"{base} [{side.upper()} only]"] = side_only(plans[base], side)
+    full = a.only is None
+    absmax_name = "fp8 absmax (llm-compressor) @64" if a.calib_samples == 64 else "fp8 absmax"
+    if full:
+        unity = [(torch.ones(1), torch.ones(1))] * L
+        absmax = [(cap.stats.k[i].finalize()["tensor_absmax"].reshape(1) / 448,
+                   cap.stats.v[i].finalize()["tensor_absmax"].reshape(1) / 448) for i in range(L)]
+        plans["fp8 unity"] = fp8_plan(unity, L)
+        plans[absmax_name] = fp8_plan(absmax, L)
+        for gran in ("tensor", "head"):
+            t0 = time.perf_counter()
+            rows = search_scales(cap, "fp8_e4m3", gran == "head", a.max_queries, progress=False)
+            timings[f"fp8 {gran}"] = time.perf_counter() - t0
+            plans[f"fp8 kvcal {gran}"] = plan_from_choices(rows, "fp8_e4m3", gran, Hk)[0]
+        for base in ("fp8 unity", absmax_name, "fp8 kvcal tensor"):
+            for side in ("k", "v"):
+                plans[f"{base} [{side.upper()} only]"] = side_only(plans[base], side)
     # ---- integer presets and budgets --------------------------------------------------------------
-    plans["int8 g64 min/max (baseline)"] = KVPlan.uniform(L, preset("int8"))
     plans["KIVI-4 g32 (baseline)"] = KVPlan.uniform(L, preset("kivi4"))
-    plans["KIVI-2 g32 (baseline)"] = KVPlan.uniform(L, preset("kivi2"))
+    if full:
+        plans["int8 g64 min/max (baseline)"] = KVPlan.uniform(L, preset("int8"))
+        plans["KIVI-2 g32 (baseline)"] = KVPlan.uniform(L, preset("kivi2"))
     shared: dict = {}
     summaries = {}
     # --bits as `kvcal calibrate` runs it: layer errors weighted by the single-side model KL measured on the
@@ -140,6 +150,8 @@ def main():
                 ("bits 2.5", {"bits": 2.5, "probe": probe})]
     if a.quick:
         int_runs = int_runs[:3]
+    if a.only == "int4":
+        int_runs = [r for r in int_runs if r[0] in ("int4", "bits 4.25")]
     for name, kw in int_runs:
         t0 = time.perf_counter()
         r = search_int(cap, max_queries=a.max_queries, cache=shared, progress=False, sink_probe=sink_probe_on(held_w),
@@ -157,7 +169,7 @@ def main():
         print(f"kvcal {name}: {timings[name]:.0f} s, avg bits {s['average_bits']:.4f}, sinks {r.plan.sink_tokens}",
               flush=True)
     # ---- data efficiency: kvcal FP8 from 16 samples ---------------------------------------------
-    if a.calib_samples >= 64:
+    if a.calib_samples >= 64 and full:
         cap16 = capture(samples[:16])
         rows = search_scales(cap16, "fp8_e4m3", False, a.max_queries, progress=False)
         plans["fp8 kvcal tensor @16"] = plan_from_choices(rows, "fp8_e4m3", "tensor", Hk)[0]
@@ -196,17 +208,20 @@ def main():
     def ratio(a_, b_, key):
         return res[a_][key] / res[b_][key] if res[b_][key] else float("nan")
 
-    checks = {
+    checks = {} if not full else {
         "fp8 kvcal tensor KL / absmax": ratio("fp8 kvcal tensor", absmax_name, "kl_mean"),
         "fp8 kvcal tensor KL / unity": ratio("fp8 kvcal tensor", "fp8 unity", "kl_mean"),
         "fp8 kvcal head KL / absmax": ratio("fp8 kvcal head", absmax_name, "kl_mean"),
         "fp8 kvcal head KL / unity": ratio("fp8 kvcal head", "fp8 unity", "kl_mean"),
         "int8 KL / int8 g64 min-max (target <= 0.7)": ratio("kvcal int8", "int8 g64 min/max (baseline)", "kl_mean"),
-        "int4 dPPL / KIVI-4 (target <= 1/3)": ratio("kvcal int4", "KIVI-4 g32 (baseline)", "delta_ppl"),
         "int2 dPPL / KIVI-2 (target <= 1/4)": ratio("kvcal int2", "KIVI-2 g32 (baseline)", "delta_ppl"),
     }
+    checks["int4 dPPL / KIVI-4 (target <= 1/3)"] = ratio("kvcal int4", "KIVI-4 g32 (baseline)", "delta_ppl")
+    checks["int4 KL / KIVI-4 KL"] = ratio("kvcal int4", "KIVI-4 g32 (baseline)", "kl_mean")
     if "kvcal bits 4.25" in res:
         checks["bits 4.25 dPPL / KIVI-4 (target <= 1/3)"] = ratio("kvcal bits 4.25", "KIVI-4 g32 (baseline)", "delta_ppl")
+        checks["bits 4.25 KL / KIVI-4 KL"] = ratio("kvcal bits 4.25", "KIVI-4 g32 (baseline)", "kl_mean")
+    if "kvcal bits 3" in res:
         checks["bits 4.25 (no probe) dPPL / KIVI-4"] = ratio("kvcal bits 4.25 (no probe)", "KIVI-4 g32 (baseline)",
                                                             "delta_ppl")
         checks["bits 3 dPPL / KIVI-2 (same 3.0 bits)"] = ratio("kvcal bits 3", "KIVI-2 g32 (baseline)", "delta_ppl")
@@ -217,7 +232,6 @@ def main():
         checks["fp8 kvcal@16 KL / absmax@64 (target <= 1)"] = ratio("fp8 kvcal tensor @16", absmax_name, "kl_mean")
         checks["int4 kvcal@16 KL / same layout uncalibrated"] = ratio("kvcal int4 @16", "int4 layout min/max, no calibration (fp16 value scales)",
                                                                      "kl_mean")
-        checks["int4 KL / KIVI-4 KL"] = ratio("kvcal int4", "KIVI-4 g32 (baseline)", "kl_mean")
     out["ratios"] = checks
     print("\nratios:")
     for k, v in checks.items():
@@ -225,6 +239,8 @@ def main():
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1, default=float), encoding="utf-8")
     print(f"wrote {a.out}", flush=True)
+    if not full:
+        return
     # ---- objective vs model KL rank correlation --------------------------------------------------
     t0 = time.perf_counter()
     corr_layers = torch.linspace(0, L - 1, a.corr_layers).round().long().tolist()

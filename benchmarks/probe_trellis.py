@@ -11,8 +11,9 @@ can afford under 4.25). Keys stay as the artifact has them. Every layer's values
 (the presets; a ``--bits`` artifact with mixed value widths is refused).
 
 Prints (1) the per-element relative MSE of the artifact's value quantizer and of the trellis on the
-first evaluation window, per layer, and (2) model-level mean KL (Protocol A, nats) on ``--windows``
-1024-token windows of ``wikitext2_valid.txt``: all sides / values only, levels vs trellis.
+first evaluation window, per layer, and (2) Protocol A (:func:`kvcal.evaluate.teacher_forced`) on
+``--windows`` 1024-token windows of ``wikitext2_valid.txt``: mean KL (nats) and ΔPPL, all sides /
+values only, levels vs trellis — a paired comparison (same keys, sinks, windows; only the values differ).
 
     HF_HUB_OFFLINE=1 .venv/bin/kvcal calibrate --corpus calibration_sets/chat.jsonl --preset int4 \\
         --out bench_out/int4
@@ -51,7 +52,7 @@ def main():
     from kvcal.artifact import check_model_match, load_artifact
     from kvcal.capture.hooks import capture_kv
     from kvcal.corpus import load_corpus
-    from kvcal.evaluate import plans_kl, side_only, text_windows
+    from kvcal.evaluate import side_only, teacher_forced, text_windows
     from kvcal.formats import trellis
     from kvcal.formats.transforms import apply_transform
     from kvcal.models import load_model, load_tokenizer, model_metadata
@@ -109,7 +110,8 @@ def main():
             n = min(sinks, x.shape[2])
             return torch.cat([x[:, :, :n].to(torch.bfloat16).to(x.dtype), tcq(i, x[:, :, n:])], 2)
 
-    samples = list(text_windows(tok, DATA.read_text(encoding="utf-8"), 1024, a.windows))
+    windows = text_windows(tok, DATA.read_text(encoding="utf-8"), 1024, a.windows)
+    samples = list(windows)
     first: dict[int, torch.Tensor] = {}
     with capture_kv(model, lambda i, q, k, v, m: first.setdefault(i, v[:, :, sinks:].float())), torch.no_grad():
         model(samples[0].reshape(1, -1))
@@ -122,11 +124,13 @@ def main():
         e1 = float((tcq(i, x) - x).pow(2).sum() / x.pow(2).sum())
         print(f"| {i} | {e0:.5f} | {e1:.5f} | {10 * math.log10(e0 / e1):+.2f} |")
     tr = Trellis()
-    kl = plans_kl(model, samples, {"levels, all": plan, "levels, V only": side_only(plan, "v"),
-                                   "trellis, all": tr, "trellis, V only": side_only(tr, "v")})
-    print(f"\n{len(samples)} x 1024-token windows of {DATA.name}\n\n| values | mean KL (nats) |\n|---|---|")
-    for name, v in kl.items():
-        print(f"| {name} | {v:.3e} |")
+    res = teacher_forced(model, windows, {"levels, all": plan, "levels, V only": side_only(plan, "v"),
+                                          "trellis, all": tr, "trellis, V only": side_only(tr, "v")})
+    print(f"\n{len(samples)} x 1024-token windows of {DATA.name} (16-bit ppl {res['16-bit']['ppl']:.3f})\n\n"
+          "| values | mean KL (nats) | ΔPPL |\n|---|---|---|")
+    for name, r in res.items():
+        if name != "16-bit":
+            print(f"| {name} | {r['kl_mean']:.3e} | {r['delta_ppl']:+.4f} |")
 
 
 if __name__ == "__main__":

@@ -68,8 +68,9 @@ def main():
               type=click.Choice(["fp8", "int8", "int4", "int2", "k4v2"]),
               help="fp8: static FP8 scales (engine-loadable; --format/--granularity apply). int8: dynamic per-token "
                    "int8 with calibrated clip ratios and key centering. int4: pre-RoPE int4 keys in 128-token groups with "
-                   "per-channel widths and query-aware rounding; Hadamard-rotated per-token int4 values on fitted "
-                   "non-uniform levels with one-byte (log8) scales, 4.23 bits on SmolLM2. int2: KIVI layout, pre-RoPE keys with "
+                   "per-channel widths and query-aware rounding; Hadamard-rotated per-token int4 values, trellis-coded "
+                   "against a fitted per-layer table (fitted levels where that measures better) with one-byte (log8) "
+                   "scales, 4.25 bits on SmolLM2. int2: KIVI layout, pre-RoPE keys with "
                    "query-aware rounding, Hadamard-rotated values, calibrated clips. k4v2: int4 keys, int2 values. "
                    "int4/int2/k4v2 artifacts run in kvcal's runtime cache, not in engines.")
 @click.option("--bits", default=None, type=float,

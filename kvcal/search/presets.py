@@ -9,9 +9,10 @@ are added by the exact accounting in :mod:`kvcal.search.allocate`; the ``+`` col
 preset     keys                                           values                                        avg
 =========  =============================================  ============================================  =====
 ``int8``   int8 per token (g64), asym, clip, centering    int8 per token (g64), asym, clip               8.5
-``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, min/max, after a    4.1875
-           clip, **pre-RoPE**, query-aware rounding,      64×64 Hadamard rotation, **non-uniform**       +0.054
-           **per-channel widths** (4 bits on average)     **levels**, **log8** scale (1 byte / token)
+``int4``   int4 per channel in 128-token groups, asym,    int4 per token (g64), sym, after a 64×64       4.1875
+           clip, **pre-RoPE**, query-aware rounding,      Hadamard rotation, **trellis-coded** (RMS      +0.058
+           **per-channel widths** (4 bits on average)     scale) or **non-uniform levels** (absmax
+                                                          scale), **log8** scale (1 byte / token)
 ``int2``   int2 per channel in 32-token groups, asym,     int2 per token in 32-channel groups, asym,     3.0
            clip, pre-RoPE, query-aware rounding,          clip, after a Hadamard rotation               +0.054
            per-channel widths (2 bits on average)
@@ -75,6 +76,19 @@ picture (a 2-bit table on groups of 32: 0.113σ² vs 0.155σ² for KIVI's asymme
 on the 2 × 1024 probe the ``int2`` values measured V-only KL 118e-3 with that table (16-channel groups:
 101e-3) vs 85e-3 with the preset's asymmetric, clip-searched 32-channel groups, so ``int2`` keeps its
 layout and the level entries only compete per layer in the allocator.
+
+**Trellis-coded values** (:mod:`kvcal.formats.trellis`; QTIP's bitshift trellis, Tseng et al. 2024):
+the same 4 bits per element, but element ``i`` of a row reads a per-layer table at the last ``ν + 4``
+bits of the row's code stream, so 64 elements share their bits with their neighbours and a Viterbi
+encoder picks the whole row's codes at once. With ``ν = 6`` (64 states, a 1024-entry int8 table per
+layer: +0.004 bit at 4096 tokens, batch 1) the Hadamard-rotated value rows' MSE fell 0.9–1.2 dB below
+the fitted levels in every layer, and on the 2 × 1024 probe (``benchmarks/probe_trellis.py``, tables
+fitted on ``calibration_sets/chat.jsonl``) the V-only KL went 4.81e-3 → 3.78e-3, all sides 7.54e-3 →
+6.19e-3. The search keeps it per layer only where its held-out attention-output error beats the levels
+(:func:`kvcal.search.optimizer.search_side` ``trellis_nu``). ``ν = 8`` gained another 0.15–0.5 dB per
+row in an exploratory probe (script not kept) but encodes 9× slower and its 4 KiB table would not fit
+under 4.25 bits. Encoding costs a Viterbi pass per token (``64 · 2^10`` comparisons per row); decoding
+is a table gather.
 
 The ``--bits`` menu below is searched per layer and side; ``ALLOC_REFERENCE`` is the choice at which
 the model-level sensitivity probe measures each (layer, side).
