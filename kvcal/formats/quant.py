@@ -537,6 +537,19 @@ def _check_rounding(rounding: torch.Tensor, spec, lay: _Layout) -> torch.Tensor:
     return U.expand(lay.H, lay.D, lay.D)
 
 
+def _tensor_arg(value, message: str) -> torch.Tensor:
+    """``torch.as_tensor(value)``, or ``ValueError(message)`` when it is not tensor-like."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(message) from None
+
+
+def _over_scale(xg: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``xg / s`` where ``s > 0``, 0 where the group's scale is 0 (all-zero groups)."""
+    return torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+
+
 def check_channel_bits(channel_bits, spec: TensorQuantSpec, H: int, D: int) -> torch.Tensor:
     """Validated per-channel widths ``[H, D]`` (int64) for ``spec`` (module docstring).
 
@@ -552,10 +565,7 @@ def check_channel_bits(channel_bits, spec: TensorQuantSpec, H: int, D: int) -> t
                          f"not {spec.granularity.name}")
     if spec.padded_dims(1, D)[1] != D:
         raise ValueError(f"per-channel bit widths need head_dim a multiple of the {spec.bits}-bit packing unit")
-    try:
-        t = torch.as_tensor(channel_bits)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"channel_bits must be an integer tensor [H, D], got {type(channel_bits).__name__}") from None
+    t = _tensor_arg(channel_bits, f"channel_bits must be an integer tensor [H, D], got {type(channel_bits).__name__}")
     if t.dtype == torch.bool or t.is_complex() or (t.is_floating_point() and not bool((t == t.round()).all())):
         raise ValueError("channel_bits must be integers (bit widths 1..8)")
     try:
@@ -584,10 +594,7 @@ def check_levels(levels, spec: TensorQuantSpec, H: int) -> torch.Tensor:
     if not isinstance(spec.granularity, (PerToken, PerTokenGroup)):
         raise ValueError(f"non-uniform levels need per-token or per-token-group scales, not {spec.granularity.name}")
     n = 2**spec.bits
-    try:
-        t = torch.as_tensor(levels)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"levels must be a float tensor [H, {n}], got {type(levels).__name__}") from None
+    t = _tensor_arg(levels, f"levels must be a float tensor [H, {n}], got {type(levels).__name__}")
     if not t.is_floating_point():
         raise ValueError(f"levels must be a float tensor [H, {n}], got {t.dtype}")
     try:
@@ -618,10 +625,7 @@ def check_trellis(trellis, spec: TensorQuantSpec, D: int) -> torch.Tensor:
         raise ValueError(f"a trellis table needs per-token scales (one row per token and head), not {spec.granularity.name}")
     if spec.padded_dims(1, D)[1] != D:
         raise ValueError(f"a trellis table needs head_dim a multiple of the {spec.bits}-bit packing unit")
-    try:
-        t = torch.as_tensor(trellis)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"trellis must be a float tensor [2^(nu+bits)], got {type(trellis).__name__}") from None
+    t = _tensor_arg(trellis, f"trellis must be a float tensor [2^(nu+bits)], got {type(trellis).__name__}")
     n = t.numel()
     if t.ndim != 1 or not t.is_floating_point() or n < 2 or n & (n - 1):
         raise ValueError(f"trellis must be a 1-D float tensor of 2^(nu+bits) entries, got {t.dtype} {tuple(t.shape)}")
@@ -641,7 +645,7 @@ def _trellis_codes(xg, s, T: torch.Tensor, bits: int) -> torch.Tensor:
     """Viterbi codes (fp32) of the rows ``xg / s`` ``[B,H,S,D]`` (rows with scale 0 encode zeros)."""
     from kvcal.formats import trellis as tr
 
-    u = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+    u = _over_scale(xg, s)
     return tr.encode(u.reshape(-1, u.shape[-1]), T.to(u.device), bits).reshape(u.shape).float()
 
 
@@ -655,7 +659,7 @@ def _trellis_values(q, s, T: torch.Tensor, bits: int) -> torch.Tensor:
 def _level_codes(xg, s, L: torch.Tensor, lay: _Layout) -> torch.Tensor:
     """Index of the nearest level (ties to the lower one) of ``xg / s``, per KV head (dim 1); groups
     with scale 0 (all zero) get the level nearest 0 (they dequantize to 0 whatever it is)."""
-    u = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+    u = _over_scale(xg, s)
     mids = ((L[:, 1:] + L[:, :-1]) * 0.5).to(u.device)
     q = torch.empty_like(u)
     for h in range(lay.H):
@@ -726,7 +730,7 @@ def _codes(xg, s, zp, spec):
     if kind == "fp8":
         return quantize_fp8(xg, s, FP8_FORMATS[spec.format.value])
     if kind == "nvfp4":
-        y = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+        y = _over_scale(xg, s)
         a = y.abs()
         idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
                + (a >= 3.5) + (a > 5.0))

@@ -362,18 +362,14 @@ def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, tra
     rounded to the int8 grid the runtime stores. Rows of zeros are left out. Raises ``ValueError``
     for specs :func:`~kvcal.formats.quant.check_trellis` refuses or when no value rows remain."""
     from kvcal.formats import trellis as tr
-    from kvcal.formats.quant import round_scale_up
 
     D0 = caches[0].v.shape[-1] if caches else 0
     check_trellis(torch.zeros(2 ** (nu + spec.bits)), spec, D0)
+    b = None if scale_base is None else torch.as_tensor(scale_base).float().reshape(-1, 1, 1)
     rows = []
     for x in _quantized_domain(caches, "v", transform, None, sinks):
-        r = x.pow(2).mean(-1, keepdim=True).sqrt()  # [H, T, 1]
-        if scale_base is not None:
-            b = torch.as_tensor(scale_base).float().reshape(-1, 1, 1)
-            r = log8_decode(log8_encode(r, b), b)
-        else:
-            r = round_scale_up(r, spec.scale_dtype).float()
+        s_st, _ = params_from_range(spec, amax=x.pow(2).mean(-1, keepdim=True).sqrt(), scale_base=b, levels=True)
+        r = s_st.float() if b is None else log8_decode(s_st, b)  # [H, T, 1], as quantize stores the row's RMS
         keep = r[..., 0] > 0
         rows.append((x / torch.where(r > 0, r, torch.ones_like(r)))[keep])
     u = torch.cat(rows) if rows else torch.zeros(0, D0)
@@ -648,12 +644,8 @@ def search_side(
         plan = _static_plan_mixed(spec, stats, param, fam_final)
     # final figures (normalized over heads)
     n, d = side_error(held, side, plan, objective, sinks)
-    no, do = side_error(held, side, plan, "out", sinks) if (objective or DEFAULT_OBJECTIVE[side]) != "out" else (n, d)
-    nc, dc = side_error(calib, side, plan, objective, sinks)
-    evals[0] += 1 + 2 * len(held) / max(len(calib), 1)
-    assert float(n.sum() / d.sum()) <= float(nb.sum() / db.sum()) * (1 + 1e-6) + 1e-12
     extra = {"centered_heads": [h for h in range(H) if labels[h].endswith("center")]}
-    if trellis_nu:
+    if trellis_nu:  # the levels plan's held-out error against a trellis table's, for the whole layer
         T = fit_trellis(calib, spec, trellis_nu, transform, sinks, scale_base=base)
         tplan = SidePlan(spec, transform=transform, scale_base=base, trellis=T)
         tn, td = side_error(held, side, tplan, objective, sinks)
@@ -662,8 +654,10 @@ def search_side(
         if float(tn.sum() / td.sum()) < float(n.sum() / d.sum()):
             plan, n, d = tplan, tn, td
             labels, param = ["trellis"] * H, torch.ones(H, dtype=torch.float64)
-            no, do = side_error(held, side, plan, "out", sinks) if (objective or DEFAULT_OBJECTIVE[side]) != "out" else (n, d)
-            nc, dc = side_error(calib, side, plan, objective, sinks)
+    no, do = side_error(held, side, plan, "out", sinks) if (objective or DEFAULT_OBJECTIVE[side]) != "out" else (n, d)
+    nc, dc = side_error(calib, side, plan, objective, sinks)
+    evals[0] += 1 + 2 * len(held) / max(len(calib), 1)
+    assert float(n.sum() / d.sum()) <= float(nb.sum() / db.sum()) * (1 + 1e-6) + 1e-12
     return SideSearch(spec, plan, param.float(), labels, float(nc.sum() / dc.sum()), float(n.sum() / d.sum()),
                       float(nb.sum() / db.sum()), float(no.sum() / do.sum()), evals[0], extra)
 
