@@ -66,26 +66,22 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
 
-    from kvcal.artifact import check_model_match, load_artifact
+    from _probe import load_probe
+
     from kvcal.capture.hooks import capture_kv
     from kvcal.evaluate import side_only, teacher_forced, text_windows
     from kvcal.formats.transforms import apply_transform
-    from kvcal.models import load_model, load_tokenizer, model_metadata
-    from kvcal.plan import KVPlan
 
-    art = load_artifact(a.artifact)
-    plan = KVPlan.from_artifact(art.tensors, art.metadata)
-    for i, lp in enumerate(plan.layers):
-        k, v = lp.k.spec, lp.v.spec
-        if (k.format.kind != "int" or v.format.kind != "int" or k.granularity.name != "channel_token_group"
-                or v.granularity.name != "token"):
-            raise SystemExit(f"{a.artifact}: layer {i}: the probe needs integer keys in per-channel token groups "
-                             f"and integer per-token values (the int4 / int2 / --bits layouts), got "
-                             f"{k.format.value} {k.granularity.name} / {v.format.value} {v.granularity.name}")
-    model_id = art.metadata["model"]["id"]
-    tok, model = load_tokenizer(model_id), load_model(model_id)
-    check_model_match(art.metadata, model_metadata(model.config, getattr(model, "kvcal_source", None),
-                                                   architecture=type(model).__name__))
+    def check(plan):
+        for i, lp in enumerate(plan.layers):
+            k, v = lp.k.spec, lp.v.spec
+            if (k.format.kind != "int" or v.format.kind != "int" or k.granularity.name != "channel_token_group"
+                    or v.granularity.name != "token"):
+                raise SystemExit(f"{a.artifact}: layer {i}: the probe needs integer keys in per-channel token groups "
+                                 f"and integer per-token values (the int4 / int2 / --bits layouts), got "
+                                 f"{k.format.value} {k.granularity.name} / {v.format.value} {v.granularity.name}")
+
+    _, plan, tok, model = load_probe(a.artifact, check=check)
     sinks = plan.sink_tokens
 
     def ideal(i: int, side: str, x: torch.Tensor, start: int, gen: torch.Generator, gap: float) -> torch.Tensor:

@@ -43,17 +43,11 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
 
-    from kvcal.artifact import check_model_match, load_artifact
-    from kvcal.evaluate import plans_kl, side_only, side_sensitivity, text_windows
-    from kvcal.models import load_model, load_tokenizer, model_metadata
-    from kvcal.plan import KVPlan
+    from _probe import load_probe
 
-    art = load_artifact(a.artifact)
-    plan = KVPlan.from_artifact(art.tensors, art.metadata)
-    model_id = a.model or art.metadata["model"]["id"]
-    tok, model = load_tokenizer(model_id), load_model(model_id)
-    check_model_match(art.metadata, model_metadata(model.config, getattr(model, "kvcal_source", None),
-                                                   architecture=type(model).__name__))
+    from kvcal.evaluate import plans_kl, side_only, side_sensitivity, text_windows
+
+    _, plan, tok, model = load_probe(a.artifact, a.model)
     windows = text_windows(tok, DATA.read_text(encoding="utf-8"), 1024, a.windows, skip_windows=a.skip_windows)
     samples = list(windows)
     print(f"artifact {a.artifact}: {plan.num_layers} layers, {plan.sink_tokens} sink tokens; "

@@ -47,33 +47,28 @@ def main():
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
+    from _probe import load_probe
     from tqdm.auto import tqdm
 
-    from kvcal.artifact import check_model_match, load_artifact
     from kvcal.capture.hooks import capture_kv
     from kvcal.corpus import load_corpus
     from kvcal.evaluate import side_only, teacher_forced, text_windows
     from kvcal.formats import trellis
     from kvcal.formats.transforms import apply_transform
-    from kvcal.models import load_model, load_tokenizer, model_metadata
-    from kvcal.plan import KVPlan
 
-    art = load_artifact(a.artifact)
-    plan = KVPlan.from_artifact(art.tensors, art.metadata)
-    v0 = plan.layers[0].v
-    bits = v0.spec.bits
-    for i, lp in enumerate(plan.layers):
-        v = lp.v
-        if (v.spec.format.kind != "int" or v.spec.bits != bits or v.transform != "hadamard" or v.levels is None
-                or v.spec.granularity.name != "token"):
-            raise SystemExit(f"{a.artifact}: layer {i}: the probe needs {bits}-bit Hadamard per-token values with "
-                             f"levels in every layer (the int4 / int2 presets), got {v.spec.format.value} "
-                             f"{v.spec.granularity.name} / {v.transform} / levels "
-                             f"{'yes' if v.levels is not None else 'no'}")
-    model_id = art.metadata["model"]["id"]
-    tok, model = load_tokenizer(model_id), load_model(model_id)
-    check_model_match(art.metadata, model_metadata(model.config, getattr(model, "kvcal_source", None),
-                                                   architecture=type(model).__name__))
+    def check(plan):
+        bits = plan.layers[0].v.spec.bits
+        for i, lp in enumerate(plan.layers):
+            v = lp.v
+            if (v.spec.format.kind != "int" or v.spec.bits != bits or v.transform != "hadamard" or v.levels is None
+                    or v.spec.granularity.name != "token"):
+                raise SystemExit(f"{a.artifact}: layer {i}: the probe needs {bits}-bit Hadamard per-token values with "
+                                 f"levels in every layer (the int4 / int2 presets), got {v.spec.format.value} "
+                                 f"{v.spec.granularity.name} / {v.transform} / levels "
+                                 f"{'yes' if v.levels is not None else 'no'}")
+
+    art, plan, tok, model = load_probe(a.artifact, check=check)
+    bits = plan.layers[0].v.spec.bits
     sinks = plan.sink_tokens
     corpus = load_corpus(REPO / art.metadata["corpus"]["path"], tok, max_seq_len=1024)
 

@@ -1,0 +1,27 @@
+"""Shared start of the ``probe_*.py`` diagnostics: an artifact's plan and the model it was calibrated on.
+
+Imported by the probe scripts, which run with ``benchmarks/`` on ``sys.path`` (``python benchmarks/probe_*.py``)."""
+
+from __future__ import annotations
+
+
+def load_probe(artifact: str, model_id: str | None = None, check=None):
+    """``(artifact, plan, tokenizer, model)`` for the kvcal artifact directory ``artifact``.
+
+    ``model_id``: the model to probe (default: the one the artifact was calibrated on). ``check``:
+    called with the plan before the model loads (a probe refuses a layout it cannot handle there). Raises
+    what :func:`kvcal.artifact.load_artifact` and :func:`kvcal.artifact.check_model_match` raise
+    (a missing/tampered artifact, a model whose shape does not match)."""
+    from kvcal.artifact import check_model_match, load_artifact
+    from kvcal.models import load_model, load_tokenizer, model_metadata
+    from kvcal.plan import KVPlan
+
+    art = load_artifact(artifact)
+    plan = KVPlan.from_artifact(art.tensors, art.metadata)
+    if check is not None:
+        check(plan)
+    model_id = model_id or art.metadata["model"]["id"]
+    tok, model = load_tokenizer(model_id), load_model(model_id)
+    check_model_match(art.metadata, model_metadata(model.config, getattr(model, "kvcal_source", None),
+                                                   architecture=type(model).__name__))
+    return art, plan, tok, model
