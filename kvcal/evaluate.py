@@ -636,14 +636,13 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     from kvcal.errors import ArtifactError, KvcalError
     from kvcal.formats.memory import bytes_per_token, cache_bytes, model_shape
     from kvcal.formats.spec import preset
-    from kvcal.models import load_model, load_tokenizer, model_metadata
+    from kvcal.models import check_max_positions, load_model, load_tokenizer, model_metadata
     from kvcal.plan import KVPlan
 
     art = load_artifact(cfg.artifact)
     art_max = (art.metadata.get("model") or {}).get("max_position_embeddings")
-    if art_max and max(int(c) for c in cfg.contexts) > int(art_max):  # before loading the model
-        raise KvcalError(f"--context {max(int(c) for c in cfg.contexts)} exceeds the model's maximum {art_max} "
-                         "positions (artifact metadata); pass a smaller --context")
+    if isinstance(art_max, int):  # before loading the model
+        check_max_positions(max(int(c) for c in cfg.contexts), art_max, "--context", " (artifact metadata)")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     if model is None:
         model = load_model(cfg.model, device=cfg.device)
@@ -658,8 +657,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     max_pos = mm.get("max_position_embeddings") or 0
     contexts = sorted({int(c) for c in cfg.contexts})
     batches = sorted({int(b) for b in cfg.batches})
-    if max_pos and contexts[-1] > max_pos:
-        raise KvcalError(f"--context {contexts[-1]} exceeds the model's maximum {max_pos} positions")
+    check_max_positions(contexts[-1], max_pos, "--context")
 
     ids, corpus_info = corpus_stream(cfg.corpus, tok)
     wins = {}
