@@ -115,14 +115,16 @@ def write_artifact(
     from safetensors.torch import save_file
 
     validate_scales(tensors)
-    meta = dict(metadata)
+    meta = {k: v for k, v in metadata.items() if k != CONTENT_HASH_KEY}  # a loaded artifact's hash is re-made
     meta["schema_version"] = SCHEMA_VERSION
     meta["tensor_names"] = sorted(tensors)  # load_artifact refuses a file missing one of them, or holding others
     payload = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in tensors.items()}
     try:
-        meta_json = json.dumps(meta, allow_nan=False, default=_json_default)
+        meta = json.loads(json.dumps(meta, allow_nan=False, default=_json_default))  # the form load_artifact sees
     except ValueError as e:
         raise ArtifactError(f"artifact metadata holds a non-finite number: {e}") from None
+    meta[CONTENT_HASH_KEY] = content_sha256(meta, payload)  # load_artifact refuses a file edited after this
+    meta_json = json.dumps(meta, allow_nan=False)
 
     def fill(tmp: Path) -> None:
         save_file(payload, str(tmp / SCALES_FILE), metadata={"kvcal": meta_json, "format": "pt"})
@@ -149,27 +151,200 @@ def artifact_sha256(path: str | os.PathLike) -> str:
         raise ArtifactError(f"cannot read {f}: {e.strerror}") from None
 
 
-def is_kvcal_output(path: Path) -> bool:
-    """True when directory ``path`` is something kvcal wrote and ``--overwrite`` may replace: an
-    artifact (``kv_scales.safetensors`` whose header carries kvcal metadata) or an export (its
-    ``kvcal-export.json`` manifest names a ``kvcal_version``)."""
+def _safetensors_metadata(f: Path) -> dict:
+    """The ``__metadata__`` of safetensors file ``f`` read from its header alone (no tensor data); ``{}``
+    when ``f`` is not a readable safetensors file."""
     import struct
 
-    f = path / SCALES_FILE
     try:
-        if f.is_file():
-            with open(f, "rb") as h:
-                n = struct.unpack("<Q", h.read(8))[0]
-                if 0 < n <= 100_000_000:
-                    header = json.loads(h.read(n))
-                    if "kvcal" in (header.get("__metadata__") or {}):
-                        return True
-        m = path / "kvcal-export.json"
-        if m.is_file():
-            return "kvcal_version" in json.loads(m.read_text(encoding="utf-8"))
-    except (OSError, ValueError, struct.error, AttributeError):
-        return False
-    return False
+        with open(f, "rb") as h:
+            n = struct.unpack("<Q", h.read(8))[0]
+            if not 0 < n <= 100_000_000:
+                return {}
+            header = json.loads(h.read(n))
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError, struct.error):
+        return {}
+
+
+def _output_kind(path: Path) -> str | None:
+    """``"artifact"`` when directory ``path`` holds a ``kv_scales.safetensors`` whose header carries kvcal
+    metadata, ``"export"`` when its ``kvcal-export.json`` manifest names a ``kvcal_version``, else None."""
+    if "kvcal" in _safetensors_metadata(path / SCALES_FILE):
+        return "artifact"
+    m = path / EXPORT_MANIFEST
+    try:
+        d = json.loads(m.read_text(encoding="utf-8")) if m.is_file() else None
+        if isinstance(d, dict) and "kvcal_version" in d:
+            return "export"
+    except (OSError, ValueError, TypeError):
+        return None
+    return None
+
+
+def is_kvcal_output(path: Path) -> bool:
+    """True when directory ``path`` is something kvcal wrote: an artifact (``kv_scales.safetensors``
+    whose header carries kvcal metadata) or an export (its ``kvcal-export.json`` manifest names a
+    ``kvcal_version``). Whether ``--overwrite`` may replace it also depends on :func:`foreign_files`
+    and :func:`git_tracked_files` (see :func:`check_output_dir`)."""
+    return _output_kind(Path(path)) is not None
+
+
+# ---- single files kvcal writes, and how it knows them again ------------------------------------
+# One provenance rule for every output: a directory is kvcal's when it is an artifact or an export
+# (above); a single file is kvcal's when it carries kvcal's mark in its own format (below). A command
+# replaces only outputs of the kind it writes, never one of its inputs, and writes through a
+# temporary sibling renamed into place (write_dir_atomically / write_file_atomically).
+
+#: Names :func:`kvcal_file_kind` returns, with how a message describes them.
+FILE_KINDS = {
+    "evaluation": "a kvcal evaluation (kvcal evaluate --json)",
+    "report": "a kvcal report (kvcal report)",
+    "figure": "a kvcal report figure",
+    "checkpoint": "a kvcal calibration checkpoint",
+    "artifact": "a kvcal artifact's scales file",
+    "export-manifest": "a kvcal export manifest",
+}
+EXPORT_MANIFEST = "kvcal-export.json"
+EVAL_SCHEMA = "kvcal-eval/1"
+#: last line of a ``report.md`` written by ``kvcal report`` (an HTML comment: invisible when rendered)
+REPORT_MD_MARK = "<!-- written by kvcal report"
+#: ``<meta>`` tag in the ``<head>`` of a ``report.html`` written by kvcal
+REPORT_HTML_MARK = '<meta name="generator" content="kvcal'
+#: PNG ``tEXt`` ``Software`` value of a kvcal figure starts with this
+PNG_SOFTWARE = "kvcal "
+_MAX_JSON_BYTES = 256 * 2**20
+
+
+def kvcal_file_kind(path: str | os.PathLike) -> str | None:
+    """What kvcal wrote at file ``path`` (a key of :data:`FILE_KINDS`), or None for a file kvcal did not
+    write, a missing or unreadable one.
+
+    Marks: an evaluation JSON has ``"schema": "kvcal-eval/1"`` and a ``kvcal_version``; ``report.md`` ends
+    with :data:`REPORT_MD_MARK`; ``report.html`` has :data:`REPORT_HTML_MARK`; a figure PNG has a ``Software``
+    text chunk starting ``kvcal``; a checkpoint is a torch zip file that loads with ``weights_only=True`` (no
+    code can run) into a dict with a ``fingerprint`` string; ``kv_scales.safetensors`` has kvcal metadata.
+    ``report.md`` / ``report.html`` / ``figures/*.png`` inside an artifact directory count as kvcal's even
+    without the mark (``kvcal calibrate`` writes ``report.md`` there; earlier releases wrote no mark)."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".json":
+            if p.stat().st_size > _MAX_JSON_BYTES:
+                return None
+            d = json.loads(p.read_text(encoding="utf-8"))
+            if not isinstance(d, dict) or not isinstance(d.get("kvcal_version"), str):
+                return None
+            if d.get("schema") == EVAL_SCHEMA:
+                return "evaluation"
+            return "export-manifest" if p.name == EXPORT_MANIFEST else None
+        if suffix == ".safetensors":
+            return "artifact" if "kvcal" in _safetensors_metadata(p) else None
+        if suffix == ".pt":
+            try:  # weights_only: tensors, numbers, strings and containers only — a planted pickle cannot run
+                st = torch.load(p, weights_only=True, mmap=True, map_location="cpu")
+            except Exception:  # torch raises many types for a foreign or damaged file
+                return None
+            return "checkpoint" if isinstance(st, dict) and isinstance(st.get("fingerprint"), str) else None
+        if suffix in (".md", ".html", ".png"):
+            if _marked(p, suffix):
+                return "figure" if suffix == ".png" else "report"
+            in_artifact = (p.name in ("report.md", "report.html") and _output_kind(p.parent) == "artifact") or (
+                suffix == ".png" and p.parent.name == "figures" and _output_kind(p.parent.parent) == "artifact")
+            return ("figure" if suffix == ".png" else "report") if in_artifact else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _marked(p: Path, suffix: str) -> bool:
+    """True when report file ``p`` carries kvcal's mark (see :func:`kvcal_file_kind`)."""
+    if suffix == ".png":
+        from PIL import Image  # a matplotlib dependency
+
+        try:
+            with Image.open(p) as im:
+                return str(im.info.get("Software", "")).startswith(PNG_SOFTWARE)
+        except Exception:  # PIL raises several types for a damaged image
+            return False
+    with open(p, "rb") as h:
+        if suffix == ".html":
+            return REPORT_HTML_MARK.encode() in h.read(4096)
+        h.seek(max(0, p.stat().st_size - 1024))
+        return REPORT_MD_MARK.encode() in h.read()
+
+
+def foreign_files(path: str | os.PathLike) -> list[Path]:
+    """Files under directory ``path`` that kvcal did not write, sorted; ``--overwrite`` would delete them.
+
+    In an artifact directory every file must be one :func:`kvcal_file_kind` recognizes (scales, report,
+    figures, evaluations); in an export every file must be listed in its manifest's ``files`` (exports
+    written before the list was recorded: none can be told apart, so none is counted); in any other
+    directory every file is foreign."""
+    path = Path(path)
+    files = sorted(f for f in path.rglob("*") if f.is_file() or f.is_symlink())
+    kind = _output_kind(path)
+    if kind == "artifact":
+        return [f for f in files if kvcal_file_kind(f) is None]
+    if kind == "export":
+        try:
+            listed = json.loads((path / EXPORT_MANIFEST).read_text(encoding="utf-8")).get("files")
+        except (OSError, ValueError, AttributeError):
+            listed = None
+        if not isinstance(listed, list):
+            return []
+        keep = {*map(str, listed), EXPORT_MANIFEST}
+        return [f for f in files if str(f.relative_to(path)) not in keep]
+    return files
+
+
+def git_tracked_files(path: str | os.PathLike) -> list[str]:
+    """Paths (relative to ``path``) of the files git tracks under directory ``path``: committed files that
+    ``--overwrite`` must never delete (a worked example in a checkout). Empty when ``path`` is not in a git
+    work tree or git is not installed (then nothing can be known to be committed)."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", "-C", str(path), "ls-files", "-z", "--", "."], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if r.returncode != 0:
+        return []
+    return [x for x in r.stdout.decode("utf-8", errors="replace").split("\0") if x]
+
+
+def _check_inputs(out: Path, inputs: dict[str, object] | None, error: type[KvcalError], flag: str,
+                  contains: bool) -> None:
+    """Refuse ``out`` when it is one of ``inputs`` (option -> path; ``None`` and loaded artifacts skipped)
+    or, with ``contains``, a directory holding one."""
+    dst = out.resolve()
+    for opt, p in (inputs or {}).items():
+        if p is None or isinstance(p, Artifact):
+            continue
+        src = Path(p).resolve()
+        if src == dst or (contains and dst in src.parents):
+            raise error(f"{flag} {out} is {'or contains ' if contains else ''}the input {opt} {p}; writing there "
+                        f"would destroy it — choose {'an ' + flag + ' outside it' if contains else 'another ' + flag}")
+
+
+def _check_parents_writable(out: Path, error: type[KvcalError], flag: str, noun: str) -> None:
+    """Refuse when a parent of ``out`` is a file or the nearest existing ancestor does not take new entries
+    (read-only, ``/proc``, permissions — probed with an empty temporary directory removed at once)."""
+    dst = out.resolve()
+    for par in dst.parents:
+        if par.exists() and not par.is_dir():
+            raise error(f"cannot write {flag} {out}: {par} is a file, not a directory; choose another {flag}")
+    # the output is staged in a sibling: probe that the nearest existing ancestor takes one, so a read-only
+    # or pseudo-file-system location fails now, not after the whole run
+    anc = next(par for par in dst.parents if par.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvcal-probe-", dir=anc))
+    except OSError as e:
+        raise error(f"cannot write {flag} {out}: {anc} does not take new {noun} "
+                    f"({e.strerror or e}); choose a writable {flag}") from None
 
 
 def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, object] | None = None,
@@ -178,40 +353,99 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, 
 
     ``inputs``: option name -> path the command reads (``--corpus``, ``--artifact``,
     ``--model-dir``, …; ``None`` entries ignored). Raises ``error`` when ``out`` is, or contains, one
-    of them (replacing it would destroy the input); when ``out`` exists without ``overwrite``;
-    when it exists and is not a directory; when ``overwrite`` would replace a non-empty directory
-    kvcal did not write (:func:`is_kvcal_output`: a mistyped ``--out . --overwrite`` must not wipe a
-    working tree); when a parent of ``out`` is a file; or when the nearest existing ancestor of
-    ``out`` does not take a new directory (read-only, ``/proc``, permissions — probed with an empty
-    temporary directory that is removed at once)."""
+    of them (replacing it would destroy the input); when it exists and is not a directory; when it
+    holds files kvcal did not write (a directory that is not an artifact or an export — a mistyped
+    ``--out .`` must not wipe a working tree —, or a stray file in one: :func:`foreign_files`) or files
+    git tracks (a committed worked example: :func:`git_tracked_files`), with or without ``overwrite``,
+    and without suggesting it; when it exists without ``overwrite``; when a parent of ``out`` is a file;
+    or when the nearest existing ancestor of ``out`` does not take a new directory."""
     out = Path(out)
-    dst = out.resolve()
-    for opt, p in (inputs or {}).items():
-        if p is None or isinstance(p, Artifact):
-            continue
-        src = Path(p).resolve()
-        if src == dst or dst in src.parents:
-            raise error(f"--out {out} is or contains the input {opt} {p}; writing there would destroy it — "
-                        "choose an --out outside it")
+    _check_inputs(out, inputs, error, "--out", contains=True)
     if out.exists():
         if not out.is_dir():
             raise error(f"output path {out} exists and is not a directory; choose a directory path for --out")
+        if any(out.iterdir()):
+            if not is_kvcal_output(out):
+                raise error(f"output directory {out} holds files kvcal did not write; --overwrite replaces only "
+                            "directories kvcal wrote (an artifact or an export) — choose another --out")
+            tracked = git_tracked_files(out)
+            if tracked:
+                raise error(f"output directory {out} holds {len(tracked)} file(s) tracked by git (first: {tracked[0]}), "
+                            "e.g. a committed worked example; kvcal never replaces committed files — choose another "
+                            "--out")
+            foreign = foreign_files(out)
+            if foreign:
+                raise error(f"output directory {out} holds {len(foreign)} file(s) kvcal did not write (first: "
+                            f"{foreign[0].relative_to(out)}); --overwrite replaces only directories kvcal wrote and "
+                            "would delete them — move them away or choose another --out")
         if not overwrite:
-            raise error(f"output directory {out} already exists; pass --overwrite to replace it")
-        if any(out.iterdir()) and not is_kvcal_output(out):
-            raise error(f"--overwrite replaces only directories kvcal wrote (an artifact or an export), and {out} "
-                        "is neither; remove it yourself or choose another --out")
-    for par in dst.parents:
-        if par.exists() and not par.is_dir():
-            raise error(f"cannot write {out}: {par} is a file, not a directory; choose another --out")
-    # the output is staged in a sibling directory: probe that the nearest existing ancestor takes one,
-    # so a read-only or pseudo-file-system --out fails now, not after the whole calibration
-    anc = next(par for par in dst.parents if par.exists())
+            raise error(f"output directory {out} already exists ({'a kvcal output' if any(out.iterdir()) else 'empty'}); "
+                        "pass --overwrite to replace it")
+    _check_parents_writable(out, error, "--out", "directories")
+
+
+def check_output_file(path: str | os.PathLike, kind: str, inputs: dict[str, object] | None = None,
+                      error: type[KvcalError] = KvcalError, flag: str = "--out") -> None:
+    """Refuse an output file before any work is done (and again when it is written).
+
+    ``kind``: what the command writes (a key of :data:`FILE_KINDS`); an existing file is replaced only when
+    :func:`kvcal_file_kind` finds that same kind. ``inputs``: option name -> path the command reads.
+    ``flag``: the option that named the file, for the message. Raises ``error`` when ``path`` is one of the
+    inputs, is a directory or a broken link, exists and is not a ``kind`` kvcal wrote (a file kvcal did not
+    write, an artifact, a corpus), when a parent is a file, or when the location does not take new files."""
+    if kind not in FILE_KINDS:
+        raise ValueError(f"unknown output kind {kind!r}")
+    p = Path(path)
+    _check_inputs(p, inputs, error, flag, contains=False)
+    if p.is_dir():
+        raise error(f"{flag} {p} is a directory; give a file path")
+    if os.path.lexists(p) and not p.exists():
+        raise error(f"{flag} {p} is a broken link; remove it or choose another {flag}")
+    if p.exists():
+        found = kvcal_file_kind(p)
+        if found != kind:
+            desc = FILE_KINDS[found] if found else "a file kvcal did not write"
+            raise error(f"{p} exists and is {desc}, not {FILE_KINDS[kind]}; kvcal replaces only files of the kind "
+                        f"it writes — choose another {flag}")
+    _check_parents_writable(p, error, flag, "files")
+
+
+def write_file_atomically(path: str | os.PathLike, content: str | bytes | Callable[[Path], None], kind: str,
+                          inputs: dict[str, object] | None = None, error: type[KvcalError] = KvcalError,
+                          flag: str = "--out") -> Path:
+    """Write one file atomically and return its path: ``content`` (text is UTF-8) or ``content(tmp)``
+    fills a temporary sibling, which replaces ``path`` (``os.replace``) only when complete; on any error
+    (also Ctrl-C) nothing is left and an existing file is untouched. Permissions follow the umask.
+
+    Raises ``error`` for every refusal of :func:`check_output_file` (``kind``, ``inputs``, ``flag`` as
+    there) or on OS errors (read-only location, disk full)."""
+    p = Path(path)
+    check_output_file(p, kind, inputs, error, flag)
+    parent = Path(os.path.abspath(p)).parent  # the link's directory when p is a link: os.replace swaps the link
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".kvcal-probe-", dir=anc))
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=parent)
     except OSError as e:
-        raise error(f"cannot write {out}: {anc} does not take new directories ({e.strerror or e}); "
-                    "choose a writable --out") from None
+        raise error(f"cannot write {p}: {e.strerror or e}; choose a writable {flag}") from None
+    tmp = Path(name)
+    try:
+        if callable(content):
+            os.close(fd)
+            content(tmp)
+        else:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(content.encode("utf-8") if isinstance(content, str) else content)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, p)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise error(f"failed writing {p}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return p
 
 
 def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False,
@@ -270,9 +504,15 @@ def _json_default(o):
 def load_artifact(path: str | os.PathLike) -> Artifact:
     """Load an artifact directory (or its ``kv_scales.safetensors`` file) strictly.
 
-    Raises :class:`ArtifactError` when the file is missing, truncated/corrupted, has no kvcal
-    metadata, has an unknown schema version, or lacks a k/v scale for a layer that the metadata
-    says is statically quantized.
+    Raises :class:`ArtifactError` (one line naming the field or tensor and how to fix it) when the
+    file is missing, truncated/corrupted, has no kvcal metadata, has an unknown schema version, a
+    metadata field of the wrong type or missing (:func:`validate_metadata_schema`), a tensor of
+    another dtype, name or shape than kvcal writes, a missing or extra tensor, a scale that is not
+    finite and > 0 or is implausible for the recorded calibration range (:func:`validate_tensors`),
+    calibrated parameters that do not rebuild into a plan, or content that does not match its
+    recorded :data:`CONTENT_HASH_KEY` (edited after writing). Artifacts written before the hash was
+    recorded carry none; they load after the same checks (``kvcal inspect`` and ``kvcal export`` say
+    that edits to them cannot be detected).
     """
     from safetensors import safe_open
 
@@ -292,14 +532,12 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
         meta = json.loads(header["kvcal"])
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{f}: kvcal metadata is not valid JSON ({e})") from None
-    ver = meta.get("schema_version")
-    if ver != SCHEMA_VERSION:
+    ver = meta.get("schema_version") if isinstance(meta, dict) else None
+    if isinstance(meta, dict) and ver != SCHEMA_VERSION:
         raise ArtifactError(f"{f}: schema_version {ver!r} is not supported (this kvcal reads {SCHEMA_VERSION})")
     _validate_metadata(f, meta, tensors)
     listed = meta.get("tensor_names")  # absent in artifacts written before it was recorded
     if listed is not None:
-        if not isinstance(listed, list) or not all(isinstance(x, str) for x in listed):
-            raise ArtifactError(f"{f}: metadata tensor_names must be a list of tensor names; re-run calibration")
         lost, extra = sorted(set(listed) - set(tensors)), sorted(set(tensors) - set(listed))
         if lost:
             raise ArtifactError(f"{f}: lacks {len(lost)} tensor(s) it was written with (first: {lost[0]}); the file "
@@ -322,9 +560,7 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
                 f"{f}: missing {side}_scale for layers {missing[:5]}{'...' if len(missing) > 5 else ''} "
                 f"({len(missing)} of {n}); the file is incomplete"
             )
-    for name, t in tensors.items():
-        if name.endswith("_scale") and (not torch.isfinite(t).all() or (t <= 0).any()):
-            raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales")
+    validate_tensors(f, meta, tensors)
     if _has_calibrated_parameters(meta, tensors):
         from kvcal.plan import KVPlan
 
@@ -333,6 +569,12 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
         except (ValueError, KeyError, TypeError) as e:
             msg = str(e) if isinstance(e, ValueError) else f"metadata field {e} is missing or malformed"
             raise ArtifactError(f"{f}: {msg}; re-run calibration") from None
+    recorded = meta.get(CONTENT_HASH_KEY)
+    if recorded is not None and recorded != content_sha256(meta, tensors):
+        raise ArtifactError(
+            f"{f}: content does not match its {CONTENT_HASH_KEY}: scales or metadata were changed after kvcal wrote "
+            "the file, so it is not what was calibrated and measured — re-run `kvcal calibrate` (kvcal refuses "
+            "edited artifacts rather than serve them)")
     return Artifact(path=p if p.is_dir() else p.parent, tensors=tensors, metadata=meta)
 
 
@@ -345,38 +587,9 @@ def _has_calibrated_parameters(meta: dict, tensors: dict) -> bool:
 
 
 def _validate_metadata(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Types and consistency of the metadata fields kvcal relies on; ArtifactError naming the field."""
-    if not isinstance(meta, dict):
-        raise ArtifactError(f"{f}: kvcal metadata must be a JSON object")
-    for section in ("model", "kv"):
-        if not isinstance(meta.get(section), dict):
-            raise ArtifactError(f"{f}: metadata field {section!r} is missing or not an object; re-run calibration")
-    m = meta["model"]
-    for key in ("num_layers", "num_kv_heads", "head_dim"):
-        v = m.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ArtifactError(f"{f}: metadata model.{key} must be a positive integer, got {v!r}")
-    for side in SIDES:
-        spec = meta["kv"].get(side)
-        if spec is not None and not isinstance(spec, dict):
-            raise ArtifactError(f"{f}: metadata kv.{side} must be an object, got {type(spec).__name__}")
-    n, H, D = m["num_layers"], m["num_kv_heads"], m["head_dim"]
-    layer_specs = meta["kv"].get("layer_specs")
-    if layer_specs is not None and (not isinstance(layer_specs, list) or len(layer_specs) != n):
-        raise ArtifactError(f"{f}: metadata kv.layer_specs must list {n} layers")
-    for name, t in tensors.items():
-        parts = name.split(".")
-        if len(parts) < 5 or parts[0] != "model" or parts[1] != "layers" or not parts[2].isdigit():
-            continue
-        i = int(parts[2])
-        if i >= n:
-            raise ArtifactError(f"{f}: tensor {name} is for layer {i} but the metadata says {n} layers")
-        if name.endswith("_scale"):
-            spec = (layer_specs[i] if layer_specs else meta["kv"]).get(parts[-1][0]) or {}
-            allowed = {"tensor": [(1,)], "head": [(H, 1, 1)], "channel": [(H, 1, D)]}.get(spec.get("granularity"))
-            if allowed and tuple(t.shape) not in allowed:
-                raise ArtifactError(f"{f}: {name} has shape {list(t.shape)}, expected {list(allowed[0])} for "
-                                    f"{spec.get('granularity')} granularity")
+    """Types and consistency of the metadata fields kvcal relies on (:func:`validate_metadata_schema`);
+    ArtifactError naming the field. The tensors are checked against it by :func:`validate_tensors`."""
+    validate_metadata_schema(f, meta)
 
 
 def check_model_match(meta: dict, model_meta: dict) -> None:
@@ -397,3 +610,265 @@ def check_model_match(meta: dict, model_meta: dict) -> None:
 
 def is_finite_number(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# ---- the one artifact validator ----------------------------------------------------------------
+# Every command that reads an artifact (export, evaluate, plan --kv-config, inspect, report, the
+# runtime cache) goes through load_artifact, which runs the checks below in this order: metadata
+# schema (types, not truthiness), tensor dtypes and names, shapes against the stated granularity,
+# missing/extra tensors, finite positive scales, scales against the recorded calibration ranges,
+# the calibrated per-layer parameters (KVPlan.from_artifact), and last the content hash — so a
+# specific defect is named precisely and any other edit is still caught by the hash.
+
+#: Metadata field that holds :func:`content_sha256` (written by :func:`write_artifact`).
+CONTENT_HASH_KEY = "content_sha256"
+
+#: Tensor kinds kvcal writes per layer and side (``model.layers.{i}.self_attn.{k,v}_{kind}``).
+TENSOR_KINDS = ("scale", "zero_point", "clip_ratio", "mean", "rounding", "channel_bits", "levels", "trellis",
+                "scale_base")
+#: Tensors outside the per-layer K/V pattern: the query scale (per layer) and the RoPE table.
+_OTHER_TENSOR = ("q_scale",)
+_ROPE_TENSOR = "rotary.inv_freq"
+
+#: A static scale is refused when it lies outside ``[amax / fmt_max / SCALE_SANITY,
+#: SCALE_SANITY * max(1, amax / 100)]`` for the calibration absmax ``amax`` the artifact records for
+#: that layer and side. The search's candidates (runtime-formats.md, ``calibration.candidates``) span
+#: clip 0.5 (scale = amax/fmt_max x 0.5), headroom 4, unity (1.0) and the on-the-fly rule
+#: (amax/100 for V): every one of them lies a factor 32 or more inside these bounds, while a hand-typed
+#: 1e30 or 1e-30 lies twenty orders of magnitude outside.
+SCALE_SANITY = 64.0
+
+_FMT_MAX = {"fp8_e4m3": 448.0, "fp8_e4m3fnuz": 240.0, "fp8_e5m2": 57344.0}  # kvcal.formats.fp8 (OCP, AMD)
+
+
+def _kind(v) -> str:
+    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                     list: "list", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field checks: (predicate, what the field must be)
+_POS_INT = (lambda v: _is_int(v) and v >= 1, "a positive integer")
+_NONNEG_INT = (lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+_BOOL = (lambda v: isinstance(v, bool), "true or false (a JSON boolean, not a string)")
+_STR = (lambda v: isinstance(v, str), "a string")
+_OBJ = (lambda v: isinstance(v, dict), "an object")
+_LIST = (lambda v: isinstance(v, list), "a list")
+_POS_NUM = (lambda v: _is_num(v) and v > 0, "a finite number > 0")
+_NUM_LIST = (lambda v: isinstance(v, list) and all(_is_num(x) for x in v), "a list of finite numbers")
+_STR_LIST = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings")
+
+
+def _optional(check):
+    pred, what = check
+    return (lambda v: v is None or pred(v), f"{what} or null")
+
+
+def _one_of(*choices):
+    return (lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices))
+
+
+_GRANULARITIES = ("tensor", "head", "channel", "token", "token_group", "channel_token_group")
+
+
+def _formats() -> tuple[str, ...]:
+    from kvcal.formats.spec import QFormat
+
+    return tuple(f.value for f in QFormat)
+
+
+# section -> {field: (check, required)}; fields not listed are allowed (forward compatibility: a
+# newer kvcal's optional fields, e.g. a weights fingerprint) and covered by the content hash
+_TOP_SCHEMA = {
+    "schema_version": (_POS_INT, True), "model": (_OBJ, True), "kv": (_OBJ, True),
+    "kvcal_version": (_STR, False), "created": (_STR, False), "calibration": (_OBJ, False),
+    "corpus": (_OBJ, False), "layers": (_LIST, False), "tensor_names": (_STR_LIST, False),
+    CONTENT_HASH_KEY: ((lambda v: isinstance(v, str) and len(v) == 64, "a 64-digit hex sha256"), False),
+}
+_MODEL_SCHEMA = {
+    "num_layers": (_POS_INT, True), "num_kv_heads": (_POS_INT, True), "head_dim": (_POS_INT, True),
+    "num_attention_heads": (_POS_INT, False), "max_position_embeddings": (_optional(_POS_INT), False),
+    "id": (_optional(_STR), False), "config_sha256": (_optional(_STR), False), "architecture": (_optional(_STR), False),
+    "model_type": (_optional(_STR), False), "weight_precision": (_optional(_STR), False),
+}
+_KV_SCHEMA = {
+    "k": (_OBJ, True), "v": (_OBJ, True),
+    "quantized_tensors": ((lambda v: isinstance(v, list) and all(x in SIDES for x in v), "a list of 'k' / 'v'"), False),
+    "key_position": (_one_of("post_rope", "pre_rope"), False),
+    "residual_window": (_NONNEG_INT, False), "sink_tokens": (_NONNEG_INT, False), "key_centering": (_BOOL, False),
+    "layer_specs": (_optional(_LIST), False), "transforms": (_optional(_LIST), False),
+    "rope_attention_scaling": (_POS_NUM, False),
+}
+
+
+def _spec_schema() -> dict:
+    return {
+        "format": (_one_of(*_formats()), True), "granularity": (_one_of(*_GRANULARITIES), True),
+        "group_size": (_optional(_POS_INT), False), "symmetric": (_BOOL, False), "dynamic": (_BOOL, False),
+        "scale_dtype": (_optional(_STR), False), "bits": (_optional(_POS_NUM), False),
+    }
+
+
+_LAYER_SIDE_SCHEMA = {"scale": (_NUM_LIST, False), "amax": (_NUM_LIST, False)}
+
+
+def _check_section(f: Path, where: str, obj, schema: dict) -> None:
+    """Check the fields of ``obj`` (metadata section ``where``) against ``schema``; ArtifactError
+    naming the field, what it must be, what it is, and how to fix it."""
+    if not isinstance(obj, dict):
+        raise ArtifactError(f"{f}: metadata {where or 'document'} must be an object, got {_kind(obj)}; "
+                            "re-run calibration")
+    for key, ((pred, what), required) in schema.items():
+        field_name = f"{where}.{key}" if where else key
+        if key not in obj:
+            if required:
+                raise ArtifactError(f"{f}: metadata field {field_name} must be {what}, but it is missing; the file "
+                                    "was edited or is not a kvcal artifact — re-run calibration")
+            continue
+        v = obj[key]
+        if not pred(v):
+            raise ArtifactError(f"{f}: metadata field {field_name} must be {what}, got {v!r} ({_kind(v)}); "
+                                "fix the field or re-run calibration")
+
+
+def validate_metadata_schema(f: Path, meta) -> None:
+    """Strict types of every metadata field kvcal reads (module docstring): required keys present,
+    booleans are JSON booleans (``"symmetric": "false"`` is refused, not read as true), counts are
+    integers, formats/granularities are known names, per-layer lists have one entry per layer.
+    Unknown fields are allowed (a newer kvcal's optional fields; the content hash covers them).
+    Raises :class:`ArtifactError` naming the field."""
+    _check_section(f, "", meta, _TOP_SCHEMA)
+    _check_section(f, "model", meta["model"], _MODEL_SCHEMA)
+    kv = meta["kv"]
+    _check_section(f, "kv", kv, _KV_SCHEMA)
+    n = meta["model"]["num_layers"]
+    spec_schema = _spec_schema()
+    for side in SIDES:
+        _check_section(f, f"kv.{side}", kv[side], spec_schema)
+    for key in ("layer_specs", "transforms"):
+        lst = kv.get(key)
+        if lst is not None and len(lst) != n:
+            raise ArtifactError(f"{f}: metadata kv.{key} must list {n} layers (model.num_layers), got {len(lst)}; "
+                                "re-run calibration")
+    for i, ls in enumerate(kv.get("layer_specs") or []):
+        for side in SIDES:
+            _check_section(f, f"kv.layer_specs[{i}]", ls, {side: (_OBJ, True)})
+            _check_section(f, f"kv.layer_specs[{i}].{side}", ls[side], spec_schema)
+    for i, tr in enumerate(kv.get("transforms") or []):
+        _check_section(f, f"kv.transforms[{i}]", tr, {s: (_STR, False) for s in SIDES})
+    for j, lm in enumerate(meta.get("layers") or []):
+        _check_section(f, f"layers[{j}]", lm, {"layer": ((lambda v: _is_int(v) and 0 <= v < n,
+                                                           f"a layer index in 0..{n - 1}"), True)})
+        for side in SIDES:
+            if lm.get(side) is not None:
+                _check_section(f, f"layers[{j}].{side}", lm[side], _LAYER_SIDE_SCHEMA)
+
+
+def content_sha256(meta: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """Hex sha256 over an artifact's content: the metadata (canonical JSON, sorted keys, without the
+    :data:`CONTENT_HASH_KEY` field itself) and every tensor's name, dtype, shape and bytes in name
+    order. :func:`write_artifact` stores it in the metadata; :func:`load_artifact` recomputes it, so a
+    scale or field changed after kvcal wrote the file is told from one kvcal wrote."""
+    h = hashlib.sha256()
+    body = {k: v for k, v in meta.items() if k != CONTENT_HASH_KEY}
+    h.update(json.dumps(body, sort_keys=True, allow_nan=False, separators=(",", ":")).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"\n{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _parse_tensor_name(name: str) -> tuple[int, str, str] | None:
+    """``model.layers.{i}.self_attn.{side}_{kind}`` -> ``(i, side, kind)``; ``q_scale`` -> ``(i, "q", "scale")``;
+    anything else ``None``."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or parts[3] != "self_attn":
+        return None
+    if parts[4] in _OTHER_TENSOR:
+        return int(parts[2]), "q", "scale"
+    side, _, kind = parts[4].partition("_")
+    if side not in SIDES or kind not in TENSOR_KINDS:
+        return None
+    return int(parts[2]), side, kind
+
+
+def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Tensor checks against the (schema-checked) metadata: float32 dtype (kvcal writes nothing else;
+    an int32 or float16 tensor was put there by hand), names kvcal writes, layer indices within
+    ``model.num_layers``, scale and zero-point shapes consistent with the side's granularity
+    (``tensor`` ``[1]``, ``head`` ``[H_kv,1,1]``, ``channel`` ``[H_kv,1,D]``), and scales finite, > 0
+    and within :data:`SCALE_SANITY` of the calibration range the metadata records for that layer and
+    side. Raises :class:`ArtifactError` naming the tensor."""
+    m = meta["model"]
+    n, H, D = m["num_layers"], m["num_kv_heads"], m["head_dim"]
+    kv = meta["kv"]
+    specs = kv.get("layer_specs")
+    for name, t in sorted(tensors.items()):
+        if t.dtype != torch.float32:
+            raise ArtifactError(f"{f}: tensor {name} has dtype {str(t.dtype).replace('torch.', '')}; kvcal writes "
+                                "float32 tensors only, so the file was edited — re-run calibration")
+        if name == _ROPE_TENSOR:
+            continue
+        parsed = _parse_tensor_name(name)
+        if parsed is None:
+            raise ArtifactError(f"{f}: holds tensor {name}, which kvcal does not write (names are "
+                                "model.layers.{i}.self_attn.{k,v}_{" + ",".join(TENSOR_KINDS) + "}); remove it or "
+                                "re-run calibration")
+        i, side, kind = parsed
+        if i >= n:
+            raise ArtifactError(f"{f}: tensor {name} is for layer {i} but the metadata says {n} layers")
+        if side == "q":
+            continue
+        spec = (specs[i] if specs else kv)[side]
+        if kind in ("scale", "zero_point"):
+            allowed = {"tensor": (1,), "head": (H, 1, 1), "channel": (H, 1, D)}.get(spec["granularity"])
+            if allowed and not spec.get("dynamic", False) and tuple(t.shape) != allowed:
+                raise ArtifactError(f"{f}: {name} has shape {list(t.shape)}, expected {list(allowed)} for "
+                                    f"{spec['granularity']} granularity (model.num_kv_heads {H}, head_dim {D}); "
+                                    "the file was edited — re-run calibration")
+        if kind == "scale":
+            bad = ~torch.isfinite(t) | (t <= 0)
+            if bool(bad.any()):
+                raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales "
+                                    f"({t[bad].flatten()[:3].tolist()}); re-run calibration")
+    _check_scale_ranges(f, meta, tensors)
+
+
+def _check_scale_ranges(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Static FP8 scales against the calibration absmax recorded in ``layers[i].{k,v}.amax`` (see
+    :data:`SCALE_SANITY`)."""
+    kv = meta["kv"]
+    specs = kv.get("layer_specs")
+    for lm in meta.get("layers") or []:
+        i = lm["layer"]
+        for side in SIDES:
+            rec = lm.get(side) or {}
+            spec = (specs[i] if specs else kv)[side]
+            fmax = _FMT_MAX.get(spec["format"])
+            t = tensors.get(tensor_name(i, side))
+            amax = rec.get("amax")
+            if fmax is None or spec.get("dynamic", False) or t is None or not amax:
+                continue
+            a = torch.tensor(amax, dtype=torch.float64).flatten()
+            s = t.double().flatten()
+            if a.numel() != s.numel():
+                a = a.max().expand(s.shape)
+            if not bool((a > 0).all()):
+                continue
+            lo, hi = a / fmax / SCALE_SANITY, SCALE_SANITY * torch.clamp(a / 100.0, min=1.0)
+            bad = (s < lo) | (s > hi)
+            if bool(bad.any()):
+                j = int(bad.nonzero()[0][0])
+                raise ArtifactError(
+                    f"{f}: tensor {tensor_name(i, side)} holds the scale {float(s[j]):.4g}, implausible for the "
+                    f"calibration absmax {float(a[j]):.4g} recorded for layer {i} {side.upper()} (a plausible "
+                    f"{spec['format']} scale lies in [{float(lo[j]):.3g}, {float(hi[j]):.3g}]); the file was "
+                    "edited — re-run calibration")

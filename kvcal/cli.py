@@ -57,7 +57,9 @@ def main():
 @main.command()
 @click.option("--corpus", required=True, type=click.Path(), help="JSONL(.gz) or .txt calibration corpus.")
 @click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
-@click.option("--out", default=None, type=click.Path(), help="Artifact directory (default artifacts/<model>-fp8).")
+@click.option("--out", default=None, type=click.Path(),
+              help="Artifact directory [default: kvcal_out/<model>-<preset> in the current directory]. An existing "
+                   "one is replaced only with --overwrite, and only when kvcal wrote it and git tracks none of it.")
 @click.option("--max-samples", default=64, show_default=True, type=int, help="Samples used (seeded subset).")
 @click.option("--max-seq-len", default=512, show_default=True, type=int, help="Tokens per sample (longer ones are truncated and counted).")
 @click.option("--format", "fmt", default=None, show_default="fp8_e4m3",
@@ -117,7 +119,7 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
     """
     from pathlib import Path
 
-    from kvcal.calibrate import CalibrateConfig, checkpoint_path
+    from kvcal.calibrate import CalibrateConfig, checkpoint_path, output_dir
     from kvcal.calibrate import calibrate as run
 
     cfg = CalibrateConfig(corpus=corpus, out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
@@ -131,7 +133,7 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
     try:
         res = run(cfg, log=click.echo, progress=not quiet)
     except KeyboardInterrupt:
-        ck = checkpoint_path(out) if out else None
+        ck = checkpoint_path(output_dir(cfg))
         hint = (f"; resume with the same command plus --resume (checkpoint {ck})" if ck and Path(ck).exists()
                 else f" (stopped before the first checkpoint of --checkpoint-every {checkpoint_every})"
                 if checkpoint_every else "; add --checkpoint-every N to make long runs resumable")
@@ -155,12 +157,17 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
 @click.option("--headroom", default=None, type=float,
               help="Margin in [1, 16]: every scale >= observed max / 448 x MARGIN (for engines that do not saturate).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--clipped-scales", is_flag=True,
+              help="Keep the searched clipping scales for targets SGLang loads (sglang-json; per-tensor vllm, "
+                   "modelopt). Default: unclipped there (scale >= calibration max / 448), because SGLang writes FP8 "
+                   "without saturating and a clipped value becomes NaN; use this only for engines that saturate.")
 @user_errors
-def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite):
+def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clipped_scales):
     """Export an artifact in the exact form a serving engine loads (optionally merged into a checkpoint)."""
     from kvcal.export import export
 
-    res = export(artifact, target, out, model_dir=model_dir, tp=tp, headroom=headroom, overwrite=overwrite)
+    res = export(artifact, target, out, model_dir=model_dir, tp=tp, headroom=headroom, overwrite=overwrite,
+                 clipped_scales=clipped_scales)
     click.echo(f"wrote {res.out} ({res.target}): {', '.join(res.files)}")
     for note in res.notes:
         click.echo(f"note: {note}")
@@ -192,7 +199,8 @@ def inspect_cmd(path, tp):
 @click.option("--format", "fmt", required=True,
               help="A `kvcal calibrate` preset (fp8, int8, int4, int2, k4v2: their layouts, metadata included), a "
                    "layout (fp16, bf16, fp8_head, fp8_e5m2, int4_static, kivi4, kivi3, kivi2, nvfp4) or a storage "
-                   "format (e.g. fp8_e4m3fnuz, int3) applied to K and V.")
+                   "format (e.g. fp8_e4m3fnuz, int3) applied to K and V; or vllm:<--kv-cache-dtype> (e.g. "
+                   "vllm:turboquant_4bit_nc) for the pages vLLM 0.33 allocates.")
 @click.option("--granularity", default=None,
               help="Override both sides: tensor, head, channel, token, token_group, channel_token_group.")
 @click.option("--group-size", default=None, type=int, help="Group size of grouped granularities (both sides).")
@@ -202,8 +210,12 @@ def inspect_cmd(path, tp):
 @click.option("--context", default=None, type=int, help="Tokens per sequence [default: the model's max positions].")
 @click.option("--batch", default=1, show_default=True, type=int, help="Sequences in the cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full breakdown as JSON.")
+@click.option("--skip-layers", "skip_layers", default=None,
+              help="vllm:<dtype> formats only: comma-separated layer indices kept at 16 bits "
+                   "(vLLM's --kv-cache-dtype-skip-layers).")
 @user_errors
-def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, sinks, context, batch, as_json):
+def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, sinks, context, batch, as_json,
+               skip_layers=None):
     """Print KV-cache bytes per token and total cache bytes for a model and KV format (exact)."""
     import json
     from dataclasses import replace
@@ -222,6 +234,11 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
             from kvcal.models import load_model_config
 
             shape = model_shape(load_model_config(model))
+        if fmt.startswith("vllm:"):
+            _memory_vllm(model, shape, fmt[len("vllm:"):], skip_layers, context, batch, as_json)
+            return
+        if skip_layers is not None:
+            raise ValueError("--skip-layers applies to vllm:<dtype> formats only (e.g. --format vllm:fp8)")
         if group_size is not None and group_size < 1:
             raise ValueError(f"--group-size must be >= 1 channels/tokens, got {group_size}")
         named = named_cache_config(fmt)
@@ -248,10 +265,10 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
         ctx = context if context is not None else shape.max_position_embeddings
         if ctx is None:
             raise ValueError("the model config has no max_position_embeddings; pass --context")
-        mx = shape.max_position_embeddings
-        if context is not None and mx is not None and context > mx:
-            raise ValueError(f"--context {context} exceeds the model's max_position_embeddings {mx}; a cache that "
-                             "long is never allocated for this model (pass --context <= the maximum)")
+        if context is not None:
+            from kvcal.models import check_max_positions
+
+            check_max_positions(context, shape.max_position_embeddings, "--context")
         too_long = [sp.granularity.group_size for sp in (cfg.key, cfg.value)
                     if getattr(sp.granularity, "name", "") == "channel_token_group" and sp.granularity.group_size > ctx]
         if too_long:
@@ -280,6 +297,41 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
     click.echo(f"cache bytes (context {ctx}, batch {batch}): {rep.total} ({rep.total / 2**20:.2f} MiB)")
     click.echo(f"  payload {rep.payload}, scales/zero points {rep.params}, 16-bit window+sinks {rep.dense16}, "
                f"per-layer metadata {rep.static}")
+
+
+def _memory_vllm(model, shape, dtype, skip_layers, context, batch, as_json):
+    """`kvcal memory --format vllm:<dtype>`: the pages vLLM 0.33 allocates (raises ValueError)."""
+    import json
+
+    from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
+    from kvcal.formats.vllm_dtypes import VLLM_VERSION, boundary_skip_layers, vllm_dtype
+
+    vllm_dtype(dtype)
+    skip = []
+    for tok in (skip_layers or "").split(","):
+        if tok.strip():
+            try:
+                skip.append(int(tok))
+            except ValueError:
+                raise ValueError(f"--skip-layers takes comma-separated layer indices, got {tok.strip()!r}") from None
+    ctx = context if context is not None else shape.max_position_embeddings
+    if ctx is None:
+        raise ValueError("the model config has no max_position_embeddings; pass --context")
+    if batch < 1 or ctx < 0:
+        raise ValueError(f"--batch must be >= 1 and --context >= 0, got {batch} and {ctx}")
+    bpt = vllm_bytes_per_token(shape, dtype, skip)
+    total = vllm_cache_bytes(shape, dtype, ctx, batch, skip_layers=skip)
+    all_skip = sorted(set(skip) | set(boundary_skip_layers(dtype, shape.num_layers)))
+    b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    if as_json:
+        click.echo(json.dumps({"model_id": model, "format": f"vllm:{dtype}", "vllm_version": VLLM_VERSION,
+                               "skip_layers": all_skip, "context": ctx, "batch": batch, "block_size": 16,
+                               "bytes_per_token": bpt, "bytes": {"total": total}}, indent=2))
+        return
+    click.echo(f"model: {model} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim})")
+    click.echo(f"kv: vLLM {VLLM_VERSION} --kv-cache-dtype {dtype}; layers at 16 bits: {all_skip or 'none'}")
+    click.echo(f"bytes per token: {bpt} ({b16 / bpt:.2f}x smaller than 16-bit {b16})")
+    click.echo(f"cache bytes (context {ctx}, batch {batch}, 16-token blocks): {total} ({total / 2**20:.2f} MiB)")
 
 
 # ---- plan --------------------------------------------------------------------------------------
@@ -355,7 +407,9 @@ def _int_list(ctx, param, value):
 @click.option("--accept", default=None,
               help="Acceptance criteria for every method, e.g. 'kl_mean<=2e-3,delta_ppl<=0.05' "
                    "[default: per precision, see kvcal.evaluate.DEFAULT_ACCEPT].")
-@click.option("--json", "json_path", default=None, type=click.Path(), help="Write every figure as JSON (kvcal-eval/1).")
+@click.option("--json", "json_path", default=None, type=click.Path(),
+              help="Write every figure as JSON (kvcal-eval/1), atomically; an existing file is replaced only when it "
+                   "is a kvcal evaluation (never an input, the artifact's files or a file kvcal did not write).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @user_errors
@@ -370,14 +424,11 @@ def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tok
     cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
                      windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
                      accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device)
-    if json_path:  # refuse an unwritable --json before minutes of evaluation, not after
-        import os
+    inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
+    if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
+        from kvcal.artifact import check_output_file
 
-        jp = Path(json_path)
-        parent = next((d for d in (jp.parent, *jp.parent.parents) if d.exists()), Path("."))
-        if jp.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise KvcalError(f"cannot write --json {jp}: " + ("it is a directory" if jp.is_dir() else
-                             f"{parent} is not a writable directory") + "; choose another path")
+        check_output_file(json_path, "evaluation", inputs, KvcalError, "--json")
     if quiet:
         quiet_libraries()
     doc = evaluate(cfg, log=click.echo, progress=not quiet)  # --quiet: no bars, but each stage still says what runs
@@ -385,13 +436,9 @@ def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tok
     for note in doc["notes"]:
         click.echo(f"note: {note}")
     if json_path:
-        p = Path(json_path)
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(to_json(doc), encoding="utf-8")
-        except OSError as e:
-            raise KvcalError(f"cannot write {p}: {e}") from None
-        click.echo(f"wrote {p}")
+        from kvcal.artifact import write_file_atomically
+
+        click.echo(f"wrote {write_file_atomically(json_path, to_json(doc), 'evaluation', inputs, KvcalError, '--json')}")
     click.echo(f"artifact: {'PASS' if doc['passed'] else 'FAIL'}")
     if not doc["passed"]:
         sys.exit(1)

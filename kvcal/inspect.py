@@ -62,10 +62,17 @@ class Inspection:
 
 
 def _read_json(p: Path) -> dict:
+    """The JSON object in ``p``; :class:`InspectError` when unreadable or not an object (every JSON
+    file kvcal inspect reads — scales JSON, config, index, manifest — is an object)."""
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InspectError(f"{p} is not readable JSON ({e})") from None
+    if not isinstance(doc, dict):
+        kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(doc), "null")
+        raise InspectError(f"{p} holds a JSON {kind}, not an object; kvcal inspect reads JSON objects (a "
+                           "--quantization-param-path file is {\"kv_cache\": {\"scaling_factor\": ...}})")
+    return doc
 
 
 def _kv_tensors(files: list[Path]) -> dict:
@@ -186,6 +193,12 @@ def _inspect_artifact(p: Path) -> Inspection:
     ins.engines["TensorRT-LLM"] = simulate_trtllm(scales, n)
     ins.notes.append("engine rows: the artifact's names as if copied into a checkpoint with a compressed-tensors "
                      "kv_cache_scheme; use `kvcal export` to produce what each engine loads")
+    from kvcal.artifact import CONTENT_HASH_KEY
+
+    ins.notes.append(f"content hash verified ({CONTENT_HASH_KEY} {meta[CONTENT_HASH_KEY][:16]}…)"
+                     if meta.get(CONTENT_HASH_KEY) else
+                     f"no {CONTENT_HASH_KEY}: written before kvcal recorded one, so a hand edit that keeps every "
+                     "field and scale plausible cannot be detected; re-calibrate to get a verifiable artifact")
     for name in target_names():
         ins.exportable[name] = get_target(name).can_load(meta)
     return ins

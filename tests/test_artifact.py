@@ -198,7 +198,7 @@ def test_disk_full_on_overwrite_keeps_the_old_artifact(tmp_path, monkeypatch):
 @pytest.mark.parametrize("edit, match", [
     (lambda m: m["model"].pop("num_layers"), "model.num_layers must be a positive integer"),
     (lambda m: m["model"].__setitem__("num_layers", "thirty"), "model.num_layers must be a positive integer"),
-    (lambda m: m.__setitem__("kv", "fp8"), "'kv' is missing or not an object"),
+    (lambda m: m.__setitem__("kv", "fp8"), "metadata field kv must be an object, got 'fp8'"),
     (lambda m: m["model"].__setitem__("num_layers", 1), "is for layer 1 but the metadata says 1 layers"),
 ])
 def test_hand_edited_metadata_gets_one_line_errors(tmp_path, edit, match):

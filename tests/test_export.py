@@ -323,9 +323,11 @@ def test_fnuz_artifact_exported_in_ocp_convention(tmp_path):
 
 def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
     path, truth = make_artifact(tmp_path / "art", clip=0.8)  # calibration clipped 20% of the range
-    res = export(path, "sglang-json", tmp_path / "a")
-    assert res.warnings and "without saturating" in res.warnings[0] and "--headroom" in res.warnings[0]
-    assert export(path, "vllm", tmp_path / "b").warnings  # SGLang loads this checkpoint too
+    res = export(path, "sglang-json", tmp_path / "a", clipped_scales=True)  # opted into the clipped scales
+    warn = [w for w in res.warnings if "without saturating" in w]
+    assert warn and "--headroom" in warn[0]
+    assert [w for w in export(path, "vllm", tmp_path / "b", clipped_scales=True).warnings
+            if "without saturating" in w]  # SGLang loads this checkpoint too
     assert not export(path, "trtllm-legacy", tmp_path / "c").warnings  # TensorRT-LLM saturates
     res = export(path, "sglang-json", tmp_path / "d", headroom=1.1)
     assert not res.warnings

@@ -52,6 +52,7 @@ def export(
     tp: int = 1,
     headroom: float | None = None,
     overwrite: bool = False,
+    clipped_scales: bool = False,
 ) -> ExportResult:
     """Export an artifact for ``target`` into the new directory ``out`` (written atomically).
 
@@ -59,6 +60,10 @@ def export(
     safetensors checkpoint to merge into (a linked copy is written to ``out``; the source is never
     modified). ``tp``: tensor-parallel size (ranks in the ``sglang-json`` file; checkpoints are
     TP-agnostic). ``headroom``: margin ``>= 1`` so every scale ``>= observed max / 448 x margin``.
+    ``clipped_scales``: keep the searched clipping scales for targets an engine that casts to FP8
+    without saturating loads (SGLang: ``sglang-json``, and per-tensor ``vllm`` / ``modelopt``); by
+    default those targets get unclipped scales (``>= observed max / 448``), since a clipped value
+    becomes NaN there.
 
     Raises :class:`ExportError` (a :class:`kvcal.errors.KvcalError`) when the target cannot load the
     artifact (the message lists the targets that can), ``out`` exists without ``overwrite``,
@@ -87,7 +92,8 @@ def export(
         if dst == src or src in dst.parents or dst in src.parents:
             raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
         ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path)
-    prep = prepare_scales(art, headroom)
+    unsafe = t.non_saturating if art.metadata["kv"]["k"]["granularity"] == "tensor" else ()
+    prep = prepare_scales(art, headroom, unclip=() if clipped_scales else unsafe)
     nkv = art.metadata["model"].get("num_kv_heads")
     if tp > 1 and t.name != "sglang-json":
         notes.append(f"--tp {tp}: checkpoints are TP-agnostic (the engine slices per-head scales per rank)")
@@ -95,14 +101,20 @@ def export(
         raise ExportError(f"--tp {tp} does not divide the {nkv} KV heads (nor they it); per-head scales cannot be sliced")
     ctx = ExportContext(art, prep, ckpt.path if ckpt else None, ckpt.config if ckpt else None, tp, ckpt=ckpt)
     ctx.notes += prep.notes + notes
+    from kvcal.artifact import CONTENT_HASH_KEY
+
+    if not art.metadata.get(CONTENT_HASH_KEY):
+        ctx.notes.append(f"the artifact has no {CONTENT_HASH_KEY} (written before kvcal recorded one): its scales "
+                         "passed every range and schema check, but a plausible hand edit cannot be detected")
     ctx.warnings += ckpt_warnings
     engines = t.non_saturating if prep.granularity == "tensor" else ()
     warn = clipping_warning(prep, engines)
     if warn:
         ctx.warnings.append(warn)
     if engines and all(prep.amax[i][s] is None for i in range(prep.num_layers) for s in ("k", "v")):
-        ctx.notes.append(f"the artifact records no observed amax, so clipping cannot be checked; "
-                         f"{'/'.join(engines)} does not saturate: consider --headroom")
+        ctx.warnings.append(f"the artifact records no observed amax, so kvcal can neither check nor undo clipping; "
+                            f"{'/'.join(engines)} writes FP8 without saturating (a clipped value becomes NaN): "
+                            "re-calibrate with this kvcal, which records it")
     mm = art.metadata["model"]
     hq, hkv = mm.get("num_attention_heads"), mm.get("num_kv_heads")
     if tp > 1 and isinstance(hq, int) and isinstance(hkv, int) and (
@@ -124,6 +136,12 @@ def export(
 
     def fill(staging: Path) -> None:
         serve = t.write(ctx, staging)
+        if (staging / "config.json").is_file():  # merged checkpoint: would the installed transformers apply it?
+            from kvcal.export.hf_loader import check_transformers_kv
+
+            chk = check_transformers_kv(json.loads((staging / "config.json").read_text(encoding="utf-8")))
+            if chk is not None and chk.warning():
+                ctx.warnings.append(chk.warning())
         manifest = {
             "kvcal_version": __version__,
             "target": t.name,
@@ -131,10 +149,15 @@ def export(
             "model_dir": str(ckpt.path) if ckpt else None,
             "tp": tp,
             "headroom": headroom,
+            "scales": ("clipped (as calibrated)" if clipped_scales or not unsafe else
+                       f"unclipped for {'/'.join(unsafe)} (>= calibration max / 448)"),
             "source_format": prep.format,
             "granularity": prep.granularity,
             "notes": ctx.notes,
             "warnings": ctx.warnings,
+            **ctx.manifest,
+            # every file of the export (this manifest included): `--overwrite` refuses a directory holding others
+            "files": sorted([*(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()), MANIFEST]),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         result["serve"] = serve

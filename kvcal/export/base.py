@@ -13,19 +13,20 @@ checkpoint (``x ≈ q * scale``, ``scale = clip_amax / 448``; INT8: ``clip_amax 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvcal.artifact import Artifact, tensor_name
+from kvcal.artifact import EXPORT_MANIFEST, Artifact, tensor_name
 from kvcal.errors import KvcalError
 
 FP8_E4M3_MAX = 448.0  # OCP float8_e4m3fn, the convention of every engine's checkpoint scales
 FP8_E4M3FNUZ_MAX = 240.0  # AMD float8_e4m3fnuz
 INT8_MAX = 127.0  # kvcal symmetric INT8 (compressed-tensors would use 127.5)
 FORMAT_MAX = {"fp8_e4m3": FP8_E4M3_MAX, "fp8_e4m3fnuz": FP8_E4M3FNUZ_MAX, "fp8_e5m2": 57344.0, "int8": INT8_MAX}
-MANIFEST = "kvcal-export.json"
+MANIFEST = EXPORT_MANIFEST  # the manifest kvcal.artifact recognizes an export by
 #: relative tolerance when deciding whether calibration clipped (scale*max vs observed amax)
 CLIP_RTOL = 1e-5
 
@@ -77,6 +78,7 @@ class ExportContext:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # exported name -> tensor
+    manifest: dict = field(default_factory=dict)  # extra entries for kvcal-export.json (e.g. shared_scale)
 
 
 @dataclass
@@ -252,7 +254,7 @@ def _amax_like(values, scale: torch.Tensor) -> torch.Tensor | None:
 MAX_HEADROOM = 16.0
 
 
-def prepare_scales(artifact: Artifact, headroom: float | None = None) -> PreparedScales:
+def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tuple[str, ...] = ()) -> PreparedScales:
     """Convert an artifact's static K/V scales into the engine convention.
 
     * ``fp8_e4m3fnuz`` artifacts (clip = ``scale * 240``) are re-expressed in the OCP e4m3fn
@@ -264,6 +266,10 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None) -> Prepare
       NaN in SGLang there.
     * ``headroom`` (``1 <= headroom <=`` :data:`MAX_HEADROOM`): raise each scale to at least ``observed_amax / fmt_max * headroom``
       (engines that cast without saturating — SGLang — turn larger values into NaN/Inf).
+    * ``unclip`` (names of such engines, e.g. ``("SGLang",)``; ignored when ``headroom`` is given):
+      raise each scale to at least ``observed_amax / fmt_max`` — the unclipped scale, so every value
+      the calibration observed is representable (what :func:`kvcal.export.export` does by default for
+      targets a non-saturating engine loads; ``--clipped-scales`` turns it off).
 
     Returns :class:`PreparedScales` (float32 ``[1]`` or ``[H_kv,1,1]`` per layer and side).
     Raises :class:`ExportError` for a bad ``headroom``.
@@ -291,6 +297,7 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None) -> Prepare
     n = artifact.num_layers
     p = PreparedScales(n, gran, fmt, {}, {}, {}, {}, out_fmt_max, notes=notes)
     raised = 0
+    margin = headroom if headroom is not None else (1.0 if unclip else None)
     for i in range(n):
         p.amax[i] = {}
         for side in ("k", "v"):
@@ -304,8 +311,8 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None) -> Prepare
             s = s * conv
             amax = _amax_like((stats.get(i, {}).get(side) or {}).get("amax"), s)
             p.amax[i][side] = amax
-            if headroom is not None and amax is not None:
-                floor = amax / out_fmt_max * headroom
+            if margin is not None and amax is not None:
+                floor = amax / out_fmt_max * margin
                 if bool((floor > s).any()):
                     raised += 1
                 s = torch.maximum(s, floor)
@@ -317,12 +324,18 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None) -> Prepare
         q = artifact.tensors.get(tensor_name(i, "k").replace("k_scale", "q_scale"))
         if q is not None:
             p.q[i] = q.detach().to(torch.float32).clone() * conv
+    no_amax = all(p.amax[i][s] is None for i in range(n) for s in ("k", "v"))
     if headroom is not None:
-        if all(p.amax[i][s] is None for i in range(n) for s in ("k", "v")):
+        if no_amax:
             notes.append("--headroom ignored: the artifact records no observed amax per layer")
         else:
             notes.append(f"--headroom {headroom}: raised {raised} of {2 * n} K/V scales to observed max / "
                          f"{out_fmt_max:g} x {headroom}")
+    elif unclip and not no_amax:
+        notes.append(f"{'/'.join(unclip)} writes FP8 without saturating, so scales are unclipped by default: raised "
+                     f"{raised} of {2 * n} K/V scales that calibration had clipped to the calibration max / "
+                     f"{out_fmt_max:g} (values above that max still overflow: add --headroom 1.25 for margin; "
+                     "--clipped-scales keeps the searched clipping scales, for engines that saturate)")
     return p
 
 
@@ -334,12 +347,93 @@ def clipping_warning(p: PreparedScales, engines: tuple[str, ...]) -> str | None:
     worst = max(r for d in p.clipped.values() for r in d.values())
     items = [f"{s.upper()}{i}" for i, d in sorted(p.clipped.items()) for s in sorted(d)]
     more = f" (+{len(items) - 8} more)" if len(items) > 8 else ""
+    # every --headroom >= 1 unclips (the floor is observed max / 448 x margin), so the suggestion is a
+    # modest margin within the bound --headroom accepts, never worst x 1.1 (which can exceed it)
     return (
         f"calibration clipped {len(items)} K/V scales ({', '.join(items[:8])}{more}; observed max up to "
         f"{worst:.2f}x the representable range) and {'/'.join(engines)} writes FP8 without saturating, so those "
-        f"values become NaN/Inf there; re-export with --headroom {max(1.1, round(worst * 1.1, 2))} "
+        f"values become NaN/Inf there; re-export without --clipped-scales, or with --headroom 1.25 "
         "(scale >= observed max / 448 x margin)"
     )
+
+
+def _interp_log(points: list[tuple[float, float]], x: float) -> float | None:
+    """Piecewise-linear interpolation of ``(scale, error)`` points in log(scale); ``None`` outside them."""
+    pts = sorted({(a, b) for a, b in points if a > 0 and b is not None and math.isfinite(b)})
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+    return pts[0][1] if pts and abs(x / pts[0][0] - 1) < 1e-6 else None
+
+
+def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, list[dict]]:
+    """What serving K and V with one scale per layer (``max(k, v)``: sglang-json, trtllm-legacy)
+    costs against the per-side scales ``p`` a separate-scale target would export.
+
+    Per layer: ``ratio[side]`` = served / own scale (``>= 1``; the side with the smaller scale is
+    quantized ``ratio`` times coarser: ``log2(ratio)`` of FP8 e4m3's ~17.8 binades are lost and its
+    small values fall into subnormals or to zero), and ``est_error_increase[side]``, the relative
+    increase of that side's held-out attention error (K: attention KL; V: attention-output error)
+    estimated by interpolating, linearly in log(scale), the held-out errors the search recorded at
+    the chosen, absmax and unity scales (``layers[i].{k,v}.heldout``); ``None`` when they are not
+    recorded or the served scale lies beyond them. An estimate from recorded statistics, not a
+    measurement (``kvcal evaluate`` measures the served configuration on the model).
+
+    Returns ``(summary line or None when no layer pays a cost, per-layer rows)``.
+    """
+    meta = art.metadata
+    fmt_max = FORMAT_MAX.get(p.format, FP8_E4M3_MAX)
+    conv = (FP8_E4M3FNUZ_MAX / FP8_E4M3_MAX) if p.format == "fp8_e4m3fnuz" else 1.0
+    stats = {e["layer"]: e for e in meta.get("layers") or []}
+    rows, costly = [], []
+    for i in range(p.num_layers):
+        own = {sd: float(getattr(p, sd)[i].max()) for sd in ("k", "v")}
+        served = max(own.values())
+        row = {"layer": i, "k": own["k"], "v": own["v"], "served": served, "ratio": {}, "est_error_increase": {}}
+        for sd in ("k", "v"):
+            ratio = served / own[sd]
+            row["ratio"][sd] = ratio
+            rec = stats.get(i, {}).get(sd) or {}
+            ho = rec.get("heldout") if isinstance(rec.get("heldout"), dict) else {}
+            chosen = art.scale(i, sd)
+            pts = []
+            if chosen is not None and chosen.numel() == 1:
+                pts.append((float(chosen), ho.get("chosen")))
+            if rec.get("amax"):
+                pts.append((max(rec["amax"]) / fmt_max, ho.get("absmax")))
+            pts.append((1.0, ho.get("unity")))
+            pts = [(a, b) for a, b in pts if isinstance(b, (int, float))]
+            e_own, e_srv = _interp_log(pts, own[sd] / conv), _interp_log(pts, served / conv)
+            inc = (e_srv / e_own - 1.0) if e_own and e_srv is not None else None
+            row["est_error_increase"][sd] = inc
+            if ratio > 1 + CLIP_RTOL:
+                costly.append((ratio, i, sd, inc))
+        rows.append(row)
+    if not costly:
+        return None, rows
+    costly.sort(reverse=True)
+    worst = ", ".join(f"layer {i} {sd.upper()} {r:.1f}x" + (f" (est. held-out attention error {inc:+.0%})"
+                                                           if inc is not None else "")
+                      for r, i, sd, inc in costly[:3])
+    incs = [c[3] for c in costly if c[3] is not None]
+    est = (f"; estimated held-out attention error up to {max(incs):+.0%} on a side (interpolated from the search's "
+           "recorded candidates, not measured)" if incs else "")
+    line = (f"K and V share one scale per layer (max of the two): {len(costly)} of {p.num_layers} layers serve one side "
+            f"with a coarser scale than calibrated for it — worst: {worst}{est}; per-layer figures under shared_scale "
+            "in kvcal-export.json; --target vllm keeps separate K and V scales")
+    return line, rows
+
+
+def report_shared_scale(ctx: ExportContext) -> None:
+    """Add :func:`shared_scale_cost`'s summary to ``ctx`` (a warning when some side is served more than
+    :data:`MAX_HEADROOM` times coarser — the margin ``--headroom`` itself refuses as destroying
+    resolution — else a note) and its per-layer rows to the manifest."""
+    line, rows = shared_scale_cost(ctx.artifact, ctx.scales)
+    ctx.manifest["shared_scale"] = rows
+    if line is None:
+        return
+    worst = max(r["ratio"][sd] for r in rows for sd in ("k", "v"))
+    (ctx.warnings if worst >= MAX_HEADROOM else ctx.notes).append(line)
 
 
 # ---- files -------------------------------------------------------------------------------------

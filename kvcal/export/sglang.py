@@ -9,7 +9,9 @@ Schema (runtime-formats.md; SGLang/vLLM ``KVCacheQuantSchema`` and ``QuantParamS
 Outer key: TP rank (the file must list exactly the deployment's TP size); inner: layer index (all
 ``num_hidden_layers``); one float per layer shared by K and V, so kvcal writes ``max(k, v)``.
 Per-tensor scales are the same on every rank. SGLang casts to FP8 *without saturating*, so this
-target warns when calibration clipped (see ``--headroom``).
+target exports unclipped scales by default (every scale >= the calibration max / 448; ``--headroom``
+adds margin, ``--clipped-scales`` keeps the searched clipping scales and warns). What sharing one
+scale costs the side with the smaller scale is reported (:func:`kvcal.export.base.shared_scale_cost`).
 
 With ``--model-dir`` the checkpoint is linked beside the JSON unchanged, except that KV-scale tensors
 it already holds (an FP8 checkpoint's ``k_scale`` / ``v_scale``) are left out: SGLang would load them
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.export.base import ExportContext, Target, register, write_json
+from kvcal.export.base import ExportContext, Target, register, report_shared_scale, write_json
 from kvcal.export.checkpoint import INDEX, Checkpoint, filtered_copy, link_or_copy, read_header
 from kvcal.export.rules import is_kv_scale_name
 
@@ -60,7 +62,8 @@ class SglangJsonTarget(Target):
         if ctx.model_dir is not None:
             model = "{out}"
             ctx.notes.extend(copy_without_kv_scales(ctx.model_dir, staging, ctx.ckpt, keep_out={JSON_FILE}))
-        ctx.notes.append(f"K and V share one scale per layer (max of the two); {ctx.tp} TP rank(s) written")
+        ctx.notes.append(f"{ctx.tp} TP rank(s) written")
+        report_shared_scale(ctx)
         return (f"python -m sglang.launch_server --model-path {model} --kv-cache-dtype fp8_e4m3 "
                 f"--quantization-param-path {{out}}/{JSON_FILE} --tp {ctx.tp}")
 

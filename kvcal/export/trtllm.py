@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.export.base import ExportContext, Target, register, write_json
+from kvcal.export.base import ExportContext, Target, register, report_shared_scale, write_json
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 
@@ -50,6 +50,7 @@ class TrtllmLegacyTarget(Target):
             f"K and V share one scale per layer (max of the two). Add these tensors to every rank{{r}}.safetensors "
             f"of the TensorRT-LLM checkpoint and set quantization.kv_cache_quant_algo={algo} in its config.json"
         )
+        report_shared_scale(ctx)
         return "trtllm-build --checkpoint_dir <checkpoint with these tensors> --output_dir <engine>"
 
 
