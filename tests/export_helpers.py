@@ -23,16 +23,20 @@ def make_artifact(
     num_layers: int = L,
     seed: int = 0,
     with_amax: bool = True,
+    amax_per_head: dict | None = None,
 ) -> tuple[Path, dict]:
     """Write an artifact with seeded per-head absmax (keys larger than values, as in real models)
-    and scales ``clip * amax / fmt_max`` (``clip < 1`` means calibration clipped). Returns the
-    path and ``{(layer, side): (scale tensor, amax per head list)}``."""
+    and scales ``clip * amax / fmt_max`` (``clip < 1`` means calibration clipped). ``amax_per_head``:
+    ``{(layer, side): [H_KV floats]}`` measured on a model, used instead of the seeded values. Returns
+    the path and ``{(layer, side): (scale tensor, amax per head list)}``."""
     g = torch.Generator().manual_seed(seed)
     tensors, layers, truth = {}, [], {}
     for i in range(num_layers):
         entry = {"layer": i}
         for side, base in (("k", 12.0), ("v", 3.0)):
             amax = (base * (0.5 + torch.rand(H_KV, generator=g))).tolist()
+            if amax_per_head is not None:
+                amax = [float(x) for x in amax_per_head[(i, side)]]
             a = torch.tensor(amax)
             if granularity == "tensor":
                 s = (a.max() * clip / FMT_MAX[fmt]).reshape(1)

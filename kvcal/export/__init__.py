@@ -69,7 +69,7 @@ def export(
     artifact (the message lists the targets that can), ``out`` exists without ``overwrite``,
     ``out`` is the source checkpoint, or the checkpoint does not match the artifact.
     """
-    from kvcal.export.checkpoint import check_matches, open_checkpoint
+    from kvcal.export.checkpoint import check_matches, check_weights, open_checkpoint
 
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     t = get_target(target)
@@ -91,7 +91,7 @@ def export(
         src, dst = ckpt.path.resolve(), out.resolve()
         if dst == src or src in dst.parents or dst in src.parents:
             raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
-        ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path)
+        ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path) + check_weights(art.metadata, ckpt)
     unsafe = t.non_saturating if art.metadata["kv"]["k"]["granularity"] == "tensor" else ()
     prep = prepare_scales(art, headroom, unclip=() if clipped_scales else unsafe)
     nkv = art.metadata["model"].get("num_kv_heads")
