@@ -51,6 +51,28 @@ tokens (otherwise counted in ``dropped_short``). A document that grows past
 
 A file with several JSONL formats has format ``mixed``.
 
+Chat records in the OpenAI format are accepted as served: a message ``content`` may be a list
+of content parts (``[{"type": "text", "text": ...}, {"type": "image_url", ...}]``); the text
+parts are joined with ``"\n"`` (as vLLM's OpenAI server does, ``vllm/entrypoints/chat_utils.py``)
+and every other part (images, audio, files) is dropped and counted per type in the corpus
+report (``dropped_parts``). An assistant turn with ``tool_calls`` may have ``content: null``
+(rendered as ``""`` with its ``tool_calls`` passed to the chat template); such turns are
+counted (``tool_call_turns``), and the report says when the chat template does not render
+``tool_calls`` at all (their arguments are then not in the samples).
+
+Datasets (through the ``datasets`` library, no parser of kvcal's own)
+--------------------------------------------------------------------
+``.parquet``, ``.arrow``, ``.csv`` and ``.json`` (a JSON array of objects, or JSON lines) files,
+a directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (or a directory
+of such data files), and a Hugging Face hub dataset id (``owner/name`` or ``owner/name:config``)
+that is already in the local cache (the hub cache or the ``datasets`` cache; nothing is ever
+downloaded: both libraries run offline while the corpus loads). Every row is a record with the
+same field detection as a JSONL line; errors name ``path:row N``. Columns that a row leaves
+empty (``null``, e.g. from a schema unified over rows) count as absent. ``split`` chooses the
+split of a dataset with several (default ``train``, or the only one). ``text_field`` /
+``messages_field`` (``--text-field`` / ``--messages-field``, also for JSONL) name the column
+that holds the raw text / the conversation when it is not called ``text`` / ``messages``.
+
 Selection
 ---------
 ``max_samples=N`` with more eligible samples than N keeps a seeded uniform random subset of N
@@ -95,7 +117,11 @@ MAX_DOCUMENT_CHARS = 8 * 1024 * 1024
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 JSONL_FORMATS = ("messages", "turns", "prompt_completion", "prompt", "text")
 ACCEPTED_FIELDS = 'text, prompt, prompt + completion|response, messages, turns'
-EXTENSIONS = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".txt", ".txt.gz")
+#: Single-file datasets read by the ``datasets`` packaged builder of the same name.
+TABLE_EXTENSIONS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
+EXTENSIONS = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".txt", ".txt.gz", *TABLE_EXTENSIONS)
+#: A hub dataset id, optionally with a config name: ``owner/name``, ``name``, ``owner/name:config``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
 
 _EXAMPLE = '{"text": "..."}'
 # First try of the prefix-tokenization shortcut: this many characters per wanted token.
@@ -113,7 +139,12 @@ class Corpus:
     ``truncated``: returned samples cut to ``max_seq_len`` tokens (``.txt`` windows are not
     truncations). ``skipped_empty``: empty/whitespace-only lines (``.txt``: blank lines are
     separators and are not counted). ``dropped_short``: samples or windows under ``min_tokens``.
-    ``lines``: physical lines read. ``available``: eligible samples before ``max_samples``.
+    ``lines``: physical lines (rows, for a dataset) read. ``available``: eligible samples before
+    ``max_samples``. ``source``: ``jsonl | txt | parquet | arrow | csv | json | save_to_disk |
+    data_dir | hub``; ``split``: the dataset split read (``None`` for files without splits).
+    ``dropped_parts``: non-text chat content parts dropped, per part type, over all rows read;
+    ``tool_call_turns``: assistant turns with ``tool_calls``; ``tool_calls_rendered``: whether
+    the chat template mentions ``tool_calls`` at all.
     """
 
     path: str
@@ -129,6 +160,11 @@ class Corpus:
     available: int = 0
     seed: int = 0
     formats: dict[str, int] = field(default_factory=dict)
+    source: str = "jsonl"
+    split: str | None = None
+    dropped_parts: dict[str, int] = field(default_factory=dict)
+    tool_call_turns: int = 0
+    tool_calls_rendered: bool = True
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -144,7 +180,8 @@ class Corpus:
         Keys: ``samples``, ``tokens`` (total), ``p50``/``p90``/``p99`` (``numpy.percentile``,
         linear interpolation, floats), ``max``, ``min``, ``mean``, ``truncated``, ``max_seq_len``,
         ``min_tokens``, ``format``, ``formats`` (samples per line format), ``available``,
-        ``skipped_empty``, ``dropped_short``, ``lines``, ``path``, ``sha256``, ``seed``.
+        ``skipped_empty``, ``dropped_short``, ``lines``, ``path``, ``sha256``, ``seed``,
+        ``source``, ``split``, ``dropped_parts``, ``tool_call_turns``, ``tool_calls_rendered``.
         Percentiles are 0 for a corpus without samples.
         """
         n = np.asarray(self.lengths, dtype=np.int64)
@@ -171,6 +208,11 @@ class Corpus:
             "dropped_short": int(self.dropped_short),
             "lines": int(self.lines),
             "seed": int(self.seed),
+            "source": self.source,
+            "split": self.split,
+            "dropped_parts": dict(self.dropped_parts),
+            "tool_call_turns": int(self.tool_call_turns),
+            "tool_calls_rendered": bool(self.tool_calls_rendered),
         }
 
 
@@ -187,15 +229,26 @@ def format_shape(shape: dict) -> str:
     fmt = str(g("format", "?"))
     if fmt == "mixed" and g("formats"):
         fmt += " (" + ", ".join(f"{k} {v}" for k, v in g("formats").items()) + ")"
-    return "\n".join([
-        f"corpus     {g('path', '?')}  [{fmt}]  sha256 {str(g('sha256', '?'))[:12]}",
-        f"samples    {n:,}{sel}  from {g('lines', 0):,} lines; {g('skipped_empty', 0):,} empty lines "
-        f"skipped, {g('dropped_short', 0):,} samples under {g('min_tokens', 2)} tokens dropped",
+    src = g("source") or "jsonl"
+    table = src not in ("jsonl", "txt")
+    where = f"{src}" + (f", split {g('split')}" if g("split") else "")
+    lines = [
+        f"corpus     {g('path', '?')}  [{fmt}; {where}]  sha256 {str(g('sha256', '?'))[:12]}",
+        f"samples    {n:,}{sel}  from {g('lines', 0):,} {'rows' if table else 'lines'}; {g('skipped_empty', 0):,} "
+        f"empty lines skipped, {g('dropped_short', 0):,} samples under {g('min_tokens', 2)} tokens dropped",
         f"tokens     {g('tokens', 0):,} total, mean {g('mean', 0.0):.1f} per sample",
         f"length     p50 {g('p50', 0):.0f}  p90 {g('p90', 0):.0f}  p99 {g('p99', 0):.0f}  "
         f"max {g('max', 0):,}  min {g('min', 0):,} tokens",
         f"truncated  {g('truncated', 0):,} of {n:,} samples cut to max_seq_len {g('max_seq_len', 0):,} tokens",
-    ])
+    ]
+    if g("dropped_parts"):
+        parts = ", ".join(f"{v:,} {k}" for k, v in g("dropped_parts").items())
+        lines.append(f"dropped    {parts} chat content part(s): not text, not in the samples (text parts kept)")
+    if g("tool_call_turns"):
+        note = ("rendered by the chat template" if g("tool_calls_rendered", True) else
+                "the chat template does not render tool_calls: their arguments are not in the samples")
+        lines.append(f"tool calls {g('tool_call_turns'):,} assistant turns with tool_calls ({note})")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,19 +265,198 @@ def _one_line(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_path(path: str) -> tuple[Path, str]:
+_KINDS = ".jsonl, .jsonl.gz, .txt, .parquet, .arrow, .csv, .json, a save_to_disk directory or a cached hub dataset id"
+
+
+@dataclass
+class _Source:
+    """A resolved ``--corpus``: a line file (``path``, ``gz``) or a dataset (``rows()`` yields dicts)."""
+
+    kind: str
+    sha256: object  # () -> str, computed when the corpus is loaded (not by check_corpus)
+    path: Path | None = None
+    gz: bool = False
+    rows: object = None  # () -> iterator of dict
+    split: str | None = None
+    workdir: object = None  # TemporaryDirectory holding a prepared (Arrow) copy while the source lives
+
+
+def _resolve(path: str, split: str | None) -> _Source:
+    """Resolve ``path`` to a :class:`_Source` (nothing tokenized; datasets opened lazily where possible)."""
     p = Path(path).expanduser()
     name = p.name.lower()
     ext = next((e for e in sorted(EXTENSIONS, key=len, reverse=True) if name.endswith(e)), None)
     if not p.exists():
-        raise _err(path, None, "no such file; pass an existing corpus file (.jsonl, .jsonl.gz or .txt)")
+        if ext is None and _HUB_ID.match(str(path)):
+            return _hub_source(path, split)
+        raise _err(path, None, f"no such file; pass an existing corpus ({_KINDS})")
     if p.is_dir():
-        raise _err(path, None, "is a directory; pass a corpus file (.jsonl, .jsonl.gz or .txt) inside it")
+        return _dir_source(path, p, split)
     if ext is None:
-        hint = " (one JSON object per line? rename it to .jsonl)" if name.endswith(".json") else ""
-        raise _err(path, None, f"unknown corpus extension {p.suffix or '(none)'!r}{hint}; "
-                               f"use one of {', '.join(EXTENSIONS)}")
-    return p, ext
+        raise _err(path, None, f"unknown corpus extension {p.suffix or '(none)'!r}; use one of {', '.join(EXTENSIONS)} "
+                               "(or a save_to_disk directory / cached hub dataset id)")
+    if split is not None:
+        raise _err(path, None, f"--split {split!r} applies to datasets with splits (a save_to_disk DatasetDict "
+                               "directory or a hub dataset); a single file has none: drop --split")
+    if ext in TABLE_EXTENSIONS:
+        builder = TABLE_EXTENSIONS[ext]
+        d, work = _prepare(path, builder, lambda ds, cache: ds.load_dataset(builder, data_files=str(p), split="train",
+                                                                            cache_dir=cache))
+        return _Source(builder, lambda: _sha256(p, path), path=p, rows=lambda: d, workdir=work)
+    kind = "txt" if ext.startswith(".txt") else "jsonl"
+    return _Source(kind, lambda: _sha256(p, path), path=p, gz=ext.endswith(".gz"))
+
+
+class _datasets_offline:
+    """Context manager: import ``datasets`` with hub access off (``HF_HUB_OFFLINE`` for ``datasets``
+    and ``huggingface_hub``, restored on exit) and its progress bars / cache warnings silenced.
+    Yields the ``datasets`` module."""
+
+    def __enter__(self):
+        import datasets
+        import datasets.config as dconf
+        from huggingface_hub import constants as hconst
+
+        self._old = (dconf.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE, datasets.logging.get_verbosity(),
+                     datasets.is_progress_bar_enabled())
+        dconf.HF_HUB_OFFLINE = hconst.HF_HUB_OFFLINE = True
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL + 10)  # its read errors reach the user as ours
+        datasets.disable_progress_bars()
+        return datasets
+
+    def __exit__(self, *exc):
+        import datasets
+        import datasets.config as dconf
+        from huggingface_hub import constants as hconst
+
+        dconf.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE, verbosity, bars = self._old
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+        return False
+
+
+def _cause(e: BaseException) -> str:
+    """``Type: message`` of the innermost cause of ``e`` (datasets wraps parser errors), one line."""
+    seen = {id(e)}
+    while (e.__cause__ or e.__context__) is not None and id(e.__cause__ or e.__context__) not in seen:
+        e = e.__cause__ or e.__context__
+        seen.add(id(e))
+    return f"{type(e).__name__}: {_one_line(e, 200)}"
+
+
+def _prepare(path: str, kind: str, load, what: str | None = None):
+    """``load(datasets, cache_dir)`` with hub access off, into a temporary ``datasets`` cache that lives
+    as long as the returned TemporaryDirectory (a memory-mapped Arrow copy: typed columns, mixed-type
+    JSON decoded, nothing left in the user's cache). Returns ``(dataset, tmpdir)``; a read error is
+    one CorpusError line."""
+    import tempfile
+
+    work = tempfile.TemporaryDirectory(prefix="kvcal-corpus-")
+    try:
+        with _datasets_offline() as ds:
+            return load(ds, work.name), work
+    except CorpusError:
+        work.cleanup()
+        raise
+    except Exception as e:
+        work.cleanup()
+        raise _err(path, None, what.format(cause=_cause(e)) if what else
+                   f"cannot read as {kind} ({_cause(e)}); check that it is a valid {kind} file") from None
+
+
+def _pick_split(path: str, d, split: str | None):
+    """``(dataset, split)`` from a DatasetDict-like ``d`` (``split`` None: ``train`` or the only one)."""
+    names = list(d.keys())
+    if split is None:
+        if "train" in names or len(names) == 1:
+            split = "train" if "train" in names else names[0]
+        else:
+            raise _err(path, None, f"the dataset has splits {', '.join(names)}; choose one with --split")
+    elif split not in names:
+        raise _err(path, None, f"the dataset has no split {split!r} (splits: {', '.join(names) or 'none'}); "
+                               "pass --split with one of them")
+    return d[split], split
+
+
+def _dataset_rows(path: str, d, split: str | None, what: str):
+    """A :class:`_Source` ``rows`` callable and the split for a Dataset/IterableDataset or a dict of them."""
+    if isinstance(d, dict):  # DatasetDict / IterableDatasetDict
+        d, split = _pick_split(path, d, split)
+    elif split is not None:
+        raise _err(path, None, f"--split {split!r}: this {what} has no splits (one dataset); drop --split")
+    return (lambda: d), split
+
+
+def _files_sha256(files: list[Path], root: Path | None = None) -> str:
+    """sha256 over ``(relative name, bytes)`` of ``files`` in sorted order (a dataset's identity)."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(str(f.relative_to(root) if root else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _dir_files(p: Path) -> list[Path]:
+    return [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+
+
+def _dir_source(path: str, p: Path, split: str | None) -> _Source:
+    """A ``save_to_disk`` directory (memory-mapped, nothing copied) or a directory of data files (streamed)."""
+    saved = (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()
+    work = None
+    try:
+        if saved:
+            with _datasets_offline() as ds:
+                d = ds.load_from_disk(str(p))
+        else:
+            d, work = _prepare(path, "data directory", lambda ds, cache: ds.load_dataset(str(p), cache_dir=cache),
+                               "is a directory without a save_to_disk dataset or readable data files ({cause}); "
+                               f"pass a corpus file or directory ({_KINDS})")
+    except CorpusError:
+        raise
+    except Exception as e:
+        raise _err(path, None, f"cannot read this save_to_disk directory ({_cause(e)}); "
+                               "re-create it with Dataset.save_to_disk") from None
+    rows, split = _dataset_rows(path, d, split, "directory")
+    return _Source("save_to_disk" if saved else "data_dir", lambda: _files_sha256(_dir_files(p), p), rows=rows,
+                   split=split, workdir=work)
+
+
+def _hub_source(path: str, split: str | None) -> _Source:
+    """A hub dataset id from the local cache only: the hub snapshot (``huggingface_hub``) when there
+    is one, otherwise ``datasets``' own cache of a dataset loaded before. Never downloads."""
+    repo, _, config = str(path).partition(":")
+    local = None
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo, repo_type="dataset", local_files_only=True)
+    except Exception:  # not in the hub cache: try the datasets cache below
+        local = None
+    work = None
+    try:
+        if local is not None:
+            d, work = _prepare(path, "dataset", lambda ds, cache: ds.load_dataset(local, name=config or None,
+                                                                                  cache_dir=cache))
+        else:
+            with _datasets_offline() as ds:
+                d = ds.load_dataset(repo, name=config or None)
+    except Exception as e:
+        found = f"found in the hub cache at {local} but unreadable ({_cause(e)})" if local else "not a file and not a dataset in the local Hugging Face cache"
+        raise _err(path, None, f"{found}; kvcal never downloads at run time: load it once with "
+                               f"`datasets.load_dataset({repo!r})` where the hub is reachable, or pass a local "
+                               f"corpus ({_KINDS})") from None
+    rows, split = _dataset_rows(path, d, split, "dataset")
+    if local is not None:
+        root = Path(local)
+        sha = lambda: _files_sha256(_dir_files(root), root)  # noqa: E731
+    else:
+        ds_obj = rows()
+        sha = lambda: _files_sha256([Path(f["filename"]) for f in getattr(ds_obj, "cache_files", [])])  # noqa: E731
+    return _Source("hub", sha, rows=rows, split=split, workdir=work)
 
 
 def _sha256(p: Path, path: str) -> str:
@@ -326,12 +558,27 @@ def _type_name(x) -> str:
 
 
 class _JsonlParser:
-    """Validates one JSONL record and returns ``(format, text, add_special_tokens)``."""
+    """Validates one JSONL record / dataset row and returns ``(format, text, add_special_tokens)``.
 
-    def __init__(self, path: str, tokenizer):
+    ``tokenizer=None``: validation only (:func:`check_corpus`): chat samples are not rendered and
+    come back as ``""``. ``text_field`` / ``messages_field``: the record's key holding the raw
+    text / the conversation (then no other field is looked at). Counts non-text content parts
+    dropped (``dropped``, per type) and assistant turns with ``tool_calls`` (``tool_call_turns``).
+    """
+
+    def __init__(self, path: str, tokenizer, text_field: str | None = None, messages_field: str | None = None):
         self.path = path
         self.tok = tokenizer
-        self.chat_ok = _has_chat_template(tokenizer)
+        self.chat_ok = tokenizer is None or _has_chat_template(tokenizer)
+        self.mapped = ((text_field, "text", "--text-field") if text_field is not None else
+                       (messages_field, "messages", "--messages-field") if messages_field is not None else None)
+        self.dropped: dict[str, int] = {}
+        self.tool_call_turns = 0
+
+    @property
+    def sample_fields(self) -> tuple[str, ...]:
+        """Record keys that can hold a sample (for the null check of dataset rows)."""
+        return (self.mapped[0],) if self.mapped else ("messages", "turns", "prompt", "text")
 
     def _need_chat(self, lineno: int, fmt: str) -> None:
         if not self.chat_ok:
@@ -348,6 +595,8 @@ class _JsonlParser:
         return v
 
     def _chat(self, lineno: int, messages: list[dict], agp: bool) -> str:
+        if self.tok is None:  # validation only
+            return ""
         try:
             return _render_chat(self.tok, messages, agp)
         except Exception as e:  # jinja errors, raise_exception() in templates, ...
@@ -360,6 +609,13 @@ class _JsonlParser:
         if not isinstance(rec, dict):
             raise _err(path, lineno, f"expected a JSON object, got {_type_name(rec)}; write one object "
                                      f"per line, e.g. {_EXAMPLE}")
+        if self.mapped is not None:
+            key, target, option = self.mapped
+            if key not in rec:
+                keys = ", ".join(str(k) for k in list(rec)[:8]) or "none"
+                raise _err(path, lineno, f"no {key!r} field ({option}; keys: {_one_line(keys, 80)}); pass the "
+                                         f"name of the field that holds the {target}")
+            rec = {target: rec[key]}
         present = [k for k in ("messages", "turns", "prompt", "text") if k in rec]
         if len(present) > 1:  # which one the service sees is ambiguous: refuse rather than drop one silently
             raise _err(path, lineno, f"the record has both {' and '.join(repr(k) for k in present[:2])}; "
@@ -391,24 +647,61 @@ class _JsonlParser:
             got = "an empty list" if isinstance(messages, list) else _type_name(messages)
             raise _err(path, lineno, f'"messages" must be a non-empty list of {{"role", "content"}} objects, '
                                      f'got {got}; write [{{"role": "user", "content": "..."}}, ...]')
+        conv = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise _err(path, lineno, f"messages[{i}] must be an object, got {_type_name(m)}; write it as "
                                          '{"role": "user", "content": "..."}')
-            for key in ("role", "content"):
-                if key not in m:
-                    raise _err(path, lineno, f'messages[{i}] has no "{key}"; every message needs '
-                                             '"role" and "content" strings')
-                if not isinstance(m[key], str):
-                    fix = ('use "system", "user", "assistant" or "tool"' if key == "role"
-                           else "flatten content parts into one string")
-                    raise _err(path, lineno, f"messages[{i}].{key} must be a string, got {_type_name(m[key])}; {fix}")
+            if "role" not in m:
+                raise _err(path, lineno, f'messages[{i}] has no "role"; every message needs "role" and "content"')
+            if not isinstance(m["role"], str):
+                raise _err(path, lineno, f"messages[{i}].role must be a string, got {_type_name(m['role'])}; "
+                                         'use "system", "user", "assistant" or "tool"')
             if m["role"] not in CHAT_ROLES:
                 raise _err(path, lineno, f"messages[{i}].role {_one_line(m['role'], 40)!r} is not a chat role; "
                                          f"use one of {', '.join(CHAT_ROLES)}")
+            calls = m.get("tool_calls")
+            if calls is not None and not isinstance(calls, list):
+                raise _err(path, lineno, f"messages[{i}].tool_calls must be a list, got {_type_name(calls)}; write "
+                                         '[{"type": "function", "function": {"name": ..., "arguments": ...}}]')
+            content = m.get("content")
+            if content is None:
+                if not (m["role"] == "assistant" and calls):
+                    what = ' has no "content"' if "content" not in m else ".content is null"
+                    raise _err(path, lineno, f"messages[{i}]{what}"
+                                             '; every message needs "role" and "content" (null only for an '
+                                             'assistant turn with "tool_calls")')
+                content = ""
+            elif isinstance(content, list):
+                content = self._parts(lineno, i, content)
+            elif not isinstance(content, str):
+                raise _err(path, lineno, f"messages[{i}].content must be a string or a list of content parts, got "
+                                         f'{_type_name(content)}; write "..." or [{{"type": "text", "text": "..."}}]')
+            if calls:
+                self.tool_call_turns += 1
+            conv.append({**m, "content": content})
         self._need_chat(lineno, "messages")
-        agp = messages[-1]["role"] != "assistant"
-        return self._chat(lineno, messages, agp)
+        agp = conv[-1]["role"] != "assistant"
+        return self._chat(lineno, conv, agp)
+
+    def _parts(self, lineno, i: int, parts: list) -> str:
+        """OpenAI content parts → the text parts joined with ``"\\n"`` (vLLM's join); every other
+        part type is dropped and counted in ``self.dropped``."""
+        texts = []
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                got = _type_name(part) if not isinstance(part, dict) else "an object without a string \"type\""
+                raise _err(self.path, lineno, f"messages[{i}].content[{j}] must be a content part with a \"type\", "
+                                              f'got {got}; write {{"type": "text", "text": "..."}}')
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise _err(self.path, lineno, f"messages[{i}].content[{j}].text must be a string, got "
+                                                  f'{_type_name(part.get("text"))}; write {{"type": "text", "text": "..."}}')
+                texts.append(part["text"])
+            else:
+                kind = _one_line(part["type"], 40)
+                self.dropped[kind] = self.dropped.get(kind, 0) + 1
+        return "\n".join(texts)
 
     def _turns(self, lineno: int, turns) -> str:
         path = self.path
@@ -499,6 +792,120 @@ class _Reservoir:
             self.items[j] = item
 
 
+def _check_args(spath: str, text_field, messages_field) -> None:
+    for opt, v in (("--text-field", text_field), ("--messages-field", messages_field)):
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            raise _err(spath, None, f"{opt} {v!r} must be a non-empty field name")
+    if text_field is not None and messages_field is not None:
+        raise _err(spath, None, "--text-field and --messages-field both given; name the one field that holds the "
+                                "samples")
+
+
+def _records(src: _Source, spath: str, parser: _JsonlParser, counts: dict) -> Iterator[tuple[object, str, str, bool]]:
+    """Yield ``(where, format, text, add_special_tokens)`` per record of a JSONL or dataset source
+    (``where``: line number, or ``"row N"``). Counts ``lines`` and ``empty`` in ``counts``."""
+    if src.rows is None:
+        for lineno, text in _lines(src.path, spath, src.gz):
+            counts["lines"] = lineno
+            if not text.strip():
+                counts["empty"] += 1
+                continue
+            try:
+                rec = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise _err(spath, lineno, f"invalid JSON ({e.msg} at column {e.colno}); each line must be "
+                                          f"one JSON object, e.g. {_EXAMPLE}") from None
+            except RecursionError:
+                raise _err(spath, lineno, "invalid JSON (nested too deeply); each line must be one flat JSON "
+                                          f"object, e.g. {_EXAMPLE}") from None
+            except ValueError as e:
+                raise _err(spath, lineno, f"invalid JSON ({_one_line(e, 80)}); each line must be one JSON "
+                                          f"object, e.g. {_EXAMPLE}") from None
+            yield (lineno, *parser.parse(lineno, rec))
+        return
+    fields = parser.sample_fields
+    for n, row in _dataset_iter(src, spath):
+        counts["lines"] = n
+        where = f"row {n}"
+        rec = _drop_nulls(row)
+        if isinstance(row, dict) and not any(k in rec for k in fields):
+            nulls = [k for k in fields if k in row]
+            if nulls:
+                raise _err(spath, where, f'"{nulls[0]}" is null; fill it or leave the row out')
+        yield (where, *parser.parse(where, rec))
+
+
+def _dataset_iter(src: _Source, spath: str) -> Iterator[tuple[int, dict]]:
+    """``(row number, row)`` of a dataset source; a read error becomes a one-line CorpusError."""
+    def fail(where, e):
+        return _err(spath, where, f"cannot read as {src.kind} ({_cause(e)}); "
+                                  "check that the file is a valid " + src.kind + " dataset")
+
+    try:
+        with _datasets_offline():
+            it = iter(src.rows())
+    except CorpusError:
+        raise
+    except Exception as e:
+        raise fail(None, e) from None
+    n = 0
+    while True:
+        try:
+            with _datasets_offline():
+                row = next(it)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise fail(f"row {n + 1}" if n else None, e) from None
+        n += 1
+        yield n, row
+
+
+def _drop_nulls(x):
+    """Dict keys whose value is ``None`` removed, recursively (Arrow schemas unified over rows
+    give absent fields the value null)."""
+    if isinstance(x, dict):
+        return {k: _drop_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_nulls(v) for v in x]
+    return x
+
+
+def _check_text(spath: str, where, s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _err(spath, where, f"text holds an unpaired surrogate escape ({s[e.start]!r}); "
+                                 "write the character itself or a valid \\uXXXX pair") from None
+
+
+def check_corpus(path, *, text_field: str | None = None, messages_field: str | None = None,
+                 split: str | None = None) -> dict:
+    """Validate a corpus without a tokenizer or model: source, format, every record's fields and
+    types (what :func:`load_corpus` checks except chat-template rendering and token counts).
+    Cheap enough to run before anything expensive; reads the whole file once.
+
+    Returns ``{"source", "split", "records", "formats": {format: count}}``. Raises
+    :class:`~kvcal.errors.CorpusError` (the same one-line messages as :func:`load_corpus`).
+    """
+    spath = str(path)
+    _check_args(spath, text_field, messages_field)
+    src = _resolve(spath, split)
+    if src.kind == "txt":
+        if text_field is not None or messages_field is not None:
+            raise _err(spath, None, "--text-field / --messages-field apply to JSONL and datasets; a .txt corpus is "
+                                    "raw text: drop them")
+        n = sum(1 for _ in _txt_documents(_lines(src.path, spath, src.gz), False))
+        return {"source": "txt", "split": None, "records": n, "formats": {"txt": n}}
+    parser = _JsonlParser(spath, None, text_field, messages_field)
+    counts = {"lines": 0, "empty": 0}
+    formats: dict[str, int] = {}
+    for where, fmt, text, _ in _records(src, spath, parser, counts):
+        _check_text(spath, where, text)
+        formats[fmt] = formats.get(fmt, 0) + 1
+    return {"source": src.kind, "split": src.split, "records": sum(formats.values()), "formats": formats}
+
+
 def load_corpus(
     path,
     tokenizer,
@@ -508,11 +915,16 @@ def load_corpus(
     strict: bool = False,
     seed: int = 0,
     min_tokens: int = 2,
+    text_field: str | None = None,
+    messages_field: str | None = None,
+    split: str | None = None,
 ) -> Corpus:
-    """Read a corpus file into token-id samples (see the module docstring for formats and rules).
+    """Read a corpus into token-id samples (see the module docstring for formats and rules).
 
     Args:
-        path: ``.jsonl``/``.ndjson`` (optionally ``.gz``) or ``.txt``/``.txt.gz`` file.
+        path: ``.jsonl``/``.ndjson`` (optionally ``.gz``), ``.txt``/``.txt.gz``, ``.parquet``,
+            ``.arrow``, ``.csv``, ``.json`` file, a ``save_to_disk`` directory or a hub dataset id
+            in the local cache.
         tokenizer: a transformers tokenizer (its chat template renders chat samples).
         max_seq_len: longest sample in tokens; longer samples keep their first ``max_seq_len``
             tokens (counted in ``truncated``); ``.txt`` documents are cut into windows this long.
@@ -520,16 +932,20 @@ def load_corpus(
         strict: raise instead of truncating a sample longer than ``max_seq_len``.
         seed: seed of the ``max_samples`` subset.
         min_tokens: shorter samples/windows are dropped and counted in ``dropped_short``.
+        text_field / messages_field: the record field holding the raw text / the conversation
+            (default: detected from ``text``, ``prompt``, ``messages``, ``turns``).
+        split: dataset split (datasets with several; default ``train`` or the only one).
 
     Returns:
         :class:`Corpus` with ``min_tokens <= len(sample) <= max_seq_len`` for every sample.
 
     Raises:
-        CorpusError: one line ``path:line: what; how to fix`` for a missing file, a directory, an
-            unknown extension, unreadable/corrupt gzip data, a line over :data:`MAX_LINE_BYTES`,
-            non-UTF-8 bytes, invalid JSON, a non-object line, no known field, wrongly typed
-            fields, a chat sample without a chat template, a rejected chat conversation, an
-            over-long sample under ``strict``, bad arguments, or no samples left at all.
+        CorpusError: one line ``path:line: what; how to fix`` (``path:row N:`` for datasets) for a
+            missing file, an unknown extension, a hub id not in the local cache, a missing split,
+            unreadable/corrupt data, a line over :data:`MAX_LINE_BYTES`, non-UTF-8 bytes, invalid
+            JSON, a non-object record, no known (or mapped) field, wrongly typed fields, a chat
+            sample without a chat template, a rejected chat conversation, an over-long sample
+            under ``strict``, bad arguments, or no samples left at all.
     """
     spath = str(path)
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
@@ -540,23 +956,28 @@ def load_corpus(
     if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
                                     or max_samples < 1):
         raise _err(spath, None, f"max_samples={max_samples!r} must be a positive integer or None")
+    _check_args(spath, text_field, messages_field)
 
-    p, ext = _check_path(spath)
-    sha = _sha256(p, spath)
-    gz = ext.endswith(".gz")
+    src = _resolve(spath, split)
+    if src.kind == "txt" and (text_field is not None or messages_field is not None):
+        raise _err(spath, None, "--text-field / --messages-field apply to JSONL and datasets; a .txt corpus is "
+                                "raw text: drop them")
+    sha = src.sha256()
+    p, gz = src.path, src.gz
     enc = _Encoder(tokenizer, max_seq_len)
     keep = _Reservoir(max_samples, seed)
     counts = {"lines": 0, "empty": 0, "short": 0, "docs": 0}
     seen_formats: set[str] = set()
+    parser = None
 
-    def offer(lineno: int, ids: list[int], truncated: bool, fmt: str) -> None:
+    def offer(lineno, ids: list[int], truncated: bool, fmt: str) -> None:
         if len(ids) < min_tokens:
             counts["short"] += 1
             return
         keep.add((keep.seen, torch.tensor(ids, dtype=torch.int64), truncated, fmt))
         seen_formats.add(fmt)
 
-    if ext.startswith((".txt",)):
+    if src.kind == "txt":
         fmt = "txt"
 
         def counted(it):
@@ -575,29 +996,9 @@ def load_corpus(
             for w in range(0, len(ids), max_seq_len):
                 offer(start, ids[w: w + max_seq_len], False, "txt")
     else:
-        parser = _JsonlParser(spath, tokenizer)
-        for lineno, text in _lines(p, spath, gz):
-            counts["lines"] = lineno
-            if not text.strip():
-                counts["empty"] += 1
-                continue
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise _err(spath, lineno, f"invalid JSON ({e.msg} at column {e.colno}); each line must be "
-                                          f"one JSON object, e.g. {_EXAMPLE}") from None
-            except RecursionError:
-                raise _err(spath, lineno, "invalid JSON (nested too deeply); each line must be one flat JSON "
-                                          f"object, e.g. {_EXAMPLE}") from None
-            except ValueError as e:
-                raise _err(spath, lineno, f"invalid JSON ({_one_line(e, 80)}); each line must be one JSON "
-                                          f"object, e.g. {_EXAMPLE}") from None
-            lfmt, s, special = parser.parse(lineno, rec)
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise _err(spath, lineno, f"text holds an unpaired surrogate escape ({s[e.start]!r}); "
-                                          "write the character itself or a valid \\uXXXX pair") from None
+        parser = _JsonlParser(spath, tokenizer, text_field, messages_field)
+        for lineno, lfmt, s, special in _records(src, spath, parser, counts):
+            _check_text(spath, lineno, s)
             try:
                 ids, n_tokens, exact = enc.head(s, special)
             except Exception as e:
@@ -621,7 +1022,8 @@ def load_corpus(
             what = f"{counts['docs']:,} documents, {counts['short']:,} windows"
         else:
             what = f"{counts['empty']:,} empty, {counts['short']:,} samples"
-        raise _err(spath, None, f"no samples: {counts['lines']:,} lines, {what} shorter than "
+        unit = "lines" if src.kind in ("txt", "jsonl") else "rows"
+        raise _err(spath, None, f"no samples: {counts['lines']:,} {unit}, {what} shorter than "
                                 f"min_tokens={min_tokens} tokens; add samples with text in them")
     return Corpus(
         path=spath,
@@ -637,4 +1039,9 @@ def load_corpus(
         available=keep.seen,
         seed=seed,
         formats=formats,
+        source=src.kind,
+        split=src.split,
+        dropped_parts=dict(parser.dropped) if parser else {},
+        tool_call_turns=parser.tool_call_turns if parser else 0,
+        tool_calls_rendered="tool_calls" in str(getattr(tokenizer, "chat_template", None) or ""),
     )
