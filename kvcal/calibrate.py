@@ -95,6 +95,9 @@ class CalibrateConfig:
     device_map: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    text_field: str | None = None  # corpus field holding raw text (kvcal.corpus; default: detected)
+    messages_field: str | None = None  # corpus field holding the conversation
+    split: str | None = None  # dataset split of a save_to_disk / hub corpus
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -111,7 +114,7 @@ class CalibrateConfig:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)  # frozen dataclass
         if self.out is not None and not str(self.out).strip():
-            raise KvcalError("--out is empty; give a directory path, or omit --out for artifacts/<model>-<preset>")
+            raise KvcalError("--out is empty; give a directory path, or omit --out for kvcal_out/<model>-<preset>")
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise KvcalError(f"--out {self.out} exists and is not a directory; choose a directory path")
         if self.search_tokens < 2:
@@ -224,38 +227,63 @@ class Checkpointing:
     fingerprint: str = ""
 
 
-def _save_checkpoint(ck: Checkpointing, state: dict) -> None:
-    import os
-    from pathlib import Path
+def _save_checkpoint(ck: Checkpointing, state: dict, inputs: dict | None = None) -> None:
+    """Write ``state`` (tensors, numbers, strings, containers only: it must load with ``weights_only=True``)
+    to ``ck.path`` atomically; refuses a file there that is not a kvcal checkpoint, or an input."""
+    from kvcal.artifact import write_file_atomically
 
-    p = Path(ck.path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, p)
-    except BaseException as e:  # Ctrl-C or a full disk mid-write: no half-written temp file stays behind
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise KvcalError(f"cannot write the checkpoint {p}: {e.strerror or e}; free space or drop "
-                             "--checkpoint-every") from None
-        raise
+    write_file_atomically(ck.path, lambda tmp: torch.save(state, tmp), "checkpoint", inputs, KvcalError, "--out")
 
 
-def _load_checkpoint(ck: Checkpointing) -> dict | None:
+def _load_checkpoint(ck: Checkpointing) -> dict:
+    """The capture state saved at ``ck.path``, after checking it is a kvcal checkpoint of this run.
+
+    Loaded with ``torch.load(weights_only=True)``: only tensors, numbers, strings and containers are
+    rebuilt, so a planted file cannot run code (``weights_only=False`` would unpickle anything); its
+    ``fingerprint`` is compared before any of its state is used. Raises :class:`KvcalError` (one line)."""
     from pathlib import Path
 
     p = Path(ck.path)
     if not p.exists():
         raise KvcalError(f"--resume: no checkpoint at {p}; run without --resume (add --checkpoint-every N to make one)")
     try:
-        st = torch.load(p, weights_only=False)
-    except Exception as e:
-        raise KvcalError(f"--resume: checkpoint {p} is unreadable ({type(e).__name__}); delete it and start over") from None
-    if st.get("fingerprint") != ck.fingerprint:
+        st = torch.load(p, weights_only=True, map_location="cpu")
+    except Exception as e:  # UnpicklingError for any object that is not plain data; others for damaged files
+        raise KvcalError(f"--resume: {p} is not a kvcal checkpoint (it does not load as plain tensors and numbers: "
+                         f"{type(e).__name__}; nothing in it was run); delete it and start over") from None
+    if not isinstance(st, dict) or not isinstance(st.get("fingerprint"), str):
+        raise KvcalError(f"--resume: {p} is not a kvcal checkpoint (no run fingerprint); delete it and start over")
+    if st["fingerprint"] != ck.fingerprint:
         raise KvcalError(f"--resume: checkpoint {p} belongs to a different run (corpus, model or options changed); "
                          "delete it or restore the original options")
     return st
+
+
+def _restore_checkpoint(ck: dict, path: str, n_batches: int, result, res_c, res_h) -> tuple[int, object]:
+    """Restore the capture state from checkpoint dict ``ck`` (already identified by :func:`_load_checkpoint`)
+    into ``result`` and the reservoirs; returns ``(next batch, stats)``. A state of the wrong shape or type
+    raises :class:`KvcalError` naming the checkpoint, never a traceback later in the run."""
+    try:
+        start = ck["next_batch"]
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 < start < n_batches:
+            raise ValueError(f"next_batch {start!r} is not a batch index in 1..{n_batches - 1}")
+        if not isinstance(ck["tokens"], int) or not isinstance(ck["rng"], torch.Tensor):
+            raise ValueError("tokens / rng have the wrong type")
+        stats = LayerStats.from_state_dict(ck["stats"])
+        sink_stats = LayerStats.from_state_dict(ck["sink_stats"]) if ck.get("sink_stats") is not None else None
+        res_c.load_state_dict(ck["calib"])
+        res_h.load_state_dict(ck["heldout"])
+        scaling = {int(k): float(v) for k, v in dict(ck["scaling"]).items()}
+        torch.set_rng_state(ck["rng"])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise KvcalError(f"--resume: checkpoint {path} is malformed ({type(e).__name__}: {e}); delete it and start "
+                         "over") from None
+    result.stats = stats
+    if sink_stats is not None:
+        result.sink_stats = sink_stats
+    result.scaling.update(scaling)
+    result.tokens = ck["tokens"]
+    return start, stats
 
 
 def _dist_info() -> tuple[int, int]:
@@ -425,16 +453,8 @@ def run_capture(
     if checkpoint is not None and checkpoint.resume:
         if world > 1:
             raise KvcalError("--resume is not supported under torchrun; resume with a single process")
-        ck = _load_checkpoint(checkpoint)
-        start = ck["next_batch"]
-        result.stats = stats = LayerStats.from_state_dict(ck["stats"])
-        if ck.get("sink_stats") is not None:
-            result.sink_stats = LayerStats.from_state_dict(ck["sink_stats"])
-        res_c.load_state_dict(ck["calib"])
-        res_h.load_state_dict(ck["heldout"])
-        result.scaling.update(ck["scaling"])
-        result.tokens = ck["tokens"]
-        torch.set_rng_state(ck["rng"])
+        start, stats = _restore_checkpoint(_load_checkpoint(checkpoint), checkpoint.path, len(batches), result,
+                                           res_c, res_h)
     mine = [b for j, b in enumerate(batches) if j % world == rank]
     total_tokens = sum(len(samples[i]) for b in mine for i in b)
     done_tokens = sum(len(samples[i]) for j, b in enumerate(batches) if j < start and j % world == rank for i in b)
@@ -869,8 +889,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
 
     int_path = cfg.bits is not None or cfg.preset != "fp8"
-    tag = (f"bits{cfg.bits:g}" if cfg.bits is not None else cfg.preset) if int_path else cfg.format.split('_')[0]
-    out = cfg.out or f"artifacts/{(cfg.model or 'smollm2-135m').replace('/', '_')}-{tag}"
+    out = output_dir(cfg)
     from pathlib import Path
 
     rank, world = _init_distributed(cfg.device)
@@ -879,21 +898,38 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     from kvcal.artifact import check_output_dir
 
     check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError)  # before the model loads: nothing to wait for
-    if cfg.bits is not None:  # an infeasible budget is known from the config alone
-        from kvcal.models import load_model_config
+    from kvcal.corpus import check_corpus
 
+    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
+    check_corpus(cfg.corpus, **corpus_opts)  # format and fields, before the tokenizer or model loads
+    if cfg.checkpoint_every and not cfg.resume:  # its checkpoint file is an output too (--resume checks it on load)
+        from kvcal.artifact import check_output_file
+
+        check_output_file(checkpoint_path(out), "checkpoint", _out_inputs(cfg), KvcalError, "--out")
+    from kvcal.models import check_max_positions, load_model_config, max_positions
+
+    if model is not None:
+        tconf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        max_pos = getattr(tconf, "max_position_embeddings", None)
+    else:
+        max_pos = max_positions(cfg.model)  # from the config / GGUF header: before any weight loads
+    check_max_positions(cfg.max_seq_len, max_pos, "--max-seq-len")
+    if cfg.bits is not None:  # an infeasible budget is known from the config alone
         bits_precheck(cfg.bits, model.config if model is not None else load_model_config(cfg.model),
                       cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
     torch.manual_seed(cfg.seed)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
-                         strict=cfg.strict, seed=cfg.seed)
+                         strict=cfg.strict, seed=cfg.seed, **corpus_opts)
     shape = corpus.shape()
     log(format_shape(shape))
     if model is None:
         model = load_model(cfg.model, device=cfg.device, device_map=cfg.device_map)
     conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mmeta = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
+    from kvcal.weights import weights_fingerprint
+
+    mmeta["weights"] = weights_fingerprint(model)  # export --model-dir refuses a checkpoint with other weights
     held_idx = split_heldout(len(corpus.samples), cfg.heldout_fraction, cfg.seed)
     log(f"model: {mmeta['id']} ({mmeta['architecture']}, {mmeta['num_layers']} layers, "
         f"{mmeta['num_kv_heads']} KV heads × head_dim {mmeta['head_dim']}); weights: {mmeta['weight_precision']}")
@@ -938,6 +974,27 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     if ckpt is not None:
         Path(ckpt.path).unlink(missing_ok=True)
     return res
+
+
+def output_dir(cfg: CalibrateConfig) -> str:
+    """The artifact directory ``cfg`` writes: ``cfg.out``, else ``kvcal_out/<model name>-<tag>`` under the
+    current directory, ``<tag>`` being the preset, ``bits<B>``, or the FP8 format family (``fp8``).
+
+    The default is never a directory of committed files: the worked example lives in ``artifacts/``
+    (tracked by git) and ``kvcal_out/`` is gitignored; :func:`kvcal.artifact.check_output_dir` also refuses
+    any directory git tracks. ``<model name>``: a local directory's or file's name (``.gguf`` stem), else
+    the hub id with ``/`` as ``_``."""
+    from pathlib import Path
+
+    if cfg.out:
+        return str(cfg.out)
+    int_path = cfg.bits is not None or cfg.preset != "fp8"
+    tag = (f"bits{cfg.bits:g}" if cfg.bits is not None else cfg.preset) if int_path else cfg.format.split("_")[0]
+    name = cfg.model or "smollm2-135m"
+    p = Path(name).expanduser()
+    if p.exists():
+        name = p.resolve().stem if p.is_file() else p.resolve().name
+    return str(Path("kvcal_out") / f"{name.replace('/', '_')}-{tag}")
 
 
 def checkpoint_path(out: str) -> str:

@@ -22,6 +22,7 @@ import torch
 
 from kvcal.artifact import config_hash
 from kvcal.errors import ModelLoadError
+from kvcal.weights import ATTENTION_SCALE, format_ranges
 
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -199,28 +200,10 @@ def load_model(
     return m
 
 
-#: Checkpoint tensors transformers' modules do not hold but which are no model weights: attention
-#: activation scales of quantized-KV exports (vLLM / SGLang / ModelOpt / TensorRT-LLM names, e.g. a
-#: ``kvcal export --model-dir`` copy). Listed as "unexpected" by transformers; not an error.
-_ATTENTION_SCALE = re.compile(r"\.(?:self_attn|attention)\.(?:\w+\.)?(?:[qkv]_scale|kv_scale|prob_scale|output_scale|"
-                              r"kv_cache_(?:rcp_)?scaling_factor)$")
-
-
-def _ranges(ids: list[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"``."""
-    out: list[str] = []
-    for i in sorted(set(ids)):
-        if out and i == int(out[-1].rsplit("-", 1)[-1]) + 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)
-
-
 def _name_list(names: list[str], kind: str) -> str:
     """``"18 missing weights (layers 2-3; first: a, b, c)"``: what a load report names in one line."""
     layers = sorted({int(m.group(1)) for n in names if (m := re.search(r"\.layers\.(\d+)\.", n))})
-    where = f"layers {_ranges(layers)}; " if layers else ""
+    where = f"layers {format_ranges(layers)}; " if layers else ""
     return f"{len(names)} {kind} weight(s) ({where}first: {', '.join(names[:3])})"
 
 
@@ -229,10 +212,10 @@ def check_loading_info(info: dict, model_id: str) -> None:
     loading report (``from_pretrained(..., output_loading_info=True)``: ``missing_keys``,
     ``unexpected_keys``, ``mismatched_keys``). Weights transformers ties (``lm_head`` to the input
     embedding under ``tie_word_embeddings``) are not reported missing by transformers; attention
-    activation scales (:data:`_ATTENTION_SCALE`) are not counted as unexpected. Raises
+    activation scales (:data:`kvcal.weights.ATTENTION_SCALE`) are not counted as unexpected. Raises
     :class:`ModelLoadError` in one line naming the layers and the first names."""
     missing = sorted(info.get("missing_keys") or [])
-    unexpected = sorted(k for k in info.get("unexpected_keys") or [] if not _ATTENTION_SCALE.search(k))
+    unexpected = sorted(k for k in info.get("unexpected_keys") or [] if not ATTENTION_SCALE.search(k))
     mismatched = sorted(str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get("mismatched_keys") or [])
     parts = [_name_list(x, kind) for x, kind in ((missing, "missing"), (unexpected, "unexpected"),
                                                  (mismatched, "shape-mismatched")) if x]
@@ -340,7 +323,7 @@ def check_gguf_tensors(path: Path) -> None:
     have = {int(m.group(1)) for n in names if (m := re.match(r"blk\.(\d+)\.", n))}
     lost = [i for i in range(n_blocks or 0) if i not in have]
     if lost:
-        raise ModelLoadError(f"{path} has no tensors for blocks {_ranges(lost)} of {n_blocks} ({arch}.block_count); the "
+        raise ModelLoadError(f"{path} has no tensors for blocks {format_ranges(lost)} of {n_blocks} ({arch}.block_count); the "
                              "file is incomplete — pass the complete GGUF")
     if "token_embd.weight" not in names:
         raise ModelLoadError(f"{path} lacks the token embedding token_embd.weight; the file is incomplete — pass the "

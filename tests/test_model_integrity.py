@@ -242,12 +242,17 @@ def test_fingerprint_of_gguf_loaded_model_matches_its_hf_copy(tmp_path):
     w.write_tensors_to_file()
     w.close()
 
-    mg = load_model(str(path))
+    mg = load_model(str(path))  # GGUF tensor names, q/k permuted, read back by transformers
     fp = weights_fingerprint(mg)
     assert fp == weights_fingerprint(m)
-    mg.save_pretrained(tmp_path / "copy")  # the HF copy of the GGUF model
+    # the HF copy of the GGUF model (transformers refuses save_pretrained of a GGUF-loaded model, so its
+    # state dict goes into a plain Llama), in bfloat16 as copies usually are
+    cfg = {k: v for k, v in mg.config.to_dict().items() if k != "quantization_config"}
+    copy = LlamaForCausalLM(type(m.config).from_dict(cfg))
+    copy.load_state_dict(mg.state_dict())
+    copy.to(torch.bfloat16).save_pretrained(tmp_path / "copy")
     assert checkpoint_weights_fingerprint(open_checkpoint(tmp_path / "copy"), fp) == fp
-    assert AutoModelForCausalLM is not None
+    assert weights_fingerprint(AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float32)) == fp
 
 
 def test_export_refuses_a_model_dir_with_other_weights_and_warns_for_old_artifacts(tmp_path):

@@ -193,6 +193,38 @@ def check_matches(meta: dict, config: dict, path: Path) -> list[str]:
     return warnings
 
 
+def checkpoint_weights_fingerprint(ckpt: Checkpoint, recorded: dict) -> dict:
+    """The weight fingerprint (:mod:`kvcal.weights`) of ``ckpt``'s safetensors shards, read from the
+    files (headers plus a few bytes per tensor, no weights loaded); ``recorded``: the artifact's
+    ``model.weights``, which selects the tensors. A shard kvcal wrote (:data:`SCALES_SHARD`) is skipped."""
+    from kvcal.weights import fingerprint_from_files
+
+    files = [(ckpt.path / s, *read_header(ckpt.path / s)) for s in ckpt.shards if s != SCALES_SHARD]
+    return fingerprint_from_files(files, recorded)
+
+
+def check_weights(meta: dict, ckpt: Checkpoint) -> list[str]:
+    """Refuse a checkpoint whose weights differ from those the artifact was calibrated on (the
+    fingerprint in ``meta["model"]["weights"]``, :mod:`kvcal.weights`): :class:`ExportError` naming
+    the layers that differ or are missing. Returns a one-line warning instead when the artifact
+    records no fingerprint (written before kvcal recorded one, or calibrated with weights offloaded
+    to disk) or one of another scheme: the weights cannot be verified then."""
+    from kvcal.weights import SCHEME, compare_fingerprints
+
+    rec = meta["model"].get("weights")
+    if not isinstance(rec, dict) or rec.get("scheme") != SCHEME:
+        why = "records no weight fingerprint" if rec is None else "records a weight fingerprint of another scheme"
+        return [f"the artifact {why}, so kvcal cannot verify that --model-dir {ckpt.path} holds the weights it was "
+                "calibrated on (re-calibrate with this kvcal to record one)"]
+    diff = compare_fingerprints(rec, checkpoint_weights_fingerprint(ckpt, rec))
+    if diff:
+        raise ExportError(f"--model-dir {ckpt.path} is not the checkpoint the artifact was calibrated on: its weights "
+                          f"differ in {diff} (the config matches); scales fitted to other weights are wrong for these "
+                          f"— re-calibrate on this checkpoint (kvcal calibrate --model {ckpt.path}) or pass the "
+                          "checkpoint the artifact was calibrated on")
+    return []
+
+
 def merge_into_copy(
     ckpt: Checkpoint,
     staging: Path,
