@@ -319,7 +319,43 @@ def cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> int:
     return memory_report(model_config, kv_config, context, batch).total
 
 
+def vllm_bytes_per_token(model_config, kv_cache_dtype: str, skip_layers=(), *, add_boundary: bool = True) -> int:
+    """KV bytes per token (all layers, K and V) that vLLM 0.33 allocates for
+    ``--kv-cache-dtype kv_cache_dtype`` (:mod:`kvcal.formats.vllm_dtypes`): each layer's page content
+    per token — payload plus inline per-token scales (``*_per_token_head``), e4m3 block scales
+    (``nvfp4*``) or fp16 norms/scales/zeros (``turboquant_*``) — with ``skip_layers`` (and, when
+    ``add_boundary``, the first/last 2 layers vLLM always skips for turboquant) at 16 bits. Static
+    scales (fp8 ``k_scale``/``v_scale``/``q_scale``, nvfp4 outer scales) are layer parameters, not
+    cache pages, and are not counted; nor is vLLM's page padding of skipped layers. Raises
+    ``ValueError`` for an unknown dtype or a layer index out of range.
+
+    SmolLM2-135M (30 layers, 3 KV heads, D = 64): fp8 11520, int8/fp8_per_token_head 12240,
+    int4_per_token_head 6480, nvfp4 6480, turboquant_3bit_nc 7284 (4 boundary layers at 16 bits)."""
+    from kvcal.formats.vllm_dtypes import layer_bytes_per_token
+
+    shp = model_shape(model_config)
+    return sum(layer_bytes_per_token(kv_cache_dtype, shp.num_layers, shp.num_kv_heads, shp.head_dim, skip_layers,
+                                     add_boundary=add_boundary))
+
+
+def vllm_cache_bytes(model_config, kv_cache_dtype: str, context: int, batch: int = 1, *, block_size: int = 16,
+                     skip_layers=(), add_boundary: bool = True) -> int:
+    """Bytes of the pages vLLM holds for ``batch`` sequences of ``context`` tokens: each sequence
+    takes ``ceil(context / block_size)`` whole blocks of ``block_size`` tokens
+    (``FullAttentionSpec.max_memory_usage_bytes``) at :func:`vllm_bytes_per_token`. Raises
+    ``ValueError`` for a negative context, a batch < 1 or a block size < 1."""
+    if not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    tokens = -(-context // block_size) * block_size
+    return batch * tokens * vllm_bytes_per_token(model_config, kv_cache_dtype, skip_layers, add_boundary=add_boundary)
+
+
 __all__ = [
+    "vllm_bytes_per_token", "vllm_cache_bytes",
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
     "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes", "rounding_bytes", "levels_bytes",
     "side_extra_bytes",

@@ -1,0 +1,474 @@
+"""vLLM 0.33 KV-cache dtype emulations against independent float64 re-statements of vLLM's source.
+
+Each reference below is written from the vLLM file named in its docstring, in float64 with an
+explicit rounding to float32 (``f32``) after every operation the kernel does in float32 (exact:
+float64 holds 2·24+2 bits, so a float64 op rounded to float32 equals the float32 op). FP8, E2M1
+and fp16 roundings are re-stated from their value grids, not with torch casts. Where the
+emulation's arithmetic order cannot be matched (matmul / butterfly sums), the tolerance is the
+float32 summation bound written next to the check.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcal.formats import vllm_dtypes as V
+from kvcal.formats.memory import ModelShape, vllm_bytes_per_token, vllm_cache_bytes
+
+F64 = torch.float64
+EPS32 = 2.0 ** -24  # float32 unit roundoff
+
+
+def f32(t):
+    return t.to(torch.float32).to(F64)
+
+
+def _grid_round(a, grid):
+    """Nearest element of ``grid`` (float64 [n], index = code) to each ``a``, ties to the even code;
+    ``a`` beyond the last element saturates to it (callers pass |a|)."""
+    a = a.clamp(max=float(grid[-1]))
+    dist = (a[..., None] - grid).abs()
+    best = dist == dist.amin(dim=-1, keepdim=True)
+    even = (torch.arange(len(grid)) % 2 == 0)
+    pick = (best.to(torch.int64) * (1 + even.to(torch.int64))).argmax(dim=-1)
+    return grid[pick]
+
+
+def _e4m3_grid():
+    vals = [m * 2.0 ** -9 for m in range(8)]  # subnormals (code 0..7)
+    vals += [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8)]
+    return torch.tensor(vals[:127], dtype=F64)  # code 127 (e=15, m=7) is NaN; max 448
+
+
+def _e5m2_grid():
+    vals = [m * 2.0 ** -16 for m in range(4)]
+    vals += [(1 + m / 4) * 2.0 ** (e - 15) for e in range(1, 31) for m in range(4)]
+    return torch.tensor(vals, dtype=F64)  # max 57344
+
+
+E4M3, E5M2 = _e4m3_grid(), _e5m2_grid()
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=F64)
+
+
+def fp8_round(y, grid=E4M3):
+    """Saturating round-to-nearest-even onto an FP8 grid (float64 in, float64 out)."""
+    return torch.sign(y) * _grid_round(y.abs(), grid)
+
+
+def fp16_round(y):
+    """IEEE binary16 round-to-nearest-even of float64 values (finite range), from its grid."""
+    a = y.abs()
+    e = torch.floor(torch.log2(a.clamp(min=2.0 ** -14))).clamp(-14, 15)
+    step = 2.0 ** (e - 10)
+    q = a / step
+    r = torch.floor(q)
+    frac = q - r
+    r = torch.where((frac > 0.5) | ((frac == 0.5) & (r % 2 == 1)), r + 1, r)
+    out = r * step
+    return torch.sign(y) * torch.where(out > 65504, torch.full_like(out, math.inf), out)
+
+
+def gaussian_outlier(shape, seed=0, outlier=20.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[..., 0, 3] = outlier  # one outlier channel value per (batch, head)
+    return x
+
+
+def sqnr_db(x, y):
+    return float(10 * torch.log10(x.double().pow(2).sum() / (x.double() - y.double()).pow(2).sum()))
+
+
+# ---- fp8 static + query quantization -------------------------------------------------------------
+def ref_fp8_static(x, scale, grid=E4M3):
+    """triton_reshape_and_cache_flash.py: code = fp8(key / k_scale) (saturating), read as code·scale."""
+    s = scale.to(F64)
+    return f32(fp8_round(f32(x.to(F64) / s), grid) * s)
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.01), torch.tensor([0.5, 0.02, 1.0])], ids=["tensor", "head"])
+def test_fp8_static_matches_reference(scale):
+    x = gaussian_outlier((2, 3, 16, 64)) * 3
+    s4 = scale.reshape(1, -1, 1, 1)
+    got = V.fp8_static_fake_quant(x, scale)
+    assert torch.equal(got.double(), ref_fp8_static(x, s4))
+    # saturation: every |x| > 448·scale comes back as exactly ±448·scale
+    sat = x.abs() > 448 * s4
+    assert sat.any()
+    assert torch.equal(got[sat].abs().double(), f32(448 * s4.double()).expand_as(x)[sat])
+
+
+def test_fp8_e5m2_matches_reference():
+    x = gaussian_outlier((1, 3, 8, 64), seed=1)
+    got = V.fake_quant_kv("fp8_e5m2", x, x, k_scale=0.003)[0]
+    assert torch.equal(got.double(), ref_fp8_static(x, torch.tensor(0.003), E5M2))
+
+
+def test_query_fp8_per_tensor_and_per_group():
+    q = gaussian_outlier((1, 6, 8, 64), seed=2) * 4
+    # missing q_scale = 1.0: the code is the e4m3 rounding of q itself
+    assert torch.equal(V.fake_quant_query("fp8", q).double(), fp8_round(q.double()))
+    # per KV head: q heads 0,1 share scale 0.01, 2,3 share 0.05, 4,5 share 1.0 (GQA group of 2)
+    qs = torch.tensor([0.01, 0.05, 1.0])
+    got = V.fake_quant_query("fp8_e4m3", q, q_scale=qs, num_kv_heads=3)
+    s = qs.repeat_interleave(2).reshape(1, 6, 1, 1).to(F64)
+    inv = f32(1.0 / s)  # QuantFP8.forward_native: x * scale.reciprocal()
+    assert torch.equal(got.double(), f32(fp8_round(f32(q.double() * inv)) * s))
+    # dtypes that do not quantize queries leave them alone
+    assert torch.equal(V.fake_quant_query("fp8_e5m2", q), q)
+    assert torch.equal(V.fake_quant_query("turboquant_k8v4", q), q)
+    with pytest.raises(V.VllmDTypeError, match="num_kv_heads"):
+        V.fake_quant_query("fp8", q, q_scale=qs, num_kv_heads=4)
+
+
+# ---- per-token-head ------------------------------------------------------------------------------
+def ref_per_token_head(x, kind):
+    """_reshape_cache_per_token_head: scale = max(amax/QMAX, 1e-6); x·(1/scale); int8: ±0.5,
+    clamp [-128,127], truncate; fp8: clamp ±448, RTNE."""
+    xd = x.to(F64)
+    qmax = 448.0 if kind == "fp8" else 127.0
+    scale = torch.maximum(f32(xd.abs().amax(-1, keepdim=True) / qmax), f32(torch.tensor(1e-6, dtype=F64)))
+    y = f32(xd * f32(1.0 / scale))
+    if kind == "int8":
+        code = torch.trunc(torch.where(y >= 0, f32(y + 0.5), f32(y - 0.5)).clamp(-128, 127))
+    else:
+        code = fp8_round(y)
+    return f32(code * scale)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_per_token_head_matches_reference(kind):
+    x = gaussian_outlier((2, 3, 16, 64), seed=3)
+    x[0, 1, 5] = 0.0  # all-zero row: scale 1e-6, codes 0, reads back 0
+    got = V.per_token_head_fake_quant(x, kind)
+    assert torch.equal(got.double(), ref_per_token_head(x, kind))
+    assert torch.equal(got[0, 1, 5], torch.zeros(64))
+
+
+def test_int8_per_token_head_rounds_half_away_from_zero():
+    x = torch.zeros(1, 1, 1, 64)
+    x[..., :4] = torch.tensor([127.0, 2.5, -2.5, 0.5])  # amax 127 -> scale 1.0 exactly
+    codes, scale = V.per_token_head_quantize(x, "int8")
+    assert float(scale) == 1.0
+    assert codes[0, 0, 0, :4].tolist() == [127, 3, -3, 1]  # RTNE would give 2, -2, 0
+
+
+# ---- int4_per_token_head -------------------------------------------------------------------------
+RHT_SIGNS_64 = "+-++----+--++-+-++--+++-+-+--++-+---++-++-+-++---------+-------+"  # torch seed 0x9E3779B9
+
+
+def _sylvester(d):
+    i = torch.arange(d)
+    bits = torch.bitwise_and(i[:, None], i[None, :])
+    pop = sum(((bits >> k) & 1) for k in range(int(math.log2(d))))
+    return (1 - 2 * (pop % 2)).to(F64)  # H[i,j] = (-1)^popcount(i&j)
+
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _bits_f32(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+def test_rht_signs_are_vllms():
+    assert "".join("+" if s > 0 else "-" for s in V.rht_signs(64).tolist()) == RHT_SIGNS_64
+
+
+def test_int4_per_token_head_matches_reference():
+    """int4_per_token_head.py: RHT (H·diag(s)·x, rounded to the model dtype), then per row
+    scale = max((max−min)/15, 1e-6), zp = clamp(rha(−min/scale)), codes = clamp(rha(r·(1/scale)+zp)),
+    zp hidden in the scale's 4 low mantissa bits; read as (code − zp)·scale_truncated."""
+    g = torch.Generator().manual_seed(4)
+    # dyadic bf16 inputs (k/16, |k| <= 48): the transform is exact in any summation order
+    x = (torch.randint(-48, 49, (1, 2, 8, 64), generator=g) / 16.0).to(torch.bfloat16)
+    x[0, 1, 3] = 0  # all-zero row
+    codes, stored = V.int4_per_token_head_quantize(x)
+    s = torch.tensor([1.0 if c == "+" else -1.0 for c in RHT_SIGNS_64], dtype=F64)
+    H = _sylvester(64)
+    r = ((x.to(F64) * s) @ H.T).to(torch.bfloat16).to(F64)  # r = H·(s⊙x), stored in bf16
+    for (b, h, t) in [(0, i, j) for i in range(2) for j in range(8)]:
+        row = r[b, h, t]
+        lo, hi = float(row.min()), float(row.max())
+        scale = max(float(f32(torch.tensor((hi - lo) / 15.0, dtype=F64))), float(f32(torch.tensor(1e-6, dtype=F64))))
+
+        def rha(v):
+            v32 = float(f32(torch.tensor(v + (0.5 if v >= 0 else -0.5), dtype=F64)))
+            return float(math.trunc(v32))
+
+        zp = min(max(rha(float(f32(torch.tensor(-lo / scale, dtype=F64)))), 0.0), 15.0)
+        inv = float(f32(torch.tensor(1.0 / scale, dtype=F64)))
+        want = [min(max(rha(float(f32(f32(torch.tensor(v * inv, dtype=F64)) + zp))), 0.0), 15.0) for v in row.tolist()]
+        assert codes[b, h, t].tolist() == want, (b, h, t)
+        bits = (_f32_bits(scale) & ~0xF) | int(zp)
+        assert _f32_bits(float(stored[b, h, t])) == bits
+        # dequantize in the rotated basis: exact; back to the original basis: fp32 butterfly bound
+        s_t = _bits_f32(_f32_bits(scale) & ~0xF)
+        rhat = f32((torch.tensor(want, dtype=F64) - zp) * s_t)
+        got_rot = V.int4_per_token_head_dequantize(codes[b, h, t].view(1, 1, 1, 64), stored[b, h, t].view(1, 1, 1, 1),
+                                                   rotated=True)
+        assert torch.equal(got_rot.reshape(64).double(), rhat)
+        want_x = (H @ rhat) * s / 64
+        got_x = V.int4_per_token_head_dequantize(codes[b, h, t].view(1, 1, 1, 64), stored[b, h, t].view(1, 1, 1, 1))
+        bound = 6 * EPS32 * float(rhat.abs().sum()) / 64 + 1e-30  # 6 butterfly levels, each <= eps·Σ|terms|
+        assert float((got_x.reshape(64).double() - want_x).abs().max()) <= bound
+    assert torch.equal(V.int4_per_token_head_fake_quant(x)[0, 1, 3], torch.zeros(64))
+
+
+# ---- nvfp4 ---------------------------------------------------------------------------------------
+def ref_nvfp4(x, outer, e2m1_max=6.0):
+    """nvfp4_emulation_utils.py ref_nvfp4_quant with global_scale = 1/outer: block scale
+    e4m3(gs·(amax·(1/6))), values e2m1(clamp(x·1/(s·(1/gs)), ±6)); read as e2m1·s·outer."""
+    B, H, S, D = x.shape
+    xb = x.to(F64).reshape(B, H, S, D // 16, 16)
+    gs = f32(1.0 / torch.tensor(outer, dtype=F64))
+    vmax = xb.abs().amax(-1, keepdim=True)
+    s8 = fp8_round(f32(gs * f32(vmax * f32(torch.tensor(1.0 / e2m1_max, dtype=F64)))))
+    denom = f32(s8 * f32(1.0 / gs))
+    out_scale = torch.where(denom == 0, f32(torch.tensor(1e-8, dtype=F64)), f32(1.0 / torch.where(denom == 0, 1.0, denom)))
+    y = f32(xb * out_scale).clamp(-6, 6)
+    e = torch.sign(y) * _grid_round(y.abs(), E2M1)
+    deq = f32(f32(e * s8) * float(f32(torch.tensor(outer, dtype=F64))))
+    return deq, s8
+
+
+def test_nvfp4_matches_reference():
+    x = gaussian_outlier((2, 3, 8, 64), seed=5)
+    for outer in (1.0, 20.0 / (448 * 6), 0.37):
+        want, s8 = ref_nvfp4(x, outer)
+        vals, scales = V.nvfp4_quantize(x, outer)
+        assert torch.equal(scales.to(F64).reshape(s8.shape), s8)
+        assert torch.equal(V.nvfp4_fake_quant(x, outer).double(), want.reshape(x.shape))
+
+
+def test_nvfp4_subnormal_and_zero_block_scales():
+    x = torch.zeros(1, 1, 1, 32)
+    x[..., :16] = torch.linspace(-0.01, 0.01, 16)  # amax 0.01: scale 0.01/6 = 0.00167 -> e4m3 subnormal 2^-9
+    x[..., 16:] = torch.linspace(-0.004, 0.004, 16)  # 0.004/6 = 0.00067 < 2^-10: scale 0, block reads back 0
+    vals, scales = V.nvfp4_quantize(x, 1.0)
+    assert scales.to(torch.float32).tolist() == [[[[2.0 ** -9, 0.0]]]]
+    deq = V.nvfp4_dequantize(vals, scales, 1.0)
+    assert torch.equal(deq[..., 16:], torch.zeros(1, 1, 1, 16))
+    assert torch.equal(deq[..., :16].double(), ref_nvfp4(x, 1.0)[0].reshape(1, 1, 1, 32)[..., :16])
+    assert float(deq[..., :16].abs().max()) == 6 * 2.0 ** -9  # 0.01 / 2^-9 = 5.12 -> e2m1 6 (saturates at the top)
+
+
+def test_nvfp4_saturates_at_448_block_scale():
+    x = torch.full((1, 1, 1, 16), 6.0)
+    x[..., 0] = 3.0
+    # outer 1e-4: block scale 1e4 -> clamped to 448; values saturate at 6·448·1e-4 = 0.2688
+    got = V.nvfp4_fake_quant(x, 1e-4)
+    assert torch.allclose(got[..., 1:].double(), torch.full((15,), 6 * 448 * float(torch.tensor(1e-4))).double(),
+                          rtol=2 * EPS32)
+    assert torch.equal(got.double(), ref_nvfp4(x, 1e-4)[0].reshape(x.shape))
+
+
+def test_nvfp4_4over6_picks_max4_when_it_is_better():
+    """Hand-worked: block [1.0]*15 + [1.25]. max/6: scale e4m3(1.25/6) = 0.203125, 1.0 -> 4 (0.8125,
+    error 0.1875 each). max/4: scale 0.3125, 1.0 -> 3.2 -> 3 (0.9375), 1.25 -> 4 (exact): smaller error."""
+    x = torch.ones(1, 1, 1, 16)
+    x[..., 15] = 1.25
+    six = V.nvfp4_fake_quant(x)
+    assert six[..., 0].item() == 0.8125
+    four = V.nvfp4_fake_quant(x, four_over_six=True)
+    assert four[0, 0, 0].tolist() == [0.9375] * 15 + [1.25]
+    # and a block that max/6 represents exactly keeps max/6: [1.0]*15 + [1.5]
+    x[..., 15] = 1.5
+    assert torch.equal(V.nvfp4_fake_quant(x, four_over_six=True), x)
+
+
+def test_nvfp4_4over6_matches_reference_choice():
+    x = gaussian_outlier((1, 3, 16, 64), seed=6)
+    d6, _ = ref_nvfp4(x, 0.5)
+    d4, _ = ref_nvfp4(x, 0.5, e2m1_max=4.0)
+    xb = x.to(F64).reshape(d6.shape)
+    e6 = (f32(d6 - xb) ** 2).sum(-1, keepdim=True)
+    e4 = (f32(d4 - xb) ** 2).sum(-1, keepdim=True)
+    want = torch.where(e4 < e6, d4, d6).reshape(x.shape)
+    got = V.nvfp4_fake_quant(x, 0.5, four_over_six=True).double()
+    # the choice compares two fp32 error sums: only blocks whose errors differ by more than the
+    # float32 summation bound (16·eps·Σ) are required to agree
+    close = ((e4 - e6).abs() <= 16 * EPS32 * (e4 + e6)).expand_as(d6).reshape(x.shape)
+    assert torch.equal(got[~close], want[~close])
+    assert sqnr_db(x, got) >= sqnr_db(x, d6.reshape(x.shape))
+
+
+def test_e2m1_ties_go_to_even():
+    y = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, -5.0])
+    assert V.e2m1_round(y).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, -4.0]
+
+
+# ---- turboquant ----------------------------------------------------------------------------------
+# vLLM 0.33.0 turboquant/centroids.py get_centroids(64, b), printed as float.hex (positive half;
+# the codebook is symmetric)
+TQ_CENTROIDS_64 = {
+    3: ["0x1.f5b9f6p-6", "0x1.82e3f8p-4", "0x1.57daa6p-3", "0x1.133ea8p-2"],
+    4: ["0x1.070514p-6", "0x1.8d73fep-5", "0x1.505290p-4", "0x1.e28894p-4",
+        "0x1.419a18p-3", "0x1.9e2d80p-3", "0x1.08c2e0p-2", "0x1.5d8edcp-2"],
+}
+
+
+def _centroids(bits):
+    pos = [float.fromhex(h) for h in TQ_CENTROIDS_64[bits]]
+    return torch.tensor([-p for p in reversed(pos)] + pos, dtype=F64)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_lloyd_max_centroids_are_vllms(bits):
+    assert torch.equal(V.lloyd_max_centroids(64, bits).double(), _centroids(bits))
+
+
+def ref_tq_value(v, bits):
+    """_store_quantized_value: scale=(max−min)/(2^b−1) floored at 1e-8, code=⌊(v−min)/scale+0.5⌋
+    clamped; read as code·fp16(scale) + fp16(min)."""
+    vd = v.to(F64)
+    lo, hi = vd.amin(-1, keepdim=True), vd.amax(-1, keepdim=True)
+    scale = f32(f32(hi - lo) / (2 ** bits - 1))
+    scale = torch.where(scale > f32(torch.tensor(1e-8, dtype=F64)), scale, f32(torch.tensor(1e-8, dtype=F64)))
+    code = torch.floor(f32(f32(f32(vd - lo) / scale) + 0.5)).clamp(0, 2 ** bits - 1)
+    return f32(f32(code * fp16_round(scale)) + fp16_round(lo))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_turboquant_values_match_reference(bits):
+    v = gaussian_outlier((2, 3, 16, 64), seed=7)
+    v[0, 0, 2] = 0.3  # constant row: scale 1e-8 -> fp16 0; reads back fp16(0.3)
+    got = V.turboquant_value_dequantize(*V.turboquant_value_quantize(v, bits))
+    assert torch.equal(got.double(), ref_tq_value(v, bits))
+    assert torch.equal(got[0, 0, 2], torch.full((64,), 0.3).half().float())
+
+
+@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
+def test_turboquant_keys_match_reference(name):
+    """triton_turboquant_store.py: y = (k/(‖k‖+1e-8)) @ H/8, code = #{fp32 midpoints <= y};
+    decode (triton_turboquant_decode.py): fp16 norm · (c/‖c‖) @ H/8."""
+    bits = V.TQ_PRESETS[name][0]
+    k = gaussian_outlier((2, 3, 32, 64), seed=8)
+    codes, norm16 = V.turboquant_key_quantize(k, bits)
+    Hn = _sylvester(64) / 8
+    kd = k.to(F64)
+    n = kd.norm(dim=-1, keepdim=True)
+    y = (kd / (n + 1e-8)) @ Hn
+    c = _centroids(bits)
+    mid = f32(f32(c[:-1] + c[1:]) / 2)
+    want = (mid <= y[..., None]).sum(-1)
+    # fp32 y differs from float64 by <= 64·eps·Σ|x̂_i||H_ij| + normalisation (< 1e-5 for unit rows)
+    far = (y[..., None] - mid).abs().amin(-1) > 1e-5
+    assert far.float().mean() > 0.99
+    assert torch.equal(codes[far], want[far])
+    ulp16 = 2.0 ** (torch.floor(torch.log2(n)) - 10)
+    assert bool(((norm16.double() - n).abs() <= ulp16).all())  # fp16 rounding of the fp32 norm
+    # dequantization from the emulation's codes and norms, re-stated
+    cs = c[codes]
+    cs = cs / torch.sqrt((cs * cs).sum(-1, keepdim=True) + 1e-16)
+    want_k = norm16.double() * (cs @ Hn)
+    got_k = V.turboquant_key_dequantize(codes, norm16, bits, True).double()
+    assert float(((got_k - want_k).abs() / norm16.double()).max()) <= 64 * 8 * EPS32  # fp32 dot of 64 terms
+    # the preset's fake quant is these two halves
+    kh, vh = V.fake_quant_kv(name, k, k)
+    assert torch.equal(kh, V.turboquant_key_dequantize(codes, norm16, bits, True))
+
+
+def test_turboquant_k8v4_keys_are_raw_saturating_e4m3():
+    k = gaussian_outlier((1, 3, 8, 64), seed=9, outlier=500.0)
+    kh, _ = V.fake_quant_kv("turboquant_k8v4", k, k)
+    assert torch.equal(kh.double(), fp8_round(k.double()))
+    assert float(kh[0, 0, 0, 3]) == 448.0
+
+
+def test_turboquant_edge_cases():
+    k = torch.zeros(1, 1, 2, 64)
+    k[0, 0, 1, 0] = 70000.0  # norm beyond fp16: vLLM stores inf
+    codes, norm16 = V.turboquant_key_quantize(k, 3)
+    assert float(norm16[0, 0, 0]) == 0.0 and math.isinf(float(norm16[0, 0, 1]))
+    assert torch.equal(V.turboquant_key_dequantize(codes, norm16, 3, True)[0, 0, 0], torch.zeros(64))
+    with pytest.raises(V.VllmDTypeError, match="power-of-two"):
+        V.turboquant_key_quantize(torch.zeros(1, 1, 1, 96), 3)
+
+
+# ---- registry, errors, SQNR floors ---------------------------------------------------------------
+def test_errors_are_one_line_and_name_the_fix():
+    x = torch.zeros(1, 1, 1, 64)
+    with pytest.raises(V.VllmDTypeError, match="unknown or unemulated.*turboquant_4bit_nc"):
+        V.fake_quant_kv("fp4", x, x)
+    with pytest.raises(V.VllmDTypeError, match="ignores checkpoint"):
+        V.fake_quant_kv("int8_per_token_head", x, x, k_scale=0.5)
+    with pytest.raises(V.VllmDTypeError, match="positive and finite"):
+        V.fake_quant_kv("fp8", x, x, k_scale=0.0)
+    with pytest.raises(V.VllmDTypeError, match="one per KV head"):
+        V.fake_quant_kv("fp8", x, x, k_scale=torch.ones(2))
+    with pytest.raises(V.VllmDTypeError, match="multiple of 16"):
+        V.nvfp4_quantize(torch.zeros(1, 1, 1, 40))
+
+
+# Floors for N(0,1) data (no outlier), from each format's step: fp8 e4m3 at scale 1 has 3 mantissa
+# bits (uniform relative error, SQNR ~ 6.02·4 + 10.8 ≈ 35 dB → floor 30); int8 per row of 64
+# Gaussians (amax ≈ 2.5σ, step amax/127 → ~44 dB → floor 38); 4-bit formats ~20 dB → floor 17;
+# 3-bit (Lloyd-Max 3-bit Gaussian: 14.6 dB → floor 13).
+FLOORS = {"fp8": 30, "fp8_per_token_head": 30, "int8_per_token_head": 38, "int4_per_token_head": 17,
+          "nvfp4": 17, "nvfp4_4over6": 17, "turboquant_4bit_nc": 17, "turboquant_3bit_nc": 13}
+
+
+@pytest.mark.parametrize("name", sorted(FLOORS))
+def test_sqnr_floors(name):
+    g = torch.Generator().manual_seed(10)
+    k = torch.randn(1, 3, 64, 64, generator=g)
+    kh, vh = V.fake_quant_kv(name, k, k)
+    assert sqnr_db(k, kh) >= FLOORS[name] and sqnr_db(k, vh) >= FLOORS[name] - 4
+
+
+# ---- memory: hand-worked for SmolLM2-135M (30 layers, 3 KV heads, head_dim 64) ---------------------
+SMOL = ModelShape(num_layers=30, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
+B16_LAYER = 3 * 2 * 64 * 2  # 768 bytes per token per layer at 16 bits
+HAND = {
+    "fp8": 30 * 3 * (64 + 64),  # 11520: 1-byte K and V, scales are layer parameters
+    "fp8_e5m2": 11520,
+    "fp8_per_token_head": 30 * 3 * (64 + 64 + 4 + 4),  # 12240: fp32 scale inline after K and after V
+    "int8_per_token_head": 12240,
+    "int4_per_token_head": 30 * 3 * (32 + 32 + 4 + 4),  # 6480: two nibbles a byte + fp32 scale(+zp)
+    "nvfp4": 30 * 3 * 2 * (32 + 4),  # 6480: D/2 data + D/16 e4m3 block scales, K and V slots
+    "nvfp4_4over6": 6480,
+    # turboquant: slot = key + value bytes per head, rounded to even; 26 layers + 4 boundary at 16 bits
+    "turboquant_k8v4": 26 * 3 * (64 + 32 + 4) + 4 * B16_LAYER,  # 7800 + 3072 = 10872
+    "turboquant_4bit_nc": 26 * 3 * ((32 + 2) + (32 + 4)) + 4 * B16_LAYER,  # 5460 + 3072 = 8532
+    "turboquant_k3v4_nc": 26 * 3 * ((24 + 2) + (32 + 4)) + 4 * B16_LAYER,  # 4836 + 3072 = 7908
+    "turboquant_3bit_nc": 26 * 3 * ((24 + 2) + (24 + 4)) + 4 * B16_LAYER,  # 4212 + 3072 = 7284
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_vllm_bytes_per_token_smollm2(name):
+    assert vllm_bytes_per_token(SMOL, name) == HAND[name]
+
+
+def test_vllm_memory_skip_layers_and_blocks():
+    assert vllm_bytes_per_token(SMOL, "turboquant_3bit_nc", add_boundary=False) == 30 * 3 * 54  # 4860
+    assert vllm_bytes_per_token(SMOL, "fp8", [0, 29]) == 28 * 384 + 2 * B16_LAYER
+    assert vllm_bytes_per_token(SMOL, "turboquant_3bit_nc", [0, 5]) == 25 * 162 + 5 * B16_LAYER
+    # 100 tokens occupy 7 blocks of 16 = 112 token slots per sequence
+    assert vllm_cache_bytes(SMOL, "nvfp4", 100, 2) == 2 * 112 * 6480
+    with pytest.raises(ValueError, match="out of range"):
+        vllm_bytes_per_token(SMOL, "fp8", [30])
+
+
+def test_memory_cli_vllm_format(tmp_path):
+    from kvcal.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"num_hidden_layers": 30, "num_key_value_heads": 3, "num_attention_heads": 9, '
+                   '"hidden_size": 576, "max_position_embeddings": 8192}')
+    r = CliRunner().invoke(main, ["memory", "--model", str(cfg), "--format", "vllm:turboquant_3bit_nc",
+                                  "--context", "4096"])
+    assert r.exit_code == 0, r.output
+    assert "bytes per token: 7284" in r.output and "[0, 1, 28, 29]" in r.output
+    assert f"cache bytes (context 4096, batch 1, 16-token blocks): {4096 * 7284}" in r.output
+    r = CliRunner().invoke(main, ["memory", "--model", str(cfg), "--format", "vllm:fp4"])
+    assert r.exit_code == 2 and r.output.startswith("error: unknown or unemulated") and r.output.count("\n") == 1
+    r = CliRunner().invoke(main, ["memory", "--model", str(cfg), "--format", "fp8", "--skip-layers", "0"])
+    assert r.exit_code == 2 and "vllm:<dtype> formats only" in r.output
