@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -663,3 +664,93 @@ def test_sglang_json_leaves_out_kv_scales_already_in_the_checkpoint(tmp_path, ar
     res3 = export(path, "sglang-json", tmp_path / "o3", model_dir=single_ckpt)
     assert any("linked unchanged" in n for n in res3.notes)
     assert (tmp_path / "o3" / "model.safetensors").stat().st_ino == (single_ckpt / "model.safetensors").stat().st_ino
+
+
+# ---- issue 22: the SGLang path is safe by default; single-scale exports report their cost ---------------
+
+
+def test_sglang_loaded_exports_are_unclipped_by_default(tmp_path):
+    """Issue 22: the search picks clipping scales and SGLang casts to FP8 without saturating, so a served
+    value between scale x 448 and the calibration max became NaN. Every target SGLang loads (sglang-json,
+    per-tensor vllm) now exports scales >= calibration max / 448 unless --clipped-scales is given;
+    TensorRT-LLM (saturating) keeps the calibrated clip."""
+    path, truth = make_artifact(tmp_path / "art", clip=0.8)
+    res = export(path, "sglang-json", tmp_path / "sj")
+    assert not [w for w in res.warnings if "without saturating" in w]
+    assert any("unclipped by default" in n for n in res.notes)
+    doc = json.loads((tmp_path / "sj" / "kv_cache_scales.json").read_text())
+    for i in range(L):
+        amax = max(max(truth[(i, "k")][1]), max(truth[(i, "v")][1]))  # the K/V max, observed in calibration
+        # float32 scale: amax / 448 rounded to nearest, so allow one float32 ulp below it
+        assert doc["kv_cache"]["scaling_factor"]["0"][str(i)] >= amax / 448 * (1 - 2**-23)
+    t = tensors_in(export(path, "vllm", tmp_path / "v").out / SCALES_SHARD)
+    for i in range(L):
+        for side in ("k", "v"):
+            assert float(t[vllm_names(i)[side]]) >= max(truth[(i, side)][1]) / 448 * (1 - 2**-23)
+    clipped = export(path, "sglang-json", tmp_path / "sj2", clipped_scales=True)
+    for i in range(L):  # opted in: exactly the calibrated max(k, v)
+        assert clipped.tensors[str(i)].item() == float(torch.maximum(truth[(i, "k")][0], truth[(i, "v")][0]))
+    trt = export(path, "trtllm-legacy", tmp_path / "trt")
+    assert trt.tensors["transformer.layers.0.attention.kv_cache_scaling_factor"].item() == float(
+        torch.maximum(truth[(0, "k")][0], truth[(0, "v")][0]))
+    manifest = json.loads((tmp_path / "sj" / "kvcal-export.json").read_text())
+    assert manifest["scales"].startswith("unclipped for SGLang")
+    r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "sglang-json", "--out",
+                                  str(tmp_path / "cli"), "--clipped-scales"])
+    assert r.exit_code == 0 and "without saturating" in r.output
+
+
+def test_headroom_suggestion_is_one_headroom_accepts(tmp_path):
+    """Issue 22: a scale 20x below the observed max got the suggestion `--headroom 22.0`, which --headroom
+    itself refuses (bound 16). Every suggested value must be accepted."""
+    path, _ = make_artifact(tmp_path / "art", clip=0.05)
+    res = export(path, "sglang-json", tmp_path / "a", clipped_scales=True)
+    warn = next(w for w in res.warnings if "without saturating" in w)
+    for m in re.findall(r"--headroom ([0-9.e+]+)", warn):
+        export(path, "sglang-json", tmp_path / f"h{m}", headroom=float(m))  # raises if out of bounds
+
+
+def test_single_scale_targets_report_the_shared_scale_cost(tmp_path):
+    """Issue 22: sglang-json / trtllm-legacy serve max(K, V) per layer, so the side with the smaller scale
+    is quantized served/own times coarser. Export names the worst layers and records every layer's ratio
+    (computed here independently from the artifact's scales) in the manifest."""
+    path, truth = make_artifact(tmp_path / "art")  # keys ~4x values (base 12 vs 3)
+    res = export(path, "sglang-json", tmp_path / "a")
+    rows = json.loads((tmp_path / "a" / "kvcal-export.json").read_text())["shared_scale"]
+    ratios = []
+    for i in range(L):
+        k, v = float(truth[(i, "k")][0]), float(truth[(i, "v")][0])
+        assert rows[i]["ratio"]["v"] == pytest.approx(max(k, v) / v, rel=1e-6)
+        assert rows[i]["ratio"]["k"] == pytest.approx(max(k, v) / k, rel=1e-6)
+        ratios.append((max(k, v) / min(k, v), i))
+    line = next(n for n in res.notes + res.warnings if n.startswith("K and V share one scale"))
+    r, i = max(ratios)
+    side = "V" if float(truth[(i, "v")][0]) < float(truth[(i, "k")][0]) else "K"
+    assert f"worst: layer {i} {side} {r:.1f}x" in line
+    assert any(line == n for n in res.notes)  # under MAX_HEADROOM (16x): a note, not a warning
+    # 40x apart (the committed example's layer 0: K otf 0.0539, V absmax 0.00134): a warning
+    big, _ = make_artifact(tmp_path / "big", clip=1.0)
+    meta, t = _read_artifact(big)
+    t["model.layers.0.self_attn.v_scale"] = t["model.layers.0.self_attn.k_scale"] / 40
+    from kvcal.artifact import write_artifact
+
+    big2 = write_artifact(tmp_path / "big2", t, {k: v for k, v in meta.items() if k != "tensor_names"})
+    res = export(big2, "trtllm-legacy", tmp_path / "b")
+    assert any(w.startswith("K and V share one scale") and "layer 0 V 40.0x" in w for w in res.warnings)
+    assert not [n for n in export(path, "vllm", tmp_path / "c").notes if n.startswith("K and V share")]
+
+
+def test_log_interpolation_of_recorded_errors():
+    """Hand-worked: errors 1.0 at scale 0.01 and 3.0 at scale 1.0; at 0.1 (halfway in log10) -> 2.0."""
+    from kvcal.export.base import _interp_log
+
+    assert _interp_log([(0.01, 1.0), (1.0, 3.0)], 0.1) == pytest.approx(2.0)
+    assert _interp_log([(0.01, 1.0), (1.0, 3.0)], 2.0) is None  # beyond the recorded candidates
+    assert _interp_log([(0.01, 1.0), (1.0, 3.0)], 0.01) == 1.0
+
+
+def _read_artifact(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path / "kv_scales.safetensors"), framework="pt") as fh:
+        return json.loads(fh.metadata()["kvcal"]), {k: fh.get_tensor(k) for k in fh.keys()}

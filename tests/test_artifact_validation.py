@@ -1,0 +1,174 @@
+"""One artifact validator for every command (issue 21 "Hardening, round 2", issue 22 "Hand-edited finite
+values pass every check"): a table of hand-edit classes, each run through every command that reads an
+artifact (export, evaluate, plan --kv-config, inspect, report), each answered with exit 2 and one line
+naming the field or tensor — never a traceback, never an export that loads."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+from export_helpers import D, H, H_KV, L, make_artifact
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvcal.artifact import CONTENT_HASH_KEY, SCALES_FILE, content_sha256, load_artifact, tensor_name, write_artifact
+from kvcal.cli import main
+from kvcal.errors import ArtifactError
+
+
+def _read(path):
+    with safe_open(str(path / SCALES_FILE), framework="pt") as fh:
+        return json.loads(fh.metadata()["kvcal"]), {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+def _edited(src, dst, edit, resign=True, raw_meta=None):
+    """Copy artifact ``src`` to ``dst`` with ``edit(meta, tensors)`` applied. ``resign``: recompute the
+    content hash afterwards, as a careful editor (or an artifact from before the hash) would — so the
+    check that names the defect is the one under test, not the hash."""
+    meta, tensors = _read(src)
+    edit(meta, tensors)
+    if resign and isinstance(meta, dict):
+        meta[CONTENT_HASH_KEY] = content_sha256(meta, tensors)
+    dst.mkdir()
+    save_file(tensors, str(dst / SCALES_FILE), metadata={"kvcal": raw_meta or json.dumps(meta), "format": "pt"})
+    return dst
+
+
+def _set(d, key, value):
+    d[key] = value
+
+
+K0, V2 = tensor_name(0, "k"), tensor_name(2, "v")
+CASES = {  # class -> (edit(meta, tensors), resign, raw metadata, expected fragment of the one-line error)
+    "missing key": (lambda m, t: m["model"].pop("num_kv_heads"), True, None,
+                    "model.num_kv_heads must be a positive integer, but it is missing"),
+    "wrong type (string boolean)": (lambda m, t: _set(m["kv"]["k"], "symmetric", "false"), True, None,
+                                    "kv.k.symmetric must be true or false"),
+    "wrong type (count as string)": (lambda m, t: _set(m["kv"], "sink_tokens", "4"), True, None,
+                                     "kv.sink_tokens must be an integer >= 0, got '4'"),
+    "unknown format": (lambda m, t: _set(m["kv"]["v"], "format", "fp9"), True, None, "kv.v.format must be one of"),
+    "bad shape": (lambda m, t: _set(t, K0, torch.full((3,), 0.02)), True, None,
+                  re.escape(f"{K0} has shape [3], expected [1] for tensor granularity")),
+    "bad dtype": (lambda m, t: _set(t, K0, torch.tensor([1], dtype=torch.int32)), True, None,
+                  f"tensor {re.escape(K0)} has dtype int32"),
+    "extra tensor": (lambda m, t: _set(t, "model.layers.0.self_attn.k_bias", torch.zeros(1)), True, None,
+                     "kvcal did not write.*model.layers.0.self_attn.k_bias"),
+    "extra tensor, listed": (lambda m, t: (_set(t, "extra.weight", torch.zeros(1)),
+                                           m["tensor_names"].append("extra.weight")), True, None,
+                             "holds tensor extra.weight, which kvcal does not write"),
+    "missing tensor": (lambda m, t: t.pop(V2), True, None, f"lacks 1 tensor.*{re.escape(V2)}"),
+    "absurd scale 1e30": (lambda m, t: _set(t, K0, torch.tensor([1e30])), True, None,
+                          f"tensor {re.escape(K0)} holds the scale 1e\\+30, implausible"),
+    "absurd scale 1e-30": (lambda m, t: _set(t, K0, torch.tensor([1e-30])), True, None,
+                           f"tensor {re.escape(K0)} holds the scale 1e-30, implausible"),
+    "edited content": (lambda m, t: _set(t, K0, t[K0] * 1.5), False, None, "content does not match its content_sha256"),
+    "edited metadata": (lambda m, t: _set(m["kv"], "sink_tokens", 0) or _set(m["corpus"], "samples", 9), False, None,
+                        "content does not match its content_sha256"),
+    "non-object metadata": (lambda m, t: None, False, "[1, 2]", "metadata document must be an object, got list"),
+}
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = tmp_path_factory.mktemp("good")
+    path, _ = make_artifact(d / "art")
+    cfg = {"model_type": "llama", "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": H_KV,
+           "hidden_size": H * D, "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 256}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "eval.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    return path, d
+
+
+def _commands(art, d, tmp):
+    return {
+        "export": ["export", "--artifact", str(art), "--target", "vllm", "--out", str(tmp / "o_export")],
+        "export sglang-json": ["export", "--artifact", str(art), "--target", "sglang-json", "--out", str(tmp / "o_sj")],
+        "evaluate": ["evaluate", "--artifact", str(art), "--corpus", str(d / "eval.txt"), "--context", "64"],
+        "plan --kv-config": ["plan", "--model", str(d / "config.json"), "--gpu-mem", "1GiB", "--kv-config", str(art)],
+        "inspect": ["inspect", str(art)],
+        "report": ["report", "--artifact", str(art), "--out", str(tmp / "o_report")],
+    }
+
+
+def test_the_good_artifact_passes_every_command_entry(good, tmp_path):
+    """The control: the unedited artifact loads (content hash verified) and export/plan/inspect accept it."""
+    path, d = good
+    art = load_artifact(path)
+    assert art.metadata[CONTENT_HASH_KEY] == content_sha256(art.metadata, art.tensors)
+    for name, args in _commands(path, d, tmp_path).items():
+        if name in ("evaluate", "report"):
+            continue  # need the model / write figures; the refusal cases below reach them before either
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0, (name, res.output)
+    assert "content hash verified" in CliRunner().invoke(main, ["inspect", str(path)]).output
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_command_refuses_each_class_in_one_line(good, tmp_path, case):
+    edit, resign, raw, expected = CASES[case]
+    path, d = good
+    bad = _edited(path, tmp_path / "bad", edit, resign=resign, raw_meta=raw)
+    with pytest.raises(ArtifactError, match=expected):
+        load_artifact(bad)
+    for name, args in _commands(bad, d, tmp_path).items():
+        res = CliRunner().invoke(main, args)
+        out = res.output
+        assert res.exit_code == 2, (case, name, out)
+        assert "Traceback" not in out and res.exception is None or isinstance(res.exception, SystemExit), (case, name)
+        err = [ln for ln in out.splitlines() if ln.startswith("error:")]
+        assert len(err) == 1 and re.search(expected, err[0]), (case, name, out)
+        assert not any((tmp_path / o).exists() for o in ("o_export", "o_sj", "o_report")), (case, name)
+
+
+def test_old_artifacts_without_a_content_hash_still_load(good, tmp_path):
+    """Artifacts written before the hash (the committed worked example) load after every other check;
+    inspect and export say that edits to them cannot be detected."""
+    art = load_artifact("artifacts/smollm2-135m-fp8")
+    assert CONTENT_HASH_KEY not in art.metadata and art.num_layers == 30
+    path, _ = good
+    old = _edited(path, tmp_path / "old", lambda m, t: m.pop(CONTENT_HASH_KEY), resign=False)
+    assert CONTENT_HASH_KEY not in load_artifact(old).metadata
+    res = CliRunner().invoke(main, ["inspect", str(old)])
+    assert res.exit_code == 0 and "no content_sha256" in res.output
+    res = CliRunner().invoke(main, ["export", "--artifact", str(old), "--target", "vllm", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0 and "no content_sha256" in res.output
+    # ...but an old artifact with an absurd scale is still refused by the range check
+    worse = _edited(old, tmp_path / "worse", lambda m, t: _set(t, K0, torch.tensor([1e30])), resign=False)
+    with pytest.raises(ArtifactError, match="implausible"):
+        load_artifact(worse)
+
+
+def test_rewriting_a_loaded_artifact_gets_a_fresh_hash(good, tmp_path):
+    """write_artifact(loaded.metadata) — what tools built on kvcal do — replaces the old hash."""
+    a = load_artifact(good[0])
+    t = dict(a.tensors)
+    t[K0] = t[K0] * 1.01
+    b = load_artifact(write_artifact(tmp_path / "b", t, a.metadata))
+    assert b.metadata[CONTENT_HASH_KEY] != a.metadata[CONTENT_HASH_KEY]
+
+
+def test_scale_bounds_admit_every_search_candidate(tmp_path):
+    """The range check must never refuse what calibrate writes: clip 0.5, unity (1.0) and the on-the-fly
+    amax/100 rule for a tiny and a large absmax all load (the bound is SCALE_SANITY = 64 around them)."""
+    for amax in (1e-3, 0.6, 300.0):
+        for scale in (amax / 448 * 0.5, 1.0, amax / 100, amax / 448 * 4):
+            meta = {"model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4},
+                    "kv": {s: {"format": "fp8_e4m3", "granularity": "tensor"} for s in "kv"},
+                    "layers": [{"layer": 0, "k": {"amax": [amax]}, "v": {"amax": [amax]}}]}
+            t = {tensor_name(0, s): torch.tensor([scale]) for s in "kv"}
+            load_artifact(write_artifact(tmp_path / f"a{amax}_{scale}", t, meta))
+
+
+@pytest.mark.parametrize("doc, kind", [("[1, 2]", "list"), ('"text"', "string"), ("3", "number"), ("null", "null")])
+def test_inspect_of_a_json_file_that_is_not_an_object(tmp_path, doc, kind):
+    f = tmp_path / "kv_cache_scales.json"
+    f.write_text(doc)
+    res = CliRunner().invoke(main, ["inspect", str(f)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.output.strip().splitlines() == [f"error: {f} holds a JSON {kind}, not an object; kvcal inspect reads "
+                                                'JSON objects (a --quantization-param-path file is {"kv_cache": '
+                                                '{"scaling_factor": ...}})']
