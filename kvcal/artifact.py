@@ -859,11 +859,13 @@ def _check_scale_ranges(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -
                 continue
             a = torch.tensor(amax, dtype=torch.float64).flatten()
             s = t.double().flatten()
-            if a.numel() != s.numel():
+            per_value = a.numel() == s.numel()  # per-tensor / per-head: one recorded absmax per scale
+            if not per_value:  # e.g. per-channel scales under per-head absmax: a channel may be far below it
                 a = a.max().expand(s.shape)
             if not bool((a > 0).all()):
                 continue
-            lo, hi = a / fmax / SCALE_SANITY, SCALE_SANITY * torch.clamp(a / 100.0, min=1.0)
+            lo = a / fmax / SCALE_SANITY if per_value else torch.zeros_like(a)
+            hi = SCALE_SANITY * torch.clamp(a / 100.0, min=1.0)
             bad = (s < lo) | (s > hi)
             if bool(bad.any()):
                 j = int(bad.nonzero()[0][0])
