@@ -31,7 +31,8 @@ JSON schema ``"kvcal-eval/1"`` (keys are stable; all losses in nats, bytes are e
                    "corpus": {...} | null, "sha256": sha256 of its kv_scales.safetensors},
       "model": <artifact-style model section: id, config_sha256, num_layers, num_kv_heads, head_dim,
                 max_position_embeddings, weight_precision, ...>,
-      "corpus": {"path", "sha256", "kind": "txt" | "jsonl", "tokens": total tokens in the stream,
+      "corpus": {"path", "sha256", "kind": "txt" | "jsonl" | "parquet" | "arrow" | "csv" | "json" |
+                 "save_to_disk" | "data_dir" | "hub", "tokens": total tokens in the stream,
                  "windows": {"<context>": number of windows}, "window_source": str,
                  "eval_tokens": {"<context>": predicted positions per mode}},
       "regimes": [{"context": int, "batch": int}, ...],
@@ -88,10 +89,14 @@ def text_windows(tokenizer, text: str, window: int, n_windows: int, skip_windows
 
 def plan_hook(plan) -> Callable:
     """Attention-hook callback that fake-quantizes K and V of every layer with ``plan``
-    (a :class:`~kvcal.plan.KVPlan`)."""
+    (a :class:`~kvcal.plan.KVPlan`), and the post-RoPE query too when the plan has
+    ``fake_quant_query(layer, q, num_kv_heads)`` (:class:`~kvcal.vllm_plan.VllmKVPlan`: vLLM's
+    FP8 query quantization)."""
 
     def cb(module, q, k, v, mask, kwargs):
         i = module.layer_idx
+        if hasattr(plan, "fake_quant_query"):
+            return plan.fake_quant_query(i, q, k.shape[1]), plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
         return plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
 
     return cb
@@ -537,33 +542,34 @@ def describe_plan(plan) -> dict:
 
 # ---- corpus windows ---------------------------------------------------------------------------------
 
-def corpus_stream(path: str, tokenizer) -> tuple[torch.Tensor, dict]:
+def corpus_stream(path: str, tokenizer, text_field: str | None = None, messages_field: str | None = None,
+                  split: str | None = None) -> tuple[torch.Tensor, dict]:
     """The evaluation token stream: a ``.txt`` file tokenized at once (no BOS; the prior-art
-    protocol), or a JSONL corpus's samples (chat template applied) concatenated in file order.
-    Returns ``(ids int64 [n], info)``. Raises :class:`~kvcal.errors.KvcalError`."""
+    protocol), or any other corpus :func:`kvcal.corpus.load_corpus` reads (JSONL, datasets; chat
+    template applied; ``text_field``/``messages_field``/``split`` as there), its samples
+    concatenated in file order. Returns ``(ids int64 [n], info)``; ``info["kind"]`` is ``txt`` or
+    the corpus source (``jsonl``, ``parquet``, ...). Raises :class:`~kvcal.errors.KvcalError`."""
     import gzip
     import hashlib
     from pathlib import Path
 
-    from kvcal.errors import CorpusError
+    from kvcal.corpus import check_corpus, load_corpus
 
     p = Path(path)
-    if not p.is_file():
-        raise CorpusError(f"{p}: no such corpus file (pass a .txt or .jsonl file)")
-    raw = p.read_bytes()
-    sha = hashlib.sha256(raw).hexdigest()
     name = p.name.lower()
-    if name.endswith((".txt", ".txt.gz")):
+    if name.endswith((".txt", ".txt.gz")) and p.is_file():
+        check_corpus(path, text_field=text_field, messages_field=messages_field, split=split)  # refuses the options
+        raw = p.read_bytes()
+        sha = hashlib.sha256(raw).hexdigest()
         text = (gzip.decompress(raw) if name.endswith(".gz") else raw).decode("utf-8", errors="replace")
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
         kind = "txt"
     else:
-        from kvcal.corpus import load_corpus
-
-        c = load_corpus(str(p), tokenizer, max_seq_len=1 << 20)
+        c = load_corpus(str(path), tokenizer, max_seq_len=1 << 20, text_field=text_field,
+                        messages_field=messages_field, split=split)
         ids = torch.cat(c.samples) if c.samples else torch.zeros(0, dtype=torch.long)
-        kind = "jsonl"
-    return ids.long(), {"path": str(p), "sha256": sha, "kind": kind, "tokens": int(ids.numel())}
+        kind, sha = c.source, c.sha256
+    return ids.long(), {"path": str(path), "sha256": sha, "kind": kind, "tokens": int(ids.numel())}
 
 
 def cut_windows(ids: torch.Tensor, window: int, n: int, skip: int = 0) -> torch.Tensor:
@@ -598,6 +604,9 @@ class EvalConfig:
     per_layer_tokens: int = 1024
     kivi_window: int = 32
     device: str = "cpu"
+    text_field: str | None = None  # corpus options, as kvcal.corpus.load_corpus
+    messages_field: str | None = None
+    split: str | None = None
 
     def __post_init__(self):
         from kvcal.errors import KvcalError
@@ -643,23 +652,26 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     art_max = (art.metadata.get("model") or {}).get("max_position_embeddings")
     if isinstance(art_max, int):  # before loading the model
         check_max_positions(max(int(c) for c in cfg.contexts), art_max, "--context", " (artifact metadata)")
-    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-    if model is None:
-        model = load_model(cfg.model, device=cfg.device)
-    mm = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
-    check_model_match(art.metadata, mm)
+    # every input error before the model loads: corpus format and fields (no tokenizer), the plan the
+    # artifact describes, the model's shape from its config, then the token stream (tokenizer only)
+    from kvcal.corpus import check_corpus
+
+    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
+    check_corpus(cfg.corpus, **corpus_opts)
     try:
         plan = KVPlan.from_artifact(art.tensors, art.metadata)
     except (ValueError, KeyError) as e:
         raise ArtifactError(f"{art.path}: {e}") from None
-    L = plan.num_layers
-    shp = model_shape(model.config)
-    max_pos = mm.get("max_position_embeddings") or 0
+    if model is None:
+        from kvcal.models import load_model_config, resolve_model
+
+        pre = model_metadata(load_model_config(cfg.model), resolve_model(cfg.model))
+        check_model_match(art.metadata, pre)
+        check_max_positions(max(int(c) for c in cfg.contexts), pre.get("max_position_embeddings") or 0, "--context")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     contexts = sorted({int(c) for c in cfg.contexts})
     batches = sorted({int(b) for b in cfg.batches})
-    check_max_positions(contexts[-1], max_pos, "--context")
-
-    ids, corpus_info = corpus_stream(cfg.corpus, tok)
+    ids, corpus_info = corpus_stream(cfg.corpus, tok, **corpus_opts)
     wins = {}
     for T in contexts:
         w = cut_windows(ids, T, cfg.windows)
@@ -667,6 +679,14 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
             raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens; context {T} needs at least {T} "
                              "(use a longer corpus or a smaller --context)")
         wins[T] = w
+    if model is None:
+        model = load_model(cfg.model, device=cfg.device)
+    mm = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
+    check_model_match(art.metadata, mm)
+    L = plan.num_layers
+    shp = model_shape(model.config)
+    max_pos = mm.get("max_position_embeddings") or 0
+    check_max_positions(contexts[-1], max_pos, "--context")
     notes = []
     device_kind = str(next(model.parameters()).device)
     if device_kind.startswith("cpu"):

@@ -472,3 +472,73 @@ def test_memory_cli_vllm_format(tmp_path):
     assert r.exit_code == 2 and r.output.startswith("error: unknown or unemulated") and r.output.count("\n") == 1
     r = CliRunner().invoke(main, ["memory", "--model", str(cfg), "--format", "fp8", "--skip-layers", "0"])
     assert r.exit_code == 2 and "vllm:<dtype> formats only" in r.output
+
+
+# ---- Protocol A: a plan kvcal's evaluation runs, query quantization included -----------------------
+def _tiny_llama(layers=6):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_vllm_plan_runs_fp8_with_query_quantization_in_protocol_a():
+    """The plan hook hands attention e4m3(q·(1/q_scale))·q_scale and e4m3(k/k_scale)·k_scale —
+    checked against a callback written from the float64 grids above, logits bit-identical."""
+    from kvcal.capture.hooks import attention_hook
+    from kvcal.evaluate import plan_hook, teacher_forced
+    from kvcal.vllm_plan import VllmKVPlan
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    ks = [0.01 * (i + 1) for i in range(6)]
+    qs = [torch.tensor([0.02, 0.05])] * 6  # per KV head: query heads {0,1} and {2,3}
+    plan = VllmKVPlan("fp8", 6, k_scales=ks, v_scales=[0.004] * 6, q_scales=qs, skip_layers=(2,))
+
+    def reference(module, q, k, v, mask, kwargs):
+        i = module.layer_idx
+        if i == 2:
+            return None
+        qsc = qs[i].repeat_interleave(2).reshape(1, 4, 1, 1).to(F64)
+        qh = f32(fp8_round(f32(q.double() * f32(1.0 / qsc))) * qsc)
+        return qh.to(q.dtype), ref_fp8_static(k, torch.tensor(ks[i])).to(k.dtype), \
+            ref_fp8_static(v, torch.tensor(0.004)).to(v.dtype)
+
+    with torch.no_grad():
+        with attention_hook(model, plan_hook(plan)):
+            got = model(ids, use_cache=False).logits
+        with attention_hook(model, reference):
+            want = model(ids, use_cache=False).logits
+        with attention_hook(model, plan_hook(VllmKVPlan("fp8", 6, k_scales=ks, v_scales=[0.004] * 6,
+                                                        skip_layers=(2,), quantize_query=False))):
+            kv_only = model(ids, use_cache=False).logits
+    assert torch.equal(got, want)
+    assert not torch.equal(got, kv_only)  # the query quantization reaches attention
+    res = teacher_forced(model, ids, {"vllm:fp8": plan}, progress=False)
+    assert res["vllm:fp8"]["kl_mean"] > 0 and res["vllm:fp8"]["tokens"] == 23
+    assert plan.describe() == {"engine": "vllm", "kv_cache_dtype": "fp8", "skip_layers": [2],
+                               "query_quantization": "fp8", "k_scale": "per-tensor", "v_scale": "per-tensor",
+                               "q_scale": "per-head"}
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "nvfp4", "int4_per_token_head", "int8_per_token_head"])
+def test_vllm_plan_layers_and_sides(name):
+    from kvcal.vllm_plan import VllmKVPlan
+
+    plan = VllmKVPlan(name, 6)
+    x = gaussian_outlier((1, 2, 8, 16), seed=11)
+    want_k, want_v = V.fake_quant_kv(name, x, x)
+    quantized = [i for i in range(6) if i not in plan.skipped]
+    assert plan.skipped == ((0, 1, 4, 5) if name.startswith("turboquant") else ())
+    for i in range(6):
+        for side, want in (("k", want_k), ("v", want_v)):
+            got = plan.fake_quant(i, side, x)
+            assert torch.equal(got, want if i in quantized else x)
+    q = gaussian_outlier((1, 4, 8, 16), seed=12)
+    assert torch.equal(plan.fake_quant_query(3, q, 2), V.fake_quant_query(name, q, num_kv_heads=2))
+    with pytest.raises(V.VllmDTypeError, match="ignores checkpoint"):
+        VllmKVPlan("int8_per_token_head", 6, k_scales=[0.5] * 6)
+    with pytest.raises(V.VllmDTypeError, match="one per layer"):
+        VllmKVPlan("fp8", 6, k_scales=[0.5] * 5)

@@ -44,7 +44,9 @@ def _hook_fn(module, query, key, value, attention_mask, **kwargs):
         raise RuntimeError("kvcal attention hook called outside of an attention_hook() context")
     callback, impl = _ACTIVE[-1]
     out = callback(module, query, key, value, attention_mask, kwargs)
-    if out is not None:
+    if out is not None and len(out) == 3:  # (query, key, value): e.g. an engine's query quantization
+        query, key, value = out
+    elif out is not None:
         key, value = out
     return _original_fn(module, impl)(module, query, key, value, attention_mask, **kwargs)
 
@@ -75,7 +77,8 @@ def attention_hook(model, callback: Callable) -> Iterator[None]:
 
     ``query`` ``[B, H_q, S_q, D]`` post-RoPE; ``key``/``value`` ``[B, H_kv, S_kv, D]`` as cached
     (post-RoPE keys). ``module.layer_idx`` names the layer. Return ``None`` to leave K/V
-    unchanged or a ``(key, value)`` pair to replace what attention reads. The model's attention
+    unchanged, a ``(key, value)`` pair to replace what attention reads, or a ``(query, key,
+    value)`` triple to replace the query too. The model's attention
     implementation is restored on exit, also on error. Raises ``RuntimeError`` if the model does
     not use transformers' attention-function interface.
     """

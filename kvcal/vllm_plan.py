@@ -1,0 +1,117 @@
+"""A fake-quant plan that runs what vLLM 0.33 serves for one ``--kv-cache-dtype`` (Protocol A).
+
+:class:`VllmKVPlan` has the interface kvcal's evaluation uses for plans (``fake_quant(layer,
+side, x)``, ``num_layers``, ``sink_tokens``) plus ``fake_quant_query(layer, q, num_kv_heads)``,
+which :func:`kvcal.evaluate.plan_hook` applies to the post-RoPE queries — vLLM's FP8 query
+quantization with static ``q_scale`` for fp8/fp8_e4m3/nvfp4* caches. The numerics are
+:mod:`kvcal.formats.vllm_dtypes`; this module only routes layers and scales (torch only).
+
+Protocol A quantizes every key and value attention reads. That is what vLLM's decode steps see
+for every dtype; for a first-chunk prefill, turboquant attends to the raw K/V instead
+(:attr:`~kvcal.formats.vllm_dtypes.VllmKVDType.prefill_reads_cache`), so for turboquant these
+rows measure decode-time quality, not prefill logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcal.formats.vllm_dtypes import (
+    VllmDTypeError,
+    boundary_skip_layers,
+    fake_quant_kv,
+    fake_quant_query,
+    vllm_dtype,
+)
+
+
+@dataclass
+class VllmKVPlan:
+    """What attention reads under ``vllm serve --kv-cache-dtype kv_cache_dtype``.
+
+    ``num_layers``: decoder layers. ``k_scales``/``v_scales``/``q_scales``: one static scale per
+    layer — a float (per tensor) or a ``[H_kv]`` tensor (per KV head) — the dequantization
+    multipliers a checkpoint gives vLLM (``None``: vLLM's 1.0 everywhere). k/v scales are read
+    only by the static dtypes (fp8*: the FP8 scale; nvfp4*: the outer scale, per tensor), q
+    scales only when the dtype quantizes queries. ``skip_layers``: ``--kv-cache-dtype-skip-layers``
+    (kept in the model dtype: returned unchanged); vLLM's turboquant boundary layers are added
+    unless ``add_boundary`` is False. ``quantize_query``: override whether queries are FP8
+    (``None``: as vLLM does for the dtype on a backend that accepts quantized queries). Raises
+    :class:`~kvcal.formats.vllm_dtypes.VllmDTypeError` (a ``ValueError``) for an unknown dtype,
+    scale lists of the wrong length or a layer index out of range."""
+
+    kv_cache_dtype: str
+    num_layers: int
+    k_scales: list | None = None
+    v_scales: list | None = None
+    q_scales: list | None = None
+    skip_layers: tuple[int, ...] = ()
+    add_boundary: bool = True
+    quantize_query: bool | None = None
+    sink_tokens: int = field(default=0, init=False)  # vLLM has no sink tokens
+    residual_window: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        self.spec = vllm_dtype(self.kv_cache_dtype)
+        L = int(self.num_layers)
+        if L < 1:
+            raise VllmDTypeError(f"num_layers must be >= 1, got {self.num_layers!r}")
+        for name in ("k_scales", "v_scales", "q_scales"):
+            s = getattr(self, name)
+            if s is None:
+                setattr(self, name, [1.0] * L)
+            elif len(s) != L:
+                raise VllmDTypeError(f"{name} has {len(s)} entries for a model with {L} layers (one per layer)")
+        if not self.spec.static_scales and any(
+                bool(torch.as_tensor(x, dtype=torch.float64).ne(1.0).any()) for x in (*self.k_scales, *self.v_scales)):
+            raise VllmDTypeError(f"--kv-cache-dtype {self.kv_cache_dtype} ignores checkpoint k/v scales "
+                                 "(computed at write time); pass none")
+        bad = sorted(i for i in self.skip_layers if not 0 <= int(i) < L)
+        if bad:
+            raise VllmDTypeError(f"skip layer(s) {bad} out of range for a model with {L} layers")
+        skip = set(int(i) for i in self.skip_layers)
+        if self.add_boundary:
+            skip |= set(boundary_skip_layers(self.kv_cache_dtype, L))
+        self.skipped = tuple(sorted(skip))
+        if self.quantize_query is None:
+            self.quantize_query = self.spec.quantizes_query or self.kv_cache_dtype == "int4_per_token_head"
+
+    def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
+        """What attention reads of ``side`` (``"k"``/``"v"``) of ``layer`` for ``x`` [B, H_kv, S, D];
+        same shape and dtype (unchanged for a skipped layer)."""
+        if layer in self.skipped:
+            return x
+        if side not in ("k", "v"):
+            raise VllmDTypeError(f"side must be 'k' or 'v', got {side!r}")
+        scale = (self.k_scales if side == "k" else self.v_scales)[layer]
+        # each dtype quantizes K and V independently: quantize this side, pass it on both slots
+        kw = {"k_scale": scale, "v_scale": scale} if self.spec.static_scales else {}
+        out = fake_quant_kv(self.kv_cache_dtype, x, x, **kw)
+        return out[0 if side == "k" else 1].to(x.dtype)
+
+    def fake_quant_query(self, layer: int, q: torch.Tensor, num_kv_heads: int | None = None) -> torch.Tensor:
+        """The query attention uses in ``layer`` for ``q`` [B, H_q, S, D] (same dtype): FP8 with the
+        layer's ``q_scale`` for fp8/fp8_e4m3/nvfp4* (per KV-head scales need ``num_kv_heads``), the
+        dtype-rounded RHT for int4_per_token_head, unchanged otherwise or for a skipped layer."""
+        if layer in self.skipped or not self.quantize_query:
+            return q
+        return fake_quant_query(self.kv_cache_dtype, q, q_scale=self.q_scales[layer],
+                                num_kv_heads=num_kv_heads).to(q.dtype)
+
+    def describe(self) -> dict:
+        """JSON description: dtype, skipped layers, query quantization and scale kinds."""
+        def kind(xs):
+            return "per-head" if any(torch.as_tensor(x).numel() > 1 for x in xs) else (
+                "1.0" if all(float(torch.as_tensor(x)) == 1.0 for x in xs) else "per-tensor")
+
+        return {"engine": "vllm", "kv_cache_dtype": self.kv_cache_dtype, "skip_layers": list(self.skipped),
+                "query_quantization": ("fp8" if self.quantize_query and self.spec.quantizes_query else
+                                       "rht-16bit" if self.quantize_query else "none"),
+                "k_scale": kind(self.k_scales) if self.spec.static_scales else "dynamic",
+                "v_scale": kind(self.v_scales) if self.spec.static_scales else "dynamic",
+                "q_scale": kind(self.q_scales) if self.spec.quantizes_query else None}
+
+
+__all__ = ["VllmKVPlan"]
