@@ -482,8 +482,12 @@ code{background:#f3f3f3;padding:0 3px}"""
 
 
 def to_html(rep: Report) -> str:
-    """Self-contained HTML (figures as base64 PNG ``<img>``)."""
-    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+    """Self-contained HTML (figures as base64 PNG ``<img>``); the ``<head>`` names kvcal as its generator
+    (:data:`kvcal.artifact.REPORT_HTML_MARK`), which is how ``kvcal report`` knows the file as its own."""
+    from kvcal import __version__
+    from kvcal.artifact import REPORT_HTML_MARK
+
+    out = ["<!DOCTYPE html>", f'<html lang="en"><head><meta charset="utf-8">{REPORT_HTML_MARK} {__version__}">',
            f"<title>{html.escape(rep.title)}</title><style>{_CSS}</style></head><body>",
            f"<h1>{html.escape(rep.title)}</h1>"]
     for b in rep.blocks:
@@ -536,27 +540,31 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
     ``eval_json``: path to (or dict of) ``kvcal evaluate --json`` output. ``out``: output directory
     (default: the artifact directory; ``report.md`` there is replaced by this fuller report).
     Returns ``{"markdown", "html", "figures": [paths]}``. Raises :class:`KvcalError` for a bad
-    artifact or evaluation file or an unwritable location."""
-    from kvcal.artifact import load_artifact
+    artifact or evaluation file, an unwritable location, or when a file it would write is an input or
+    exists and is not a report / figure kvcal wrote (:func:`kvcal.artifact.check_output_file`: every
+    target is checked before the first is written); each file is written atomically and carries kvcal's
+    mark (``report.md`` ends with :data:`kvcal.artifact.REPORT_MD_MARK`)."""
+    from kvcal import __version__
+    from kvcal.artifact import REPORT_MD_MARK, check_output_file, load_artifact, write_file_atomically
     from kvcal.errors import KvcalError
 
     art = load_artifact(artifact)
     ev = eval_json if isinstance(eval_json, dict) or eval_json is None else D.load_eval(eval_json)
     if ev is not None:
         check_eval_matches(art, ev, eval_json if not isinstance(eval_json, dict) else "the evaluation")
-    rep = build_report(art.metadata, ev, art.tensors, artifact_path=str(artifact))
     od = Path(out) if out is not None else art.path
-    try:
-        figdir = od / "figures"
-        figdir.mkdir(parents=True, exist_ok=True)
-        figs = []
-        for name, f in rep.figures.items():
-            p = figdir / f"{name}.png"
-            p.write_bytes(f.png)
-            figs.append(str(p))
-        md, ht = od / "report.md", od / "report.html"
-        md.write_text(to_markdown(rep), encoding="utf-8")
-        ht.write_text(to_html(rep), encoding="utf-8")
-    except OSError as e:
-        raise KvcalError(f"cannot write the report to {od}: {e.strerror or e}; choose a writable --out") from None
-    return {"markdown": str(md), "html": str(ht), "figures": figs}
+    if od.exists() and not od.is_dir():
+        raise KvcalError(f"--out {od} is not a directory; give the directory the report goes into")
+    md, ht = od / "report.md", od / "report.html"
+    inputs = {"--artifact": artifact, "--eval": None if isinstance(eval_json, dict) else eval_json}
+    for p in (md, ht):  # before the figures are drawn (seconds); the figures' own files are checked below
+        check_output_file(p, "report", inputs, KvcalError, "--out")
+    rep = build_report(art.metadata, ev, art.tensors, artifact_path=str(artifact))
+    mark = f"\n{REPORT_MD_MARK} {__version__}; kvcal report replaces this file when it runs again -->\n"
+    files = [(od / "figures" / f"{name}.png", f.png, "figure") for name, f in rep.figures.items()]
+    files += [(ht, to_html(rep), "report"), (md, to_markdown(rep) + mark, "report")]
+    for p, _, kind in files:  # every refusal before the first file is written
+        check_output_file(p, kind, inputs, KvcalError, "--out")
+    for p, content, kind in files:
+        write_file_atomically(p, content, kind, inputs, KvcalError, "--out")
+    return {"markdown": str(md), "html": str(ht), "figures": [str(p) for p, _, k in files if k == "figure"]}

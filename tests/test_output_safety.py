@@ -1,0 +1,332 @@
+"""Issue 22, "Destroyed files" and "Security": no command overwrites its own inputs or a file kvcal did
+not write, the default ``--out`` is never a committed example, and ``--resume`` never unpickles code.
+
+Each test reproduces a tester's report (it failed before the fix). Tiny random Llama models only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcal.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = REPO / "calibration_sets" / "chat.jsonl"
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _one_error_line(r) -> str:
+    """The CLI's refusal: exit 2, exactly one line ``error: ...``, no traceback."""
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output, r.output
+    err = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(err) == 1, r.output
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm_tokenizer):
+    """A tiny random Llama (2 layers, 2 KV heads × head_dim 16) with the embedded model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    smollm_tokenizer.save_pretrained(d)
+    return d
+
+
+def _tiny_artifact(tmp_path: Path, tiny_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from kvcal.artifact import write_artifact
+    from kvcal.formats.spec import preset
+    from kvcal.models import model_metadata
+    from kvcal.plan import KVPlan
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    plan = KVPlan.uniform(2, preset("fp8"))
+    for lp in plan.layers:
+        lp.k.scale = torch.full((1, 1, 1, 1), 0.01)
+        lp.v.scale = torch.full((1, 1, 1, 1), 0.01)
+    meta = {"model": model_metadata(m.config), "kv": plan.kv_metadata(), "layers": []}
+    return write_artifact(tmp_path / "art", plan.to_tensors(), meta, extra_files={"report.md": "# calibration\n"})
+
+
+# ---- evaluate --json ---------------------------------------------------------------------------------
+
+def test_evaluate_json_never_overwrites_an_input_or_a_foreign_file(tmp_path, tiny_dir):
+    """Tester: ``--json ART/kv_scales.safetensors`` replaced the artifact (then unreadable) and printed PASS;
+    ``--json CORPUS`` replaced the corpus. Both, and any file kvcal did not write, are refused before the
+    evaluation runs; a new path is written (atomically), and kvcal's own evaluation may be replaced."""
+    art = _tiny_artifact(tmp_path, tiny_dir)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("Once upon a time there was a small model that cached keys and values. " * 8)
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}\n')
+    base = ["evaluate", "--artifact", str(art), "--corpus", str(corpus), "--model", str(tiny_dir), "--context", "32",
+            "--windows", "1", "--no-baselines", "--quiet", "--decode-tokens", "2", "--greedy-tokens", "2",
+            "--accept", "kl_mean<=10"]
+    scales = art / "kv_scales.safetensors"
+    before = {p: _sha(p) for p in (scales, corpus, notes, art / "report.md")}
+    for target, says in ((scales, "kvcal artifact"), (corpus, "input --corpus"), (notes, "kvcal did not write"),
+                         (art / "report.md", "is a kvcal report")):
+        r = CliRunner().invoke(main, [*base, "--json", str(target)])
+        line = _one_error_line(r)
+        assert says in line and "PASS" not in r.output, (target, r.output)
+    assert {p: _sha(p) for p in before} == before
+    out = tmp_path / "sub" / "e.json"
+    r = CliRunner().invoke(main, [*base, "--json", str(out)])
+    assert r.exit_code == 0 and "artifact: PASS" in r.output, r.output
+    assert json.loads(out.read_text())["schema"] == "kvcal-eval/1"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["e.json"]  # no temporary file left beside it
+    first = out.read_text()
+    r = CliRunner().invoke(main, [*base, "--json", str(out)])  # kvcal's own evaluation: replaced
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["created"] >= json.loads(first)["created"]
+
+
+def test_single_file_writer_refusals(tmp_path):
+    """The one single-file writer every command uses (kvcal.artifact.write_file_atomically)."""
+    from kvcal.artifact import check_output_file, kvcal_file_kind, write_file_atomically
+    from kvcal.errors import KvcalError
+
+    doc = json.dumps({"schema": "kvcal-eval/1", "kvcal_version": "0", "results": []})
+    p = write_file_atomically(tmp_path / "a" / "e.json", doc, kind="evaluation", flag="--json")
+    assert kvcal_file_kind(p) == "evaluation" and p.read_text() == doc
+    assert oct(p.stat().st_mode & 0o777) != oct(0o600)  # normal permissions, not mkstemp's 0600
+    user = tmp_path / "user.json"
+    user.write_text('{"schema": "kvcal-eval/1"}')  # looks like one but kvcal did not write it (no version)
+    assert kvcal_file_kind(user) is None
+    with pytest.raises(KvcalError, match="kvcal did not write"):
+        write_file_atomically(user, doc, kind="evaluation", flag="--json")
+    assert user.read_text() == '{"schema": "kvcal-eval/1"}'
+    with pytest.raises(KvcalError, match="is the input --eval"):
+        check_output_file(p, "evaluation", {"--eval": str(p)}, flag="--json")
+    with pytest.raises(KvcalError, match="is a directory"):
+        check_output_file(tmp_path / "a", "evaluation", flag="--json")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(KvcalError, match="is a file, not a directory"):
+        check_output_file(tmp_path / "afile" / "e.json", "evaluation", flag="--json")
+    link = tmp_path / "dangling.json"
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(KvcalError, match="broken link"):
+        check_output_file(link, "evaluation", flag="--json")
+
+    def boom(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(KvcalError, match="No space left on device"):
+        write_file_atomically(p, boom, kind="evaluation", flag="--json")
+    assert p.read_text() == doc and sorted(x.name for x in p.parent.iterdir()) == ["e.json"]
+
+
+# ---- report --out ------------------------------------------------------------------------------------
+
+def test_report_never_overwrites_a_users_report(tmp_path):
+    """Tester: ``kvcal report --out DIR`` replaced the user's report.md / report.html."""
+    from export_helpers import make_artifact
+
+    from kvcal.artifact import kvcal_file_kind
+    from kvcal.report.disclosure import write_report
+
+    art = make_artifact(tmp_path / "art")[0]
+    mine = tmp_path / "docs"
+    mine.mkdir()
+    for name in ("report.md", "report.html"):
+        (mine / name).write_text(f"my own {name}\n")
+        r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--out", str(mine)])
+        line = _one_error_line(r)
+        assert name in line and "kvcal did not write" in line, r.output
+        assert not (mine / "figures").exists()  # refused before anything was written
+        (mine / name).unlink()
+    (mine / "figures").mkdir()
+    (mine / "figures" / "kv_ranges.png").write_bytes(b"\x89PNG\r\n\x1a\nmine")
+    r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--out", str(mine)])
+    assert "kv_ranges.png" in _one_error_line(r)
+    assert (mine / "figures" / "kv_ranges.png").read_bytes() == b"\x89PNG\r\n\x1a\nmine"
+    shutil.rmtree(mine / "figures")
+    (mine / "notes.txt").write_text("kept")
+    res = write_report(art, out=mine)  # a directory with other files is fine: only kvcal's names are written
+    assert (mine / "notes.txt").read_text() == "kept"
+    assert kvcal_file_kind(Path(res["markdown"])) == "report" and kvcal_file_kind(Path(res["html"])) == "report"
+    assert all(kvcal_file_kind(Path(f)) == "figure" for f in res["figures"])
+    write_report(art, out=mine)  # kvcal's own report: replaced (into the artifact directory: test_report.py)
+    r = CliRunner().invoke(main, ["report", "--artifact", str(art), "--out", str(art / "kv_scales.safetensors")])
+    assert "not a directory" in _one_error_line(r)
+
+
+# ---- calibrate --out default and --overwrite on committed files ------------------------------------------
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+@pytest.fixture()
+def tracked_example(tmp_path):
+    """A git checkout holding a committed worked example at artifacts/smollm2-135m-fp8 (as this repo does)."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    from export_helpers import make_artifact
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    ex = make_artifact(repo / "artifacts" / "smollm2-135m-fp8")[0]
+    (ex / "eval_1024.json").write_text(json.dumps({"schema": "kvcal-eval/1", "kvcal_version": "0", "results": []}))
+    (repo / "c.jsonl").write_text(CHAT.read_text())
+    _git(repo, "init", "-q")
+    _git(repo, "add", "artifacts")
+    _git(repo, "commit", "-q", "-m", "worked example")
+    return repo, ex
+
+
+def test_calibrate_default_out_is_never_the_committed_example(tracked_example, tiny_dir, monkeypatch):
+    """Tester: ``kvcal calibrate`` without ``--out`` targeted artifacts/smollm2-135m-fp8 (committed), and the
+    suggested ``--overwrite`` deleted its committed evaluations. The default is kvcal_out/<model>-<preset>."""
+    from kvcal.calibrate import CalibrateConfig, calibrate
+    from kvcal.models import load_model, load_tokenizer
+
+    repo, ex = tracked_example
+    before = {p: _sha(p) for p in ex.rglob("*") if p.is_file()}
+    monkeypatch.chdir(repo)
+    cfg = CalibrateConfig(corpus="c.jsonl", max_samples=8, max_seq_len=64, batch_size=4, reservoir=2,
+                          heldout_reservoir=2, max_queries=16, overwrite=True)  # --model left at its default name
+    res = calibrate(cfg, log=lambda s: None, progress=False, model=load_model(str(tiny_dir)),
+                    tokenizer=load_tokenizer(str(tiny_dir)))
+    assert Path(res["out"]) == Path("kvcal_out/smollm2-135m-fp8")
+    assert (repo / "kvcal_out" / "smollm2-135m-fp8" / "kv_scales.safetensors").is_file()
+    assert {p: _sha(p) for p in ex.rglob("*") if p.is_file()} == before
+
+
+def test_refusals_never_suggest_overwrite_on_committed_or_foreign_files(tracked_example, tmp_path):
+    """``--out`` on the committed example: refused with and without ``--overwrite`` (git tracks it), and the
+    message does not suggest ``--overwrite``; same for a directory holding files kvcal did not write — also an
+    artifact directory with a stray user file (``--overwrite`` would have deleted it)."""
+    from export_helpers import make_artifact
+
+    from kvcal.artifact import check_output_dir, foreign_files
+    from kvcal.errors import KvcalError
+
+    repo, ex = tracked_example
+    before = {p: _sha(p) for p in ex.rglob("*") if p.is_file()}
+    for extra in ([], ["--overwrite"]):
+        r = CliRunner().invoke(main, ["calibrate", "--corpus", str(repo / "c.jsonl"), "--out", str(ex), "--quiet",
+                                      *extra])
+        line = _one_error_line(r)
+        assert "tracked by git" in line and "pass --overwrite" not in line, r.output
+    assert {p: _sha(p) for p in ex.rglob("*") if p.is_file()} == before
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("important")
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(CHAT), "--out", str(user), "--quiet"])
+    line = _one_error_line(r)
+    assert "kvcal did not write" in line and "pass --overwrite" not in line, r.output
+    art = make_artifact(tmp_path / "art")[0]
+    (art / "my-notes.txt").write_text("keep me")
+    assert foreign_files(art) == [art / "my-notes.txt"]
+    for ow in (False, True):
+        with pytest.raises(KvcalError, match="my-notes.txt") as e:
+            check_output_dir(art, ow)
+        assert "pass --overwrite" not in str(e.value)
+    (art / "my-notes.txt").unlink()
+    with pytest.raises(KvcalError, match="pass --overwrite"):  # a plain kvcal artifact: the flag is the answer
+        check_output_dir(art, False)
+    check_output_dir(art, True)
+
+
+def test_export_records_its_files_and_overwrite_keeps_a_stray_file(tmp_path):
+    from export_helpers import make_artifact
+
+    from kvcal.export import export
+    from kvcal.export.base import ExportError
+
+    art = make_artifact(tmp_path / "art")[0]
+    res = export(art, "vllm", tmp_path / "exp")
+    manifest = json.loads((tmp_path / "exp" / "kvcal-export.json").read_text())
+    assert sorted(manifest["files"]) == sorted(res.files)
+    (tmp_path / "exp" / "README.txt").write_text("mine")
+    with pytest.raises(ExportError, match="README.txt"):
+        export(art, "vllm", tmp_path / "exp", overwrite=True)
+    assert (tmp_path / "exp" / "README.txt").read_text() == "mine"
+
+
+# ---- --resume never unpickles ------------------------------------------------------------------------
+
+class _Planted:
+    """Unpickling this runs ``open(marker, 'w').write('pwned')`` (what a planted checkpoint can do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+def test_resume_never_executes_a_planted_checkpoint(tmp_path, tiny_dir):
+    """Tester: ``--resume`` ran ``torch.load(weights_only=False)`` on ``<out>.checkpoint.pt`` before checking it
+    belongs to the run, so a planted pickle executed code. It must be refused in one line, nothing executed."""
+    from kvcal.calibrate import checkpoint_path
+
+    out = tmp_path / "art"
+    marker = tmp_path / "PWNED"
+    ck = Path(checkpoint_path(str(out)))
+    torch.save({"fingerprint": _Planted(str(marker)), "next_batch": 0}, ck)
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(CHAT), "--model", str(tiny_dir), "--out", str(out),
+                                  "--max-samples", "4", "--max-seq-len", "32", "--resume", "--quiet"])
+    line = _one_error_line(r)
+    assert not marker.exists(), "the planted checkpoint executed code"
+    assert str(ck) in line and "not a kvcal checkpoint" in line, r.output
+    assert not out.exists()
+    # a plain pickle file (not even torch's zip format) and a checkpoint file kvcal did not write: same refusal,
+    # and --checkpoint-every does not replace a file kvcal did not write at that path
+    import pickle
+
+    ck.write_bytes(pickle.dumps(_Planted(str(marker))))
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(CHAT), "--model", str(tiny_dir), "--out", str(out),
+                                  "--max-samples", "4", "--max-seq-len", "32", "--resume", "--quiet"])
+    assert "not a kvcal checkpoint" in _one_error_line(r) and not marker.exists()
+    ck.write_text("my file")
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(CHAT), "--model", str(tiny_dir), "--out", str(out),
+                                  "--max-samples", "4", "--max-seq-len", "32", "--checkpoint-every", "1", "--quiet"])
+    assert "kvcal did not write" in _one_error_line(r) and ck.read_text() == "my file"
+
+
+def test_resume_refuses_a_malformed_checkpoint_in_one_line(tmp_path, tiny_dir, monkeypatch):
+    """A safe-to-load file with the run's fingerprint but a broken state is one line, not a traceback."""
+    import kvcal.calibrate as cal
+    from kvcal.errors import KvcalError
+    from kvcal.models import load_model, load_tokenizer
+
+    out = tmp_path / "art"
+    seen = {}
+
+    def grab(ck):  # learn this run's fingerprint, then plant a state with it
+        seen["fp"] = ck.fingerprint
+        raise KvcalError("stop")
+
+    cfg = cal.CalibrateConfig(corpus=str(CHAT), out=str(out), max_samples=4, max_seq_len=32, resume=True,
+                              reservoir=2, heldout_reservoir=2, max_queries=16)
+    model, tok = load_model(str(tiny_dir)), load_tokenizer(str(tiny_dir))
+    with monkeypatch.context() as m:
+        m.setattr(cal, "_load_checkpoint", grab)
+        with pytest.raises(KvcalError, match="stop"):
+            cal.calibrate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=tok)
+    torch.save({"fingerprint": seen["fp"], "next_batch": "x"}, cal.checkpoint_path(str(out)))
+    with pytest.raises(KvcalError, match="malformed"):
+        cal.calibrate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=tok)
