@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcal.errors import KvcalError
+from kvcal.export.hf_loader import check_transformers_kv
+from kvcal.export.layouts import FAMILIES, family, to_canonical
 from kvcal.export.rules import (
     EngineLoad,
+    LayerLoad,
     is_kv_scale_name,
     simulate_sglang,
     simulate_sglang_json,
@@ -59,6 +62,9 @@ class Inspection:
     corpus: dict | None = None
     model: dict | None = None
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # silent drops: printed as "warning:" lines
+    family: object = None  # kvcal.export.layouts.FamilyLayout of a checkpoint of a known family
+    params: list[dict] = field(default_factory=list)  # per layer: tensor -> parameter each engine loads it into
 
 
 def _read_json(p: Path) -> dict:
@@ -84,7 +90,8 @@ def _kv_tensors(files: list[Path]) -> dict:
     out = {}
     for f in files:
         header, _ = read_header(f)
-        names = [n for n in header if n != "__metadata__" and (is_kv_scale_name(n) or vllm_remap(n))]
+        names = [n for n in header if n != "__metadata__" and (is_kv_scale_name(n) or vllm_remap(n)
+                                                               or n.endswith((".k_scale", ".v_scale", ".kv_scale")))]
         if not names:
             continue
         with safe_open(str(f), framework="pt") as fh:
@@ -219,18 +226,102 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
     qc = cfg.get("quantization_config")
     hq = _read_json(p / "hf_quant_config.json") if (p / "hf_quant_config.json").is_file() else None
     ins = Inspection(p, "checkpoint", n, _fmt_from_configs(qc, hq), model={"model_type": tc.get("model_type")})
-    ins.layers = _stored_layers(tensors, n)
+    fam = family(tc.get("model_type"))
+    ins.layers = _stored_layers(_any_layout(fam, tensors) if fam else tensors, n)
     ins.granularity = _granularity(ins.layers)
-    ins.engines["vLLM"] = simulate_vllm(tensors, n, nkv, qc)
-    ins.engines["SGLang"] = simulate_sglang(tensors, n, nkv, qc)
+    hf = check_transformers_kv(cfg)
+    if fam is None:
+        ins.engines["vLLM"] = simulate_vllm(tensors, n, nkv, qc)
+        ins.engines["SGLang"] = simulate_sglang(tensors, n, nkv, qc)
+        if tensors:
+            ins.notes.append(f"model_type {tc.get('model_type')!r} is not in kvcal's layout table "
+                             f"({', '.join(FAMILIES)}): engine rows use the Llama naming rules")
+    else:  # each engine sees only the names its loader maps for this family (kvcal.export.layouts)
+        ins.engines["vLLM"] = simulate_vllm(to_canonical(fam, "vLLM", tensors), n, nkv, qc)
+        ins.engines["SGLang"] = simulate_sglang(to_canonical(fam, "SGLang", tensors), n, nkv, qc)
+        tmpl = hf.param_template if hf is not None else None
+        ins.params = _param_rows(fam, tensors, n, tmpl)
+        ins.family = fam
     ins.engines["TensorRT-LLM"] = simulate_trtllm(tensors, n, hq)
+    if hf is not None:
+        ins.engines["transformers + compressed-tensors"] = _transformers_load(hf, fam, tensors, n)
+        if hf.warning():
+            ins.warnings.append(hf.warning())
+    if isinstance(qc, dict) and qc.get("kv_cache_scheme"):
+        where, rows = "", ins.layers
+        if fam is not None and fam.compressed_tensors_attaches:  # judged by the names compressed-tensors loads
+            tmpl = (hf.param_template if hf is not None and hf.param_template else f"{fam.attention}.{{side}}_scale")
+            rows = _stored_layers(to_canonical(fam, "transformers", tensors, tmpl), n)
+            where = f" under the names compressed-tensors loads ({tmpl.replace('{side}', '{k,v}')})"
+        lacking = [r["layer"] for r in rows if r["k"] is None or r["v"] is None]
+        if lacking:
+            ins.warnings.append(
+                f"config.json declares a kv_cache_scheme but layers {_ranges(lacking)} lack a K or V scale{where}: "
+                "transformers + compressed-tensors loads such a checkpoint without error and leaves the missing scale "
+                "as allocated (0.0 or garbage, finite and wrong), vLLM/SGLang use 1.0; re-export with "
+                "`kvcal export --target vllm --model-dir`")
     if (p / JSON_NAME).is_file():
         doc = _read_json(p / JSON_NAME)
         ranks = len((doc.get("kv_cache") or {}).get("scaling_factor") or {})
         ins.engines["SGLang (--quantization-param-path)"] = simulate_sglang_json(
             doc, n, tp or ranks, tc.get("model_type"))
     _add_manifest_notes(p, ins)
+    ins.notes = [x for x in ins.notes if x.removeprefix("export warning: ") not in ins.warnings]  # said once
     return ins
+
+
+def _any_layout(fam, tensors: dict) -> dict:
+    """Every per-layer K/V scale of ``tensors`` under any layout of ``fam``, renamed to the Llama-style
+    name :func:`_stored_layers` reads (what the checkpoint *holds*, whoever loads it)."""
+    import re
+
+    out = {}
+    for name, t in tensors.items():
+        m = re.search(r"\.(\d+)\..*\.(k|v|kv)_scale$", name)
+        if m and name.startswith(fam.attention.split("{i}")[0]):
+            out[f"model.layers.{m.group(1)}.self_attn.{m.group(2)}_scale"] = t
+    return out
+
+
+def _param_rows(fam, tensors: dict, n: int, hf_template: str | None) -> list[dict]:
+    """Per layer: ``{"layer": i, "tensors": [{"name": checkpoint name, "vLLM": ParamLoad, "SGLang": ...,
+    "transformers": ...}]}`` for every K/V scale tensor of the layer (:func:`kvcal.export.layouts.engine_param`)."""
+    import re
+
+    from kvcal.export.layouts import ENGINES, engine_param
+
+    rows = [{"layer": i, "tensors": []} for i in range(n)]
+    for name in sorted(tensors):
+        m = re.search(r"\.(\d+)\.", name)
+        if not m or int(m.group(1)) >= n or not name.endswith(("k_scale", "v_scale", "kv_scale")):
+            continue
+        rows[int(m.group(1))]["tensors"].append(
+            {"name": name, **{e: engine_param(e, fam, name, hf_template) for e in ENGINES}})
+    return rows
+
+
+def _transformers_load(hf, fam, tensors: dict, n: int) -> EngineLoad:
+    """What ``AutoModelForCausalLM.from_pretrained`` with the installed compressed-tensors does per layer."""
+    from kvcal.export.layouts import to_canonical
+
+    rep = EngineLoad(f"transformers + compressed-tensors ({hf.versions.replace(' + compressed-tensors', ',')})")
+    if not hf.applies:
+        rep.problems.append(hf.reason + ("" if hf.silent else " (loading fails)"))
+        for i in range(n):
+            rep.layers.append(LayerLoad(i, None, None, "ignored", "scales not applied"))
+        return rep
+    got = to_canonical(fam, "transformers", tensors, hf.param_template) if fam else {
+        k: v for k, v in tensors.items() if k.endswith(("k_scale", "v_scale"))}
+    for i in range(n):
+        k, v = (got.get(f"model.layers.{i}.self_attn.{s}_scale") for s in "kv")
+        vals = {s: [float(x) for x in t.float().flatten().tolist()] if t is not None else None
+                for s, t in (("k", k), ("v", v))}
+        if k is not None and v is not None:
+            rep.layers.append(LayerLoad(i, vals["k"], vals["v"], "loaded"))
+        else:
+            rep.layers.append(LayerLoad(i, vals["k"], vals["v"], "uninitialized",
+                                        "scale missing under the parameter name: left as allocated, no error"))
+    return rep
 
 
 def _inspect_standalone(p: Path) -> Inspection:
@@ -326,7 +417,8 @@ def _engine_line(e: EngineLoad, n: int) -> list[str]:
     else:
         parts = [f"{loaded}/{n} layers loaded"]
         for st, label in (("copied", "one scale copied to both"), ("fallback", "fall back to 1.0"),
-                          ("missing", "have no scale"), ("error", "startup error")):
+                          ("missing", "have no scale"), ("error", "startup error"),
+                          ("uninitialized", "scale missing, left uninitialized (0.0 or garbage)")):
             c = e.count(st)
             if c:
                 layers = [x.layer for x in e.layers if x.status == st]
@@ -370,12 +462,56 @@ def render(ins: Inspection) -> str:
     L.append("engines (naming rules of shared/docs/runtime-formats.md):")
     for e in ins.engines.values():
         L += _engine_line(e, ins.num_layers)
+    if ins.params:
+        L.append("")
+        L += _param_lines(ins)
     if ins.exportable:
         L.append("")
         L.append("kvcal export targets:")
         for name, reason in ins.exportable.items():
             L.append(f"  {name}: {'ok' if reason is None else 'no - ' + reason}")
-    if ins.notes:
+    if ins.notes or ins.warnings:
         L.append("")
         L += [f"note: {x}" for x in ins.notes]
+        L += [f"warning: {x}" for x in ins.warnings]
     return "\n".join(L)
+
+
+def _param_lines(ins: Inspection) -> list[str]:
+    """Per layer, the parameter each engine loads each scale tensor into; consecutive layers whose
+    rows differ only in the layer index are printed once (``{i}`` stands for the index)."""
+    import re
+
+    from kvcal.export.layouts import ENGINES
+
+    fam = ins.family
+    kind = f"fused {fam.projections[0]}" if fam.fused else "separate " + "/".join(fam.projections)
+    out = [f"parameters each loader fills ({fam.model_type}: attention {fam.attention}, {kind}; "
+           "vLLM 0.33 / SGLang 0.5.23 rules of kvcal.export.layouts; transformers = the parameter compressed-tensors "
+           "attaches where it applies the scheme):"]
+
+    def row_text(r: dict) -> list[str]:
+        lines = []
+        for t in r["tensors"]:
+            cells = [f"{e} -> {t[e].param}" if t[e].param else f"{e}: ignored ({t[e].why})" for e in ENGINES]
+            lines.append(f"    {t['name']}")
+            lines += [f"        {c}" for c in cells]
+        return lines or ["    no K/V scale tensor"]
+
+    def generic(r: dict) -> tuple:
+        return tuple(re.sub(rf"\.{r['layer']}\.", ".{i}.", x) for x in row_text(r))
+
+    i = 0
+    rows = ins.params
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and generic(rows[j + 1]) == generic(rows[i]):
+            j += 1
+        if i == j:
+            out.append(f"  layer {i}:")
+            out += row_text(rows[i])
+        else:
+            out.append(f"  layers {i}-{j} ({{i}} = layer):")
+            out += list(generic(rows[i]))
+        i = j + 1
+    return out

@@ -24,26 +24,29 @@ def make_artifact(
     seed: int = 0,
     with_amax: bool = True,
     amax_per_head: dict | None = None,
+    model_type: str = "llama",
+    num_kv_heads: int = H_KV,
 ) -> tuple[Path, dict]:
     """Write an artifact with seeded per-head absmax (keys larger than values, as in real models)
     and scales ``clip * amax / fmt_max`` (``clip < 1`` means calibration clipped). ``amax_per_head``:
-    ``{(layer, side): [H_KV floats]}`` measured on a model, used instead of the seeded values. Returns
+    ``{(layer, side): [H_KV floats]}`` measured on a model, used instead of the seeded values.
+    ``model_type`` / ``num_kv_heads``: the model section (tiny configs of other families). Returns
     the path and ``{(layer, side): (scale tensor, amax per head list)}``."""
     g = torch.Generator().manual_seed(seed)
     tensors, layers, truth = {}, [], {}
     for i in range(num_layers):
         entry = {"layer": i}
         for side, base in (("k", 12.0), ("v", 3.0)):
-            amax = (base * (0.5 + torch.rand(H_KV, generator=g))).tolist()
+            amax = (base * (0.5 + torch.rand(num_kv_heads, generator=g))).tolist()
             if amax_per_head is not None:
                 amax = [float(x) for x in amax_per_head[(i, side)]]
             a = torch.tensor(amax)
             if granularity == "tensor":
                 s = (a.max() * clip / FMT_MAX[fmt]).reshape(1)
             elif granularity == "head":
-                s = (a * clip / FMT_MAX[fmt]).reshape(H_KV, 1, 1)
+                s = (a * clip / FMT_MAX[fmt]).reshape(num_kv_heads, 1, 1)
             else:  # channel
-                s = (a.reshape(H_KV, 1, 1) * torch.linspace(0.2, 1.0, D).reshape(1, 1, D)) * clip / FMT_MAX[fmt]
+                s = (a.reshape(num_kv_heads, 1, 1) * torch.linspace(0.2, 1.0, D).reshape(1, 1, D)) * clip / FMT_MAX[fmt]
             tensors[tensor_name(i, side)] = s
             truth[(i, side)] = (s.clone(), amax)
             entry[side] = {"clip_ratio": clip, "heldout": {"chosen": 0.01, "absmax": 0.012, "unity": 0.5}}
@@ -55,7 +58,7 @@ def make_artifact(
     meta = {
         "kvcal_version": "0.1.0",
         "model": {"id": "tiny-llama", "config_sha256": "0" * 64, "architecture": "LlamaForCausalLM",
-                  "model_type": "llama", "num_layers": num_layers, "num_attention_heads": H, "num_kv_heads": H_KV,
+                  "model_type": model_type, "num_layers": num_layers, "num_attention_heads": H, "num_kv_heads": num_kv_heads,
                   "head_dim": D, "max_position_embeddings": 256, "weight_precision": "float32"},
         "kv": {"quantized_tensors": ["k", "v"], "key_position": key_position, "k": dict(spec), "v": dict(spec),
                "residual_window": 0, "sink_tokens": 0},

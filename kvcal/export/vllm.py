@@ -48,9 +48,13 @@ def kv_only_quantization_config(granularity: str) -> dict:
     }
 
 
-def scale_names(layer: int) -> dict[str, str]:
-    """Golden names for one layer: side (``k``/``v``/``q``) -> checkpoint tensor name."""
-    return {s: f"model.layers.{layer}.self_attn.{s}_scale" for s in ("k", "v", "q")}
+def scale_names(layer: int, attention: str = "model.layers.{i}.self_attn") -> dict[str, str]:
+    """Golden names for one layer: side (``k``/``v``/``q``) -> checkpoint tensor name. ``attention``:
+    the family's attention module path (:attr:`kvcal.export.layouts.FamilyLayout.attention`), e.g.
+    ``gpt_neox.layers.{i}.attention`` — the scales must sit on that module for compressed-tensors and for
+    vLLM's default rule (``{attn}.k_scale -> {attn}.attn.k_scale``)."""
+    a = attention.format(i=layer)
+    return {s: f"{a}.{s}_scale" for s in ("k", "v", "q")}
 
 
 class VllmTarget(Target):
@@ -65,9 +69,17 @@ class VllmTarget(Target):
     def write(self, ctx: ExportContext, staging: Path) -> str:
         from safetensors.torch import save_file
 
+        from kvcal.export.checkpoint import text_config
+        from kvcal.export.layouts import family
+
         p = ctx.scales
+        mt = text_config(ctx.config).get("model_type") if ctx.config else ctx.artifact.metadata["model"].get("model_type")
+        fam = family(mt)
+        attention = fam.attention if fam else "model.layers.{i}.self_attn"
+        if fam and attention != "model.layers.{i}.self_attn":
+            ctx.notes.append(f"{mt}: scales named {attention.format(i=0)}.k_scale ... (the family's attention module)")
         for i in range(p.num_layers):
-            names = scale_names(i)
+            names = scale_names(i, attention)
             ctx.tensors[names["k"]] = p.k[i]
             ctx.tensors[names["v"]] = p.v[i]
             if i in p.q:
