@@ -746,6 +746,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         for i, side in enumerate(("k", "v")):
             results[-1][side].extra["transform"] = specs[layer][i].transform
     # sinks: the count with the lowest summed held-out output error (ties: fewer)
+    word = "held-out" if cap.heldout.items else "calibration-data"  # no held-out split: say what was measured
     sink_meta = {"tried": list(SINK_CANDIDATES) if sinks is None else [s_try]}
     final_sinks = s_try
     if sinks is None:
@@ -759,7 +760,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         sink_meta["heldout_out_sum"] = {str(n): tot[n] for n in SINK_CANDIDATES}
         if sink_probe is None:
             final_sinks = min(SINK_CANDIDATES, key=lambda n: (tot[n], n))
-            sink_meta["chosen_by"] = "held-out attention-output error (summed over layers and sides)"
+            sink_meta["chosen_by"] = f"{word} attention-output error (summed over layers and sides)"
         else:
             kl = sink_probe({n: KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results],
                                        residual_window=residual_window, sink_tokens=n) for n in SINK_CANDIDATES})
@@ -770,9 +771,9 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                                  "--sinks N, or --probe-tokens 0")
             final_sinks = min(SINK_CANDIDATES, key=lambda n: (float(kl[n]), n))
             sink_meta["heldout_model_kl"] = {str(n): float(kl[n]) for n in SINK_CANDIDATES}
-            sink_meta["chosen_by"] = "held-out model-level KL (nats/token)"
+            sink_meta["chosen_by"] = f"{word} model-level KL (nats/token)"
             sink_meta.update(getattr(sink_probe, "meta", {}))
-            log("sink tokens by held-out model KL: " + ", ".join(f"{n}: {float(kl[n]):.4e}" for n in SINK_CANDIDATES)
+            log(f"sink tokens by {word} model KL: " + ", ".join(f"{n}: {float(kl[n]):.4e}" for n in SINK_CANDIDATES)
                 + f" nats -> {final_sinks}")
     sink_meta["kept"] = final_sinks
     plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
@@ -799,27 +800,32 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
 
 
 def _alloc_line(cal: dict) -> str:
+    from kvcal.report.data import heldout_word
+
     a = cal.get("allocation")
     if not a:
         return ""
     p = a.get("probe")
-    how = ("summed held-out attention-level errors (no model-level probe)" if p is None else
-           f"held-out attention-level errors weighted by each layer's K / V model-level KL, measured alone at "
+    w = heldout_word({"calibration": cal})
+    how = (f"summed {w} attention-level errors (no model-level probe)" if p is None else
+           f"{w} attention-level errors weighted by each layer's K / V model-level KL, measured alone at "
            f"{a['reference']['k']} / {a['reference']['v']} on {p.get('samples')} {p.get('source')} samples "
            f"({p.get('tokens')} tokens)")
     return f"- Per-layer formats allocated under {a['budget_bits']} bits at {a['budget_context']} tokens from {how}.\n"
 
 
 def _sink_note(cal: dict) -> str:
+    from kvcal.report.data import heldout_word
+
     sk = cal.get("sinks") or {}
     if len(sk.get("tried", [])) < 2:
         return " (given)"
     if "heldout_model_kl" in sk:
         p = sk.get("probe", {})
         vals = ", ".join(f"{n}: {float(v):.3e}" for n, v in sk["heldout_model_kl"].items())
-        return (f" (of {sk['tried']}, the lowest model KL on {p.get('samples', '?')} held-out samples "
-                f"({p.get('tokens', '?')} tokens): {vals} nats/token)")
-    return f" (of {sk['tried']}, the lowest summed held-out attention-output error)"
+        return (f" (of {sk['tried']}, the lowest model KL on {p.get('samples', '?')} {p.get('source', 'held-out')} "
+                f"samples ({p.get('tokens', '?')} tokens): {vals} nats/token)")
+    return f" (of {sk['tried']}, the lowest summed {heldout_word({'calibration': cal})} attention-output error)"
 
 
 def render_int_report(meta: dict) -> str:
@@ -853,8 +859,10 @@ def render_int_report(meta: dict) -> str:
         rows.append(f"| {lm['layer']} | {spec_cell(k)} | {pick_cell(k)} | "
                     f"{k['heldout']:.3e} | {k['heldout_minmax']:.3e} | {spec_cell(v)} | "
                     f"{pick_cell(v)} | {v['heldout']:.3e} | {v['heldout_minmax']:.3e} |")
+    from kvcal.report.data import error_data_label, has_heldout, heldout_word
     from kvcal.report.markdown import corpus_section
 
+    w = heldout_word(meta)
     budget = (f"--bits {cal['bits_budget']:g} (per-layer allocation)" if cal.get("bits_budget") is not None
               else "none (fixed preset layout)")
     return f"""# KV-cache calibration report (integer)
@@ -865,13 +873,13 @@ def render_int_report(meta: dict) -> str:
 - Keys quantized {kv["key_position"].replace("_", "-")}; sink tokens in 16 bits: {kv["sink_tokens"]}{_sink_note(cal)}; residual window (runtime): {kv["residual_window"]}.
 - Key objective: {cal["objective_k"]} (attention KL, nats/query, when `kl`); value objective: relative attention-output error.
 - Every choice is compared with plain min/max (same transform; uniform grid, nearest rounding, uniform widths:
-  the "min/max" columns) on held-out data and kept only where it is lower. "pick" gives each KV head's clip ratio.
+  the "min/max" columns) on {error_data_label(meta)} and kept only where it is lower. "pick" gives each KV head's clip ratio.
 {_alloc_line(cal)}
 {corpus_section(meta, "Integer parameters are per token / group at run time or per layer from calibration: batch "
                       "size changes neither; evaluate a serving regime with `kvcal evaluate`.")}
-## Held-out error per layer
+## {"Held-out error per layer" if has_heldout(meta) else f"Error per layer on {error_data_label(meta)}"}
 
-| layer | K spec | K pick | K held-out | K min/max | V spec | V pick | V held-out | V min/max |
+| layer | K spec | K pick | K {w} | K min/max | V spec | V pick | V {w} | V min/max |
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 """
@@ -1052,7 +1060,9 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
             "candidates": "absmax, unity, otf (amax/200 K, amax/100 V), clip "
                           + ", ".join(f"{r:g}" for r in DEFAULT_CLIP_RATIOS) + ", headroom "
                           + ", ".join(f"{m:g}" for m in DEFAULT_HEADROOM),
-            "selection": "best on calibration split, then lowest held-out error among {best, absmax, unity}",
+            "selection": "best on calibration split, then lowest "
+                         + ("held-out error" if held_idx else "error on the calibration data (no held-out split)")
+                         + " among {best, absmax, unity}",
             **_calibration_common(cfg, cap, corpus, held_idx),
             "search_seconds": round(search_s, 2),
         },
@@ -1077,10 +1087,15 @@ def _meta_head(mmeta: dict, plan) -> dict:
 
 
 def _calibration_common(cfg, cap, corpus, held_idx) -> dict:
-    """The ``calibration`` metadata fields shared by the FP8 and integer paths."""
+    """The ``calibration`` metadata fields shared by the FP8 and integer paths. ``error_data`` says what
+    the guard and every per-layer "held-out" figure were measured on: the calibration samples when there
+    is no held-out split (one sample, or ``heldout_fraction`` 0), never silently called held-out."""
+    from kvcal.report.data import error_data_text
+
     return {
         "seed": cfg.seed, "max_seq_len": cfg.max_seq_len, "heldout_fraction": cfg.heldout_fraction,
         "calib_samples": len(corpus.samples) - len(held_idx), "heldout_samples": len(held_idx),
+        "error_data": error_data_text(len(corpus.samples) - len(held_idx), len(held_idx)),
         "reservoir_sequences": {"calib": len(cap.calib.items), "heldout": len(cap.heldout.items)},
         "search_tokens": cfg.search_tokens, "max_queries": cfg.max_queries,
         "capture_seconds": round(cap.seconds, 2), "device": cfg.device,
@@ -1090,7 +1105,7 @@ def _calibration_common(cfg, cap, corpus, held_idx) -> dict:
 
 def _corpus_meta(corpus, shape) -> dict:
     return {"path": str(corpus.path), "sha256": corpus.sha256, "format": corpus.format,
-            "samples": shape["samples"], "tokens": shape["tokens"],
+            "source": corpus.source, "split": corpus.split, "samples": shape["samples"], "tokens": shape["tokens"],
             "length_percentiles": {k: shape[k] for k in ("p50", "p90", "p99", "max")},
             "truncated": shape["truncated"]}
 
@@ -1216,7 +1231,9 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress,
                       + ")",
             **res.summary,
             "selection": "coarse grid + scipy bounded refinement per KV head on the calibration split (errors "
-                         "summed over all sequences), then the lower held-out error of {chosen, plain min/max}",
+                         "summed over all sequences), then the lower "
+                         + ("held-out error" if held_idx else "error on the calibration data (no held-out split)")
+                         + " of {chosen, plain min/max}",
             **_calibration_common(cfg, cap, corpus, held_idx),
         },
         "corpus": _corpus_meta(corpus, shape),
@@ -1229,7 +1246,8 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress,
     head = f"preset {s['preset']}" if s["bits_budget"] is None else f"per-layer allocation under {s['bits_budget']} bits"
     table = (f"{head}: average {s['average_bits']:.4f} bits/element incl. "
              f"metadata at {s['average_bits_context']} tokens; K bits {s['key_bits_mean']:.2f}, V bits "
-             f"{s['value_bits_mean']:.2f}; sinks {plan.sink_tokens}; held-out K {s['heldout']['k']['chosen']:.3e} "
+             f"{s['value_bits_mean']:.2f}; sinks {plan.sink_tokens}; {'held-out' if held_idx else 'calibration-data (no held-out split)'} "
+             f"K {s['heldout']['k']['chosen']:.3e} "
              f"(min/max {s['heldout']['k']['minmax']:.3e}), V {s['heldout']['v']['chosen']:.3e} "
              f"(min/max {s['heldout']['v']['minmax']:.3e})")
     return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg), "plan": plan}

@@ -45,6 +45,36 @@ def user_errors(fn):
     return wrapper
 
 
+#: Largest token count, length or size accepted by an integer option: 2**31 - 1, the int32 index range of
+#: torch kernels and tokenizer position ids. Larger values (and values below each option's minimum) are
+#: refused by click before any work (exit 2); no option reaches torch or Python limits.
+MAX_INT = 2**31 - 1
+#: ``--seed`` range: numpy's seed range, which torch.manual_seed and random.Random also accept.
+SEED = click.IntRange(0, 2**32 - 1)
+
+
+def count(lo: int, hi: int = MAX_INT) -> click.IntRange:
+    """An integer option in ``[lo, hi]`` (tokens, samples, ranks, ...)."""
+    return click.IntRange(lo, hi)
+
+
+def corpus_options(fn):
+    """``--text-field`` / ``--messages-field`` / ``--split``: how every command that takes ``--corpus`` reads it
+    (see :mod:`kvcal.corpus`)."""
+    fn = click.option("--split", default=None,
+                      help="Split of a dataset corpus with several (save_to_disk DatasetDict, hub dataset) "
+                           "[default: train, or the only one].")(fn)
+    fn = click.option("--messages-field", default=None,
+                      help="Field/column holding the conversation when it is not called messages.")(fn)
+    fn = click.option("--text-field", default=None,
+                      help="Field/column holding raw text when it is not called text (JSONL and datasets).")(fn)
+    return fn
+
+
+CORPUS_HELP = ("Calibration corpus: .jsonl(.gz), .txt, .parquet, .arrow, .csv, .json, a save_to_disk directory "
+               "or a hub dataset id already in the local cache (owner/name[:config]; nothing downloads).")
+
+
 @click.group()
 @click.version_option(__version__, prog_name="kvcal")
 def main():
@@ -55,13 +85,14 @@ def main():
 
 
 @main.command()
-@click.option("--corpus", required=True, type=click.Path(), help="JSONL(.gz) or .txt calibration corpus.")
+@click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
+@corpus_options
 @click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
 @click.option("--out", default=None, type=click.Path(),
               help="Artifact directory [default: kvcal_out/<model>-<preset> in the current directory]. An existing "
                    "one is replaced only with --overwrite, and only when kvcal wrote it and git tracks none of it.")
-@click.option("--max-samples", default=64, show_default=True, type=int, help="Samples used (seeded subset).")
-@click.option("--max-seq-len", default=512, show_default=True, type=int, help="Tokens per sample (longer ones are truncated and counted).")
+@click.option("--max-samples", default=64, show_default=True, type=count(1), help="Samples used (seeded subset).")
+@click.option("--max-seq-len", default=512, show_default=True, type=count(2), help="Tokens per sample (longer ones are truncated and counted).")
 @click.option("--format", "fmt", default=None, show_default="fp8_e4m3",
               type=click.Choice(["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]), help="KV-cache storage format.")
 @click.option("--granularity", default=None, show_default="tensor", type=click.Choice(["tensor", "head"]),
@@ -78,38 +109,38 @@ def main():
 @click.option("--bits", default=None, type=float,
               help="Average bits per cached element INCLUDING scales/zero points/sinks/metadata; per-layer K/V "
                    "formats are allocated from measured sensitivity (replaces --preset: give one of them).")
-@click.option("--sinks", "sinks", default=None, type=int,
+@click.option("--sinks", "sinks", default=None, type=count(0),
               help="First tokens kept in 16 bits and excluded from statistics [integer paths; default: 0, 1 or 4, "
                    "whichever gives the lowest model-level KL on the --probe-tokens held-out tokens (with "
                    "--probe-tokens 0: the lowest held-out attention-output error)].")
-@click.option("--residual-window", default=0, show_default=True, type=int,
+@click.option("--residual-window", default=0, show_default=True, type=count(0),
               help="Recent tokens the runtime cache keeps in 16 bits (recorded, counted in --bits).")
 @click.option("--key-centering", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
               help="Per-channel key mean subtraction for dynamic keys (auto: per head where it helps on held-out).")
-@click.option("--budget-context", default=4096, show_default=True, type=int,
+@click.option("--budget-context", default=4096, show_default=True, type=count(1),
               help="Context (tokens) at which --bits amortizes per-layer metadata and sink tokens.")
-@click.option("--probe-tokens", default=1024, show_default=True, type=int,
+@click.option("--probe-tokens", default=1024, show_default=True, type=count(0),
               help="Integer paths (ignored by fp8): tokens of held-out samples (calibration samples when nothing is "
                    "held out; the last sample cut to fit) on which the sink count is chosen by model-level KL (4 "
                    "forward passes; without --sinks) and, with --bits, each layer's K and V are quantized alone to "
                    "measure the model-level KL that weights the allocation — 1 + 2·layers more passes "
                    "(61 on SmolLM2-135M). 0: use summed attention-level errors for both.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--batch-size", default=8, show_default=True, type=int)
-@click.option("--search-tokens", default=512, show_default=True, type=int,
+@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--batch-size", default=8, show_default=True, type=count(1))
+@click.option("--search-tokens", default=512, show_default=True, type=count(2),
               help="Tokens of each reservoir sequence the search sees (raise it to calibrate long contexts; "
                    "memory grows with it, not with the corpus).")
 @click.option("--strict", is_flag=True, help="Refuse samples longer than --max-seq-len instead of truncating.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--device-map", default=None, type=click.Choice(["auto"]),
               help="Spread a model that does not fit one device over GPUs/CPU (accelerate).")
-@click.option("--checkpoint-every", default=0, show_default=True, type=int,
+@click.option("--checkpoint-every", default=0, show_default=True, type=count(0),
               help="Save the capture state every N batches to <out>.checkpoint.pt (atomic).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from <out>.checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @user_errors
-def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
+def calibrate(corpus, text_field, messages_field, split, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
               key_centering, budget_context, probe_tokens, device, seed, batch_size, search_tokens, strict, overwrite,
               device_map, checkpoint_every, resume, quiet):
     """Calibrate K/V quantization on a deployment corpus and write an artifact.
@@ -127,7 +158,7 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
                           strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
                           residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
                           probe_tokens=probe_tokens, device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
-                          search_tokens=search_tokens)
+                          search_tokens=search_tokens, text_field=text_field, messages_field=messages_field, split=split)
     if quiet:
         quiet_libraries()
     try:
@@ -153,7 +184,7 @@ def calibrate(corpus, model, out, max_samples, max_seq_len, fmt, granularity, pr
 @click.option("--out", required=True, type=click.Path(), help="New output directory (written atomically).")
 @click.option("--model-dir", default=None, type=click.Path(),
               help="HF safetensors checkpoint to merge into (a copy goes to --out, weight files hard-linked; the source is untouched).")
-@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel ranks (sglang-json entries).")
+@click.option("--tp", default=1, show_default=True, type=count(1), help="Tensor-parallel ranks (sglang-json entries).")
 @click.option("--headroom", default=None, type=float,
               help="Margin in [1, 16]: every scale >= observed max / 448 x MARGIN (for engines that do not saturate).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
@@ -183,7 +214,7 @@ def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clippe
 # ---- inspect -----------------------------------------------------------------------------------
 @main.command("inspect")
 @click.argument("path", type=click.Path())
-@click.option("--tp", default=None, type=int, help="TP size to check a --quantization-param-path JSON against.")
+@click.option("--tp", default=None, type=count(1), help="TP size to check a --quantization-param-path JSON against.")
 @user_errors
 def inspect_cmd(path, tp):
     """Show what an artifact, export or checkpoint holds and what vLLM / SGLang / TensorRT-LLM would load."""
@@ -203,12 +234,12 @@ def inspect_cmd(path, tp):
                    "vllm:turboquant_4bit_nc) for the pages vLLM 0.33 allocates.")
 @click.option("--granularity", default=None,
               help="Override both sides: tensor, head, channel, token, token_group, channel_token_group.")
-@click.option("--group-size", default=None, type=int, help="Group size of grouped granularities (both sides).")
+@click.option("--group-size", default=None, type=count(1), help="Group size of grouped granularities (both sides).")
 @click.option("--symmetric/--asymmetric", default=None, help="Override integer symmetry (both sides).")
-@click.option("--residual-window", default=0, show_default=True, type=int, help="Recent tokens kept in 16 bits.")
-@click.option("--sinks", default=0, show_default=True, type=int, help="First tokens kept in 16 bits.")
-@click.option("--context", default=None, type=int, help="Tokens per sequence [default: the model's max positions].")
-@click.option("--batch", default=1, show_default=True, type=int, help="Sequences in the cache.")
+@click.option("--residual-window", default=0, show_default=True, type=count(0), help="Recent tokens kept in 16 bits.")
+@click.option("--sinks", default=0, show_default=True, type=count(0), help="First tokens kept in 16 bits.")
+@click.option("--context", default=None, type=count(1), help="Tokens per sequence [default: the model's max positions].")
+@click.option("--batch", default=1, show_default=True, type=count(1), help="Sequences in the cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full breakdown as JSON.")
 @click.option("--skip-layers", "skip_layers", default=None,
               help="vllm:<dtype> formats only: comma-separated layer indices kept at 16 bits "
@@ -346,7 +377,7 @@ def _memory_vllm(model, shape, dtype, skip_layers, context, batch, as_json):
               help="Comma-separated cache precisions: presets and/or artifact directories (16-bit is always shown).")
 @click.option("--reserve", default="10%", show_default=True,
               help="Activations/runtime overhead reserve: a percentage of --gpu-mem or a size (e.g. 4GiB).")
-@click.option("--params", default=None, type=int, help="Override the parameter count computed from the config.")
+@click.option("--params", default=None, type=count(1, 2**53), help="Override the parameter count computed from the config.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @user_errors
 def plan_cmd(model, gpu_mem, weights_dtype, kv_config, reserve, params, as_json):
@@ -377,29 +408,42 @@ def report_cmd(artifact, eval_json, out):
 
 
 # ---- evaluate ----------------------------------------------------------------------------------
-def _int_list(ctx, param, value):
-    try:
-        out = [int(x) for x in str(value).split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
-    if not out:
-        raise click.BadParameter("give at least one value")
-    return tuple(out)
+def int_list(lo: int, hi: int = MAX_INT):
+    """Click callback: a comma-separated list of integers, each in ``[lo, hi]`` (``--context 1024,4096``).
+    Tagged ``kvcal_int_list`` so tests find every such option."""
+
+    def parse(ctx, param, value):
+        try:
+            out = [int(x) for x in str(value).split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+        if not out:
+            raise click.BadParameter("give at least one value")
+        bad = [x for x in out if not lo <= x <= hi]
+        if bad:
+            raise click.BadParameter(f"{bad[0]} is not in the range {lo}<=x<={hi}")
+        return tuple(out)
+
+    parse.kvcal_int_list = (lo, hi)
+    return parse
 
 
 @main.command("evaluate")
 @click.option("--artifact", required=True, type=click.Path(), help="kvcal artifact directory under test.")
-@click.option("--corpus", required=True, type=click.Path(), help="Evaluation text (.txt, tokenized at once) or JSONL corpus.")
+@click.option("--corpus", required=True, type=click.Path(),
+              help="Evaluation text (.txt, tokenized at once) or any corpus calibrate reads (JSONL, datasets; "
+                   "samples concatenated).")
+@corpus_options
 @click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
-@click.option("--context", "contexts", default="1024", show_default=True, callback=_int_list,
+@click.option("--context", "contexts", default="1024", show_default=True, callback=int_list(2),
               help="Context regimes in tokens, comma-separated (up to the model's maximum, e.g. 1024,4096,8192).")
-@click.option("--batch", "batches", default="1", show_default=True, callback=_int_list,
+@click.option("--batch", "batches", default="1", show_default=True, callback=int_list(1),
               help="Batch (concurrency) regimes for decode mode, comma-separated (e.g. 1,8).")
-@click.option("--windows", default=8, show_default=True, type=int, help="Evaluation windows per context.")
-@click.option("--decode-tokens", default=128, show_default=True, type=int,
+@click.option("--windows", default=8, show_default=True, type=count(1), help="Evaluation windows per context.")
+@click.option("--decode-tokens", default=128, show_default=True, type=count(1),
               help="Positions decoded one token at a time through the runtime cache after each prefill.")
-@click.option("--greedy-tokens", default=32, show_default=True, type=int,
-              help="Greedy-generation agreement length (0 disables).")
+@click.option("--greedy-tokens", default=32, show_default=True, type=count(0, 4096),
+              help="Greedy-generation agreement length (0 disables; at most 4096).")
 @click.option("--mode", "modes", default="teacher_forced,decode", show_default=True,
               help="teacher_forced and/or decode, comma-separated.")
 @click.option("--baselines/--no-baselines", default=True, show_default=True,
@@ -413,7 +457,7 @@ def _int_list(ctx, param, value):
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @user_errors
-def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tokens, greedy_tokens, modes,
+def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, contexts, batches, windows, decode_tokens, greedy_tokens, modes,
                  baselines, accept, json_path, device, quiet):
     """Evaluate an artifact teacher-forced (Protocol A) and in decode mode through the runtime cache;
     exit 1 when the artifact fails its acceptance criteria."""
@@ -423,7 +467,8 @@ def evaluate_cmd(artifact, corpus, model, contexts, batches, windows, decode_tok
 
     cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
                      windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
-                     accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device)
+                     accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device,
+                     text_field=text_field, messages_field=messages_field, split=split)
     inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
     if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
         from kvcal.artifact import check_output_file
