@@ -205,3 +205,4 @@ def test_inspect_and_export_state_the_installed_transformers_verdict(tmp_path, c
                                   str(checkpoints["gpt_neox"]), "--out", str(tmp_path / "neox")])
     line = next(x for x in r.output.splitlines() if "would silently ignore" in x)
     assert "GPTNeoXAttention has no k_proj/v_proj/qkv_proj/kv_b_proj child" in line
+    assert "vLLM" in line and "5.23.0" not in line  # no transformers version applies them: none is offered

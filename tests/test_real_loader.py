@@ -180,3 +180,4 @@ def test_canary_project_transformers_drops_kv_scales_silently(exports):
     assert "LlamaAttention.forward takes" in chk.reason and "cache" in chk.forward_params
     lines = [x for x in case["output"].splitlines() if "would silently ignore" in x]
     assert len(lines) == 1 and lines[0].startswith("warning: transformers ") and "vLLM" in lines[0]
+    assert lines[0].endswith("past_key_values (5.23.0 checked)")  # the version the probe above loaded with

@@ -30,9 +30,10 @@ import inspect
 from dataclasses import dataclass, field
 
 #: Who applies kvcal's exported KV scales when this transformers pair does not (one line, for messages).
-WHAT_WORKS = ("what applies them: vLLM, SGLang (per-tensor), TensorRT-LLM (--target modelopt), kvcal's runtime cache "
-              "(kvcal evaluate, kvcal.runtime.QuantizedKVCache) or a transformers whose attention forward takes "
-              "past_key_values (5.23.0 checked)")
+WHAT_WORKS = ("what applies them: vLLM, SGLang (per-tensor; by family, see kvcal inspect), TensorRT-LLM "
+              "(--target modelopt), kvcal's runtime cache (kvcal evaluate, kvcal.runtime.QuantizedKVCache)")
+#: appended when a transformers release with the old argument name would apply them
+OLDER_TRANSFORMERS = " or a transformers whose attention forward takes past_key_values (5.23.0 checked)"
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,15 @@ class TransformersKvCheck:
     param_template: str | None = None
     reason: str = ""
     attention_paths: tuple[str, ...] = field(default=())
+    version_fixable: bool = True  # False when no transformers version would apply them (no k/v projection)
 
     def warning(self) -> str | None:
         """One line for ``kvcal export`` / ``kvcal inspect`` when the scales would be dropped silently."""
         if self.applies or not self.silent:
             return None
         return (f"{self.versions} (installed here) would silently ignore this checkpoint's KV scales: {self.reason}, "
-                f"so AutoModelForCausalLM.from_pretrained loads it with no KV quantization; {WHAT_WORKS}")
+                f"so AutoModelForCausalLM.from_pretrained loads it with no KV quantization; {WHAT_WORKS}"
+                + (OLDER_TRANSFORMERS if self.version_fixable else ""))
 
 
 #: Child names compressed-tensors 0.20 requires of a KV-cache attention module
@@ -172,7 +175,8 @@ def check_transformers_kv(config: dict) -> TransformersKvCheck | None:
         else:
             why = (f"{name}.forward takes ({', '.join(params)}), not the past_key_value(s) argument "
                    "compressed-tensors hooks")
-        return TransformersKvCheck(False, True, versions, name, params, None, why)
+        fixable = first is not None and any(hasattr(first, p) for p in _KV_PROJECTIONS)
+        return TransformersKvCheck(False, True, versions, name, params, None, why, version_fixable=fixable)
     path, mod = hooked[0]
     fwd = tuple(p for p in inspect.signature(mod.forward).parameters if p != "self")
     _, kwargs = kvcache._kv_cache_attention_hook(mod, (), {})
