@@ -48,7 +48,11 @@ class Inspection:
     per layer ``{"layer": i, "k": [float] | None, "v": [float] | None}`` (``k`` and ``v`` are the
     same list where one value is shared, e.g. the JSON); ``engines``: engine name ->
     :class:`~kvcal.export.rules.EngineLoad`; ``exportable`` (artifacts): target -> ``None`` if it
-    can load the artifact, else the reason; ``corpus``: the artifact's corpus summary.
+    can load the artifact, else the reason; ``corpus``: the artifact's corpus summary. Checkpoints also
+    get ``warnings`` (silent drops: the installed transformers + compressed-tensors ignoring the KV scheme,
+    a declared scheme with a scale missing), ``family`` (:class:`~kvcal.export.layouts.FamilyLayout` of a
+    known ``model_type``) and ``params`` (per layer ``{"layer": i, "tensors": [{"name": checkpoint name,
+    "vLLM" | "SGLang" | "transformers": ParamLoad}]}``: the parameter each loader fills with each tensor).
     """
 
     path: Path
