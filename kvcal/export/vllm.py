@@ -78,6 +78,10 @@ class VllmTarget(Target):
         attention = fam.attention if fam else "model.layers.{i}.self_attn"
         if fam and attention != "model.layers.{i}.self_attn":
             ctx.notes.append(f"{mt}: scales named {attention.format(i=0)}.k_scale ... (the family's attention module)")
+        if fam and fam.sglang and not fam.sglang_remaps:
+            ctx.warnings.append(f"SGLang's {fam.sglang} loader does not remap KV-scale names, so SGLang would ignore these "
+                                "and run at 1.0 (vLLM loads them); to serve with SGLang use --target sglang-json "
+                                "(--quantization-param-path)")
         for i in range(p.num_layers):
             names = scale_names(i, attention)
             ctx.tensors[names["k"]] = p.k[i]
