@@ -196,10 +196,26 @@ def test_cli_refuses_other_model(tmp_path, tiny_dir):
 
 @pytest.mark.model
 def test_embedded_runtime_matches_protocol_a(smollm_model, smollm_tokenizer, shared_data):
-    """SmolLM2-135M, FP8 unity with a sink: prefill through the runtime cache == Protocol A exactly;
-    decoding 8 more tokens one at a time agrees to fp32 reassociation (a new token's key is computed by a
-    1-row matmul, and an ulp of difference can cross an FP8 rounding boundary, so the bound is 1e-2 on
-    logits of magnitude ~20, with the same argmax); bytes match the accounting."""
+    """SmolLM2-135M, FP8 unity with a sink, through the runtime cache (prefill 128 tokens, then 8 decode
+    steps of one token), checked where the arithmetic is shared and nowhere else:
+
+    - prefill logits == Protocol A on the same ``[1, 128]`` ids, exactly (same shapes, same kernels);
+    - every layer's cache holds exactly ``plan.fake_quant`` of the keys/values the model handed it —
+      prefill and each decode step (FP8 per-tensor fake-quant is elementwise, so exact);
+    - the decoded logits == Protocol A over all 136 ids with the decode steps' own keys/values
+      substituted, up to float32 reassociation only. A decode step computes its new token's K/V
+      with a 1-row matmul, the reference with a 136-row one; an ulp of difference can cross an
+      FP8 rounding boundary and move an element by a whole e4m3 step (0.0625·|x| at most) — no
+      bound holds on that, so the substitution removes it: with the codes equal, what is left is
+      the reassociation of fp32 sums. Its size: each fp32 dot product of length n ≤ 1536 carries
+      a relative error ≤ γ_n ≈ n·2⁻²⁴ ≈ 9.2e-5 of the sum of its |terms| (Higham, Thm. 3.1); with
+      RMSNorm renormalising every layer's input, that is ~1e-2 per logit of |terms| ~ 10² at worst, and
+      1e-1 leaves 10x for propagation through 30 layers (an order-of-magnitude argument; the typical
+      √n·2⁻²⁴ error is 100x smaller, ~5e-5 seen). The greedy token must agree wherever the
+      reference's top-2 margin exceeds twice the difference (a difference below half the margin
+      cannot reorder them, so a failure there means a real mismatch, not rounding);
+    - allocated bytes == the accounting.
+    """
     from kvcal.capture.hooks import attention_hook
     from kvcal.evaluate import fp8_plan, plan_hook, text_windows
     from kvcal.runtime import QuantizedKVCache
@@ -210,15 +226,41 @@ def test_embedded_runtime_matches_protocol_a(smollm_model, smollm_tokenizer, sha
     plan = fp8_plan(L, [(1.0, 1.0)] * L)
     plan.sink_tokens = 1
     cache = QuantizedKVCache(plan, smollm_model.config)
+    received: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(L)}
+    for i, layer in enumerate(cache.layers):
+        def update(k, v, *args, _orig=layer.update, _i=i, **kwargs):
+            received[_i].append((k.clone(), v.clone()))
+            return _orig(k, v, *args, **kwargs)
+
+        layer.update = update
     with torch.no_grad():
         pre = smollm_model(ids[:, :128], cache=cache, use_cache=True).logits
         steps = [smollm_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(128, 136)]
         with attention_hook(smollm_model, plan_hook(plan)):
-            ref = smollm_model(ids, use_cache=False).logits
-    assert torch.equal(pre, ref[:, :128])
+            ref_pre = smollm_model(ids[:, :128], use_cache=False).logits
+    assert torch.equal(pre, ref_pre)
+    assert all(len(r) == 9 for r in received.values())
+    for i in range(L):
+        for j, side in enumerate(("k", "v")):
+            x = torch.cat([r[j] for r in received[i]], dim=2)  # [1, 3, 136, 64] as the model produced them
+            stored = getattr(cache.layers[i], side).read()
+            assert torch.equal(stored, plan.fake_quant(i, side, x)), (i, side)
+
+    def substituted(module, q, k, v, mask, kwargs):
+        i = module.layer_idx
+        k, v = k.clone(), v.clone()
+        k[:, :, 128:] = torch.cat([r[0] for r in received[i][1:]], dim=2)
+        v[:, :, 128:] = torch.cat([r[1] for r in received[i][1:]], dim=2)
+        return plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
+
+    with torch.no_grad(), attention_hook(smollm_model, substituted):
+        ref = smollm_model(ids, use_cache=False).logits[:, 128:]
     dec = torch.stack(steps, 1)
-    assert (dec - ref[:, 128:]).abs().max().item() < 1e-2
-    assert torch.equal(dec.argmax(-1), ref[:, 128:].argmax(-1))
+    diff = (dec - ref).abs().max().item()
+    assert diff < 1e-1
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert torch.equal(dec.argmax(-1)[clear], ref.argmax(-1)[clear])
     assert cache.allocated_bytes() == cache.expected_bytes()
     assert cache.layers[5].k.data.dtype == torch.float8_e4m3fn
 
