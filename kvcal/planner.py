@@ -58,12 +58,31 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise KvcalError(f"size must be >= 0 bytes, got {text}")
+        if text > MAX_SIZE:
+            raise KvcalError(f"size {text} is more than {MAX_SIZE} bytes (2^63 - 1, 8 EiB); write the device memory")
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
         raise KvcalError(f"cannot read size {text!r}; write e.g. 80GiB (2^30 bytes), 80GB (10^9 bytes), 24G (= GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    num = m.group(1).lstrip("0") or "0"
+    if len(num) > 30:  # > 1e29 of any unit: past MAX_SIZE, and past what float/int conversions handle
+        value = float("inf")
+    else:
+        value = int(num) * _UNITS[unit] if num.isdigit() else float(num) * _UNITS[unit]
+    if value > MAX_SIZE:
+        raise KvcalError(f"size {_short(text)} is more than {MAX_SIZE} bytes (2^63 - 1, 8 EiB), the largest memory "
+                         "size a device reports; write the memory in bytes or with a unit, e.g. 80GiB")
+    return int(value)
+
+
+#: Largest size :func:`parse_size` accepts, in bytes: 2^63 - 1 (int64, how drivers and torch report memory).
+MAX_SIZE = 2**63 - 1
+
+
+def _short(text) -> str:
+    t = str(text).strip()
+    return repr(t if len(t) <= 40 else t[:37] + "...")
 
 
 def parse_reserve(text: str | int, gpu_mem: int) -> tuple[int, str]:

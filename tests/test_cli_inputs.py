@@ -201,6 +201,20 @@ def test_every_integer_option_at_its_extremes(no_model, files, tiny_dir, tmp_pat
     assert n == 6 * sum(map(len, found.values()))
 
 
+def test_sizes_with_units_at_extremes(tiny_dir):
+    """--gpu-mem / --reserve (sizes with units, percentages) at the integer extremes, huge digit strings,
+    non-finite floats: exit 0 or 2, never a traceback; past 2^63 - 1 bytes refused by name."""
+    sizes = [f"{v}{u}" for v in VALUES for u in ("", "GiB", "KB")] + ["1" + "0" * 5000, "1e400GiB", "nanGiB", "inf"]
+    for flag in ("--gpu-mem", "--reserve"):
+        for v in sizes + (["-5%", "1e400%", "nan%", "1" + "0" * 5000 + "%"] if flag == "--reserve" else []):
+            r = CliRunner().invoke(main, ["plan", "--model", str(tiny_dir / "config.json"), "--gpu-mem", "80GiB", flag, v])
+            _ok(r)
+    r = CliRunner().invoke(main, ["plan", "--model", str(tiny_dir / "config.json"), "--gpu-mem", str(2**63)])
+    assert r.exit_code == 2 and "is more than 9223372036854775807 bytes (2^63 - 1, 8 EiB)" in r.output
+    r = CliRunner().invoke(main, ["plan", "--model", str(tiny_dir / "config.json"), "--gpu-mem", str(2**63 - 1)])
+    assert r.exit_code == 0, r.output
+
+
 @pytest.mark.parametrize("flag,value,lo,hi", [("--seed", "4294967296", 0, 2**32 - 1), ("--max-seq-len", "1", 2, 2**31 - 1),
                                               ("--batch-size", "0", 1, 2**31 - 1)])
 def test_range_message_names_the_option_and_range(files, tiny_dir, tmp_path, flag, value, lo, hi):
