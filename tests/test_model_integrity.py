@@ -301,6 +301,10 @@ def test_one_sample_report_does_not_call_calibration_data_held_out(tmp_path):
     rep = (tmp_path / "art" / "report.md").read_text()
     assert "held-out" not in rep.lower().replace("no held-out split", "")
     assert "no held-out split: 1 sample" in rep
+    from kvcal.report.disclosure import build_report, to_markdown
+
+    text = to_markdown(build_report(res["metadata"], figures=False))
+    assert "held-out" not in text.lower().replace("no held-out split", "") and "no held-out split: 1 sample" in text
     full = _calibrate(tmp_path, d, out="art6", samples=6)  # with a split: labelled held-out as before
     assert full["metadata"]["calibration"]["error_data"].startswith("held-out")
     assert "## Held-out error per layer" in (tmp_path / "art6" / "report.md").read_text()

@@ -30,6 +30,41 @@ METRICS = ("ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree", "greedy_agree
 SIDE_NAMES = {"k": "keys", "v": "values"}
 
 
+def error_data_text(calib_samples: int, heldout_samples: int) -> str:
+    """What calibration's guard and per-layer errors were measured on: ``"held-out data (3 of 12
+    samples)"``, or — with no held-out split (one sample, or ``heldout_fraction`` 0), where they are
+    measured on the calibration samples themselves and are optimistic — ``"calibration data (no
+    held-out split: 1 sample)"``. Stored as the artifact's ``calibration.error_data``."""
+    if heldout_samples:
+        return f"held-out data ({heldout_samples} of {calib_samples + heldout_samples} samples)"
+    return f"calibration data (no held-out split: {calib_samples} sample{'' if calib_samples == 1 else 's'})"
+
+
+def has_heldout(meta: dict) -> bool:
+    """True unless the artifact's calibration had no held-out split (``calibration.heldout_samples``
+    0); artifacts that do not record it count as having one (as they were reported)."""
+    h = (meta.get("calibration") or {}).get("heldout_samples")
+    return not (isinstance(h, int) and h == 0)
+
+
+def heldout_word(meta: dict) -> str:
+    """``"held-out"``, or ``"calibration-data"`` when there was no held-out split (:func:`has_heldout`):
+    the adjective every report puts before the calibration errors."""
+    return "held-out" if has_heldout(meta) else "calibration-data"
+
+
+def error_data_label(meta: dict) -> str:
+    """:func:`error_data_text` of an artifact (its recorded ``calibration.error_data``, else derived
+    from the split counts; ``"held-out data"`` when those are not recorded)."""
+    cal = meta.get("calibration") or {}
+    if isinstance(cal.get("error_data"), str):
+        return cal["error_data"]
+    c, h = cal.get("calib_samples"), cal.get("heldout_samples")
+    if isinstance(c, int) and isinstance(h, int):
+        return error_data_text(c, h)
+    return "held-out data"
+
+
 def load_eval(path: str | os.PathLike | None) -> dict | None:
     """Read an evaluation JSON (``None`` passes through). Raises :class:`KvcalError` if unreadable, not
     JSON, not schema ``kvcal-eval/1``, or a result row lacks ``method`` / ``mode`` / ``context``."""
@@ -362,8 +397,10 @@ def corpus_summary(c: dict | None) -> dict:
             if windows else None, "lengths_from_windows": from_windows, "source": c.get("window_source")}
 
 
-def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_contexts: list[int]) -> list[str]:
-    """Plain sentences relating the calibration corpus to the evaluation corpus."""
+def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_contexts: list[int],
+                    heldout: bool = True) -> list[str]:
+    """Plain sentences relating the calibration corpus to the evaluation corpus (``heldout``: whether
+    calibration split off held-out samples, :func:`has_heldout`)."""
     if not ev:
         return ["No evaluation corpus given: run `kvcal evaluate --json` and pass it with `--eval`."]
     out = []
@@ -374,7 +411,9 @@ def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_co
     same_path = cal.get("path") and ev.get("path") and Path(cal["path"]).name == Path(ev["path"]).name
     if same_hash:
         out.append("The evaluation corpus is **the same file** as the calibration corpus (same sha256): quality "
-                   "figures are in-domain and may be optimistic; held-out samples were split off at calibration.")
+                   "figures are in-domain and may be optimistic"
+                   + ("; held-out samples were split off at calibration." if heldout
+                      else ", and calibration had no held-out split: the evaluation reads the calibration samples."))
     elif same_path:
         out.append("The evaluation corpus has the same file name as the calibration corpus but a different "
                    "content hash: check that they are the intended pair.")

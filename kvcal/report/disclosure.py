@@ -172,7 +172,7 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
                      "trellis: each element reads a per-layer table at the last ν+b bits of its row's code stream; "
                      "Viterbi-encoded, same payload; the row's RMS is its scale); the int8 table is counted as "
                      "per-layer metadata (kvcal runtime only). The other layers keep their levels, which measured "
-                     "lower held-out error there.")
+                     f"lower {D.heldout_word(meta)} error there.")
     specs_all = [kv.get("k") or {}, kv.get("v") or {}] + [s.get(x) or {} for s in kv.get("layer_specs") or [] for x in "kv"]
     if any(sp.get("scale_dtype") == "log8" for sp in specs_all):
         items.append("Some per-token scales are stored as log8: one byte per token and head, scale = base · "
@@ -188,7 +188,8 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
     alloc = cal.get("allocation") if isinstance(cal.get("allocation"), dict) else None
     if alloc:
         p = alloc.get("probe")
-        items.append(f"Per-layer formats were allocated under {_num(alloc.get('budget_bits'))} bits from held-out "
+        items.append(f"Per-layer formats were allocated under {_num(alloc.get('budget_bits'))} bits from "
+                     f"{D.heldout_word(meta)} "
                      "attention-level errors" + (" summed over layers (no model-level probe)." if not isinstance(p, dict)
                      else f" weighted by each layer's K / V model-level KL measured alone on {_num(p.get('samples'))} "
                           f"{p.get('source')} samples ({_num(p.get('tokens'))} tokens)."))
@@ -233,11 +234,15 @@ def _corpora(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
 
     rep.add(Table(["", "calibration", "evaluation"], [[lab, cell(cal, k), cell(evc, k)] for k, lab in fields]))
     cal_meta = meta.get("calibration") or {}
-    items = D.corpus_relation(cal, evc, cal_meta.get("max_seq_len"), reg["contexts"])
+    items = D.corpus_relation(cal, evc, cal_meta.get("max_seq_len"), reg["contexts"], heldout=D.has_heldout(meta))
     if evc and evc["lengths_from_windows"]:
         items.append("Evaluation lengths are its window lengths (the corpus is cut into fixed-size windows"
                      + (f": {evc['source']}" if evc.get("source") else "") + ").")
-    if cal_meta:
+    if cal_meta and not D.has_heldout(meta):
+        items.append(f"Calibration split: none — {D.error_data_label(meta)}; the guard and the per-layer errors "
+                     f"below are measured on the samples the scales were fitted to (optimistic); samples capped at "
+                     f"{_num(cal_meta.get('max_seq_len'))} tokens.")
+    elif cal_meta:
         items.append(f"Calibration split: {_num(cal_meta.get('calib_samples'))} calibration / "
                      f"{_num(cal_meta.get('heldout_samples'))} held-out samples (seed {_num(cal_meta.get('seed'))}); "
                      f"samples capped at {_num(cal_meta.get('max_seq_len'))} tokens.")
@@ -303,11 +308,11 @@ def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict, tensors: dict |
     return mem
 
 
-def _quality(rep: Report, ev: dict | None) -> None:
+def _quality(rep: Report, ev: dict | None, meta: dict | None = None) -> None:
     rep.add(Heading("Quality with baselines"))
     if not ev:
-        rep.add(Para("No evaluation JSON given. The calibration held-out errors below are attention-level only; "
-                     "they do not establish model-level quality."))
+        rep.add(Para(f"No evaluation JSON given. The calibration {D.heldout_word(meta or {})} errors below are "
+                     "attention-level only; they do not establish model-level quality."))
         return
     v = D.verdict(ev)
     mine = D.tested_method(ev)
@@ -361,15 +366,16 @@ def _calibration_detail(rep: Report, meta: dict) -> None:
         for side, unit in (("k", "keys objective"), ("v", "relative output error")):
             if side in he:
                 parts = ", ".join(f"{w} {_sci(D.mean_or_none(ys))}" for w, ys in he[side].items())
-                items.append(f"Mean held-out {D.SIDE_NAMES[side]} error ({unit}): {parts}.")
+                items.append(f"Mean {D.heldout_word(meta)} {D.SIDE_NAMES[side]} error ({unit}): {parts}.")
     if items:
         rep.add(Bullets(items))
     if meta.get("layers"):
         try:
             rep.add(Pre(layer_table(meta)))  # FP8 artifacts: scales, picks and the three held-out errors
         except (KeyError, TypeError, IndexError, ValueError):
-            rep.add(Table(["layer", "K spec", "K pick", "K held-out (reference)", "V spec", "V pick",
-                           "V held-out (reference)"], D.layer_rows(meta)))
+            w = D.heldout_word(meta)
+            rep.add(Table(["layer", "K spec", "K pick", f"K {w} (reference)", "V spec", "V pick",
+                           f"V {w} (reference)"], D.layer_rows(meta)))
     else:
         rep.add(Para("The artifact metadata holds no per-layer calibration records."))
 
@@ -385,11 +391,12 @@ def _figures(rep: Report, meta: dict, ev: dict | None, tensors: dict | None, mem
         ("clip_vs_absmax", "Chosen clip threshold (value mapped to the format maximum) vs observed absmax per layer.",
          lambda: P.plot_clip_vs_absmax(ranges)),
         ("layer_errors", "; ".join(x for x in (
-            "Per-layer error before/after calibration: held-out error with the chosen scale vs absmax and unity scales"
+            f"Per-layer error before/after calibration: {D.heldout_word(meta)} error with the chosen scale vs absmax and "
+            "unity scales"
             if D.heldout_errors(meta) else "",
             "per-layer K attention KL / V output error on the evaluation corpus per method"
             if D.per_layer_eval(ev) else "") if x) + ".",
-         lambda: P.plot_layer_errors(D.heldout_errors(meta), D.per_layer_eval(ev))),
+         lambda: P.plot_layer_errors(D.heldout_errors(meta), D.per_layer_eval(ev), D.heldout_word(meta))),
         ("quality_vs_context", "Quality vs context length per method (solid: teacher-forced, dashed: decode).",
          lambda: P.plot_quality_vs_context({m: D.quality_series(ev, m) for m in ("delta_ppl", "kl_mean")})),
         ("memory", "KV-cache memory vs context × batch (exact accounting).", lambda: P.plot_memory(mem)),
@@ -429,7 +436,7 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
     _corpora(rep, meta, ev, reg)
     _regimes(rep, meta, ev, reg)
     mem = _memory(rep, meta, ev, reg, tensors)
-    _quality(rep, ev)
+    _quality(rep, ev, meta)
     if figures:
         _figures(rep, meta, ev, tensors, mem)
     _calibration_detail(rep, meta)

@@ -38,19 +38,33 @@ def corpus_section(meta: dict, concurrency: str) -> str:
     corpus path / sha256 / format, sample and token counts, length percentiles (tokens),
     truncation, the calibration / held-out split, what the search saw, and the context regime;
     ``concurrency`` says what batch size does to this artifact's parameters."""
+    from kvcal.report.data import error_data_label, has_heldout
+
     cal, corp = meta["calibration"], meta["corpus"]
     pct = corp["length_percentiles"]
+    split = (f"{cal['calib_samples']} calibration / {cal['heldout_samples']} held-out samples (seed {cal['seed']}); the "
+             f"search saw {cal['reservoir_sequences']['calib']} calibration and {cal['reservoir_sequences']['heldout']} "
+             f"held-out sequences of at most {cal['search_tokens']} tokens" if has_heldout(meta) else
+             f"none — {error_data_label(meta)}: the guard and every per-layer error below are measured on the "
+             f"samples the parameters were fitted to (optimistic); the search saw {cal['reservoir_sequences']['calib']} "
+             f"sequences of at most {cal['search_tokens']} tokens. Give 2 or more samples so that some are kept out of the fit")
     return f"""## Calibration corpus and context regime
 - Corpus: `{corp["path"]}` (sha256 `{corp["sha256"][:16]}…`, format {corp["format"]}).
 - {corp["samples"]} samples, {corp["tokens"]} tokens; length p50 / p90 / p99 / max = {pct["p50"]} / {pct["p90"]} / {pct["p99"]} / {pct["max"]} tokens; {corp["truncated"]} truncated at {cal["max_seq_len"]} tokens.
-- Split: {cal["calib_samples"]} calibration / {cal["heldout_samples"]} held-out samples (seed {cal["seed"]}); the search saw {cal["reservoir_sequences"]["calib"]} calibration and {cal["reservoir_sequences"]["heldout"]} held-out sequences of at most {cal["search_tokens"]} tokens.
+- Split: {split}.
 - Context regime calibrated: {cal["context_regime"]}. {concurrency}
 """
 
 
 def render_calibration_report(meta: dict) -> str:
-    """``report.md`` text: what was quantized, how, on which data, and the held-out errors."""
+    """``report.md`` text: what was quantized, how, on which data, and the held-out errors (labelled as
+    calibration-data errors when there was no held-out split)."""
+    from kvcal.report.data import error_data_label, has_heldout
+
     m, kv, cal = meta["model"], meta["kv"], meta["calibration"]
+    title = "Held-out error per layer" if has_heldout(meta) else f"Error per layer on {error_data_label(meta)}"
+    text = ("held-out calibration-domain text" if has_heldout(meta) else
+            "the calibration samples themselves (no held-out split), so they are optimistic")
     k, v = kv["k"], kv["v"]
     rows = []
     for lm in meta["layers"]:
@@ -80,11 +94,11 @@ def render_calibration_report(meta: dict) -> str:
 - Candidates: {cal["candidates"]}. Selection: {cal["selection"]}.
 - Capture {cal["capture_seconds"]} s, search {cal["search_seconds"]} s on {cal["device"]}.
 
-## Held-out error per layer
+## {title}
 Mean over layers — keys (attention KL, nats/query): chosen {_fmt(_sum(meta, "k", "chosen"))}, absmax {_fmt(_sum(meta, "k", "absmax"))}, unity {_fmt(_sum(meta, "k", "unity"))};
 values (relative output error): chosen {_fmt(_sum(meta, "v", "chosen"))}, absmax {_fmt(_sum(meta, "v", "absmax"))}, unity {_fmt(_sum(meta, "v", "unity"))}.
 
-These are attention-level errors on held-out calibration-domain text, not model-level quality; run
+These are attention-level errors on {text}, not model-level quality; run
 `kvcal evaluate` for perplexity / logit KL on the serving path.
 
 | layer | k_scale | K pick | K KL chosen | K KL absmax | K KL unity | v_scale | V pick | V err chosen | V err absmax | V err unity |

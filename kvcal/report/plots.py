@@ -143,10 +143,11 @@ def plot_clip_vs_absmax(ranges: dict | None):
     return fig
 
 
-def plot_layer_errors(heldout: dict | None, per_layer_eval: dict | None = None):
+def plot_layer_errors(heldout: dict | None, per_layer_eval: dict | None = None, data_word: str = "held-out"):
     """Per-layer error before/after: calibration held-out error of the chosen scale vs absmax vs
     unity (top row) and, when given, the evaluation's per-layer K attention KL / V output error
-    per method (bottom row)."""
+    per method (bottom row). ``data_word``: what the calibration errors were measured on
+    (``"calibration-data"`` when there was no held-out split)."""
     if not heldout and not per_layer_eval:
         return None
     rows = [x for x in (heldout, per_layer_eval) if x]
@@ -160,7 +161,7 @@ def plot_layer_errors(heldout: dict | None, per_layer_eval: dict | None = None):
             ax.set_xlabel("layer")
             _int_axis(ax.xaxis)
             ax.set_ylabel(ERROR_UNITS[side])
-            ax.set_title(f"{SIDE_TITLES[side]}: held-out error (calibration domain)", fontsize=9)
+            ax.set_title(f"{SIDE_TITLES[side]}: {data_word} error (calibration domain)", fontsize=9)
             if heldout.get(side):
                 ax.legend(fontsize=7)
         r += 1
