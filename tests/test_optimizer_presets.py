@@ -307,6 +307,33 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
             assert plan.layers[i].v.levels.shape == (HK, 16) and plan.kv_config(i).value_levels
 
 
+def _kl64_and_fp32_bound(model, ids, plan):
+    """Float64 re-statement of Protocol A's KL on one sample ``ids [T]`` (int64) with ``plan``
+    (anything with ``fake_quant``): returns ``(Σ KL, Σ|terms|, n_terms, fp32 bound, positions)``.
+
+    ``fp32 bound``: a float32 log_softmax value ``x_i − m − log Σ exp(x_j − m)`` carries at most ~4
+    rounding errors of its magnitude, so one position's KL computed in float32 from the same logits
+    differs by at most Σ_i p_i·8·eps32·(|x_i − m| + log V + 1) over its two log-probabilities; the
+    returned bound is that sum over positions, computed from the logits (an argument, not a fit)."""
+    import math
+
+    from kvcal.capture.hooks import attention_hook
+    from kvcal.evaluate import plan_hook
+
+    eps32 = torch.finfo(torch.float32).eps
+    with torch.no_grad():
+        lr = model(ids[None], use_cache=False).logits[0, :-1]  # [T-1, V] float32
+        with attention_hook(model, plan_hook(plan)):
+            lq = model(ids[None], use_cache=False).logits[0, :-1]
+    a, b = torch.log_softmax(lr.double(), -1), torch.log_softmax(lq.double(), -1)
+    terms = a.exp() * (a - b)  # [T-1, V] float64
+    bound = 0.0
+    for x in (lr, lq):
+        mag = (x.double() - x.double().max(-1, keepdim=True).values).abs() + math.log(x.shape[-1]) + 1
+        bound += float((a.exp() * 8 * eps32 * mag).sum())
+    return float(terms.sum()), float(terms.abs().sum()), terms.numel(), bound, lr.shape[0]
+
+
 def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
     """side_sensitivity(l, s) = the Protocol A mean KL of a plan that quantizes only that side.
 
@@ -320,10 +347,7 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
       over the two log-probabilities; the bound is that sum, computed from the logits.
     Comparing at batch 2 (as this test once did) is not shared arithmetic: another BLAS blocking moves
     codes across rounding boundaries, by an amount no argument bounds."""
-    import math
-
-    from kvcal.capture.hooks import attention_hook
-    from kvcal.evaluate import plan_hook, side_sensitivity
+    from kvcal.evaluate import side_sensitivity
 
     model, cap = tiny_capture
     # one sink (not the automatic choice): 23 of 24 tokens quantized
@@ -339,28 +363,15 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
         def fake_quant(self, layer, side, x):
             return plan.fake_quant(layer, side, x) if (layer, side) == self.key else x
 
-    eps32, eps64 = torch.finfo(torch.float32).eps, torch.finfo(torch.float64).eps
-    with torch.no_grad():
-        ref_logits = [model(ids[None], use_cache=False).logits[0, :-1] for ids in samples]  # [T-1, V] fp32
-    vocab = ref_logits[0].shape[-1]
-    n_pos = sum(lg.shape[0] for lg in ref_logits)
+    eps64 = torch.finfo(torch.float64).eps
     for key, v in kl.items():
         assert v > 0
-        total, abs_total, bound32 = 0.0, 0.0, 0.0
-        with torch.no_grad(), attention_hook(model, plan_hook(One(key))):
-            q_logits = [model(ids[None], use_cache=False).logits[0, :-1] for ids in samples]
-        for lr, lq in zip(ref_logits, q_logits):
-            a, b = torch.log_softmax(lr.double(), -1), torch.log_softmax(lq.double(), -1)
-            terms = a.exp() * (a - b)  # [T-1, V] float64
-            total += float(terms.sum())
-            abs_total += float(terms.abs().sum())
-            for x in (lr, lq):
-                mag = (x.double() - x.double().max(-1, keepdim=True).values).abs() + math.log(vocab) + 1
-                bound32 += float((a.exp() * 8 * eps32 * mag).sum())
-        ref64 = total / n_pos
-        assert abs(v - ref64) <= terms.numel() * len(samples) * eps64 * abs_total / n_pos
+        parts = [_kl64_and_fp32_bound(model, ids, One(key)) for ids in samples]
+        n_pos = sum(p[4] for p in parts)
+        ref64 = sum(p[0] for p in parts) / n_pos
+        assert abs(v - ref64) <= sum(p[2] for p in parts) * eps64 * sum(p[1] for p in parts) / n_pos
         tf = teacher_forced(model, torch.stack(samples), {"one": One(key)}, batch_size=1, progress=False)
-        assert abs(tf["one"]["kl_mean"] - ref64) <= bound32 / n_pos
+        assert abs(tf["one"]["kl_mean"] - ref64) <= sum(p[3] for p in parts) / n_pos
     with pytest.raises(ValueError, match="sink_tokens"):  # too short to read a quantized token
         side_sensitivity(model, [torch.tensor([5, 6, 7])[: plan.sink_tokens + 1]], plan, progress=False)
 
@@ -382,10 +393,16 @@ def test_plans_kl_is_protocol_a_kl_over_samples_of_any_length(tiny_capture):
     a, b = _samples(1, 24, seed=11)[0], _samples(1, 13, seed=12)[0]
     kl = plans_kl(model, [a, b, torch.tensor([7])], {**plans, "none": Identity()}, progress=False)
     assert kl["none"] == 0.0
+    eps64 = torch.finfo(torch.float64).eps
     for n, p in plans.items():
+        # same [1, T] forwards as plans_kl: the codes are shared; the float64 pooled KL is exact up to
+        # summation order, and teacher_forced's float32 KL within the derived log_softmax bound
+        pa, pb = _kl64_and_fp32_bound(model, a, p), _kl64_and_fp32_bound(model, b, p)
+        ref64 = (pa[0] + pb[0]) / 35
+        assert kl[n] > 0 and abs(kl[n] - ref64) <= (pa[2] + pb[2]) * eps64 * (pa[1] + pb[1]) / 35
         ra = teacher_forced(model, a[None], {"p": p}, progress=False)["p"]["kl_mean"]
         rb = teacher_forced(model, b[None], {"p": p}, progress=False)["p"]["kl_mean"]
-        assert kl[n] > 0 and kl[n] == pytest.approx((23 * ra + 12 * rb) / 35, rel=5e-3)
+        assert abs((23 * ra + 12 * rb) / 35 - ref64) <= (pa[3] + pb[3]) / 35
     with pytest.raises(ValueError, match="at least 2 tokens"):
         plans_kl(model, [torch.tensor([7])], plans, progress=False)
 
