@@ -412,13 +412,13 @@ def check_output_file(path: str | os.PathLike, kind: str, inputs: dict[str, obje
 
 def write_file_atomically(path: str | os.PathLike, content: str | bytes | Callable[[Path], None], kind: str,
                           inputs: dict[str, object] | None = None, error: type[KvcalError] = KvcalError,
-                          flag: str = "--out") -> Path:
+                          flag: str = "--out", hint: str = "") -> Path:
     """Write one file atomically and return its path: ``content`` (text is UTF-8) or ``content(tmp)``
     fills a temporary sibling, which replaces ``path`` (``os.replace``) only when complete; on any error
     (also Ctrl-C) nothing is left and an existing file is untouched. Permissions follow the umask.
 
     Raises ``error`` for every refusal of :func:`check_output_file` (``kind``, ``inputs``, ``flag`` as
-    there) or on OS errors (read-only location, disk full)."""
+    there) or on OS errors (read-only location, disk full; ``hint`` ends that message)."""
     p = Path(path)
     check_output_file(p, kind, inputs, error, flag)
     parent = Path(os.path.abspath(p)).parent  # the link's directory when p is a link: os.replace swaps the link
@@ -441,7 +441,7 @@ def write_file_atomically(path: str | os.PathLike, content: str | bytes | Callab
         os.replace(tmp, p)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise error(f"failed writing {p}: {e.strerror or e}; nothing was written") from None
+        raise error(f"cannot write {p}: {e.strerror or e}; nothing was written" + (f" — {hint}" if hint else "")) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

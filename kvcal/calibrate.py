@@ -232,7 +232,8 @@ def _save_checkpoint(ck: Checkpointing, state: dict, inputs: dict | None = None)
     to ``ck.path`` atomically; refuses a file there that is not a kvcal checkpoint, or an input."""
     from kvcal.artifact import write_file_atomically
 
-    write_file_atomically(ck.path, lambda tmp: torch.save(state, tmp), "checkpoint", inputs, KvcalError, "--out")
+    write_file_atomically(ck.path, lambda tmp: torch.save(state, tmp), "checkpoint", inputs, KvcalError, "--out",
+                          hint="free space or drop --checkpoint-every")
 
 
 def _load_checkpoint(ck: Checkpointing) -> dict:

@@ -173,7 +173,7 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
     from kvcal.errors import KvcalError
 
     ck = Checkpointing(str(tmp_path / "run.checkpoint.pt"), every=1)
-    _save_checkpoint(ck, {"batch": 1})
+    _save_checkpoint(ck, {"fingerprint": "run", "batch": 1})  # a kvcal checkpoint names its run
     real_save = torch.save
 
     def interrupted(obj, f, *a, **k):
@@ -182,7 +182,7 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _save_checkpoint(ck, {"batch": 2})
+        _save_checkpoint(ck, {"fingerprint": "run", "batch": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.checkpoint.pt"]
     assert torch.load(tmp_path / "run.checkpoint.pt")["batch"] == 1
 
@@ -191,8 +191,8 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(KvcalError, match="cannot write the checkpoint .*No space left"):
-        _save_checkpoint(ck, {"batch": 3})
+    with pytest.raises(KvcalError, match="cannot write .*run.checkpoint.pt: No space left.*drop --checkpoint-every"):
+        _save_checkpoint(ck, {"fingerprint": "run", "batch": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.checkpoint.pt"]
 
 
