@@ -119,13 +119,67 @@ def resolve_model(model: str | None) -> ModelSource:
     return ModelSource(model, local)
 
 
+def gguf_cache_dir(src: ModelSource) -> Path | None:
+    """Where the config and tokenizer converted from ``src``'s GGUF are kept (``None`` for other models).
+
+    transformers converts a GGUF's config and tokenizer by parsing every metadata field (the whole
+    vocabulary and merges): 5-15 s for the embedded SmolLM2 on a 2-core CPU, paid before any input
+    error could be reported. The converted files are saved once with ``save_pretrained`` under
+    ``$KVCAL_CACHE`` (default ``$XDG_CACHE_HOME/kvcal`` or ``~/.cache/kvcal``) in a folder keyed by the
+    GGUF's resolved path, size and mtime and the transformers version, so a changed file or
+    converter never reuses an old conversion."""
+    if not src.gguf_file:
+        return None
+    import hashlib
+
+    import transformers
+
+    f = (Path(src.path) / src.gguf_file).resolve()
+    try:
+        st = f.stat()
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{f}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:32]
+    base = os.environ.get("KVCAL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcal"
+    return Path(base) / "gguf" / key
+
+
+def _cached_conversion(src: ModelSource, marker: str, load_cached, convert):
+    """``load_cached(dir)`` from :func:`gguf_cache_dir` when ``dir/marker`` exists, else ``convert()``,
+    whose result is then saved there (atomically: written to a temporary folder, then renamed).
+    The cache only saves time: an unreadable or unwritable cache falls back to the conversion."""
+    import shutil
+    import tempfile
+
+    d = gguf_cache_dir(src)
+    if d is not None and (d / marker).is_file():
+        try:
+            return load_cached(d)
+        except Exception:  # a damaged cache entry: convert again below and replace it
+            pass
+    obj = convert()
+    if d is not None:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d))
+            obj.save_pretrained(tmp)
+            for f in tmp.iterdir():
+                os.replace(f, d / f.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+    return obj
+
+
 def load_model_config(model: str | None):
-    """Load the transformers config of ``model`` (no weights). Raises :class:`ModelLoadError`."""
+    """Load the transformers config of ``model`` (no weights; a GGUF's from its conversion cache,
+    :func:`gguf_cache_dir`). Raises :class:`ModelLoadError`."""
     from transformers import AutoConfig
 
     src = resolve_model(model)
     try:
-        return AutoConfig.from_pretrained(src.path, **src.load_kwargs)
+        return _cached_conversion(src, "config.json", AutoConfig.from_pretrained,
+                                  lambda: AutoConfig.from_pretrained(src.path, **src.load_kwargs))
     except Exception as e:
         raise ModelLoadError(f"cannot read the config of {src.model_id}: {e}") from None
 
@@ -147,7 +201,8 @@ def max_positions(model: str | None) -> int | None:
 
 
 def load_tokenizer(model: str | None):
-    """Load the tokenizer of ``model`` offline. Raises :class:`ModelLoadError`."""
+    """Load the tokenizer of ``model`` offline (a GGUF's from its conversion cache,
+    :func:`gguf_cache_dir`: the same files ``save_pretrained`` writes). Raises :class:`ModelLoadError`."""
     from transformers import AutoTokenizer
 
     src = resolve_model(model)
@@ -157,7 +212,8 @@ def load_tokenizer(model: str | None):
         raise ModelLoadError(f"{p} has no tokenizer files ({', '.join(names)}); copy the model's tokenizer.json and "
                              "tokenizer_config.json into it (the tokenizer must be the one the server uses)")
     try:
-        return AutoTokenizer.from_pretrained(src.path, **src.load_kwargs)
+        return _cached_conversion(src, "tokenizer_config.json", AutoTokenizer.from_pretrained,
+                                  lambda: AutoTokenizer.from_pretrained(src.path, **src.load_kwargs))
     except Exception as e:
         msg = " ".join(str(e).split())
         raise ModelLoadError(f"cannot load the tokenizer of {src.model_id}: {msg[:300]}; check that {p} holds the "

@@ -345,3 +345,45 @@ def test_fuzz_artifact_metadata_through_inspect_and_export(files, fuzz_env):
             assert not out.exists()
 
     run()
+
+
+# ---------------------------------------------------------------------------------------------- GGUF conversion cache
+
+
+def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
+    import os
+
+    from kvcal.models import ModelSource, gguf_cache_dir
+
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 60)
+    src = ModelSource(str(f), str(tmp_path), f.name)
+    a = gguf_cache_dir(src)
+    assert a.parent == tmp_path / "cache" / "gguf" and gguf_cache_dir(src) == a
+    os.utime(f, ns=(1, 1))  # same bytes, another mtime: another entry
+    assert gguf_cache_dir(src) != a
+    f.write_bytes(b"GGUF" + b"\0" * 61)
+    assert gguf_cache_dir(src) != a
+    assert gguf_cache_dir(ModelSource("d", str(tmp_path))) is None  # HF directories read their own files
+
+
+@pytest.mark.model
+def test_gguf_tokenizer_and_config_from_the_cache_equal_the_conversion(tmp_path, monkeypatch):
+    """The embedded GGUF's tokenizer/config: converted once (5-15 s), then read from the cache (about 1 s):
+    the same ids on every shipped chat and text corpus, the same chat template and the same model metadata."""
+    from kvcal.models import load_model_config, load_tokenizer, model_metadata, resolve_model
+
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path))
+    converted, cached = load_tokenizer(None), load_tokenizer(None)
+    assert str(tmp_path) in cached.name_or_path and str(tmp_path) not in converted.name_or_path
+    sets = Path(__file__).resolve().parents[1] / "calibration_sets"
+    chats = [json.loads(line)["messages"] for line in (sets / "chat.jsonl").read_text().splitlines() if line.strip()]
+    assert len(chats) == 44
+    for m in chats:
+        assert converted.apply_chat_template(m, tokenize=False) == cached.apply_chat_template(m, tokenize=False)
+    text = (sets / "chat.txt").read_text()
+    assert converted(text)["input_ids"] == cached(text)["input_ids"]
+    assert converted.all_special_tokens == cached.all_special_tokens and len(converted) == len(cached)
+    src = resolve_model(None)
+    assert model_metadata(load_model_config(None), src) == model_metadata(load_model_config(None), src)
