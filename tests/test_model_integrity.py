@@ -265,8 +265,6 @@ def test_export_refuses_a_model_dir_with_other_weights_and_warns_for_old_artifac
     a = save_tiny(tmp_path / "a")
     res = _calibrate(tmp_path, a)
     art = load_artifact(res["out"])
-    assert art.metadata["model"]["weights"]["layers"] and art.metadata["model"]["weights"]["scheme"]
-    export(art, "vllm", tmp_path / "ok", model_dir=a)  # the calibrated checkpoint: accepted
     b = save_tiny(tmp_path / "b", seed=1)  # same config, other weights (another fine-tune)
     r = CliRunner().invoke(main, ["export", "--artifact", res["out"], "--target", "vllm", "--out",
                                   str(tmp_path / "no"), "--model-dir", str(b)])
@@ -274,6 +272,9 @@ def test_export_refuses_a_model_dir_with_other_weights_and_warns_for_old_artifac
     line = r.output.strip().splitlines()
     assert len(line) == 1 and "weights differ" in line[0] and "layers 0-3" in line[0] and "re-calibrate" in line[0]
     assert not (tmp_path / "no").exists()
+    assert art.metadata["model"]["weights"]["layers"] and art.metadata["model"]["weights"]["scheme"]
+    res_ok = export(art, "vllm", tmp_path / "ok", model_dir=a)  # the calibrated checkpoint: accepted, no warning
+    assert not [w for w in res_ok.warnings if "fingerprint" in w]
     # an artifact written before the fingerprint existed: exported, with a one-line warning
     meta = json.loads(json.dumps(art.metadata))
     del meta["model"]["weights"]
