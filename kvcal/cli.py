@@ -150,6 +150,9 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
     """
     from pathlib import Path
 
+    from kvcal.corpus import check_corpus
+
+    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
     from kvcal.calibrate import CalibrateConfig, checkpoint_path, output_dir
     from kvcal.calibrate import calibrate as run
 
@@ -463,6 +466,9 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
     exit 1 when the artifact fails its acceptance criteria."""
     from pathlib import Path
 
+    from kvcal.corpus import check_corpus
+
+    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
     from kvcal.evaluate import EvalConfig, evaluate, render_table, to_json
 
     cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,

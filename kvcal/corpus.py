@@ -102,11 +102,14 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvcal.errors import CorpusError
+
+if TYPE_CHECKING:
+    import torch  # imported where samples are built: check_corpus runs before torch is imported
 
 #: Longest accepted line, in bytes (8 MiB). Longer lines are refused with a CorpusError.
 MAX_LINE_BYTES = 8 * 1024 * 1024
@@ -890,6 +893,32 @@ def check_corpus(path, *, text_field: str | None = None, messages_field: str | N
     """
     spath = str(path)
     _check_args(spath, text_field, messages_field)
+    key = _check_key(spath, text_field, messages_field, split)
+    if key is not None and key in _CHECKED:
+        return dict(_CHECKED[key])
+    res = _check(spath, text_field, messages_field, split)
+    if key is not None:
+        _CHECKED[key] = dict(res)
+    return res
+
+
+#: check_corpus results of this process, keyed by path, options and the file's size and mtime: the CLI
+#: checks a corpus before importing torch and the API checks it again; the second check is free.
+_CHECKED: dict[tuple, dict] = {}
+
+
+def _check_key(spath: str, *opts) -> tuple | None:
+    p = Path(spath).expanduser()
+    try:
+        st = p.stat()
+    except OSError:
+        return None  # hub ids and missing paths are not memoized
+    if p.is_dir():
+        return None
+    return (str(p.resolve()), st.st_size, st.st_mtime_ns, *opts)
+
+
+def _check(spath: str, text_field, messages_field, split) -> dict:
     src = _resolve(spath, split)
     if src.kind == "txt":
         if text_field is not None or messages_field is not None:
@@ -969,6 +998,8 @@ def load_corpus(
     counts = {"lines": 0, "empty": 0, "short": 0, "docs": 0}
     seen_formats: set[str] = set()
     parser = None
+
+    import torch
 
     def offer(lineno, ids: list[int], truncated: bool, fmt: str) -> None:
         if len(ids) < min_tokens:
