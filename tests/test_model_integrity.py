@@ -284,6 +284,12 @@ def test_export_refuses_a_model_dir_with_other_weights_and_warns_for_old_artifac
     assert r.exit_code == 0, r.output
     warn = [x for x in r.output.splitlines() if "fingerprint" in x]
     assert len(warn) == 1 and "cannot verify" in warn[0]
+    meta = json.loads(json.dumps(art.metadata))
+    meta["model"]["weights"]["layers"] = "all"  # a malformed fingerprint: one line, not a traceback
+    bad = write_artifact(tmp_path / "bad", art.tensors, meta)
+    r = CliRunner().invoke(main, ["export", "--artifact", str(bad), "--target", "vllm", "--out",
+                                  str(tmp_path / "badx"), "--model-dir", str(a)])
+    assert r.exit_code == 2 and "fingerprint is malformed" in r.output and "Traceback" not in r.output
 
 
 # ---- held-out figures without a held-out split ----------------------------------------------------

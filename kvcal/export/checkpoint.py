@@ -216,6 +216,11 @@ def check_weights(meta: dict, ckpt: Checkpoint) -> list[str]:
         why = "records no weight fingerprint" if rec is None else "records a weight fingerprint of another scheme"
         return [f"the artifact {why}, so kvcal cannot verify that --model-dir {ckpt.path} holds the weights it was "
                 "calibrated on (re-calibrate with this kvcal to record one)"]
+    L, layers = rec.get("num_layers"), rec.get("layers")
+    if not (isinstance(L, int) and isinstance(layers, list) and len(layers) == L
+            and all(x is None or isinstance(x, str) for x in layers) and isinstance(rec.get("embedding_name"), str)):
+        raise ExportError("the artifact's model.weights fingerprint is malformed (num_layers, layers, embedding_name); "
+                          "the metadata was edited — re-run calibration")
     diff = compare_fingerprints(rec, checkpoint_weights_fingerprint(ckpt, rec))
     if diff:
         raise ExportError(f"--model-dir {ckpt.path} is not the checkpoint the artifact was calibrated on: its weights "
