@@ -237,3 +237,14 @@ def test_tool_calls_rendered_by_a_template_that_knows_them(tok, tmp_path):
     c = load_corpus(jsonl(tmp_path / "o.jsonl", OPENAI), t, max_seq_len=512)
     assert c.tool_calls_rendered is True
     assert "assistant: [call look]" in t.decode(c.samples[0])
+
+
+@pytest.mark.parametrize("name", ["chat", "tool_use", "code"])
+def test_shipped_sets_as_parquet_give_the_same_ids(tok, tmp_path, name):
+    """calibration_sets/README.md: a Parquet export of a shipped JSONL set loads to the same token ids."""
+    src = Path(__file__).resolve().parents[1] / "calibration_sets" / f"{name}.jsonl"
+    ds = datasets.load_dataset("json", data_files=str(src), split="train", cache_dir=str(tmp_path / "cache"))
+    ds.to_parquet(str(tmp_path / f"{name}.parquet"))
+    a = load_corpus(src, tok, max_seq_len=2048)
+    b = load_corpus(tmp_path / f"{name}.parquet", tok, max_seq_len=2048)
+    assert ids(a) == ids(b) and len(a) in (44, 20, 30) and a.format == b.format
