@@ -387,3 +387,35 @@ def test_gguf_tokenizer_and_config_from_the_cache_equal_the_conversion(tmp_path,
     assert converted.all_special_tokens == cached.all_special_tokens and len(converted) == len(cached)
     src = resolve_model(None)
     assert model_metadata(load_model_config(None), src) == model_metadata(load_model_config(None), src)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def test_calibrate_and_evaluate_on_a_parquet_chat_log(tiny_dir, tmp_path):
+    """A Parquet export of OpenAI-format chat logs through the real calibrate and evaluate (tiny model)."""
+    import hashlib
+
+    import datasets
+
+    from kvcal.artifact import load_artifact
+
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": f"Question {i}: what is cached?"},
+                                                       {"type": "image_url", "image_url": {"url": f"u{i}"}}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "Keys and values. " * (i + 3)}]}]}
+            for i in range(8)]
+    p = tmp_path / "logs.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(p))
+    out = tmp_path / "art"
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(p), "--model", str(tiny_dir), "--out", str(out),
+                                  "--max-seq-len", "64", "--batch-size", "4", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "[messages; parquet]" in r.output and "dropped    8 image_url chat content part(s)" in r.output
+    meta = load_artifact(out).metadata["corpus"]
+    assert (meta["source"], meta["format"], meta["sha256"]) == ("parquet", "messages",
+                                                                hashlib.sha256(p.read_bytes()).hexdigest())
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", str(out), "--corpus", str(p), "--model", str(tiny_dir),
+                                  "--context", "32", "--windows", "1", "--no-baselines", "--mode", "teacher_forced",
+                                  "--json", str(tmp_path / "e.json"), "--quiet"])
+    assert r.exit_code in (0, 1), r.output
+    assert json.loads((tmp_path / "e.json").read_text())["corpus"]["kind"] == "parquet"
