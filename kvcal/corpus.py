@@ -232,11 +232,11 @@ def format_shape(shape: dict) -> str:
     fmt = str(g("format", "?"))
     if fmt == "mixed" and g("formats"):
         fmt += " (" + ", ".join(f"{k} {v}" for k, v in g("formats").items()) + ")"
-    src = g("source") or "jsonl"
-    table = src not in ("jsonl", "txt")
-    where = f"{src}" + (f", split {g('split')}" if g("split") else "")
+    src = g("source")  # absent in shapes recorded before datasets sources: say nothing about it
+    table = src not in (None, "jsonl", "txt")
+    where = (f"; {src}" if src else "") + (f", split {g('split')}" if g("split") else "")
     lines = [
-        f"corpus     {g('path', '?')}  [{fmt}; {where}]  sha256 {str(g('sha256', '?'))[:12]}",
+        f"corpus     {g('path', '?')}  [{fmt}{where}]  sha256 {str(g('sha256', '?'))[:12]}",
         f"samples    {n:,}{sel}  from {g('lines', 0):,} {'rows' if table else 'lines'}; {g('skipped_empty', 0):,} "
         f"empty lines skipped, {g('dropped_short', 0):,} samples under {g('min_tokens', 2)} tokens dropped",
         f"tokens     {g('tokens', 0):,} total, mean {g('mean', 0.0):.1f} per sample",

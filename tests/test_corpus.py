@@ -169,6 +169,9 @@ def test_txt_document_split_at_size_limit(tok, tmp_path, monkeypatch):
 def test_format_shape_tolerates_partial_dict():
     text = format_shape({"samples": 3, "tokens": 30, "p50": 10.0, "p90": 12.0, "p99": 12.0, "max": 12})
     assert "samples    3" in text and "p90 12" in text
+    # a shape recorded before datasets sources (no "source"): no source is made up for it
+    old = format_shape({"path": "a.txt", "format": "txt", "samples": 1, "lines": 4})
+    assert "[txt]" in old and "from 4 lines" in old
 
 
 def test_txt_remainder_window_below_min_tokens_is_dropped_and_counted(tok, tmp_path):
