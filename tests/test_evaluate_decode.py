@@ -167,11 +167,11 @@ def test_cli_exit_codes(tmp_path, tiny_dir):
     r = CliRunner().invoke(main, [*base, "--accept", "kl<=1"])
     assert r.exit_code == 2 and "error:" in r.output and "unknown" in r.output
     r = CliRunner().invoke(main, [*base, "--context", "4096"])
-    assert r.exit_code == 2 and "maximum 128" in r.output
+    assert r.exit_code == 2 and "max_position_embeddings 128" in r.output  # kvcal.models.check_max_positions
     # refused from the artifact's metadata, before any model is loaded (this --model does not exist)
     no_model = [*base[:6], str(tmp_path / "no-such-model"), *base[7:]]
     r = CliRunner().invoke(main, [*no_model, "--context", "4096"])
-    assert r.exit_code == 2 and "maximum 128 positions (artifact metadata)" in r.output
+    assert r.exit_code == 2 and "max_position_embeddings 128 (artifact metadata)" in r.output
     # an unwritable --json is refused before the evaluation runs
     (tmp_path / "afile").write_text("x")
     r = CliRunner().invoke(main, [*no_model, "--json", str(tmp_path / "afile" / "e.json")])
