@@ -459,9 +459,12 @@ def int_list(lo: int, hi: int = MAX_INT):
                    "is a kvcal evaluation (never an input, the artifact's files or a file kvcal did not write).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--vllm-dtype", "vllm_dtypes", default="",
+              help="Also evaluate these vLLM --kv-cache-dtype values (comma-separated, e.g. fp8,turboquant_4bit_nc) "
+                   "as vLLM 0.33 serves them, FP8 query quantization included (rows vllm:<dtype>, teacher-forced).")
 @user_errors
 def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, contexts, batches, windows, decode_tokens, greedy_tokens, modes,
-                 baselines, accept, json_path, device, quiet):
+                 baselines, accept, json_path, device, quiet, vllm_dtypes=""):
     """Evaluate an artifact teacher-forced (Protocol A) and in decode mode through the runtime cache;
     exit 1 when the artifact fails its acceptance criteria."""
     from pathlib import Path
@@ -474,7 +477,8 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
     cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
                      windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
                      accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device,
-                     text_field=text_field, messages_field=messages_field, split=split)
+                     text_field=text_field, messages_field=messages_field, split=split,
+                     vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()))
     inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
     if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
         from kvcal.artifact import check_output_file

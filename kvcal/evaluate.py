@@ -39,7 +39,10 @@ JSON schema ``"kvcal-eval/1"`` (keys are stable; all losses in nats, bytes are e
       "methods": {name: {"role": "artifact" | "reference" | "baseline", "label": str,
                          "k": spec dict | null, "v": spec dict | null, "residual_window": int,
                          "sink_tokens": int, "quantized_tensors": ["k", "v"], "bits": int,
-                         "criteria": str}},
+                         "criteria": str}
+                  — and for ``--vllm-dtype D`` rows ``"vllm:D"``: {"role": "vllm", "engine": "vllm",
+                  "kv_cache_dtype", "skip_layers", "query_quantization", "k_scale", "v_scale",
+                  "q_scale", "label", "bits", "criteria"} (teacher-forced rows only)},
       "results": [{"method": str, "mode": "teacher_forced" | "decode", "context": int, "batch": int,
                    "ppl": float, "delta_ppl": float, "kl_mean": float, "kl_p999": float,
                    "top1_agree": float, "greedy_agree": float | null, "greedy_prefix": float | null,
@@ -295,6 +298,8 @@ def parse_accept(spec: str) -> list[tuple[str, str, float]]:
 
 def _quantized_bits(plan) -> list[int]:
     """Payload bits of every quantized (layer, side) of ``plan``."""
+    if hasattr(plan, "quantized_bits"):  # a VllmKVPlan
+        return plan.quantized_bits()
     return [sp.spec.bits for lp in plan.layers for sp in (lp.k, lp.v) if sp.spec.is_quantized]
 
 
@@ -607,9 +612,18 @@ class EvalConfig:
     text_field: str | None = None  # corpus options, as kvcal.corpus.load_corpus
     messages_field: str | None = None
     split: str | None = None
+    vllm_dtypes: tuple[str, ...] = ()  # vLLM --kv-cache-dtype values evaluated side by side (rows "vllm:<dtype>")
 
     def __post_init__(self):
         from kvcal.errors import KvcalError
+
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
+
+        for d in self.vllm_dtypes:
+            try:
+                vllm_dtype(d)
+            except VllmDTypeError as e:
+                raise KvcalError(f"--vllm-dtype: {e}") from None
 
         if not self.contexts or any(int(c) < 2 for c in self.contexts):
             raise KvcalError("--context values must be integers >= 2 (e.g. 1024,4096,8192)")
@@ -714,13 +728,29 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
             roles[name] = "baseline"
         notes.append(f"kivi4/kivi2 keep the {cfg.kivi_window} most recent tokens in 16 bits in decode mode "
                      "(KIVI's residual); teacher-forced rows quantize every key/value attention reads.")
+    vllm_names = set()
+    for d in dict.fromkeys(cfg.vllm_dtypes):
+        from kvcal.vllm_plan import VllmKVPlan
+
+        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan)
+        roles[f"vllm:{d}"] = "vllm"
+        vllm_names.add(f"vllm:{d}")
+        notes.append(note)
+    if vllm_names and "decode" in cfg.modes:
+        notes.append("vllm:* rows are teacher-forced only: every vLLM dtype quantizes each token's K/V on its own "
+                     "(static or per-token scales), so a decode step reads exactly what Protocol A reads at that "
+                     "position; kvcal's runtime cache does not hold vLLM layouts.")
     crit_str = {name: cfg.accept or default_accept(p) for name, p in plans.items()}
     crit = {name: parse_accept(s) for name, s in crit_str.items()}
     methods = {"16-bit": {"role": "reference", "label": f"unquantized K/V ({str(next(model.parameters()).dtype).replace('torch.', '')})",
                           "k": None, "v": None, "residual_window": 0, "sink_tokens": 0, "quantized_tensors": [],
                           "bits": 16, "criteria": ""}}
     for name, p in plans.items():
-        methods[name] = {"role": roles[name], **describe_plan(p), "criteria": crit_str[name]}
+        desc = ({"k": None, "v": None, "residual_window": 0, "sink_tokens": 0,
+                 "quantized_tensors": ["k", "v"] if p.quantized_bits() else [], **p.describe(),
+                 "label": f"vLLM --kv-cache-dtype {p.kv_cache_dtype}", "bits": plan_bits(p)}
+                if name in vllm_names else describe_plan(p))
+        methods[name] = {"role": roles[name], **desc, "criteria": crit_str[name]}
 
     results, measured = [], []
 
@@ -753,7 +783,8 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                 log(f"decode: {len(w)} windows x {T} tokens, batch {B}, {min(cfg.decode_tokens, T - 1)} decoded "
                     f"positions each, {len(plans)} methods")
                 meas: list = []
-                res = decode_eval(model, w, plans, B, cfg.decode_tokens, cfg.greedy_tokens, progress, meas)
+                res = decode_eval(model, w, {n: p for n, p in plans.items() if n not in vllm_names}, B,
+                                  cfg.decode_tokens, cfg.greedy_tokens, progress, meas)
                 add_rows(res, "decode", T, B, len(w), time.perf_counter() - t0)
                 eval_tokens.setdefault(str(T), {})["decode"] = res["16-bit"]["tokens"]
                 for m in meas:
@@ -771,6 +802,15 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     b16 = int(bytes_per_token(shp, preset("bf16")))
     memory = {"bytes_per_token": {}, "bytes_per_token_16bit": b16, "cache_bytes": {}, "measured": measured}
     for name, p in plans.items():
+        if name in vllm_names:
+            from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
+
+            memory["bytes_per_token"][name] = vllm_bytes_per_token(shp, p.kv_cache_dtype, p.skipped)
+            memory["cache_bytes"][name] = [
+                {"context": T, "batch": B, "bytes": (nb := vllm_cache_bytes(shp, p.kv_cache_dtype, T, B,
+                                                                            skip_layers=p.skipped)),
+                 "vs_16bit": nb / (b16 * T * B)} for T in contexts for B in batches]
+            continue
         cfgs = [p.kv_config(i) for i in range(L)]
         memory["bytes_per_token"][name] = bytes_per_token(shp, cfgs)
         memory["cache_bytes"][name] = []

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcal.formats.vllm_dtypes import (
+    TQ_PRESETS,
     VllmDTypeError,
     boundary_skip_layers,
     fake_quant_kv,
@@ -99,6 +100,49 @@ class VllmKVPlan:
             return q
         return fake_quant_query(self.kv_cache_dtype, q, q_scale=self.q_scales[layer],
                                 num_kv_heads=num_kv_heads).to(q.dtype)
+
+    def quantized_bits(self) -> list[int]:
+        """Payload bits of every quantized (layer, side), as kvcal's acceptance bars read them:
+        fp8* / int8 / fp8 per token-head 8, int4 per token-head and nvfp4* 4, turboquant its key
+        bits (8 for k8) and value bits."""
+        name = self.kv_cache_dtype
+        if name.startswith("turboquant_"):
+            kb, vb = TQ_PRESETS[name][:2]
+        elif name.startswith("nvfp4") or name == "int4_per_token_head":
+            kb = vb = 4
+        else:
+            kb = vb = 8
+        return [b for i in range(self.num_layers) if i not in self.skipped for b in (kb, vb)]
+
+    @classmethod
+    def from_kvcal_plan(cls, kv_cache_dtype: str, plan, **kw) -> tuple[VllmKVPlan, str]:
+        """The vLLM plan for ``kv_cache_dtype`` that a checkpoint exported from kvcal ``plan`` (a
+        :class:`~kvcal.plan.KVPlan`) would give vLLM: for fp8/fp8_e4m3, the plan's static e4m3
+        per-tensor / per-head k/v scales when it has them (q_scale 1.0: kvcal artifacts carry
+        none); vLLM's 1.0 otherwise. Returns ``(plan, note)`` with ``note`` saying which scales."""
+        L = plan.num_layers
+        if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            sides = [(lp.k, lp.v) for lp in plan.layers]
+            ok = all(sp.spec.format.value == "fp8_e4m3" and sp.spec.granularity.name in ("tensor", "head")
+                     and sp.scale is not None and sp.transform == "none" and sp.mean is None and sp.rounding is None
+                     for pair in sides for sp in pair)
+            if ok:
+                def as_scale(t):
+                    t = t.detach().float().reshape(-1)
+                    return float(t[0]) if t.numel() == 1 else t
+
+                k = [as_scale(a.scale) for a, _ in sides]
+                v = [as_scale(b.scale) for _, b in sides]
+                return cls(kv_cache_dtype, L, k_scales=k, v_scales=v, **kw), (
+                    f"vllm:{kv_cache_dtype}: the artifact's k/v scales as vLLM loads them, q_scale 1.0 (vLLM's "
+                    "default; the artifact has none), queries FP8-quantized")
+        note = (f"vllm:{kv_cache_dtype}: vLLM's defaults (static scales 1.0; no checkpoint scales)"
+                if vllm_dtype(kv_cache_dtype).static_scales else
+                f"vllm:{kv_cache_dtype}: scales computed at write time, as vLLM does")
+        if kv_cache_dtype.startswith("turboquant_"):
+            note += ("; first and last 2 layers at 16 bits (vLLM's boundary rule); vLLM's first-chunk prefill "
+                     "attends to raw K/V, so these rows measure what decode steps read")
+        return cls(kv_cache_dtype, L, **kw), note
 
     def describe(self) -> dict:
         """JSON description: dtype, skipped layers, query quantization and scale kinds."""

@@ -542,3 +542,45 @@ def test_vllm_plan_layers_and_sides(name):
         VllmKVPlan("int8_per_token_head", 6, k_scales=[0.5] * 6)
     with pytest.raises(V.VllmDTypeError, match="one per layer"):
         VllmKVPlan("fp8", 6, k_scales=[0.5] * 5)
+
+
+def test_kvcal_evaluate_runs_vllm_dtypes(tmp_path):
+    """`kvcal evaluate --vllm-dtype`: teacher-forced rows vllm:<dtype>; fp8 takes the artifact's k/v
+    scales (q_scale 1.0) — the same figures as the plan built by hand; vLLM's page bytes."""
+    from test_evaluate_decode import CharTok
+    from test_runtime import make_plan, tiny_model, write_tiny_artifact
+
+    from kvcal.evaluate import EvalConfig, evaluate, teacher_forced, text_windows
+    from kvcal.vllm_plan import VllmKVPlan
+
+    model = tiny_model()
+    kv = make_plan("fp8")
+    art = write_tiny_artifact(tmp_path, model, kv)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 12)
+    cfg = EvalConfig(str(art), str(corpus), contexts=(32,), batches=(1,), windows=2, decode_tokens=2,
+                     greedy_tokens=0, baselines=False, per_layer_tokens=0,
+                     vllm_dtypes=("fp8", "nvfp4", "turboquant_4bit_nc"))
+    doc = evaluate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=CharTok())
+    rows = {(r["method"], r["mode"]): r for r in doc["results"]}
+    assert ("vllm:fp8", "teacher_forced") in rows and ("vllm:fp8", "decode") not in rows
+    assert ("artifact", "decode") in rows
+    by_hand = VllmKVPlan("fp8", 2, k_scales=[float(lp.k.scale) for lp in kv.layers],
+                         v_scales=[float(lp.v.scale) for lp in kv.layers])
+    wins = text_windows(CharTok(), corpus.read_text(), 32, 2)
+    want = teacher_forced(model, wins, {"x": by_hand}, progress=False)["x"]
+    assert rows[("vllm:fp8", "teacher_forced")]["kl_mean"] == want["kl_mean"] > 0
+    # the tiny model has 2 layers: vLLM's turboquant boundary rule keeps both in 16 bits
+    assert rows[("vllm:turboquant_4bit_nc", "teacher_forced")]["kl_mean"] == 0.0
+    m = doc["methods"]
+    assert m["vllm:fp8"]["role"] == "vllm" and m["vllm:fp8"]["query_quantization"] == "fp8"
+    assert m["vllm:fp8"]["k_scale"] == "per-tensor" and m["vllm:nvfp4"]["k_scale"] == "1.0"
+    assert m["vllm:turboquant_4bit_nc"]["skip_layers"] == [0, 1]
+    bpt = doc["memory"]["bytes_per_token"]
+    assert bpt["vllm:fp8"] == 2 * 2 * 2 * 16 and bpt["vllm:nvfp4"] == 2 * 2 * 2 * (8 + 1)  # L·H·2 sides·(D/2+D/16)
+    assert bpt["vllm:turboquant_4bit_nc"] == doc["memory"]["bytes_per_token_16bit"]
+    assert any("teacher-forced only" in n for n in doc["notes"])
+    from kvcal.errors import KvcalError
+
+    with pytest.raises(KvcalError, match="--vllm-dtype: unknown"):
+        EvalConfig("a", "c", vllm_dtypes=("fp4",))

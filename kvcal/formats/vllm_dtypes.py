@@ -367,7 +367,7 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     """Round fp32 ``y`` to FP4 E2M1 (±{0, .5, 1, 1.5, 2, 3, 4, 6}), nearest, ties to the even code,
     saturating at ±6 — vLLM's ``cast_to_fp4`` (``nvfp4_emulation_utils.py``) and the hardware's
     ``cvt.rn.satfinite.e2m1x2.f32``. Returns the E2M1 values as fp32."""
-    a = y.abs()
+    a = y.abs().contiguous()
     idx = torch.bucketize(a, _E2M1_BOUNDS.to(a.device), right=False)  # ties go down
     on_bound = (idx < 7) & (a == _E2M1_BOUNDS.to(a.device)[idx.clamp(max=6)])
     idx = idx + (on_bound & (idx % 2 == 1)).to(idx.dtype)  # a tie goes up when the upper code is even
