@@ -43,6 +43,29 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (h / math.sqrt(d)).to(dtype)
 
 
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Normalized fast Walsh–Hadamard transform over the last dim: ``x @ hadamard_matrix(D)`` for
+    ``x [..., D]`` (same shape and dtype), by log2(D) butterfly stages of elementwise adds and
+    subtractions, then one multiply by ``1/√D``.
+
+    Why not the matrix product: a matmul's summation order depends on the BLAS kernel, which
+    differs between a 1-token decode step and a whole sequence and between CPUs (AVX2 / AVX-512 /
+    default), and an ulp of difference can move a quantized code across a rounding boundary.
+    Elementwise IEEE adds are exactly rounded, so every token row comes out bit-identical whatever
+    the batch, sequence length or CPU. Raises ``ValueError`` when ``D`` is not a power of two."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two head_dim, got {d}; use transform 'none'")
+    lead = x.shape[:-1]
+    h = 1
+    while h < d:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d)
+        h *= 2
+    return x * (1.0 / math.sqrt(d))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[-x2, x1]`` for ``x = [x1, x2]`` split in halves over the last dim (transformers' layout)."""
     h = x.shape[-1] // 2
@@ -108,8 +131,7 @@ def apply_transform(name: str, x: torch.Tensor, *, rope: RopeTable | None = None
     if name == "none":
         return x.float()
     if name == "hadamard":
-        h = hadamard_matrix(x.shape[-1]).to(x.device)
-        return x.float() @ h  # symmetric and involutive: the inverse is the same product
+        return fwht(x.float())  # symmetric and involutive: the inverse is the same transform
     if name == "pre_rope":
         if rope is None:
             raise ValueError("transform 'pre_rope' needs the model's RoPE table (rope=)")
@@ -117,4 +139,4 @@ def apply_transform(name: str, x: torch.Tensor, *, rope: RopeTable | None = None
     raise ValueError(f"unknown transform {name!r}; choose one of {TRANSFORMS}")
 
 
-__all__ = ["TRANSFORMS", "RopeTable", "hadamard_matrix", "rotate_half", "apply_transform"]
+__all__ = ["TRANSFORMS", "RopeTable", "fwht", "hadamard_matrix", "rotate_half", "apply_transform"]
