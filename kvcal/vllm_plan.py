@@ -22,8 +22,8 @@ from kvcal.formats.vllm_dtypes import (
     TQ_PRESETS,
     VllmDTypeError,
     boundary_skip_layers,
-    fake_quant_kv,
     fake_quant_query,
+    fake_quant_side,
     vllm_dtype,
 )
 
@@ -84,13 +84,8 @@ class VllmKVPlan:
         same shape and dtype (unchanged for a skipped layer)."""
         if layer in self.skipped:
             return x
-        if side not in ("k", "v"):
-            raise VllmDTypeError(f"side must be 'k' or 'v', got {side!r}")
-        scale = (self.k_scales if side == "k" else self.v_scales)[layer]
-        # each dtype quantizes K and V independently: quantize this side, pass it on both slots
-        kw = {"k_scale": scale, "v_scale": scale} if self.spec.static_scales else {}
-        out = fake_quant_kv(self.kv_cache_dtype, x, x, **kw)
-        return out[0 if side == "k" else 1].to(x.dtype)
+        scale = (self.k_scales if side == "k" else self.v_scales)[layer] if self.spec.static_scales else 1.0
+        return fake_quant_side(self.kv_cache_dtype, side, x, scale).to(x.dtype)
 
     def fake_quant_query(self, layer: int, q: torch.Tensor, num_kv_heads: int | None = None) -> torch.Tensor:
         """The query attention uses in ``layer`` for ``q`` [B, H_q, S, D] (same dtype): FP8 with the

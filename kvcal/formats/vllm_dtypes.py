@@ -584,6 +584,32 @@ def fake_quant_kv(name: str, k: torch.Tensor, v: torch.Tensor, *, k_scale=1.0, v
     return turboquant_fake_quant(name, k, v)
 
 
+def fake_quant_side(name: str, side: str, x: torch.Tensor, scale=1.0) -> torch.Tensor:
+    """:func:`fake_quant_kv` for one side only (``side`` ``"k"`` or ``"v"``; every vLLM dtype
+    quantizes K and V independently): fp32 [B,H,S,D]. ``scale``: that side's static scale."""
+    if side not in ("k", "v"):
+        raise VllmDTypeError(f"side must be 'k' or 'v', got {side!r}")
+    spec = vllm_dtype(name)
+    if not spec.static_scales and bool(_f32(scale).reshape(-1).ne(1.0).any()):
+        raise VllmDTypeError(f"--kv-cache-dtype {name} computes its scales at write time and ignores checkpoint "
+                             "k_scale/v_scale; leave them at 1.0")
+    if name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        return fp8_static_fake_quant(x, scale, e5m2=name == "fp8_e5m2")
+    if name in ("fp8_per_token_head", "int8_per_token_head"):
+        return per_token_head_fake_quant(x, name.split("_")[0])
+    if name == "int4_per_token_head":
+        return int4_per_token_head_fake_quant(x)
+    if name.startswith("nvfp4"):
+        return nvfp4_fake_quant(x, scale, four_over_six=name == "nvfp4_4over6")
+    kb, vb, nc = TQ_PRESETS[name]
+    _check_4d(x, "x")
+    if side == "v":
+        return turboquant_value_dequantize(*turboquant_value_quantize(x, vb))
+    if kb == 8:
+        return _cast_fp8(x.to(torch.float32), FP8_E4M3_MAX, torch.float8_e4m3fn).to(torch.float32)
+    return turboquant_key_dequantize(*turboquant_key_quantize(x, kb), kb, nc)
+
+
 def fake_quant_query(name: str, q: torch.Tensor, *, q_scale=1.0, num_kv_heads: int | None = None) -> torch.Tensor:
     """What attention uses for queries ``q`` [B, H_q, S, D] under ``--kv-cache-dtype name`` on a
     backend that accepts quantized queries: FP8 with ``q_scale`` for fp8/fp8_e4m3/nvfp4*
@@ -671,5 +697,5 @@ __all__ = [
     "e2m1_round", "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_fake_quant",
     "lloyd_max_centroids", "hadamard", "turboquant_key_quantize", "turboquant_key_dequantize",
     "turboquant_value_quantize", "turboquant_value_dequantize", "turboquant_fake_quant",
-    "fake_quant_kv", "fake_quant_query", "head_slot_bytes", "boundary_skip_layers", "layer_bytes_per_token",
+    "fake_quant_kv", "fake_quant_side", "fake_quant_query", "head_slot_bytes", "boundary_skip_layers", "layer_bytes_per_token",
 ]
