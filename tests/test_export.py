@@ -502,7 +502,11 @@ def test_tp_that_the_model_heads_cannot_split_is_refused(tmp_path):
     from kvcal.cli import main
 
     art = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-fp8"
-    for tp, fix in ((2, "choose --tp from 1, 3, 9"), (4, "from 1, 3, 9"), (10**11, "from 1, 3, 9")):
+    # a huge --tp (it once hung) is now refused by the option's own range, before the export looks at heads
+    r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", str(10**11),
+                                  "--out", str(tmp_path / "huge")])
+    assert r.exit_code == 2 and "--tp" in r.output and "Traceback" not in r.output and not (tmp_path / "huge").exists()
+    for tp, fix in ((2, "choose --tp from 1, 3, 9"), (4, "from 1, 3, 9"), (2**31 - 1, "from 1, 3, 9")):
         r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", str(tp),
                                       "--out", str(tmp_path / f"tp{tp}")])
         assert r.exit_code == 2 and f"cannot split over {tp} ranks" in r.output and fix in r.output, r.output
