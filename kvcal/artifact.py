@@ -716,7 +716,25 @@ def _spec_schema() -> dict:
     }
 
 
-_LAYER_SIDE_SCHEMA = {"scale": (_NUM_LIST, False), "amax": (_NUM_LIST, False)}
+_NUM_OR_LIST = (lambda v: _is_num(v) or _NUM_LIST[0](v), "a finite number or a list of them")
+_ERRORS = (lambda v: _is_num(v) or (isinstance(v, dict) and all(_is_num(x) for x in v.values())),
+           "a finite number or an object of them (the search's errors)")
+_LAYER_SIDE_SCHEMA = {"scale": (_NUM_LIST, False), "amax": (_NUM_LIST, False), "clip_ratio": (_NUM_OR_LIST, False),
+                      "heldout": (_ERRORS, False), "calib": (_ERRORS, False)}
+_CORPUS_SCHEMA = {  # the corpus summary inspect and report print
+    "path": (_optional(_STR), False), "sha256": (_optional(_STR), False), "format": (_optional(_STR), False),
+    "samples": (_optional(_NONNEG_INT), False), "tokens": (_optional(_NONNEG_INT), False),
+    "truncated": (_optional(_NONNEG_INT), False), "length_percentiles": (_optional(_OBJ), False),
+}
+
+_VLLM_SCHEMA = {  # calibrate --engine vllm (kvcal.search.vllm_fp8.vllm_metadata): what inspect and report print
+    "engine": ((lambda v: v == "vllm", '"vllm"'), True), "kv_cache_dtype": (_STR, True),
+    "skip_layers": ((lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
+                     "a list of layer indices"), False),
+    "query_quantization": (_STR, False),
+    "q_scale": ((lambda v: isinstance(v, list) and all(isinstance(r, list) and all(_is_num(x) for x in r) for r in v),
+                 "a list (one per layer) of lists of finite numbers"), False),
+}
 
 
 def _check_section(f: Path, where: str, obj, schema: dict) -> None:
@@ -763,10 +781,14 @@ def validate_metadata_schema(f: Path, meta) -> None:
             _check_section(f, f"kv.layer_specs[{i}].{side}", ls[side], spec_schema)
     for i, tr in enumerate(kv.get("transforms") or []):
         _check_section(f, f"kv.transforms[{i}]", tr, {s: (_STR, False) for s in SIDES})
+    if meta.get("corpus") is not None:
+        _check_section(f, "corpus", meta["corpus"], _CORPUS_SCHEMA)
+    if meta.get("vllm") is not None:
+        _check_section(f, "vllm", meta["vllm"], _VLLM_SCHEMA)
     for j, lm in enumerate(meta.get("layers") or []):
         _check_section(f, f"layers[{j}]", lm, {"layer": ((lambda v: _is_int(v) and 0 <= v < n,
                                                            f"a layer index in 0..{n - 1}"), True)})
-        for side in SIDES:
+        for side in (*SIDES, "q"):  # "q": vLLM's query scale (calibrate --engine vllm)
             if lm.get(side) is not None:
                 _check_section(f, f"layers[{j}].{side}", lm[side], _LAYER_SIDE_SCHEMA)
 
@@ -825,7 +847,14 @@ def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
         i, side, kind = parsed
         if i >= n:
             raise ArtifactError(f"{f}: tensor {name} is for layer {i} but the metadata says {n} layers")
-        if side == "q":
+        if side == "q":  # vLLM's static FP8 query scale (kvcal.search.vllm_fp8): per tensor or per KV-head group
+            if tuple(t.shape) not in ((1,), (H, 1, 1)):
+                raise ArtifactError(f"{f}: {name} has shape {list(t.shape)}, expected [1] (per tensor) or {[H, 1, 1]} "
+                                    f"(one per KV-head group, model.num_kv_heads {H}); the file was edited — re-run "
+                                    "calibration")
+            if not bool((torch.isfinite(t) & (t > 0)).all()):
+                raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales "
+                                    f"({t.flatten()[:3].tolist()}); re-run calibration")
             continue
         spec = (specs[i] if specs else kv)[side]
         if kind in ("scale", "zero_point"):
@@ -859,8 +888,10 @@ def _check_scale_ranges(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -
                 continue
             a = torch.tensor(amax, dtype=torch.float64).flatten()
             s = t.double().flatten()
-            per_value = a.numel() == s.numel()  # per-tensor / per-head: one recorded absmax per scale
-            if not per_value:  # e.g. per-channel scales under per-head absmax: a channel may be far below it
+            # per-tensor (against the max over heads) / per-head: one recorded absmax per scale; per-channel
+            # scales under a per-head absmax get only the upper bound (a channel may be far below its head)
+            per_value = a.numel() == s.numel() or s.numel() == 1
+            if a.numel() != s.numel():
                 a = a.max().expand(s.shape)
             if not bool((a > 0).all()):
                 continue

@@ -50,6 +50,10 @@ CASES = {  # class -> (edit(meta, tensors), resign, raw metadata, expected fragm
                                     "kv.k.symmetric must be true or false"),
     "wrong type (count as string)": (lambda m, t: _set(m["kv"], "sink_tokens", "4"), True, None,
                                      "kv.sink_tokens must be an integer >= 0, got '4'"),
+    "wrong type (recorded statistics)": (lambda m, t: _set(m["layers"][0]["k"]["heldout"], "chosen", None), True, None,
+                                         r"layers\[0\].k.heldout must be a finite number or an object of them"),
+    "wrong type (corpus summary)": (lambda m, t: _set(m["corpus"], "length_percentiles", "x"), True, None,
+                                    "corpus.length_percentiles must be an object or null, got 'x'"),
     "unknown format": (lambda m, t: _set(m["kv"]["v"], "format", "fp9"), True, None, "kv.v.format must be one of"),
     "bad shape": (lambda m, t: _set(t, K0, torch.full((3,), 0.02)), True, None,
                   re.escape(f"{K0} has shape [3], expected [1] for tensor granularity")),
@@ -161,6 +165,20 @@ def test_scale_bounds_admit_every_search_candidate(tmp_path):
                     "layers": [{"layer": 0, "k": {"amax": [amax]}, "v": {"amax": [amax]}}]}
             t = {tensor_name(0, s): torch.tensor([scale]) for s in "kv"}
             load_artifact(write_artifact(tmp_path / f"a{amax}_{scale}", t, meta))
+
+
+def test_per_channel_scales_far_below_their_head_absmax_load(tmp_path):
+    """Per-channel FP8 scales are checked against the per-head absmax only from above: a quiet channel
+    (1/1000 of its head's range) is legitimate, 64 x unity is not."""
+    meta = {"model": {"num_layers": 1, "num_kv_heads": 2, "head_dim": 4},
+            "kv": {s: {"format": "fp8_e4m3", "granularity": "channel"} for s in "kv"},
+            "layers": [{"layer": 0, "k": {"amax": [5.0, 3.0]}, "v": {"amax": [5.0, 3.0]}}]}
+    t = {tensor_name(0, s): torch.full((2, 1, 4), 5.0 / 448) for s in "kv"}
+    t[tensor_name(0, "k")][0, 0, 0] = 5.0 / 448 / 1000
+    load_artifact(write_artifact(tmp_path / "ok", t, meta))
+    t[tensor_name(0, "v")][1, 0, 3] = 65.0  # > 64 x max(1, amax / 100)
+    with pytest.raises(ArtifactError, match="v_scale holds the scale 65, implausible"):
+        load_artifact(write_artifact(tmp_path / "bad", t, meta))
 
 
 @pytest.mark.parametrize("doc, kind", [("[1, 2]", "list"), ('"text"', "string"), ("3", "number"), ("null", "null")])
