@@ -320,8 +320,8 @@ def test_one_sample_report_does_not_call_calibration_data_held_out(tmp_path):
 def test_one_sample_int_report_and_disclosure_are_labelled(tmp_path):
     from kvcal.report.disclosure import build_report, to_markdown
 
-    d = save_tiny(tmp_path / "m")
-    res = _calibrate(tmp_path, d, samples=1, preset="int4", probe_tokens=0)
+    d = save_tiny(tmp_path / "m", num_hidden_layers=2)
+    res = _calibrate(tmp_path, d, samples=1, preset="int8", probe_tokens=0, sink_tokens=1)  # seconds, not a minute
     rep = (tmp_path / "art" / "report.md").read_text()
     assert "held-out" not in rep.lower().replace("no held-out split", "")
     assert "held-out" not in res["table"].lower().replace("no held-out split", "")
