@@ -85,7 +85,7 @@ def test_cli_refuses_existing_output(tmp_path):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--batch-size", "0"], "Invalid value for '--batch-size': 0 is not in the range 1<=x"),
     (["--preset", "int4", "--format", "fp8_e5m2"], "--format applies to --preset fp8 only"),
     (["--preset", "int8", "--granularity", "head"], "--granularity applies to --preset fp8 only"),
     (["--bits", "4", "--format", "fp8_e5m2"], "--bits 4 allocates integer formats per layer (drop --format)"),
@@ -96,7 +96,7 @@ def test_cli_refuses_existing_output(tmp_path):
     # reviewer: an infeasible budget was refused only after capture, search and the sensitivity probe
     (["--bits", "2.0"], "raise --bits to at least 2.09"),
     (["--bits", "3", "--residual-window", "5000"], "above any allowed --bits (2-16)"),
-    (["--budget-context", "0"], "--budget-context must be >= 1 token"),
+    (["--budget-context", "0"], "Invalid value for '--budget-context': 0 is not in the range 1<=x"),
     (["--out", ""], "--out is empty"),
     (["--out", "/proc/kvcal-out"], "does not take new directories"),
     (["--sinks", "4"], "--sinks applies to integer presets and --bits only"),
