@@ -584,3 +584,15 @@ def test_kvcal_evaluate_runs_vllm_dtypes(tmp_path):
 
     with pytest.raises(KvcalError, match="--vllm-dtype: unknown"):
         EvalConfig("a", "c", vllm_dtypes=("fp4",))
+
+
+@pytest.mark.parametrize("name", sorted(V.VLLM_DTYPES))
+def test_each_token_is_quantized_on_its_own(name):
+    """Every vLLM dtype writes each token's K/V independently (static or per-token scales): one decode
+    step's row equals that row of a whole-sequence write, bit for bit (what makes Protocol A rows
+    equal decode-time reads)."""
+    k = gaussian_outlier((1, 3, 40, 64), seed=13)
+    v = gaussian_outlier((1, 3, 40, 64), seed=14)
+    kh, vh = V.fake_quant_kv(name, k, v)
+    k1, v1 = V.fake_quant_kv(name, k[:, :, 17:18], v[:, :, 17:18])
+    assert torch.equal(kh[:, :, 17:18], k1) and torch.equal(vh[:, :, 17:18], v1)

@@ -212,7 +212,11 @@ def query_fp8_fake_quant(q: torch.Tensor, q_scale=1.0, num_kv_heads: int | None 
     ``q`` [B, H_q, S, D]; ``q_scale`` a scalar (per tensor; vLLM's default is 1.0 when the
     checkpoint has none) or ``[H_kv]`` (one per KV head: it scales the group of ``H_q/H_kv``
     consecutive query heads that share the KV head — ``Attention.__init__`` builds
-    ``QuantFP8(static=True, group_shape=GroupShape(-1, head_size·H_q/H_kv))``). Code =
+    ``QuantFP8(static=True, group_shape=GroupShape(-1, head_size·H_q/H_kv))``; a compressed-tensors
+    ``attn_head`` checkpoint stores ``[H_q,1,1]`` and vLLM keeps the max of each group,
+    ``CompressedTensorsKVCacheMethod``). A compressed-tensors checkpoint without ``q_scale`` loads
+    1.0 (``create_weights`` initializes ones); the generic ``BaseKVCacheMethod`` logs "Setting it
+    to k_scale" but then overwrites ``_q_scale`` with 1.0 (``kv_cache.py``). Code =
     e4m3fn ``sat(q · (1/q_scale))`` (``QuantFP8.forward_native``, see :data:`QUERY_FP8_OP`);
     the attention multiplies ``q_scale`` back into the softmax scale. Returns fp32
     [B, H_q, S, D]. Raises :class:`VllmDTypeError` for a bad shape/scale or ``H_q`` not a
@@ -487,20 +491,28 @@ def hadamard(d: int) -> torch.Tensor:
     return h / math.sqrt(d)
 
 
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ hadamard(D)`` (fp32), computed as butterflies times ``1/sqrt(D)`` so each row's result
+    does not depend on how many rows are rotated together (a BLAS matmul's rounding can). vLLM
+    rotates with a cuBLAS fp32 GEMM; the two differ by float32 summation order only (GPU detail)."""
+    D = x.shape[-1]
+    hadamard(D)  # validates D
+    return _fwht(x) * torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)
+
+
 def turboquant_key_quantize(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """TurboQuant MSE key write (3 or 4 bits): ``n = ‖k‖`` (fp32), ``y = (k/(n+1e-8)) @ H``,
     code = number of codebook midpoints ``≤ y`` (the kernel's binary search; midpoints in fp32
     from the sorted fp32 centroids), norm stored as fp16 (RTNE; > 65504 becomes inf, as in the
-    kernel). Follows ``triton_turboquant_store.py`` (``triton_turboquant_store`` +
+    kernel). The rotation is :func:`_rotate`. Follows ``triton_turboquant_store.py`` (``triton_turboquant_store`` +
     ``_tq_fused_store_mse``). Returns ``(codes int64 [B,H,S,D], norm float16 [B,H,S,1])``."""
     _check_4d(k, "k")
     if bits not in (3, 4):
         raise VllmDTypeError(f"turboquant key bits must be 3 or 4 (8 = FP8 keys), got {bits}")
     D = k.shape[-1]
-    hm = hadamard(D)
     kf = k.to(torch.float32)
     norm = torch.linalg.vector_norm(kf, dim=-1, keepdim=True)
-    y = (kf / (norm + _TQ_NORM_EPS)) @ hm
+    y = _rotate(kf / (norm + _TQ_NORM_EPS))
     c = lloyd_max_centroids(D, bits).sort().values
     mid = (c[:-1] + c[1:]) / 2
     codes = torch.searchsorted(mid, y.contiguous(), right=True).clamp(max=2 ** bits - 1)
@@ -516,7 +528,7 @@ def turboquant_key_dequantize(codes: torch.Tensor, norm: torch.Tensor, bits: int
     c = lloyd_max_centroids(D, bits).sort().values[codes]
     if norm_correction:
         c = c * (1.0 / torch.sqrt((c * c).sum(dim=-1, keepdim=True) + _TQ_NC_EPS))
-    return norm.to(torch.float32) * (c @ hadamard(D))
+    return norm.to(torch.float32) * _rotate(c)
 
 
 def turboquant_value_quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
