@@ -98,10 +98,16 @@ class CalibrateConfig:
     text_field: str | None = None  # corpus field holding raw text (kvcal.corpus; default: detected)
     messages_field: str | None = None  # corpus field holding the conversation
     split: str | None = None  # dataset split of a save_to_disk / hub corpus
+    engine: str | None = None  # "vllm": calibrate what vLLM serves for ``kv_cache_dtype`` (kvcal.search.vllm_fp8)
+    kv_cache_dtype: str | None = None  # vLLM --kv-cache-dtype (fp8 / fp8_e4m3: k/v/q scales)
 
     def __post_init__(self):
         if self.batch_size < 1:
             raise KvcalError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.engine is not None or self.kv_cache_dtype is not None:
+            from kvcal.search.vllm_fp8 import check_engine_options
+
+            check_engine_options(self.engine, self.kv_cache_dtype, self.preset, self.bits, self.format)
         # options given explicitly (not None) are never dropped silently, even when equal to their defaults
         if self.bits is not None and self.preset is not None:
             raise KvcalError(f"--bits {self.bits:g} allocates formats per layer and replaces --preset; give one of them")
@@ -1046,7 +1052,12 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     if int_path:
         return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model)
     t1 = time.perf_counter()
-    rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
+    if cfg.engine == "vllm":  # k/v/q scales for vLLM's FP8 queries (kvcal.search.vllm_fp8)
+        from kvcal.search.vllm_fp8 import search_vllm_fp8
+
+        rows = search_vllm_fp8(cap, cfg.granularity == "head", cfg.max_queries, progress)
+    else:
+        rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
     search_s = time.perf_counter() - t1
 
     plan, layers_meta = plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"])
@@ -1070,6 +1081,10 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
         "corpus": _corpus_meta(corpus, shape),
         "layers": layers_meta,
     }
+    if cfg.engine == "vllm":
+        from kvcal.search.vllm_fp8 import add_to_artifact
+
+        add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"])
     report = render_calibration_report(meta)
     path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite,
                           inputs=_out_inputs(cfg))

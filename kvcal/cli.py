@@ -139,10 +139,14 @@ def main():
               help="Save the capture state every N batches to <out>.checkpoint.pt (atomic).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from <out>.checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--engine", default=None, help="Calibrate for what this engine serves: vllm (needs --kv-cache-dtype).")
+@click.option("--kv-cache-dtype", "kv_cache_dtype", default=None,
+              help="With --engine vllm: the --kv-cache-dtype it will run (fp8/fp8_e4m3: k/v scales and a q_scale for "
+                   "vLLM's FP8 queries, the key search seeing the quantized queries).")
 @user_errors
 def calibrate(corpus, text_field, messages_field, split, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
               key_centering, budget_context, probe_tokens, device, seed, batch_size, search_tokens, strict, overwrite,
-              device_map, checkpoint_every, resume, quiet):
+              device_map, checkpoint_every, resume, quiet, engine=None, kv_cache_dtype=None):
     """Calibrate K/V quantization on a deployment corpus and write an artifact.
 
     Data-parallel: ``torchrun --nproc-per-node N -m kvcal calibrate ...`` shards the batches over
@@ -161,7 +165,8 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
                           strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
                           residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
                           probe_tokens=probe_tokens, device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
-                          search_tokens=search_tokens, text_field=text_field, messages_field=messages_field, split=split)
+                          search_tokens=search_tokens, text_field=text_field, messages_field=messages_field, split=split,
+                          engine=engine, kv_cache_dtype=kv_cache_dtype)
     if quiet:
         quiet_libraries()
     try:

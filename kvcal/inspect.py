@@ -45,7 +45,8 @@ class Inspection:
     """Result of :func:`inspect_path`.
 
     ``kind``: ``artifact`` | ``checkpoint`` | ``standalone`` | ``sglang-json``; ``layers``: one dict
-    per layer ``{"layer": i, "k": [float] | None, "v": [float] | None}`` (``k`` and ``v`` are the
+    per layer ``{"layer": i, "k": [float] | None, "v": [float] | None, "q": [float] | None}`` (``q``: vLLM's
+    FP8 query scale where one is stored; ``k`` and ``v`` are the
     same list where one value is shared, e.g. the JSON); ``engines``: engine name ->
     :class:`~kvcal.export.rules.EngineLoad`; ``exportable`` (artifacts): target -> ``None`` if it
     can load the artifact, else the reason; ``corpus``: the artifact's corpus summary. Checkpoints also
@@ -95,7 +96,7 @@ def _kv_tensors(files: list[Path]) -> dict:
     for f in files:
         header, _ = read_header(f)
         names = [n for n in header if n != "__metadata__" and (is_kv_scale_name(n) or vllm_remap(n)
-                                                               or n.endswith((".k_scale", ".v_scale", ".kv_scale")))]
+                                                               or n.endswith((".k_scale", ".v_scale", ".kv_scale", ".q_scale")))]
         if not names:
             continue
         with safe_open(str(f), framework="pt") as fh:
@@ -109,11 +110,13 @@ def _stored_layers(tensors: dict, n: int) -> list[dict]:
     legacy TensorRT-LLM shared factor)."""
     from kvcal.export.rules import _TRTLLM_LEGACY
 
-    rows = [{"layer": i, "k": None, "v": None} for i in range(n)]
+    rows = [{"layer": i, "k": None, "v": None, "q": None} for i in range(n)]
     for name, t in sorted(tensors.items()):
         vals = [float(x) for x in t.float().flatten().tolist()]
         r = vllm_remap(name)
-        if r is not None and r.layer < n and r.param in ("k_scale", "v_scale"):
+        if r is not None and r.layer < n and r.param == "q_scale":  # vLLM's FP8 query scale
+            rows[r.layer]["q"] = vals
+        elif r is not None and r.layer < n and r.param in ("k_scale", "v_scale"):
             rows[r.layer][r.param[0]] = vals[:1] if r.rule == "output_scale" else vals
             if r.rule == "kv_scale":
                 rows[r.layer]["v"] = vals
@@ -195,7 +198,14 @@ def _inspect_artifact(p: Path) -> Inspection:
         for side in ("k", "v"):
             t = art.scale(i, side)
             row[side] = [float(x) for x in t.flatten().tolist()] if t is not None else None
+        q = art.tensors.get(f"model.layers.{i}.self_attn.q_scale")  # vLLM's FP8 query scale (calibrate --engine vllm)
+        row["q"] = [float(x) for x in q.flatten().tolist()] if q is not None else None
         ins.layers.append(row)
+    if meta.get("vllm"):
+        vm = meta["vllm"]
+        ins.notes.append(f"calibrated for {vm.get('engine')} --kv-cache-dtype {vm.get('kv_cache_dtype')}: query "
+                         f"quantization {vm.get('query_quantization')}; skipped layers "
+                         f"{vm.get('skip_layers') or 'none'}")
     nkv = meta["model"].get("num_kv_heads")
     qc = kv_only_quantization_config(k.get("granularity", "tensor"))
     scales = {name: t for name, t in art.tensors.items() if name.endswith(("k_scale", "v_scale"))}
@@ -281,7 +291,7 @@ def _any_layout(fam, tensors: dict) -> dict:
 
     out = {}
     for name, t in tensors.items():
-        m = re.search(r"\.(\d+)\..*\.(k|v|kv)_scale$", name)
+        m = re.search(r"\.(\d+)\..*\.(k|v|kv|q)_scale$", name)
         if m and name.startswith(fam.attention.split("{i}")[0]):
             out[f"model.layers.{m.group(1)}.self_attn.{m.group(2)}_scale"] = t
     return out
@@ -459,9 +469,11 @@ def render(ins: Inspection) -> str:
                  f"length p50/p90/p99/max={pct.get('p50')}/{pct.get('p90')}/{pct.get('p99')}/{pct.get('max')}"
                  + (f"  truncated={c.get('truncated')}" if c.get("truncated") else ""))
     L.append("")
-    L.append(f"{'layer':>5}  {'K scale':<28} {'V scale':<28}")
+    has_q = any(r.get("q") for r in ins.layers)  # vLLM's FP8 query scale, where stored
+    L.append(f"{'layer':>5}  {'K scale':<28} {'V scale':<28}" + (f" {'Q scale':<28}" if has_q else ""))
     for r in ins.layers:
-        L.append(f"{r['layer']:>5}  {_fmt_vals(r['k'], ins.granularity):<28} {_fmt_vals(r['v'], ins.granularity):<28}")
+        L.append(f"{r['layer']:>5}  {_fmt_vals(r['k'], ins.granularity):<28} {_fmt_vals(r['v'], ins.granularity):<28}"
+                 + (f" {_fmt_vals(r.get('q'), ins.granularity):<28}" if has_q else ""))
     L.append("")
     L.append("engines (naming rules of shared/docs/runtime-formats.md):")
     for e in ins.engines.values():

@@ -57,6 +57,18 @@ def scale_names(layer: int, attention: str = "model.layers.{i}.self_attn") -> di
     return {s: f"{a}.{s}_scale" for s in ("k", "v", "q")}
 
 
+def vllm_q_scale(q: "torch.Tensor", model_meta: dict) -> "torch.Tensor":
+    """The checkpoint ``q_scale`` for an artifact's ``q_scale`` (float32): ``[1]`` stays; per KV-head group
+    ``[H_kv, 1, 1]`` becomes ``[H_q, 1, 1]`` (each group's value on its ``H_q/H_kv`` query heads), because
+    vLLM's compressed-tensors ``attn_head`` loader reads a query scale per query head and reduces it to the
+    max of each group (``compressed_tensors.py`` ``_tp_aware_loader``, kind ``"q"``) — which gives back
+    the group's value."""
+    if q.numel() == 1:
+        return q.reshape(1).contiguous()
+    hq = int(model_meta["num_attention_heads"])
+    return q.reshape(-1).repeat_interleave(hq // q.numel()).reshape(hq, 1, 1).contiguous()
+
+
 class VllmTarget(Target):
     name = "vllm"
     order = 0
@@ -87,7 +99,7 @@ class VllmTarget(Target):
             ctx.tensors[names["k"]] = p.k[i]
             ctx.tensors[names["v"]] = p.v[i]
             if i in p.q:
-                ctx.tensors[names["q"]] = p.q[i]
+                ctx.tensors[names["q"]] = vllm_q_scale(p.q[i], ctx.artifact.metadata["model"])
         scheme = kv_cache_scheme(p.granularity)
         if ctx.model_dir is None:
             save_file(ctx.tensors, str(staging / SCALES_SHARD), metadata={"format": "pt", "producer": "kvcal"})

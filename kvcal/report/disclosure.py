@@ -127,7 +127,10 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
     rep.add(Heading("What is quantized (KV cache)"))
     rep.add(Para(f"**Quantized tensors: {D.quantized_label(meta)}** of every attention layer "
                  f"({_num(m.get('num_layers'))} layers × {_num(m.get('num_kv_heads'))} KV heads × head_dim "
-                 f"{_num(m.get('head_dim'))}). Queries and all other activations stay in the model's compute precision."))
+                 f"{_num(m.get('head_dim'))}). "
+                 + ("Queries are FP8 too on the serving engine (section below); all other activations stay in the model's "
+                    "compute precision." if (meta.get("vllm") or {}).get("q_scale") else
+                    "Queries and all other activations stay in the model's compute precision.")))
     rows = []
     for r in D.side_rows(meta):
         rows.append([
@@ -194,6 +197,33 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
                      else f" weighted by each layer's K / V model-level KL measured alone on {_num(p.get('samples'))} "
                           f"{p.get('source')} samples ({_num(p.get('tokens'))} tokens)."))
     items.append("`scale` is the dequantization multiplier: x ≈ q · scale.")
+    rep.add(Bullets(items))
+
+
+def _serving_engine(rep: Report, meta: dict) -> None:
+    """Engine, ``--kv-cache-dtype``, skipped layers, query quantization and ``q_scale`` of an artifact
+    calibrated with ``kvcal calibrate --engine vllm`` (its ``vllm`` metadata section); nothing otherwise."""
+    vm = meta.get("vllm")
+    if not isinstance(vm, dict):
+        return
+    rep.add(Heading("Serving engine"))
+    qs = [x for row in vm.get("q_scale") or [] for x in (row if isinstance(row, list) else [row])]
+    skip = vm.get("skip_layers") or []
+    items = [f"Engine: **{vm.get('engine')}** {vm.get('vllm_version', '')} with `--kv-cache-dtype "
+             f"{vm.get('kv_cache_dtype')}`; the scales were searched for what it serves.",
+             f"Layers kept in the model dtype (`--kv-cache-dtype-skip-layers`): "
+             f"{', '.join(map(str, skip)) if skip else 'none (every layer quantized)'}.",
+             f"Query quantization: **{vm.get('query_quantization', 'none')}** — vLLM quantizes the post-RoPE queries "
+             "to FP8 with the checkpoint's `q_scale` (1.0 when a checkpoint has none) and folds q_scale · k_scale into "
+             "the softmax scale; the key search scored vLLM's scores with those FP8 queries."]
+    if qs:
+        items.append(f"q_scale: {len(vm['q_scale'])} layers, min {_num(min(qs))}, median "
+                     f"{_num(sorted(qs)[len(qs) // 2])}, max {_num(max(qs))} (exported as `...self_attn.q_scale`).")
+    for key, lab in (("heldout_kl_query_only", "query quantization alone"), ("heldout_kl_kv_only", "K/V alone"),
+                     ("heldout_kl_joint", "both")):
+        xs = vm.get(key)
+        if xs:
+            items.append(f"Mean {D.heldout_word(meta)} attention KL per query over layers, {lab}: {_sci(sum(xs) / len(xs))} nats.")
     rep.add(Bullets(items))
 
 
@@ -432,6 +462,7 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
         summary.append(f"Acceptance: **{v['status']}**" + (f" for `{v['method']}`" if v["method"] else "") + ".")
     rep.add(Bullets(summary))
     _what_is_quantized(rep, meta)
+    _serving_engine(rep, meta)
     _weights(rep, meta, ev)
     _corpora(rep, meta, ev, reg)
     _regimes(rep, meta, ev, reg)

@@ -1,0 +1,321 @@
+"""Static scales for vLLM 0.33's ``--kv-cache-dtype fp8`` with FP8 queries: ``q_scale``, ``k_scale``, ``v_scale``
+(torch only).
+
+What vLLM does (0.33.0 wheel, paths inside ``vllm/``): with an ``fp8``/``fp8_e4m3`` cache and a backend that
+accepts quantized queries (FlashAttention 3, FlashInfer, Triton), ``Attention.forward``
+(``model_executor/layers/attention/attention.py``) quantizes the post-RoPE queries to e4m3 with the
+static ``_q_scale`` (``QuantFP8(static=True)``: per tensor, or one scale per KV-head group when the
+checkpoint's ``q_scale`` has ``num_kv_heads`` entries — compressed-tensors ``strategy: "attn_head"``,
+whose loader reduces a ``[num_heads, 1, 1]`` tensor to the max of each group). The keys are stored as
+e4m3 ``sat(k / k_scale)``. The attention kernel then multiplies the FP8 codes and folds both scales into
+the softmax scale: FlashInfer ``bmm1_scale = sm_scale · q_scale · k_scale``
+(``v1/attention/backends/flashinfer.py``), FlashAttention 3 ``q_descale · k_descale`` per
+(sequence, KV head) (``v1/attention/backends/flash_attn.py``). A checkpoint without ``q_scale`` runs
+at 1.0 (``kv_cache.py`` ``process_weights_after_loading``; compressed-tensors initialises it to ones).
+
+So the scores attention sees are ``s_ij = (q̂c_i · k̂c_j) · (scaling · q_scale · k_scale)`` with
+``q̂c = e4m3(sat(q · (1/q_scale)))`` and ``k̂c = e4m3(sat(k / k_scale))``; :func:`joint_key_kl`
+computes exactly that (codes multiplied in float32, scales folded into one factor), and scores it
+against the exact attention ``P = softmax(q·kᵀ·scaling)`` with the attention KL of
+:mod:`kvcal.search.objectives`.
+
+Search per layer (each choice: best on the calibration split over the candidates of
+:func:`kvcal.search.static_scales.candidate_scales` — absmax, unity, clips, headrooms, vLLM's old
+on-the-fly rule — then the lowest held-out error among {best, absmax, unity}, as for K/V):
+
+1. ``q_scale`` with exact keys (the KL the query quantization alone adds);
+2. ``k_scale`` seeing the quantized queries of step 1 (joint KL of both quantizations);
+3. ``q_scale`` again, seeing the quantized keys of step 2 (one round of coordinate descent);
+4. ``v_scale`` by the attention-output objective of :func:`~kvcal.search.static_scales.choose_static_fp8`
+   (values enter after the softmax; query quantization changes ``P`` only to second order).
+
+Per-tensor granularity gives one scale of each kind per layer; ``per_head`` gives one k/v scale per KV
+head and one q scale per KV-head group (what vLLM's per-head path consumes). Each KV head's KL involves
+only its own query group, k and q scales, so per-head choices are made head by head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.formats.fp8 import get_fp8_format
+from kvcal.formats.vllm_dtypes import FP8_E4M3_MAX, fp8_static_quantize, query_fp8_fake_quant
+from kvcal.search.objectives import SequenceCache
+from kvcal.search.static_scales import SideChoice, candidate_scales, choose_static_fp8
+
+#: vLLM dtypes whose static scales this module calibrates (queries quantized for both).
+SUPPORTED_DTYPES = ("fp8", "fp8_e4m3")
+
+
+def query_codes(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+    """FP8 codes (as float32) vLLM attends with for queries ``q`` [H_q, T, D] and ``q_scale``
+    ``[H_kv]`` (one per KV-head group; a per-tensor scale repeated) — ``e4m3(sat(q·(1/q_scale)))`` as
+    :func:`kvcal.formats.vllm_dtypes.query_fp8_fake_quant` writes it (its dequantized value divided by
+    the scale and rounded back to e4m3, which recovers the code exactly: the division is within 2 ulp of
+    float32 and e4m3 codes are 2^20 ulp apart). float32 [H_q, T, D]."""
+    h_kv = q_scale.numel()
+    deq = query_fp8_fake_quant(q[None], q_scale.float(), num_kv_heads=h_kv)[0]
+    s = q_scale.float().repeat_interleave(q.shape[0] // h_kv).view(-1, 1, 1)
+    return (deq / s).to(torch.float8_e4m3fn).float()
+
+
+def key_codes(k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """FP8 codes (as float32) vLLM stores for keys ``k`` [H_kv, T, D] with ``k_scale`` ``[H_kv]``:
+    :func:`kvcal.formats.vllm_dtypes.fp8_static_quantize` (``e4m3(sat(k / k_scale))``)."""
+    return fp8_static_quantize(k[None], k_scale.float())[0].float()
+
+
+def joint_key_kl(cache: SequenceCache, q_hat: torch.Tensor | None, q_scale: torch.Tensor | None,
+                 k_hat: torch.Tensor | None, k_scale: torch.Tensor | None) -> torch.Tensor:
+    """``Σ KL(P ‖ P̂)`` per KV head (nats, float64 ``[H_kv]``) over the cache's evaluated queries.
+
+    ``P``: exact attention of ``cache`` (float32 queries and keys). ``P̂ = softmax(s)`` with
+    ``s = (q_hat · k_hatᵀ) · scaling · q_scale · k_scale`` (vLLM's folding of both scales into the
+    softmax scale, see the module docstring). ``q_hat`` [H_q, T, D] FP8 codes and ``q_scale`` ``[H_kv]``,
+    or ``None`` for exact queries (scale 1); likewise ``k_hat`` [H_kv, T, D] / ``k_scale``."""
+    h_kv = cache.k.shape[0]
+    q = cache.q if q_hat is None else q_hat
+    k = cache.k if k_hat is None else k_hat
+    fold = torch.full((h_kv,), float(cache.scaling), dtype=torch.float32)
+    if q_scale is not None:
+        fold = fold * q_scale.float()
+    if k_scale is not None:
+        fold = fold * k_scale.float()
+    qg = q[:, cache.qpos].float().reshape(h_kv, -1, cache.qpos.numel(), q.shape[-1])
+    s = torch.einsum("hgqd,htd->hgqt", qg, k.float()).mul_(fold.view(-1, 1, 1, 1))
+    s = s.masked_fill_(cache.masked, float("-inf"))
+    logp_hat = torch.log_softmax(s, dim=-1).masked_fill_(cache.masked, 0.0)
+    return (cache.p * (cache.logp0 - logp_hat)).sum(dim=(1, 2, 3)).double()
+
+
+def _errors(caches: list[SequenceCache], which: str, scales: torch.Tensor, other: torch.Tensor | None,
+            quantize_other: bool) -> torch.Tensor:
+    """Summed joint KL ``[C, H_kv]`` over ``caches`` for each candidate row of ``scales`` ``[C, H_kv]``.
+    ``which``: ``"q"`` (candidates are q scales; ``other`` the k scale, or exact keys when
+    ``quantize_other`` is False) or ``"k"`` (candidates are k scales; ``other`` the q scale)."""
+    C, H = scales.shape
+    num = torch.zeros(C, H, dtype=torch.float64)
+    for c in caches:
+        if which == "q":
+            kh, ks = (key_codes(c.k, other), other) if quantize_other else (None, None)
+            for i in range(C):
+                num[i] += joint_key_kl(c, query_codes(c.q, scales[i]), scales[i], kh, ks)
+        else:
+            qh, qs = (query_codes(c.q, other), other) if quantize_other else (None, None)
+            for i in range(C):
+                num[i] += joint_key_kl(c, qh, qs, key_codes(c.k, scales[i]), scales[i])
+    return num
+
+
+def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, quantize_other: bool,
+            per_head: bool) -> SideChoice:
+    """One selection (calibration best, then held-out guard among {best, absmax, unity}); ``amax``
+    ``[H_kv]`` (already reduced to what one scale covers). Errors normalized per evaluated query."""
+    H = amax.numel()
+    fmt = get_fp8_format("fp8_e4m3")
+    if not per_head:
+        amax = amax.double().max().expand(H)
+    labels, scales = candidate_scales(amax.double(), fmt, side)
+    den_c = float(sum(c.num_queries for c in calib)) * (1 if per_head else H)
+    held = heldout if heldout else calib
+    den_h = float(sum(c.num_queries for c in held)) * (1 if per_head else H)
+    num_c = _errors(calib, which, scales, other, quantize_other)  # [C, H]
+    if per_head:
+        best = num_c.argmin(0)
+        cand = torch.stack([best, torch.zeros(H, dtype=torch.long), torch.ones(H, dtype=torch.long)])
+        num_h = _errors(held, which, scales.gather(0, cand), other, quantize_other)  # [3, H]
+        pick = num_h.argmin(0)
+        final = cand.gather(0, pick[None])[0]
+        scale = scales.gather(0, final[None])[0]
+        fig_h = {"chosen": float(num_h.gather(0, pick[None])[0].mean() / den_h),
+                 "absmax": float(num_h[1].mean() / den_h), "unity": float(num_h[2].mean() / den_h)}
+        fig_c = {"chosen": float(num_c.gather(0, final[None])[0].mean() / den_c),
+                 "absmax": float(num_c[0].mean() / den_c), "unity": float(num_c[1].mean() / den_c)}
+        lab = [labels[i] for i in final.tolist()]
+        amax_out = amax.float()
+    else:
+        tot_c = num_c.sum(1)
+        best = int(tot_c.argmin())
+        cand = [best, 0, 1]
+        tot_h = _errors(held, which, scales[cand], other, quantize_other).sum(1)
+        pick = int(tot_h.argmin())
+        final = cand[pick]
+        scale = scales[final, :1]
+        fig_h = {"chosen": float(tot_h[pick] / den_h), "absmax": float(tot_h[1] / den_h),
+                 "unity": float(tot_h[2] / den_h)}
+        fig_c = {"chosen": float(tot_c[final] / den_c), "absmax": float(tot_c[0] / den_c),
+                 "unity": float(tot_c[1] / den_c)}
+        lab = [labels[final]]
+        amax_out = amax[:1].float()
+    clip = (scale.double() * fmt.max / amax_out.double()).float()
+    return SideChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=fig_h, calib=fig_c, amax=amax_out)
+
+
+def choose_key_scale(calib: list[SequenceCache], heldout: list[SequenceCache], k_head_absmax: torch.Tensor,
+                     q_scale: torch.Tensor | None, per_head: bool) -> SideChoice:
+    """The ``k_scale`` (``[1]`` or ``[H_kv]``) that minimizes the attention KL vLLM serves when the queries are
+    FP8 with ``q_scale`` (float ``[1]``/``[H_kv]``; ``None``: exact queries, as a backend without query
+    quantization). ``k_head_absmax`` ``[H_kv]``. Errors: joint KL per evaluated query, nats."""
+    H = k_head_absmax.numel()
+    if q_scale is None:
+        return _choose(calib, heldout, k_head_absmax, "k", "k", None, False, per_head)
+    return _choose(calib, heldout, k_head_absmax, "k", "k", _expand(q_scale, H), True, per_head)
+
+
+def choose_query_scale(calib: list[SequenceCache], heldout: list[SequenceCache], q_group_absmax: torch.Tensor,
+                       k_scale: torch.Tensor | None, per_head: bool) -> SideChoice:
+    """The ``q_scale`` (``[1]`` or ``[H_kv]``, one per KV-head group) minimizing the attention KL with FP8 queries
+    and keys FP8 at ``k_scale`` (``None``: exact keys). ``q_group_absmax`` ``[H_kv]`` (:func:`group_absmax`).
+    Candidates: :func:`~kvcal.search.static_scales.candidate_scales` on the query absmax (the on-the-fly
+    row is ``amax/200``, vLLM's old ``calculate_kv_scales`` rule for queries)."""
+    H = q_group_absmax.numel()
+    if k_scale is None:
+        return _choose(calib, heldout, q_group_absmax, "k", "q", None, False, per_head)
+    return _choose(calib, heldout, q_group_absmax, "k", "q", _expand(k_scale, H), True, per_head)
+
+
+def _expand(scale: torch.Tensor, H: int) -> torch.Tensor:
+    return scale.float().reshape(-1).expand(H).contiguous() if scale.numel() == 1 else scale.float().reshape(-1)
+
+
+def group_absmax(q_head_absmax: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Per-KV-head-group query absmax ``[H_kv]`` from per-query-head absmax ``[H_q]`` (query head ``j``
+    reads KV head ``j // (H_q / H_kv)``, as in :mod:`kvcal.search.objectives`)."""
+    return q_head_absmax.float().reshape(num_kv_heads, -1).amax(1)
+
+
+@dataclass
+class VllmFP8Choice:
+    """The scales of one layer: ``q``, ``k``, ``v`` :class:`SideChoice` (``q``'s errors: KL with quantized
+    queries and exact keys on the first pass, then with the chosen keys; ``k``'s: the joint KL with the
+    step-1 queries). ``q_only``: held-out KL per query that query quantization alone adds at the chosen
+    ``q_scale`` (exact keys); ``kv_only``: with the chosen ``k_scale`` and exact queries."""
+
+    q: SideChoice
+    k: SideChoice
+    v: SideChoice
+    q_only: float
+    kv_only: float
+
+
+def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_head_absmax: torch.Tensor,
+                 k_head_absmax: torch.Tensor, v_head_absmax: torch.Tensor, per_head: bool,
+                 quantize_query: bool = True) -> VllmFP8Choice:
+    """Choose one layer's ``q_scale``/``k_scale``/``v_scale`` for vLLM ``--kv-cache-dtype fp8`` (steps of the
+    module docstring). ``calib``/``heldout``: :class:`~kvcal.search.objectives.SequenceCache` per captured
+    sequence (``heldout`` empty: the guard uses the calibration split). ``*_head_absmax``: observed absmax
+    per query head ``[H_q]`` and per KV head ``[H_kv]`` (calibration statistics). ``per_head``: one scale
+    per KV head / KV-head group, else one per tensor. ``quantize_query`` False: keys searched against exact
+    queries (what the existing K/V search does) and ``q`` left at the absmax rule — for comparisons."""
+    H = k_head_absmax.numel()
+    qa = group_absmax(q_head_absmax, H)
+    if quantize_query:
+        q1 = choose_query_scale(calib, heldout, qa, None, per_head)
+        k = choose_key_scale(calib, heldout, k_head_absmax, q1.scale, per_head)
+        q = choose_query_scale(calib, heldout, qa, k.scale, per_head)
+    else:  # the K search of kvcal.search.static_scales (exact queries); q at the absmax rule
+        k = choose_key_scale(calib, heldout, k_head_absmax, None, per_head)
+        a = (qa if per_head else qa.max().reshape(1)).float()
+        q = SideChoice(scale=a / FP8_E4M3_MAX, label=["absmax"] * a.numel(), clip_ratio=torch.ones_like(a),
+                       heldout={}, calib={}, amax=a)
+    v = choose_static_fp8(calib, heldout, v_head_absmax, "v", get_fp8_format("fp8_e4m3"), per_head)
+    held = heldout if heldout else calib
+    nq = float(sum(c.num_queries for c in held)) * H
+    qs, ks = _expand(q.scale, H), _expand(k.scale, H)
+    q_only = sum(float(joint_key_kl(c, query_codes(c.q, qs), qs, None, None).sum()) for c in held) / nq
+    kv_only = sum(float(joint_key_kl(c, None, None, key_codes(c.k, ks), ks).sum()) for c in held) / nq
+    return VllmFP8Choice(q=q, k=k, v=v, q_only=q_only, kv_only=kv_only)
+
+
+def search_vllm_fp8(cap, per_head: bool, max_queries: int = 96, progress: bool = True,
+                    quantize_query: bool = True) -> list[dict]:
+    """:func:`choose_layer` for every layer of a :class:`~kvcal.calibrate.CaptureResult`. Returns rows
+    ``{"layer", "k", "v", "q": SideChoice, "q_only", "kv_only"}`` (``k``/``v`` as
+    :func:`kvcal.calibrate.search_scales` rows, so :func:`kvcal.calibrate.plan_from_choices` builds the plan)."""
+    from tqdm.auto import tqdm
+
+    out = []
+    for layer in tqdm(range(len(cap.stats.k)), desc="search (vllm fp8)", disable=not progress):
+        mk = lambda res: [SequenceCache(*seq[layer], cap.scaling[layer], max_queries)  # noqa: E731
+                          for seq in res.sequences()]
+        calib = mk(cap.calib)
+        held = mk(cap.heldout) if cap.heldout.items else []
+        st = {s: getattr(cap.stats, s)[layer].finalize()["head_absmax"] for s in ("q", "k", "v")}
+        ch = choose_layer(calib, held, st["q"], st["k"], st["v"], per_head, quantize_query)
+        out.append({"layer": layer, "k": ch.k, "v": ch.v, "q": ch.q, "q_only": ch.q_only, "kv_only": ch.kv_only})
+    return out
+
+
+def q_scale_tensor(choice: SideChoice, per_head: bool, num_kv_heads: int) -> torch.Tensor:
+    """The artifact tensor ``model.layers.{i}.self_attn.q_scale``: float32 ``[1]`` (per tensor) or
+    ``[H_kv, 1, 1]`` (one per KV-head group; exported to vLLM as ``[H_q, 1, 1]``)."""
+    s = choice.scale.float().reshape(-1)
+    return s[:1].clone() if not per_head else s.expand(num_kv_heads).reshape(num_kv_heads, 1, 1).clone()
+
+
+def vllm_metadata(rows: list[dict], kv_cache_dtype: str, per_head: bool) -> dict:
+    """The artifact's ``vllm`` metadata section: engine, dtype, skipped layers (none: every layer's cache is
+    FP8), query quantization and the q scales, with held-out KL figures per layer."""
+    return {
+        "engine": "vllm", "vllm_version": "0.33.0", "kv_cache_dtype": kv_cache_dtype, "skip_layers": [],
+        "query_quantization": "fp8_e4m3 static q_scale " + ("per KV-head group" if per_head else "per tensor"),
+        "q_scale": [r["q"].scale.reshape(-1).tolist() for r in rows],
+        "heldout_kl_query_only": [r["q_only"] for r in rows],
+        "heldout_kl_kv_only": [r["kv_only"] for r in rows],
+        "heldout_kl_joint": [r["q"].heldout["chosen"] for r in rows],
+    }
+
+
+def check_engine_options(engine, kv_cache_dtype, preset, bits, fmt) -> None:
+    """Validate ``kvcal calibrate --engine/--kv-cache-dtype`` against the other options; raises
+    :class:`~kvcal.errors.KvcalError` with a one-line fix."""
+    from kvcal.errors import KvcalError
+    from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
+
+    if engine != "vllm":
+        if engine is None:
+            raise KvcalError(f"--kv-cache-dtype {kv_cache_dtype} applies with --engine vllm; add --engine vllm")
+        raise KvcalError(f"--engine {engine!r}: kvcal calibrates for vllm only; use --engine vllm or drop --engine")
+    if kv_cache_dtype is None:
+        raise KvcalError("--engine vllm needs --kv-cache-dtype (the dtype vLLM will run), e.g. --kv-cache-dtype fp8")
+    try:
+        vllm_dtype(kv_cache_dtype)
+    except VllmDTypeError as e:
+        raise KvcalError(f"--kv-cache-dtype: {e}") from None
+    if kv_cache_dtype not in SUPPORTED_DTYPES:
+        raise KvcalError(f"--kv-cache-dtype {kv_cache_dtype}: kvcal calibrate --engine vllm calibrates "
+                         f"{'/'.join(SUPPORTED_DTYPES)} scales; measure {kv_cache_dtype} with kvcal evaluate "
+                         f"--vllm-dtype {kv_cache_dtype}")
+    extra = [o for o, v in (("--bits", bits is not None), ("--preset", preset not in (None, "fp8")),
+                            ("--format", fmt not in (None, "fp8_e4m3"))) if v]
+    if extra:
+        raise KvcalError(f"{', '.join(extra)} conflict{'s' if len(extra) == 1 else ''} with --engine vllm "
+                         f"--kv-cache-dtype {kv_cache_dtype}, which stores static fp8_e4m3 scales; drop "
+                         f"{'it' if len(extra) == 1 else 'them'}")
+
+
+def add_to_artifact(rows: list[dict], tensors: dict, meta: dict, kv_cache_dtype: str, per_head: bool,
+                    num_kv_heads: int) -> None:
+    """Record what :func:`search_vllm_fp8` chose beyond K/V in the artifact being written: the
+    ``model.layers.{i}.self_attn.q_scale`` tensors (:func:`q_scale_tensor`), ``layers[i].q`` (scale, amax,
+    candidate, held-out/calibration KL) and the ``vllm`` section (:func:`vllm_metadata`); the
+    ``calibration`` section names the objectives. Mutates ``tensors`` and ``meta``."""
+    for r, lm in zip(rows, meta["layers"], strict=True):
+        q = r["q"]
+        tensors[f"model.layers.{r['layer']}.self_attn.q_scale"] = q_scale_tensor(q, per_head, num_kv_heads)
+        lm["q"] = {"scale": q.scale.tolist(), "amax": q.amax.tolist(), "clip_ratio": q.clip_ratio.tolist(),
+                   "candidate": q.label, "heldout": q.heldout, "calib": q.calib}
+    meta["vllm"] = vllm_metadata(rows, kv_cache_dtype, per_head)
+    cal = meta["calibration"]
+    cal["method"] = f"attention-aware static scale search for vLLM --kv-cache-dtype {kv_cache_dtype} (FP8 queries)"
+    cal["objective_k"] = ("attention KL (nats per query) of vLLM's scores (FP8 query codes . FP8 key codes) x "
+                          "softmax scale x q_scale x k_scale against the exact attention")
+    cal["objective_q"] = ("the same joint KL: q_scale with exact keys, then k_scale with those queries, then "
+                          "q_scale again with the chosen keys")
+
+
+__all__ = ["SUPPORTED_DTYPES", "query_codes", "key_codes", "joint_key_kl", "group_absmax", "choose_layer",
+           "choose_key_scale", "choose_query_scale", "check_engine_options", "add_to_artifact",
+           "search_vllm_fp8", "q_scale_tensor", "vllm_metadata", "VllmFP8Choice"]
