@@ -616,7 +616,6 @@ class EvalConfig:
 
     def __post_init__(self):
         from kvcal.errors import KvcalError
-
         from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
 
         for d in self.vllm_dtypes:
