@@ -596,3 +596,14 @@ def test_each_token_is_quantized_on_its_own(name):
     kh, vh = V.fake_quant_kv(name, k, v)
     k1, v1 = V.fake_quant_kv(name, k[:, :, 17:18], v[:, :, 17:18])
     assert torch.equal(kh[:, :, 17:18], k1) and torch.equal(vh[:, :, 17:18], v1)
+
+
+def test_evaluate_cli_refuses_an_unknown_vllm_dtype_before_loading(tmp_path):
+    from kvcal.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some text " * 20)
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", str(tmp_path / "none"), "--corpus", str(corpus),
+                                  "--vllm-dtype", "fp8,turboquant_2bit"])
+    assert r.exit_code == 2 and r.output.startswith("error: --vllm-dtype: unknown or unemulated vLLM --kv-cache-dtype "
+                                                    "'turboquant_2bit'") and r.output.count("\n") == 1
