@@ -607,3 +607,25 @@ def test_evaluate_cli_refuses_an_unknown_vllm_dtype_before_loading(tmp_path):
                                   "--vllm-dtype", "fp8,turboquant_2bit"])
     assert r.exit_code == 2 and r.output.startswith("error: --vllm-dtype: unknown or unemulated vLLM --kv-cache-dtype "
                                                     "'turboquant_2bit'") and r.output.count("\n") == 1
+
+
+def test_triton_fp_fusion_switch(monkeypatch):
+    """TRITON_FP_FUSION=True: ``a·b + c`` rounds once (FMA). Re-stated in float64, where the product of
+    two float32 numbers and its sum with an fp16 / small-integer addend are exact."""
+    monkeypatch.setattr(V, "TRITON_FP_FUSION", True)
+    v = gaussian_outlier((2, 3, 16, 64), seed=15)
+    codes, s16, z16 = V.turboquant_value_quantize(v, 4)
+    got = V.turboquant_value_dequantize(codes, s16, z16)
+    assert torch.equal(got.double(), f32(codes.double() * s16.double() + z16.double()))
+    xd = v.double()
+    scale = torch.maximum(f32(xd.abs().amax(-1, keepdim=True) / 127.0), f32(torch.tensor(1e-6, dtype=F64)))
+    inv = f32(1.0 / scale)
+    y = f32(xd * inv)
+    code = torch.trunc(torch.where(y >= 0, f32(xd * inv + 0.5), f32(xd * inv - 0.5)).clamp(-128, 127))
+    assert torch.equal(V.per_token_head_fake_quant(v, "int8").double(), f32(code * scale))
+    # the two modes differ only where an unfused rounding lands on the other side of a boundary
+    monkeypatch.setattr(V, "TRITON_FP_FUSION", False)
+    unfused = V.turboquant_value_dequantize(codes, s16, z16)
+    # two roundings vs one: |Δ| <= ½ulp(code·scale) + ½ulp(result) <= eps32·(|code·scale| + |result|)
+    bound = EPS32 * 2 * ((codes.double() * s16.double()).abs() + got.double().abs())
+    assert bool(((unfused.double() - got.double()).abs() <= bound).all())

@@ -62,6 +62,13 @@ INT4_RHT_WORK_DTYPE = torch.float32
 #: nvfp4, error = sum of squared fp32 dequantization errors over the block, max/4 chosen only
 #: when strictly smaller. UNVERIFIED on a GPU (SM100).
 NVFP4_4OVER6_TIE = "prefer_6"
+#: Triton compiles with ``enable_fp_fusion=True`` by default, so ``a*b + c`` in a Triton kernel may
+#: run as one fused multiply-add (one rounding instead of two). Where that pattern appears —
+#: int8 per-token-head rounding (``x·inv ± 0.5``), int4 codes (``r·inv + zp``), turboquant value
+#: reads (``code·scale + zero``) — ``False`` emulates two IEEE roundings, ``True`` one (:func:`_fma`).
+#: They differ only for elements within one float32 ulp of a rounding boundary (or in the last
+#: bit of a turboquant value). Which one the GPU runs is for a GPU run to settle.
+TRITON_FP_FUSION = False
 
 FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
@@ -172,6 +179,17 @@ def _static_scale(scale, H: int, what: str) -> torch.Tensor:
     return s.view(1, -1, 1, 1)
 
 
+def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
+    """float32 ``a·b + c`` as :data:`TRITON_FP_FUSION` says the kernel computes it: two roundings, or
+    one (the product of two float32 numbers is exact in float64, so only the float64 sum's rounding
+    can differ from a true FMA — a tie after that rounding, probability ~2^-29)."""
+    if not TRITON_FP_FUSION:
+        return a * b + c
+    bb = b.double() if isinstance(b, torch.Tensor) else b
+    cc = c.double() if isinstance(c, torch.Tensor) else c
+    return (a.double() * bb + cc).to(torch.float32)
+
+
 def _cast_fp8(y: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> torch.Tensor:
     """float32 → fp8 with round-to-nearest-even, saturating (see :data:`FP8_CAST_SATURATES`)."""
     if FP8_CAST_SATURATES:
@@ -251,9 +269,10 @@ def per_token_head_quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, t
     qmax, qmin = (FP8_E4M3_MAX, -FP8_E4M3_MAX) if kind == "fp8" else (127.0, -128.0)
     xf = x.to(torch.float32)
     scale = torch.clamp_min(xf.abs().amax(dim=-1, keepdim=True) / qmax, _PER_TOKEN_HEAD_MIN_SCALE)
-    y = xf * (1.0 / scale)
+    inv = 1.0 / scale
+    y = xf * inv
     if kind == "int8":
-        y = torch.where(y >= 0, y + 0.5, y - 0.5).clamp(qmin, qmax)
+        y = torch.where(y >= 0, _fma(xf, inv, 0.5), _fma(xf, inv, -0.5)).clamp(qmin, qmax)
         return y.trunc().to(torch.int8), scale
     return _cast_fp8(y, qmax, torch.float8_e4m3fn), scale
 
@@ -325,7 +344,7 @@ def int4_per_token_head_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
         return torch.where(t >= 0, t + 0.5, t - 0.5).trunc()
 
     zp = round_half_away(-lo / scale).clamp(0.0, 15.0)
-    codes = round_half_away(r * (1.0 / scale) + zp).clamp(0.0, 15.0)
+    codes = round_half_away(_fma(r, 1.0 / scale, zp)).clamp(0.0, 15.0)
     bits = scale.view(torch.int32)
     stored = ((bits & -16) | zp.to(torch.int32)).view(torch.float32)
     return codes.to(torch.uint8), stored
@@ -551,7 +570,7 @@ def turboquant_value_quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor,
 def turboquant_value_dequantize(codes: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor) -> torch.Tensor:
     """``code · scale + zero`` in fp32 from the fp16-stored scale and zero (``v_idx * v_scales +
     v_zeros`` in ``triton_turboquant_decode.py``). fp32 [B,H,S,D]."""
-    return codes.to(torch.float32) * scale16.to(torch.float32) + zero16.to(torch.float32)
+    return _fma(codes.to(torch.float32), scale16.to(torch.float32), zero16.to(torch.float32))
 
 
 def turboquant_fake_quant(name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -702,6 +721,7 @@ def layer_bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_di
 __all__ = [
     "VLLM_VERSION", "VLLM_DTYPES", "VllmKVDType", "VllmDTypeError", "vllm_dtype", "TQ_PRESETS",
     "KV_FP8_STORE_OP", "QUERY_FP8_OP", "FP8_CAST_SATURATES", "INT4_RHT_WORK_DTYPE", "NVFP4_4OVER6_TIE",
+    "TRITON_FP_FUSION",
     "fp8_static_quantize", "fp8_static_fake_quant", "query_fp8_fake_quant",
     "per_token_head_quantize", "per_token_head_fake_quant",
     "rht_signs", "rht", "int4_per_token_head_quantize", "int4_per_token_head_dequantize",
