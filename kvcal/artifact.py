@@ -30,31 +30,12 @@ from pathlib import Path
 import torch
 
 from kvcal.errors import ArtifactError, KvcalError
+from kvcal.plan import tensor_name  # noqa: F401  (re-exported: the naming rule lives in kvcal.plan)
+from kvcal.weights import config_hash  # noqa: F401  (re-exported: model identity lives in kvcal.weights)
 
 SCHEMA_VERSION = 1
 SCALES_FILE = "kv_scales.safetensors"
 SIDES = ("k", "v")
-
-
-def tensor_name(layer: int, side: str, kind: str = "scale") -> str:
-    """Artifact tensor name, e.g. ``tensor_name(3, "k") == "model.layers.3.self_attn.k_scale"``."""
-    if side not in SIDES:
-        raise ValueError(f"side must be 'k' or 'v', got {side!r}")
-    return f"model.layers.{layer}.self_attn.{side}_{kind}"
-
-
-def config_hash(config_dict: dict) -> str:
-    """sha256 of a model config's architecture-defining fields (stable across save/load).
-
-    Only fields that change the shapes or meaning of K/V are hashed, so a model re-saved by a
-    different transformers version still matches its artifacts.
-    """
-    keys = (
-        "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "hidden_size", "head_dim", "rope_theta", "vocab_size", "max_position_embeddings",
-    )
-    sub = {k: config_dict.get(k) for k in keys}
-    return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclass

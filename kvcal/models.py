@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import config_hash
 from kvcal.errors import ModelLoadError
-from kvcal.weights import ATTENTION_SCALE, format_ranges
+from kvcal.weights import ATTENTION_SCALE, config_hash, format_ranges
 
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -411,7 +410,7 @@ def model_metadata(
 ) -> dict:
     """The artifact's ``"model"`` section for a transformers config.
 
-    Keys: id, config_sha256 (see :func:`kvcal.artifact.config_hash`), architecture, model_type,
+    Keys: id, config_sha256 (see :func:`kvcal.weights.config_hash`), architecture, model_type,
     num_layers, num_attention_heads, num_kv_heads, head_dim, max_position_embeddings,
     weight_precision.
     """

@@ -69,8 +69,17 @@ def _checked(tensor_name: str, spec: TensorQuantSpec, check, *args):
                          f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
 
 
-def _name(layer: int, side: str, kind: str) -> str:
+def tensor_name(layer: int, side: str, kind: str = "scale") -> str:
+    """Artifact tensor name, e.g. ``tensor_name(3, "k") == "model.layers.3.self_attn.k_scale"``.
+
+    The one naming rule for every per-layer artifact tensor (``kind``: ``scale``, ``zero_point``,
+    ``clip_ratio``, ``mean``, ``rounding``, ``channel_bits``, ``levels``, ``trellis``,
+    ``scale_base``); also exported as :func:`kvcal.artifact.tensor_name`.
+    Raises ``ValueError`` for a side other than ``"k"`` / ``"v"``."""
+    if side not in SIDES:
+        raise ValueError(f"side must be 'k' or 'v', got {side!r}")
     return f"model.layers.{layer}.self_attn.{side}_{kind}"
+
 
 
 def _squeeze_static(t: torch.Tensor, spec: TensorQuantSpec) -> torch.Tensor:
@@ -140,6 +149,20 @@ class SidePlan:
         return y + self.mean.to(x.dtype) if self.mean is not None else y
 
 
+def quantize_seq(plan: SidePlan, x: torch.Tensor, sinks: int = 0) -> torch.Tensor:
+    """Fake-quantize one sequence ``x [H, T, D]`` (float) with a side plan, as :meth:`KVPlan.fake_quant` does.
+
+    The first ``sinks`` tokens are rounded to bfloat16 (kept in 16 bits) and the rest goes through
+    ``plan.fake_quant`` with token positions starting at ``sinks``. Returns ``[H, T, D]`` in ``x``'s
+    dtype. Shared by the search (:mod:`kvcal.search.optimizer`) and the fused key-error kernel's
+    torch reference (:mod:`kvcal.kernels.attn_error`)."""
+    n = min(sinks, x.shape[1])
+    y = plan.fake_quant(x[None, :, n:], start=n)[0]
+    if n == 0:
+        return y
+    return torch.cat([x[:, :n].to(torch.bfloat16).to(x.dtype), y], dim=1)
+
+
 @dataclass
 class LayerPlan:
     k: SidePlan
@@ -203,23 +226,23 @@ class KVPlan:
                 if sp.spec.is_quantized and sp.spec.scale_dtype == LOG8 and sp.scale_base is None:
                     raise ValueError(f"layer {i} {s}: log8 scales need SidePlan.scale_base (calibrate the side)")
                 if sp.scale is not None:
-                    out[_name(i, s, "scale")] = _squeeze_static(sp.scale.float(), sp.spec)
+                    out[tensor_name(i, s, "scale")] = _squeeze_static(sp.scale.float(), sp.spec)
                 if sp.zero_point is not None:
-                    out[_name(i, s, "zero_point")] = _squeeze_static(sp.zero_point.float(), sp.spec)
+                    out[tensor_name(i, s, "zero_point")] = _squeeze_static(sp.zero_point.float(), sp.spec)
                 if sp.clip_ratio is not None:
-                    out[_name(i, s, "clip_ratio")] = sp.clip_ratio.float().reshape(-1)
+                    out[tensor_name(i, s, "clip_ratio")] = sp.clip_ratio.float().reshape(-1)
                 if sp.mean is not None:
-                    out[_name(i, s, "mean")] = sp.mean.float().reshape(sp.mean.shape[1:])
+                    out[tensor_name(i, s, "mean")] = sp.mean.float().reshape(sp.mean.shape[1:])
                 if sp.rounding is not None:
-                    out[_name(i, s, "rounding")] = sp.rounding.float().contiguous()
+                    out[tensor_name(i, s, "rounding")] = sp.rounding.float().contiguous()
                 if sp.channel_bits is not None:
-                    out[_name(i, s, "channel_bits")] = sp.channel_bits.float().contiguous()
+                    out[tensor_name(i, s, "channel_bits")] = sp.channel_bits.float().contiguous()
                 if sp.levels is not None:
-                    out[_name(i, s, "levels")] = sp.levels.float().contiguous()
+                    out[tensor_name(i, s, "levels")] = sp.levels.float().contiguous()
                 if sp.trellis is not None:
-                    out[_name(i, s, "trellis")] = sp.trellis.float().reshape(-1).contiguous()
+                    out[tensor_name(i, s, "trellis")] = sp.trellis.float().reshape(-1).contiguous()
                 if sp.scale_base is not None:
-                    out[_name(i, s, "scale_base")] = sp.scale_base.float().reshape(-1).contiguous()
+                    out[tensor_name(i, s, "scale_base")] = sp.scale_base.float().reshape(-1).contiguous()
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
@@ -288,68 +311,68 @@ class KVPlan:
                 spec = TensorQuantSpec.from_dict(d)
                 sp = SidePlan(spec)
                 if spec.is_quantized and not spec.dynamic:
-                    name = _name(i, s, "scale")
+                    name = tensor_name(i, s, "scale")
                     if name not in tensors:
                         raise ValueError(f"artifact lacks {name} required by its {spec.format.value} "
                                          f"{spec.granularity.name} spec")
                     sp.scale = _unsqueeze_static(tensors[name].float(), spec, H, D)
-                    zp = tensors.get(_name(i, s, "zero_point"))
+                    zp = tensors.get(tensor_name(i, s, "zero_point"))
                     sp.zero_point = None if zp is None else _unsqueeze_static(zp.float(), spec, H, D)
-                cr = tensors.get(_name(i, s, "clip_ratio"))
+                cr = tensors.get(tensor_name(i, s, "clip_ratio"))
                 if cr is not None:
                     if not spec.dynamic:
-                        raise ValueError(f"{_name(i, s, 'clip_ratio')} is only for dynamic sides; this side's "
+                        raise ValueError(f"{tensor_name(i, s, 'clip_ratio')} is only for dynamic sides; this side's "
                                          f"{spec.format.value} {spec.granularity.name} ranges are static")
                     if cr.numel() not in (1, H) or not bool(torch.isfinite(cr).all()) or bool((cr <= 0).any()):
-                        raise ValueError(f"{_name(i, s, 'clip_ratio')} must hold 1 or {H} finite values > 0, got "
+                        raise ValueError(f"{tensor_name(i, s, 'clip_ratio')} must hold 1 or {H} finite values > 0, got "
                                          f"shape {tuple(cr.shape)} {cr.flatten()[:4].tolist()}")
                     sp.clip_ratio = cr.float().reshape(-1)
-                mean = tensors.get(_name(i, s, "mean"))
+                mean = tensors.get(tensor_name(i, s, "mean"))
                 if mean is not None:
                     if mean.numel() != H * D or not bool(torch.isfinite(mean).all()):
-                        raise ValueError(f"{_name(i, s, 'mean')} must hold {H}×{D} finite values (one per KV head and "
+                        raise ValueError(f"{tensor_name(i, s, 'mean')} must hold {H}×{D} finite values (one per KV head and "
                                          f"channel), got shape {tuple(mean.shape)}")
                     sp.mean = mean.float().reshape(1, H, 1, D)
-                rd = tensors.get(_name(i, s, "rounding"))
+                rd = tensors.get(tensor_name(i, s, "rounding"))
                 if rd is not None:
                     if tuple(rd.shape) != (H, D, D):
-                        raise ValueError(f"{_name(i, s, 'rounding')} has shape {tuple(rd.shape)}, expected {(H, D, D)}")
+                        raise ValueError(f"{tensor_name(i, s, 'rounding')} has shape {tuple(rd.shape)}, expected {(H, D, D)}")
                     sp.rounding = unit_rounding(rd.float())  # identity for kvcal artifacts
-                cb = tensors.get(_name(i, s, "channel_bits"))
+                cb = tensors.get(tensor_name(i, s, "channel_bits"))
                 if cb is not None:
                     if tuple(cb.shape) != (H, D):
-                        raise ValueError(f"{_name(i, s, 'channel_bits')} has shape {tuple(cb.shape)}, expected {(H, D)}")
-                    sp.channel_bits = _checked(_name(i, s, "channel_bits"), spec, check_channel_bits, cb.float(), spec, H, D)
-                lv = tensors.get(_name(i, s, "levels"))
+                        raise ValueError(f"{tensor_name(i, s, 'channel_bits')} has shape {tuple(cb.shape)}, expected {(H, D)}")
+                    sp.channel_bits = _checked(tensor_name(i, s, "channel_bits"), spec, check_channel_bits, cb.float(), spec, H, D)
+                lv = tensors.get(tensor_name(i, s, "levels"))
                 if lv is not None:
                     n = 2**spec.bits if spec.format.kind == "int" else 0
                     if lv.ndim not in (1, 2) or lv.shape[-1] != n or lv.numel() not in (n, H * n):
-                        raise ValueError(f"{_name(i, s, 'levels')} has shape {tuple(lv.shape)}, expected [H, 2^bits] = "
+                        raise ValueError(f"{tensor_name(i, s, 'levels')} has shape {tuple(lv.shape)}, expected [H, 2^bits] = "
                                          f"{(H, n)} for its {spec.format.value} side")
-                    sp.levels = _checked(_name(i, s, "levels"), spec, check_levels, lv.float(), spec, H)
-                tt = tensors.get(_name(i, s, "trellis"))
+                    sp.levels = _checked(tensor_name(i, s, "levels"), spec, check_levels, lv.float(), spec, H)
+                tt = tensors.get(tensor_name(i, s, "trellis"))
                 if tt is not None:
                     if s != "v":
-                        raise ValueError(f"{_name(i, s, 'trellis')}: trellis tables are for values only")
+                        raise ValueError(f"{tensor_name(i, s, 'trellis')}: trellis tables are for values only")
                     if sp.clip_ratio is not None or sp.levels is not None:
-                        raise ValueError(f"{_name(i, s, 'trellis')}: a trellis side takes no clip_ratio or levels "
+                        raise ValueError(f"{tensor_name(i, s, 'trellis')}: a trellis side takes no clip_ratio or levels "
                                          "tensor (its scale is the row's RMS)")
-                    sp.trellis = _checked(_name(i, s, "trellis"), spec, check_trellis, tt.float(), spec, D)
-                sb = tensors.get(_name(i, s, "scale_base"))
+                    sp.trellis = _checked(tensor_name(i, s, "trellis"), spec, check_trellis, tt.float(), spec, D)
+                sb = tensors.get(tensor_name(i, s, "scale_base"))
                 if spec.is_quantized and spec.scale_dtype == LOG8:
                     if sb is None:
-                        raise ValueError(f"artifact lacks {_name(i, s, 'scale_base')} required by its log8 scales")
+                        raise ValueError(f"artifact lacks {tensor_name(i, s, 'scale_base')} required by its log8 scales")
                     if sb.numel() != H:
-                        raise ValueError(f"{_name(i, s, 'scale_base')} must hold {H} values (one per KV head), "
+                        raise ValueError(f"{tensor_name(i, s, 'scale_base')} must hold {H} values (one per KV head), "
                                          f"got shape {tuple(sb.shape)}")
                     try:
                         sp.scale_base = check_scale_base(sb.float(), H)
                     except ValueError as e:
-                        raise ValueError(f"{_name(i, s, 'scale_base')}: {e}") from None
+                        raise ValueError(f"{tensor_name(i, s, 'scale_base')}: {e}") from None
                 elif sb is not None:
                     what = (f"{DTYPE_NAMES[spec.scale_dtype]}" if spec.is_quantized else "absent (the side is not "
                             "quantized)")
-                    raise ValueError(f"{_name(i, s, 'scale_base')} is only for log8 scales; the side's scales are {what}")
+                    raise ValueError(f"{tensor_name(i, s, 'scale_base')} is only for log8 scales; the side's scales are {what}")
                 sp.transform = str(trs[i].get(s, "none"))
                 sp.rope = rope if sp.transform == "pre_rope" else None
                 sp.check_transform()

@@ -30,10 +30,28 @@ re-calibrated on them.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
 import torch
+
+
+def config_hash(config_dict: dict) -> str:
+    """sha256 (64 hex digits) of a model config's architecture-defining fields (stable across save/load).
+
+    Only fields that change the shapes or meaning of K/V are hashed, so a model re-saved by a
+    different transformers version still matches its artifacts. Recorded as the artifact's
+    ``model.config_sha256`` (by :func:`kvcal.models.model_metadata`) and checked by
+    ``kvcal export --model-dir``; also importable as :func:`kvcal.artifact.config_hash`.
+    """
+    keys = (
+        "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "hidden_size", "head_dim", "rope_theta", "vocab_size", "max_position_embeddings",
+    )
+    sub = {k: config_dict.get(k) for k in keys}
+    return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()
+
 
 SCHEME = "kvcal-weights/1: per layer and embedding, sha256[:16] of (name, shape, 32 bf16-rounded samples) per tensor"
 SAMPLES = 32

@@ -183,7 +183,7 @@ def check_matches(meta: dict, config: dict, path: Path) -> list[str]:
                 f"artifact does not match --model-dir {path}: {key} is {m.get(key)!r} in the artifact but "
                 f"{val!r} in config.json; export the artifact calibrated for this model"
             )
-    from kvcal.artifact import config_hash
+    from kvcal.weights import config_hash
 
     warnings = []
     if m.get("config_sha256") and config_hash(tc) != m["config_sha256"]:

@@ -3,7 +3,8 @@
 For one layer and sequence, with ``q [H_q, T, D]`` (evaluated positions ``qpos [T_q]``),
 ``k [H_kv, T, D]`` and a key :class:`~kvcal.plan.SidePlan`, returns the attention KL
 ``Σ_i KL(P_i ‖ P̂_i)`` per KV head (float64 ``[H_kv]``, nats), exactly the quantity
-:meth:`kvcal.search.objectives.SequenceCache.key_kl` computes on ``quantize_seq(plan, k, sinks)``.
+:meth:`kvcal.search.objectives.SequenceCache.key_kl` computes on
+:func:`kvcal.plan.quantize_seq` ``(plan, k, sinks)``.
 
 * **torch** (the spec, CPU path): materializes ``k̂`` with the plan's own fake-quant and the
   ``[H_kv, G, T_q, T]`` score tensors.
@@ -31,6 +32,7 @@ import os
 import torch
 
 from kvcal.formats.granularity import PerToken, PerTokenGroup
+from kvcal.plan import quantize_seq
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -66,8 +68,6 @@ def triton_supports(plan, D: int) -> str | None:
 
 def key_kl_torch(cache, plan, sinks: int = 0) -> torch.Tensor:
     """Reference: ``cache.key_kl(quantize_seq(plan, cache.k, sinks))`` (float64 ``[H_kv]``)."""
-    from kvcal.search.optimizer import quantize_seq
-
     return cache.key_kl(quantize_seq(plan, cache.k, sinks))
 
 

@@ -54,7 +54,7 @@ from kvcal.formats.quant import (
 )
 from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.transforms import apply_transform
-from kvcal.plan import SidePlan
+from kvcal.plan import SidePlan, quantize_seq  # quantize_seq: re-exported (moved to kvcal.plan)
 from kvcal.search.objectives import SequenceCache
 
 OBJECTIVES = ("kl", "centered", "out", "mse")
@@ -80,15 +80,6 @@ def std_grid(bits: int) -> tuple[float, ...]:
 
 
 # ---- evaluating one side plan ---------------------------------------------------------------------
-
-def quantize_seq(plan: SidePlan, x: torch.Tensor, sinks: int = 0) -> torch.Tensor:
-    """Fake-quantize one sequence ``x [H, T, D]`` as the plan does (first ``sinks`` tokens in bf16)."""
-    n = min(sinks, x.shape[1])
-    y = plan.fake_quant(x[None, :, n:], start=n)[0]
-    if n == 0:
-        return y
-    return torch.cat([x[:, :n].to(torch.bfloat16).to(x.dtype), y], dim=1)
-
 
 def side_error(caches: list[SequenceCache], side: str, plan: SidePlan, objective: str | None = None,
                sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
