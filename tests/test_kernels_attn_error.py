@@ -73,3 +73,27 @@ def test_dispatch_falls_back_for_unsupported_and_cpu_auto():
     assert torch.equal(attn_error.key_kl(c, grouped, 0), attn_error.key_kl_torch(c, grouped, 0))
     with pytest.raises(ValueError, match="backend"):
         attn_error.key_kl(c, grouped, 0, backend="cuda")
+
+
+def test_one_backend_choice_for_quantize_and_key_kl(monkeypatch):
+    """Claim: the fused key-KL kernel and quantize/dequantize share one backend choice
+    (:func:`kvcal.kernels.resolve_backend`): switching off triton in that one place makes a forced
+    ``backend="triton"`` fail the same way for both, and ``KVCAL_KERNELS`` is read by both."""
+    import kvcal.kernels as K
+
+    assert attn_error.BACKENDS is K.BACKENDS
+    c = _cache(2)
+    plan = PLANS["dyn_token_sym_fp32"](c)  # a plan the fused kernel covers
+    assert attn_error.triton_supports(plan, 16) is None
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    x = torch.randn(1, 2, 3, 16)
+    spec = TensorQuantSpec("int4", PerToken(), symmetric=True)
+    for call in (lambda: attn_error.key_kl(c, plan, 0, backend="triton"),
+                 lambda: K.quantize(x, spec, backend="triton")):
+        with pytest.raises(ValueError, match="triton is not installed"):
+            call()
+    monkeypatch.setenv("KVCAL_KERNELS", "triton")
+    with pytest.raises(ValueError, match="triton is not installed"):
+        attn_error.key_kl(c, plan, 0)
+    monkeypatch.setenv("KVCAL_KERNELS", "torch")  # torch needs no triton: the reference, bit for bit
+    assert torch.equal(attn_error.key_kl(c, plan, 0), attn_error.key_kl_torch(c, plan, 0))

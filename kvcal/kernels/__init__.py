@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -67,18 +68,34 @@ def triton_supports(spec: TensorQuantSpec, shape: tuple[int, int, int, int]) -> 
     return f"static granularity {g.name} runs on the torch reference"
 
 
-def _resolve(backend: str | None, device: torch.device, spec, shape) -> str:
+def resolve_backend(backend: str | None, device: torch.device, why_not: Callable[[], str | None]) -> str:
+    """The one backend choice of kvcal's kernels: ``"torch"`` or ``"triton"``.
+
+    ``backend``: ``"auto"``, ``"torch"`` or ``"triton"``; ``None`` reads env ``KVCAL_KERNELS``
+    (default ``"auto"``). ``why_not()``: ``None`` when the Triton kernel covers the case, else the
+    reason it does not (called only when Triton is a candidate). ``auto`` picks Triton for CUDA
+    tensors when triton is importable and the case is covered; ``triton`` forces it where covered
+    and runs the torch reference elsewhere. Used by :func:`quantize` / :func:`dequantize` here and
+    by :func:`kvcal.kernels.attn_error.key_kl`.
+
+    Raises ``ValueError`` for an unknown backend name, or ``"triton"`` when triton is not installed.
+    """
     b = backend or os.environ.get("KVCAL_KERNELS", "auto")
     if b not in BACKENDS:
         raise ValueError(f"unknown kernel backend {b!r}; choose one of {BACKENDS}")
     if b == "torch":
         return "torch"
-    reason = triton_supports(spec, shape)
+    reason = why_not()
     if b == "auto":
         return "triton" if reason is None and device.type == "cuda" and triton_available() else "torch"
     if not triton_available():
         raise ValueError("backend 'triton' requested but triton is not installed (pip install kvcal[triton])")
     return "torch" if reason is not None else "triton"
+
+
+def _resolve(backend: str | None, device: torch.device, spec, shape) -> str:
+    """:func:`resolve_backend` for a quantize/dequantize call on a ``[B,H,S,D]`` tensor with ``spec``."""
+    return resolve_backend(backend, device, lambda: triton_supports(spec, shape))
 
 
 def quantize(
@@ -123,4 +140,4 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None, *, backend
     return dequantize_triton(qt, dtype)
 
 
-__all__ = ["quantize", "dequantize", "triton_supports", "triton_available", "BACKENDS"]
+__all__ = ["quantize", "dequantize", "triton_supports", "triton_available", "resolve_backend", "BACKENDS"]

@@ -16,7 +16,8 @@ For one layer and sequence, with ``q [H_q, T, D]`` (evaluated positions ``qpos [
   Rounding uses ``floor(x + ½)`` where torch rounds half to even: ties (rare in real data) may
   land one code apart, so parity is to float tolerance, not bit-exact.
 
-Dispatch (:func:`key_kl`, the one entry point): ``backend`` argument or env ``KVCAL_KERNELS`` =
+Dispatch (:func:`key_kl`, the one entry point, through :func:`kvcal.kernels.resolve_backend`, the
+backend choice shared with quantize/dequantize): ``backend`` argument or env ``KVCAL_KERNELS`` =
 ``auto`` (Triton for CUDA tensors when triton is importable and the plan is supported, else torch),
 ``torch``, or ``triton`` (on CPU needs ``TRITON_INTERPRET=1``; unsupported plans fall back to torch).
 Supported by Triton: int keys, static per-tensor/head/channel (with zero point or symmetric), or
@@ -26,19 +27,11 @@ centering; sink tokens.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from kvcal.formats.granularity import PerToken, PerTokenGroup
+from kvcal.kernels import BACKENDS, resolve_backend, triton_available  # noqa: F401  (BACKENDS, triton_available: old names)
 from kvcal.plan import quantize_seq
-
-BACKENDS = ("auto", "torch", "triton")
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def triton_supports(plan, D: int) -> str | None:
@@ -71,26 +64,13 @@ def key_kl_torch(cache, plan, sinks: int = 0) -> torch.Tensor:
     return cache.key_kl(quantize_seq(plan, cache.k, sinks))
 
 
-def _resolve(backend: str | None, device: torch.device, plan, D: int) -> str:
-    b = backend or os.environ.get("KVCAL_KERNELS", "auto")
-    if b not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {b!r}; choose one of {BACKENDS}")
-    if b == "torch" or triton_supports(plan, D) is not None:
-        return "torch"
-    if b == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if not triton_available():
-        raise ValueError("backend 'triton' requested but triton is not installed (pip install kvcal[triton])")
-    return "triton"
-
-
 def key_kl(cache, plan, sinks: int = 0, backend: str | None = None) -> torch.Tensor:
     """Attention KL per KV head of quantizing ``cache.k`` with ``plan`` (float64 ``[H_kv]``).
 
     ``cache``: a :class:`~kvcal.search.objectives.SequenceCache`; ``plan``: key
     :class:`~kvcal.plan.SidePlan`; ``sinks``: first tokens kept in bfloat16."""
     D = cache.k.shape[-1]
-    if _resolve(backend, cache.k.device, plan, D) == "torch":
+    if resolve_backend(backend, cache.k.device, lambda: triton_supports(plan, D)) == "torch":
         return key_kl_torch(cache, plan, sinks)
     return key_kl_triton(cache.q, cache.k, cache.qpos, cache.scaling, plan, sinks)
 
