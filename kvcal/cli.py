@@ -392,7 +392,7 @@ def plan_cmd(model, gpu_mem, weights_dtype, kv_config, reserve, params, as_json)
     """Max context per concurrency (and max concurrency per context) for 16-bit vs each cache precision."""
     import json
 
-    from kvcal.planner import PlanConfig, load_config, plan_capacity, render_plan
+    from kvcal.capacity import PlanConfig, load_config, plan_capacity, render_plan
 
     cfg = PlanConfig(gpu_mem=gpu_mem, weights_dtype=weights_dtype, reserve=reserve, kv_configs=kv_config,
                      params=params)

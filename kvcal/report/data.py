@@ -433,14 +433,14 @@ def corpus_relation(cal: dict, ev: dict | None, cal_max_len: int | None, eval_co
 def memory_summary(meta: dict, contexts: list[int] | None = None, batches: list[int] | None = None,
                    tensors: dict | None = None) -> dict | None:
     """Exact accounting (:mod:`kvcal.formats.memory`) for the artifact's cache vs 16-bit (per-layer
-    metadata counted exactly when the artifact's ``tensors`` are given; :func:`kvcal.planner.artifact_kv_config`).
+    metadata counted exactly when the artifact's ``tensors`` are given; :func:`kvcal.capacity.artifact_kv_config`).
 
     Returns ``{"bytes_per_token", "bytes_per_token_16", "ratio", "contexts", "batches",
     "cache_bytes": {batch: [bytes per context]}, "cache_bytes_16": {...}}`` or ``None`` when the
     metadata lacks the model shape or kv config."""
     from kvcal.formats.memory import ModelShape, bytes_per_token_exact, cache_bytes
     from kvcal.formats.spec import PRESETS
-    from kvcal.planner import artifact_kv_config
+    from kvcal.capacity import artifact_kv_config
 
     m = meta.get("model") or {}
     try:
