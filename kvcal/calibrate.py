@@ -637,9 +637,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     model-level KL when ``sink_probe`` is given — a callable taking ``{count: KVPlan}`` and
     returning ``{count: KL in nats}`` (:func:`kvcal.evaluate.plans_kl` on held-out samples) —, else
     with the lowest summed held-out attention-output error (ties: fewer sinks; ``--bits`` budgets
-    count the largest, so any choice fits). The attention-level sum is recorded either way; on the
-    embedded model it barely separates 1 from 4 sinks (0.1434 vs 0.1423) while the model KL drops
-    ~9%, which is why a model is asked when one is at hand. ``cache``: dict reused across calls on the same capture (benchmarks).
+    count the largest, so any choice fits). The attention-level sum is recorded either way (why the
+    model is asked when one is at hand: ``docs/design.md``, "Sink count"). ``cache``: dict reused across calls on the same capture (benchmarks).
     ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable`
     (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4``, ``int2``, ``k4v2`` presets; with
     ``bits`` the pre-RoPE menu entries are skipped when it is ``None``).
@@ -649,7 +648,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     reference plan (every side at its ``int4``-preset choice, :data:`~kvcal.search.presets.ALLOC_REFERENCE`),
     and each (layer, side)'s attention-level errors are multiplied by ``KL / error(reference)``, so
     the allocation minimizes an estimate of the model-level KL instead of the sum of layer errors
-    (which weighs a layer the model barely notices like one it amplifies 100×). Raises
+    (``docs/design.md``, "Bit allocation"). Raises
     :class:`KvcalError` for an infeasible budget or a pre-RoPE preset without ``rope``.
     """
     from tqdm.auto import tqdm

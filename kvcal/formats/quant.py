@@ -47,10 +47,8 @@ saturate. The stored format is unchanged (dequantization does not need ``U``); k
 Per-channel bit widths (``channel_bits=W``, asymmetric int, per-channel token groups): channel
 ``(h, c)`` uses ``W[h, c]`` bits (1–8), i.e. ``2^W − 1`` in place of ``2^b − 1`` in the asymmetric
 formulas above, while every head's row keeps the spec's size (``Σ_c W[h, c] = b·D``; packing:
-:func:`kvcal.formats.packing.pack_channels`). Bits move from channels whose errors the queries barely
-see to those they weight most — reverse water-filling over channels (see
-:func:`kvcal.search.optimizer.channel_bit_allocation`); KVQuant's per-channel key ranges and KVTuner's
-layer-wise widths are the coarser relatives.
+:func:`kvcal.formats.packing.pack_channels`; widths chosen by
+:func:`kvcal.search.optimizer.channel_bit_allocation`).
 
 Non-uniform levels (``levels=L``, symmetric int, per-token or per-token-group): the ``2^b`` codes
 index a calibrated, non-decreasing table ``L [H, 2^b]`` in ``[-1, 1]`` instead of the uniform grid:
@@ -59,12 +57,8 @@ nearest level to ``x / scale`` (ties to the lower level, values beyond ``±1`` t
 ``x̂ = L[h, q] * scale``; codes are stored unsigned (no offset). An all-zero group gets scale 0
 and reads back as zeros (a fitted table need not contain 0). The table is per-layer metadata
 (``float32 [H, 2^b]``), the per-token scale is unchanged — a non-uniform grid costs no per-token
-bits. This is KVQuant's non-uniform datatype (Hooper et al., "KVQuant", NeurIPS 2024, §3.4: a
-per-layer codebook fitted offline by weighted k-means) applied to per-token values; NF4 (Dettmers
-et al., QLoRA, 2023) is the fixed-table special case for Gaussian data. The uniform symmetric grid
-is, up to the rounding of the stored scale, the table ``[-1, -1, -(qmax-1)/qmax, …, 1]`` (the unused
-code duplicates an end level), and
-``linspace(-1, 1, 2^b)`` the uniform grid using all ``2^b`` codes.
+bits. Source: KVQuant's non-uniform datatype (Hooper et al., "KVQuant", NeurIPS 2024, §3.4: a
+per-layer codebook fitted offline by weighted k-means), here applied to per-token values.
 
 8-bit log-coded scales (``scale_dtype="log8"``, symmetric int, per-token / per-token-group): each
 group's scale is stored as one byte ``e`` with ``scale = base_h · 2^(e / 16)`` (``base_h``: a
@@ -72,8 +66,7 @@ calibrated fp32 per KV head, ``scale_base=``; 256 codes span ``2^16``, steps of 
 smallest code in 1–255 whose scale is at least the group's exact one (never saturating its own
 extreme); scales below ``base_h · 2^(1/16)`` use code 1, scales above the top code are clipped to it
 (calibration puts the top code 16× above the largest calibration scale), and code 0 is scale 0 (an
-all-zero group with non-uniform levels). It halves the per-token metadata of an fp16
-scale (0.125 instead of 0.25 bit per element at ``D = 64``) for about 4.5% more rounding error.
+all-zero group with non-uniform levels).
 
 Trellis-coded rows (``trellis=T``, symmetric int2–int4, per-token): each token's row of ``D``
 elements is divided by its scale — the row's RMS (``sqrt(mean(x²))``, rounded up to the stored scale

@@ -19,76 +19,9 @@ preset     keys                                           values                
 ``k4v2``   as ``int4``                                    as ``int2``                                   3.625
 =========  =============================================  ============================================  =====
 
-``int8`` and ``int2`` have the memory layout of the prior-art baselines they are compared with
-(dynamic int8 g64; KIVI-2 g32) — plus, for ``int2``, the keys' rounding triangle — so their gain is
-the calibration and the transforms (clip ratios, centering, sinks; ``int2``: pre-RoPE keys with
-query-aware rounding and Hadamard-rotated values, which took the 2 × 1024-window probe from KL 0.405
-with the plain KIVI layout + clips to 0.192, KIVI-2 itself 0.623). ``int4`` spends 0.25 bit of
-metadata on the keys (fp16 scale + zero point per 128 tokens of a key channel) and 0.125 on the
-values (one log8 byte per value token and head: ``kvcal.formats.quant``, 4.4% scale steps, which cost
-V-only KL 5.11e-3 → 5.21e-3 on the 2 × 1024 probe and brought the preset from 4.29 to 4.23 bits) plus
-the per-layer clip ratios, tables and the 16-bit sinks, and uses the two transforms that measured best on the embedded model at that
-budget (exploratory probes whose scripts were not kept; 2 × 1024 wikitext windows, K-only / V-only mean KL):
-pre-RoPE 128-token key groups 9.4e-3 vs post-RoPE 14.1e-3 (and static per-channel pre-RoPE
-ranges 16.7e-3, the previous preset's layout); Hadamard-rotated symmetric g64 values 6.7e-3 vs
-10.0e-3 without the rotation. See :mod:`kvcal.formats.transforms`. Query-aware rounding of the
-keys (OPTQ-style error feedback weighted by the calibration queries' second moments, see
-:func:`kvcal.search.optimizer.query_rounding`) took the pre-RoPE g128 keys from 9.4e-3 to 5.8e-3
-in the same probe; its stored form, the float8 ratios above a unit diagonal
-(:func:`kvcal.formats.quant.unit_rounding`, ``H·D(D−1)/2`` bytes per layer), is counted as metadata
-(+0.03 bit at 4096 tokens, batch 1; less at longer contexts or larger batches — the float16
-triangle it replaced cost +0.06 and rounded 5% better on that probe, K-only KL 5.6e-3 vs 5.9e-3).
-**Per-channel widths** (:func:`kvcal.search.optimizer.channel_bit_allocation`: each key channel gets
-1–8 bits by reverse water-filling on its queries' second moment × its squared group range, each
-head's row keeping its 4·D bits, so the payload size is unchanged; the ``uint8 [H, D]`` table is
-+0.001 bit) then took the same probe's keys (min/max ranges, no clip search) from 9.4e-3 to
-3.4e-3 without rounding and from 5.4e-3 to 2.5e-3 with it; through the full search
-(clip ratios, guards) the ``int4`` keys measure K-only KL 2.45e-3 there. For ``int2`` keys (g32,
-with rounding) the widths took the probe from 102e-3 to 59e-3. Allowed widths matter: restricting
-them to {2, 3, 4, 8} (packing units the engines know) gave 3.1e-3 instead of 2.5e-3, so kvcal packs
-any width (:func:`kvcal.formats.packing.pack_channels`). A 256- or 192-token key group (half or
-two thirds of the scale / zero-point bits, which would bring ``int4`` under 4.25) measured 3.3e-3 /
-3.2e-3 — the 128-token group stays. The same allocation for values (per-channel 128-token groups,
-widths by ``o_proj`` column norms × range²) measured V-only 8.1e-3, worse than the Hadamard per-token
-layout (6.8e-3): values keep it. The values'
-clip ratio is not searched (``clip_search=False``: min/max): on the embedded model the clip ratios
-that minimized the held-out attention-output error (0.89–0.96) raised the model's V-only KL from
-6.8e-3 to 7.6e-3 on a 2 × 1024-window probe; on the 8 × 1024 benchmark windows (paired) they gave
-KL 5.73e-3 vs 5.84e-3 but ΔPPL +0.152 vs +0.107 — no consistent gain, so the cheaper min/max stays.
-(Until this release a keyword slip passed ``False`` as the rounding flag and the preset searched
-value clips anyway; the README's earlier int4 rows were measured that way.)
-
-**Non-uniform value levels** (:func:`kvcal.search.optimizer.fit_levels`, KVQuant's per-layer
-non-uniform datatype applied to Hadamard-rotated per-token values): the 16 codes index a per-layer table
-fitted by Lloyd's algorithm on the calibration values in units of each token's absmax, instead of the
-uniform grid ``k/7`` (which also leaves one code unused). On Gaussian rows of 64 the fitted table cuts
-the MSE from 0.0116σ² to 0.0080σ² (the same as an asymmetric grid, without its per-token zero point);
-on the 2 × 1024 probe the int4 values went from V-only KL 6.83e-3 to 5.11e-3 (NF4's fixed table: 6.82e-3;
-a table per head instead of per layer: 4.81e-3 vs 4.66e-3 in the same experiment, so one per layer).
-The ``--bits`` menu offers 2-, 3-, 4-, 5- and 6-bit level entries with log8 scales too: int5 / int6 (kvcal's
-runtime only; eight codes in five bytes / four in three) let the allocator spend a budget's last few hundredths
-of a bit on the value layers the probe ranks first. On the 2 × 1024 probe (exploratory probe, script not kept), layer 1's
-values alone at 6 bits took the ``int4`` plan's KL from 8.1e-3 to 6.5e-3 (that layer held 16% of the summed
-single-side KL); ``--bits 4.25`` with int5/int6 in the menu moved four value layers to int5 and paid with
-layer 0 (keys int2, values int3): KL 7.4e-3 vs the preset's 8.1e-3 (1 sink; exploratory probe, script not kept).
-On the 8 × 1024 benchmark with 4 sinks it moved three value layers: ΔPPL +0.119 vs the preset's +0.136. At 2 bits the Gaussian
-picture (a 2-bit table on groups of 32: 0.113σ² vs 0.155σ² for KIVI's asymmetric grid) did not carry over:
-on the 2 × 1024 probe the ``int2`` values measured V-only KL 118e-3 with that table (16-channel groups:
-101e-3) vs 85e-3 with the preset's asymmetric, clip-searched 32-channel groups, so ``int2`` keeps its
-layout and the level entries only compete per layer in the allocator.
-
-**Trellis-coded values** (:mod:`kvcal.formats.trellis`; QTIP's bitshift trellis, Tseng et al. 2024):
-the same 4 bits per element, but element ``i`` of a row reads a per-layer table at the last ``ν + 4``
-bits of the row's code stream, so 64 elements share their bits with their neighbours and a Viterbi
-encoder picks the whole row's codes at once. With ``ν = 6`` (64 states, a 1024-entry int8 table per
-layer: +0.004 bit at 4096 tokens, batch 1) the Hadamard-rotated value rows' MSE fell 0.9–1.2 dB below
-the fitted levels in every layer, and on the 2 × 1024 probe (``benchmarks/probe_trellis.py``, tables
-fitted on ``calibration_sets/chat.jsonl``) the V-only KL went 4.81e-3 → 3.78e-3, all sides 7.54e-3 →
-6.19e-3. The search keeps it per layer only where its held-out attention-output error beats the levels
-(:func:`kvcal.search.optimizer.search_side` ``trellis_nu``). ``ν = 8`` gained another 0.15–0.5 dB per
-row in an exploratory probe (script not kept) but encodes 9× slower and its 4 KiB table would not fit
-under 4.25 bits. Encoding costs a Viterbi pass per token (``64 · 2^10`` comparisons per row); decoding
-is a table gather.
+Why each preset is built this way, with the probe figures behind each choice (pre-RoPE key groups,
+Hadamard values, query-aware rounding, per-channel widths, levels, trellis, value clips, int5/int6
+menu entries): ``docs/design.md``, section "Integer presets".
 
 The ``--bits`` menu below is searched per layer and side; ``ALLOC_REFERENCE`` is the choice at which
 the model-level sensitivity probe measures each (layer, side).
