@@ -731,7 +731,10 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     for d in dict.fromkeys(cfg.vllm_dtypes):
         from kvcal.vllm_plan import VllmKVPlan
 
-        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan)
+        qt = [art.tensors.get(f"model.layers.{i}.self_attn.q_scale") for i in range(L)]  # calibrate --engine vllm
+        kw = ({"q_scales": [t.reshape(-1) if t.numel() > 1 else float(t.reshape(-1)[0]) for t in qt]}
+              if d in ("fp8", "fp8_e4m3") and all(t is not None for t in qt) else {})
+        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, **kw)
         roles[f"vllm:{d}"] = "vllm"
         vllm_names.add(f"vllm:{d}")
         notes.append(note)

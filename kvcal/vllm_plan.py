@@ -129,8 +129,9 @@ class VllmKVPlan:
                 k = [as_scale(a.scale) for a, _ in sides]
                 v = [as_scale(b.scale) for _, b in sides]
                 return cls(kv_cache_dtype, L, k_scales=k, v_scales=v, **kw), (
-                    f"vllm:{kv_cache_dtype}: the artifact's k/v scales as vLLM loads them, q_scale 1.0 (vLLM's "
-                    "default; the artifact has none), queries FP8-quantized")
+                    f"vllm:{kv_cache_dtype}: the artifact's k/v scales as vLLM loads them, "
+                    + ("the artifact's q_scale (calibrate --engine vllm)" if kw.get("q_scales") is not None else
+                       "q_scale 1.0 (vLLM's default; the artifact has none)") + ", queries FP8-quantized")
         note = (f"vllm:{kv_cache_dtype}: vLLM's defaults (static scales 1.0; no checkpoint scales)"
                 if vllm_dtype(kv_cache_dtype).static_scales else
                 f"vllm:{kv_cache_dtype}: scales computed at write time, as vLLM does")

@@ -310,3 +310,20 @@ def test_disclosure_report_states_engine_and_q_scale(vllm_artifact):
     qs = [x for r in art.metadata["vllm"]["q_scale"] for x in r]
     assert f"max {max(qs):.4g}" in md
     assert "Queries and all other activations stay" not in md
+
+
+def test_evaluate_vllm_row_uses_the_artifacts_q_scale(vllm_artifact, tiny_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from kvcal.cli import main
+
+    out, gran = vllm_artifact
+    if gran == "head":
+        pytest.skip("one granularity is enough for the routing")
+    j = tmp_path / "ev.json"
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", str(out), "--corpus", str(CHAT), "--model", str(tiny_dir),
+                                  "--context", "48", "--windows", "1", "--mode", "teacher_forced", "--no-baselines", "--vllm-dtype", "fp8",
+                                  "--json", str(j), "--quiet"])
+    assert r.exit_code in (0, 1), r.output
+    ev = json.loads(j.read_text())
+    assert any("the artifact's q_scale (calibrate --engine vllm)" in n for n in ev["notes"])

@@ -73,17 +73,18 @@ def joint_key_kl(cache: SequenceCache, q_hat: torch.Tensor | None, q_scale: torc
 
     ``P``: exact attention of ``cache`` (float32 queries and keys). ``P̂ = softmax(s)`` with
     ``s = (q_hat · k_hatᵀ) · scaling · q_scale · k_scale`` (vLLM's folding of both scales into the
-    softmax scale, see the module docstring). ``q_hat`` [H_q, T, D] FP8 codes and ``q_scale`` ``[H_kv]``,
-    or ``None`` for exact queries (scale 1); likewise ``k_hat`` [H_kv, T, D] / ``k_scale``."""
+    softmax scale, see the module docstring). ``q_hat`` [H_q, Tq, D]: FP8 codes of the evaluated queries
+    ``cache.q[:, cache.qpos]`` (:func:`query_codes` of them) and ``q_scale`` ``[H_kv]``, or ``None`` for exact
+    queries (scale 1); likewise ``k_hat`` [H_kv, T, D] (all keys) / ``k_scale``."""
     h_kv = cache.k.shape[0]
-    q = cache.q if q_hat is None else q_hat
+    q = cache.q[:, cache.qpos] if q_hat is None else q_hat
     k = cache.k if k_hat is None else k_hat
     fold = torch.full((h_kv,), float(cache.scaling), dtype=torch.float32)
     if q_scale is not None:
         fold = fold * q_scale.float()
     if k_scale is not None:
         fold = fold * k_scale.float()
-    qg = q[:, cache.qpos].float().reshape(h_kv, -1, cache.qpos.numel(), q.shape[-1])
+    qg = q.float().reshape(h_kv, -1, cache.qpos.numel(), q.shape[-1])
     s = torch.einsum("hgqd,htd->hgqt", qg, k.float()).mul_(fold.view(-1, 1, 1, 1))
     s = s.masked_fill_(cache.masked, float("-inf"))
     logp_hat = torch.log_softmax(s, dim=-1).masked_fill_(cache.masked, 0.0)
@@ -101,9 +102,9 @@ def _errors(caches: list[SequenceCache], which: str, scales: torch.Tensor, other
         if which == "q":
             kh, ks = (key_codes(c.k, other), other) if quantize_other else (None, None)
             for i in range(C):
-                num[i] += joint_key_kl(c, query_codes(c.q, scales[i]), scales[i], kh, ks)
+                num[i] += joint_key_kl(c, query_codes(c.q[:, c.qpos], scales[i]), scales[i], kh, ks)
         else:
-            qh, qs = (query_codes(c.q, other), other) if quantize_other else (None, None)
+            qh, qs = (query_codes(c.q[:, c.qpos], other), other) if quantize_other else (None, None)
             for i in range(C):
                 num[i] += joint_key_kl(c, qh, qs, key_codes(c.k, scales[i]), scales[i])
     return num
@@ -224,7 +225,7 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
     held = heldout if heldout else calib
     nq = float(sum(c.num_queries for c in held)) * H
     qs, ks = _expand(q.scale, H), _expand(k.scale, H)
-    q_only = sum(float(joint_key_kl(c, query_codes(c.q, qs), qs, None, None).sum()) for c in held) / nq
+    q_only = sum(float(joint_key_kl(c, query_codes(c.q[:, c.qpos], qs), qs, None, None).sum()) for c in held) / nq
     kv_only = sum(float(joint_key_kl(c, None, None, key_codes(c.k, ks), ks).sum()) for c in held) / nq
     return VllmFP8Choice(q=q, k=k, v=v, q_only=q_only, kv_only=kv_only)
 
