@@ -502,3 +502,57 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
     click.echo(f"artifact: {'PASS' if doc['passed'] else 'FAIL'}")
     if not doc["passed"]:
         sys.exit(1)
+
+
+# ---- recommend ---------------------------------------------------------------------------------
+@main.command("recommend")
+@click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
+@corpus_options
+@click.option("--engine", required=True, type=click.Choice(["vllm"]), help="Serving engine (vllm 0.33).")
+@click.option("--out", required=True, type=click.Path(), help="New directory: deploy.md, deploy.json, artifact/ (fp8).")
+@click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
+@click.option("--accept", default=None,
+              help="Acceptance bar, e.g. 'kl_mean<=1e-2' [default: kvcal evaluate's bar for each dtype's precision].")
+@click.option("--max-bytes-per-token", default=None, type=count(1),
+              help="KV bytes per token (all layers, K and V, as vLLM allocates pages) a configuration may use.")
+@click.option("--max-skip", default=6, show_default=True, type=count(0),
+              help="Most layers kept in the model dtype (--kv-cache-dtype-skip-layers), chosen by a per-layer KL probe.")
+@click.option("--dtypes", default=None,
+              help="Comma-separated vLLM --kv-cache-dtype menu [default: fp8, the *_per_token_head, nvfp4, turboquant].")
+@click.option("--context", default=512, show_default=True, type=count(2), help="Tokens per window.")
+@click.option("--windows", default=4, show_default=True, type=count(1), help="Held-out evaluation windows.")
+@click.option("--probe-tokens", default=1024, show_default=True, type=count(2),
+              help="Tokens of the per-layer sensitivity probe (windows before the evaluation ones).")
+@click.option("--eval-corpus", default=None, type=click.Path(), help="Evaluate on this file instead of the corpus tail.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@user_errors
+def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model, accept, max_bytes_per_token,
+                  max_skip, dtypes, context, windows, probe_tokens, eval_corpus, device, quiet):
+    """Choose the vLLM KV-cache dtype and 16-bit layers to deploy, measured on your corpus; write the commands.
+
+    Exit 0 with a configuration, 1 when none passes the bar within the budget, 2 on bad input."""
+    from kvcal.corpus import check_corpus
+
+    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
+    from kvcal.recommend import DEFAULT_MENU, RecommendConfig, recommend, render_table
+
+    cfg = RecommendConfig(corpus=corpus, out=out, model=model, engine=engine, accept=accept,
+                          max_bytes_per_token=max_bytes_per_token, max_skip=max_skip,
+                          dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes else DEFAULT_MENU,
+                          context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
+                          device=device, text_field=text_field, messages_field=messages_field, split=split)
+    if quiet:
+        quiet_libraries()
+    doc = recommend(cfg, log=click.echo, progress=not quiet)
+    click.echo(render_table(doc))
+    for note in doc["notes"]:
+        click.echo(f"note: {note}")
+    if doc["commands"]:
+        for line in (doc["commands"]["export"], doc["commands"]["serve"]):
+            if line:
+                click.echo(line)
+    click.echo(f"wrote {out}/deploy.md, {out}/deploy.json")
+    if not doc["passed"]:
+        click.echo("no configuration passes the acceptance bar within the budget", err=True)
+        sys.exit(1)

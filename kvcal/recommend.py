@@ -1,0 +1,341 @@
+"""``kvcal recommend --engine vllm``: which vLLM 0.33 KV configuration to deploy, measured on the user's corpus.
+
+For every ``--kv-cache-dtype`` of the menu (:data:`DEFAULT_MENU`) and every number of 16-bit layers up to
+``max_skip``, the layers to keep at 16 bits are chosen by a model-level probe
+(:func:`layer_sensitivity` → :func:`kvcal.search.skip_layers.choose_skip_layers`); vLLM's fixed
+first-2/last-2 rule is evaluated beside it at the same count (4), so both are reported at equal memory.
+Each candidate runs under Protocol A (:func:`kvcal.evaluate.teacher_forced`, with vLLM's FP8 query
+quantization where vLLM applies it) on evaluation windows disjoint from the probe windows, is judged by
+the acceptance bar (``--accept`` or :data:`kvcal.evaluate.DEFAULT_ACCEPT` by precision), and the
+cheapest deployable PASS within ``--max-bytes-per-token`` wins (ties: lower KL).
+
+fp8 is calibrated first through ``kvcal calibrate --engine vllm --kv-cache-dtype fp8``
+(:func:`kvcal.calibrate.calibrate`: k/v scales and q_scale), and evaluated with those scales.
+
+Data split (one token stream, :func:`kvcal.evaluate.corpus_stream`, cut into ``context``-token windows):
+the first ``ceil(probe_tokens / context)`` windows are the probe; the next ``windows`` windows (or the first
+ones of ``eval_corpus`` when given) are the evaluation. kvcal calibrate's fp8 sample subset is drawn from
+the whole corpus and may overlap the evaluation windows unless ``eval_corpus`` is a different file.
+
+Output directory (written atomically): ``deploy.json`` (schema ``kvcal-recommend/1``), ``deploy.md``, and
+``artifact/`` (the calibrated fp8 artifact) when fp8 is chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: vLLM 0.33 dtypes kvcal emulates, offered by default (fp8_e4m3 = fp8; fp8_e5m2 and nvfp4_4over6 on request).
+DEFAULT_MENU = ("fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4",
+                "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+#: The number of layers vLLM's turboquant rule keeps at 16 bits on a dense model (first 2 + last 2).
+RULE_COUNT = 4
+SCHEMA = "kvcal-recommend/1"
+
+
+@dataclass(frozen=True)
+class RecommendConfig:
+    """Options of ``kvcal recommend``. ``max_bytes_per_token``: KV bytes per token (all layers, K and
+    V, as vLLM allocates pages) a configuration may use (``None``: no bound). ``max_skip``: most layers
+    kept at 16 bits (vLLM's turboquant boundary layers count). ``context``/``windows``: evaluation
+    window length (tokens) and count; ``probe_tokens``: tokens of the sensitivity probe.
+    ``fp8_samples``/``fp8_seq_len``: kvcal calibrate's --max-samples/--max-seq-len for fp8."""
+
+    corpus: str
+    out: str
+    model: str | None = None
+    engine: str = "vllm"
+    accept: str | None = None
+    max_bytes_per_token: int | None = None
+    max_skip: int = 6
+    dtypes: tuple[str, ...] = DEFAULT_MENU
+    context: int = 512
+    windows: int = 4
+    probe_tokens: int = 1024
+    eval_corpus: str | None = None
+    fp8_samples: int = 32
+    fp8_seq_len: int = 512
+    device: str = "cpu"
+    text_field: str | None = None
+    messages_field: str | None = None
+    split: str | None = None
+    fp8_kwargs: dict | None = None  # further CalibrateConfig options for the fp8 calibration (tests: reservoir, ...)
+
+
+def check_options(cfg: RecommendConfig) -> None:
+    """Every check that needs no model: engine, dtypes, acceptance spec, bounds, output directory,
+    corpus files (format and fields, no tokenizer). Raises :class:`~kvcal.errors.KvcalError`."""
+    from kvcal.artifact import check_output_dir
+    from kvcal.corpus import check_corpus
+    from kvcal.errors import KvcalError
+    from kvcal.evaluate import parse_accept
+    from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
+
+    if cfg.engine != "vllm":
+        raise KvcalError(f"--engine {cfg.engine!r}: kvcal recommend knows vllm only; use --engine vllm")
+    if not cfg.dtypes:
+        raise KvcalError("--dtypes is empty; name at least one vLLM --kv-cache-dtype (e.g. fp8,turboquant_4bit_nc)")
+    for d in cfg.dtypes:
+        try:
+            vllm_dtype(d)
+        except VllmDTypeError as e:
+            raise KvcalError(f"--dtypes: {e}") from None
+    if cfg.accept is not None:
+        parse_accept(cfg.accept)
+    if cfg.max_bytes_per_token is not None and cfg.max_bytes_per_token < 1:
+        raise KvcalError(f"--max-bytes-per-token must be >= 1, got {cfg.max_bytes_per_token}")
+    if cfg.max_skip < 0:
+        raise KvcalError(f"--max-skip must be >= 0, got {cfg.max_skip}")
+    check_output_dir(cfg.out, False, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus})
+    opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
+    check_corpus(cfg.corpus, **opts)
+    if cfg.eval_corpus is not None:
+        check_corpus(cfg.eval_corpus, **opts)
+
+
+def check_budget(cfg: RecommendConfig, model_config) -> None:
+    """Refuse a ``--max-bytes-per-token`` below every dtype of the menu at its fewest 16-bit layers
+    (before the model loads). Raises :class:`~kvcal.errors.KvcalError`."""
+    from kvcal.errors import KvcalError
+    from kvcal.formats.memory import vllm_bytes_per_token
+
+    if cfg.max_bytes_per_token is None:
+        return
+    least = {d: vllm_bytes_per_token(model_config, d) for d in cfg.dtypes}
+    d0 = min(least, key=least.get)
+    if least[d0] > cfg.max_bytes_per_token:
+        raise KvcalError(f"--max-bytes-per-token {cfg.max_bytes_per_token}: the cheapest dtype of the menu ({d0}) "
+                         f"needs {least[d0]} bytes per token on this model; raise the bound or add a smaller dtype")
+
+
+def layer_sensitivity(model, samples, kv_cache_dtype: str, num_layers: int, progress: bool = True,
+                      **scales) -> list[float]:
+    """``s_l`` for every layer: model-level mean ``KL(P_16bit ‖ P_l)`` (nats, float64) over the
+    predicted positions of ``samples`` (int64 ``[T_i]`` each) when only layer ``l`` goes through vLLM's
+    ``kv_cache_dtype`` (K, V, and the query where vLLM quantizes it) — :func:`kvcal.evaluate.plans_kl`
+    on :func:`kvcal.search.skip_layers.probe_plans`. Cost: ``1 + L`` forward passes per sample."""
+    from kvcal.evaluate import plans_kl
+    from kvcal.search.skip_layers import probe_plans
+
+    kl = plans_kl(model, samples, probe_plans(kv_cache_dtype, num_layers, **scales), progress=progress)
+    return [float(kl[i]) for i in range(num_layers)]
+
+
+def candidate_sets(kv_cache_dtype: str, sensitivity: list[float], costs: list[int], num_layers: int,
+                   max_skip: int) -> list[dict]:
+    """The skip sets evaluated for one dtype: ``{"choice", "skip", "deployable"}`` with ``choice``
+    ``"auto"`` (probe-chosen, vLLM's forced boundary layers included for turboquant) for every count up to
+    ``max_skip``, ``"rule"`` (first 2 + last 2) at :data:`RULE_COUNT` when ``max_skip`` allows it, and
+    for turboquant also ``"auto-free"``: the probe's choice at the rule's count *without* the forced
+    boundary — the measured alternative to the rule at equal memory, not deployable on stock vLLM 0.33
+    (``engine/arg_utils.py`` always adds the boundary layers). Duplicates are dropped (first kept)."""
+    from kvcal.formats.vllm_dtypes import boundary_skip_layers
+    from kvcal.search.skip_layers import choose_skip_layers, rule_skip_layers
+
+    forced = boundary_skip_layers(kv_cache_dtype, num_layers)
+    out, seen = [], set()
+
+    def add(choice, skip, deployable=True):
+        key = (tuple(skip), deployable)
+        if key not in seen:
+            seen.add(key)
+            out.append({"choice": choice, "skip": list(skip), "deployable": deployable})
+
+    rule_n = min(RULE_COUNT, num_layers)
+    if rule_n <= max_skip or forced:
+        add("rule", rule_skip_layers(num_layers, rule_n) if not forced else forced)
+    for n in range(len(forced), min(max_skip, num_layers) + 1):
+        add("auto", choose_skip_layers(sensitivity, costs, max_skip=n, forced=forced))
+    if forced:
+        add("auto-free", choose_skip_layers(sensitivity, costs, max_skip=len(forced)), deployable=False)
+    return out
+
+
+def _fp8_scales(artifact_dir: Path, num_layers: int) -> dict:
+    """k/v scales (as vLLM loads them) and q scales of a ``kvcal calibrate --engine vllm`` artifact."""
+    from kvcal.artifact import load_artifact
+    from kvcal.plan import KVPlan
+    from kvcal.vllm_plan import VllmKVPlan
+
+    art = load_artifact(artifact_dir)
+    vp, _ = VllmKVPlan.from_kvcal_plan("fp8", KVPlan.from_artifact(art.tensors, art.metadata))
+    q = []
+    for i in range(num_layers):
+        t = art.tensors.get(f"model.layers.{i}.self_attn.q_scale")
+        t = t.float().reshape(-1) if t is not None else None
+        q.append(1.0 if t is None else float(t[0]) if t.numel() == 1 else t)
+    return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q}
+
+
+def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress: bool = True,
+              model=None, tokenizer=None) -> dict:
+    """Run ``kvcal recommend`` and write ``cfg.out`` atomically; returns the ``kvcal-recommend/1``
+    document: ``{"schema", "chosen": candidate | None, "candidates": [{"dtype", "choice", "skip_layers",
+    "deployable", "bytes_per_token", "vs_16bit", "kl_mean", "delta_ppl", "ppl", "top1_agree", "status",
+    "criteria", "failed"}], "sensitivity": {dtype: [KL per layer]}, "bytes_per_token_16bit",
+    "commands": {"export": str | None, "serve": str} | None, "data": {...}, "notes": [str], "passed"}``.
+    ``status`` is PASS/FAIL, or OVER-BUDGET (not evaluated). ``model``/``tokenizer``: loaded objects for
+    ``cfg.model`` (tests). Raises :class:`~kvcal.errors.KvcalError` for bad input, before the model loads."""
+    import json
+    import shutil
+
+    from kvcal.artifact import write_dir_atomically
+    from kvcal.errors import KvcalError
+    from kvcal.evaluate import corpus_stream, cut_windows, default_accept, judge, parse_accept, teacher_forced
+    from kvcal.formats.memory import model_shape, vllm_bytes_per_token
+    from kvcal.models import check_max_positions, load_model, load_model_config, load_tokenizer, resolve_model
+    from kvcal.search.skip_layers import skip_costs
+    from kvcal.vllm_plan import VllmKVPlan
+
+    check_options(cfg)
+    mconf = model.config if model is not None else load_model_config(cfg.model)
+    check_budget(cfg, mconf)
+    check_max_positions(cfg.context, getattr(mconf, "max_position_embeddings", None), "--context")
+    shp = model_shape(mconf)
+    L = shp.num_layers
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+    opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
+    ids, info = corpus_stream(cfg.corpus, tok, **opts)
+    T = cfg.context
+    n_probe = max(1, math.ceil(cfg.probe_tokens / T))
+    probe = cut_windows(ids, T, n_probe)
+    if cfg.eval_corpus is None:
+        ev = cut_windows(ids, T, cfg.windows, skip=n_probe)
+        eval_info = {**info, "windows_after_probe": n_probe}
+    else:
+        eids, eval_info = corpus_stream(cfg.eval_corpus, tok, **opts)
+        ev = cut_windows(eids, T, cfg.windows)
+    if len(probe) < n_probe or len(ev) == 0:
+        need = (n_probe + 1) * T if cfg.eval_corpus is None else n_probe * T
+        raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens; {n_probe} probe window(s) of {T} tokens"
+                         f"{' and at least one evaluation window' if cfg.eval_corpus is None else ''} need {need} "
+                         f"(lower --context or --probe-tokens, or give a longer corpus"
+                         f"{'' if cfg.eval_corpus is None else ' / --eval-corpus'})")
+    crit_given = cfg.accept
+    if model is None:
+        model = load_model(cfg.model, device=cfg.device)
+    model_dir = str(resolve_model(cfg.model).path) if cfg.model is None else cfg.model
+    b16 = vllm_bytes_per_token(mconf, "fp8", range(L))  # every layer skipped = the 16-bit cache
+    doc: dict = {}
+
+    def fill(staging: Path):
+        notes = []
+        scales = {}
+        if "fp8" in cfg.dtypes or "fp8_e4m3" in cfg.dtypes:
+            from kvcal.calibrate import CalibrateConfig, calibrate
+
+            log("fp8: calibrating k/v scales and q_scale (kvcal calibrate --engine vllm --kv-cache-dtype fp8)")
+            calibrate(CalibrateConfig(corpus=cfg.corpus, out=str(staging / "artifact"), model=cfg.model,
+                                      max_samples=cfg.fp8_samples, max_seq_len=cfg.fp8_seq_len, device=cfg.device,
+                                      engine="vllm", kv_cache_dtype="fp8", **opts, **(cfg.fp8_kwargs or {})),
+                      log=lambda s: None, progress=progress, model=model, tokenizer=tok)
+            scales = _fp8_scales(staging / "artifact", L)
+        sens, cands = {}, []
+        for d in dict.fromkeys(cfg.dtypes):
+            sc = scales if d in ("fp8", "fp8_e4m3") else {}
+            log(f"{d}: per-layer sensitivity probe on {len(probe)} x {T} tokens")
+            sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **sc)
+            costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
+            for c in candidate_sets(d, sens[d], costs, L, cfg.max_skip):
+                plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"], **sc)
+                nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"])
+                cands.append({"dtype": d, "choice": c["choice"], "skip_layers": list(plan.skipped),
+                              "deployable": c["deployable"], "bytes_per_token": nb, "vs_16bit": nb / b16,
+                              "criteria": crit_given or default_accept(plan), "_plan": plan})
+        todo = {i: c["_plan"] for i, c in enumerate(cands)
+                if cfg.max_bytes_per_token is None or c["bytes_per_token"] <= cfg.max_bytes_per_token}
+        log(f"evaluating {len(todo)} of {len(cands)} candidates on {len(ev)} held-out windows x {T} tokens")
+        res = teacher_forced(model, ev, todo, progress=progress)
+        for i, c in enumerate(cands):
+            c.pop("_plan")
+            if i not in todo:
+                c.update(status="OVER-BUDGET", failed=[f"bytes_per_token {c['bytes_per_token']} > "
+                                                       f"{cfg.max_bytes_per_token}"])
+                continue
+            r = res[i]
+            c.update({k: r[k] for k in ("kl_mean", "kl_p999", "delta_ppl", "ppl", "top1_agree")})
+            c["status"], c["failed"] = judge(r, parse_accept(c["criteria"]))
+        ok = [c for c in cands if c["status"] == "PASS" and c["deployable"]]
+        chosen = min(ok, key=lambda c: (c["bytes_per_token"], c["kl_mean"])) if ok else None
+        commands = None
+        if chosen is not None:
+            skip = " ".join(map(str, chosen["skip_layers"]))
+            skip_arg = f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
+            if chosen["dtype"] in ("fp8", "fp8_e4m3"):
+                ck = Path(cfg.out) / "checkpoint"
+                commands = {"export": f"kvcal export --artifact {Path(cfg.out) / 'artifact'} --target vllm "
+                                      f"--model-dir {model_dir} --out {ck}",
+                            "serve": f"vllm serve {ck} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
+            else:
+                commands = {"export": None, "serve": f"vllm serve {model_dir} --kv-cache-dtype {chosen['dtype']}"
+                                                     f"{skip_arg}"}
+                notes.append(f"{chosen['dtype']} computes its scales at write time: no checkpoint scales to "
+                             "export, the vllm serve line is the whole deployment")
+        if (staging / "artifact").exists() and (chosen is None or chosen["dtype"] not in ("fp8", "fp8_e4m3")):
+            shutil.rmtree(staging / "artifact")
+        if any(not c["deployable"] for c in cands):
+            notes.append("auto-free rows: the probe's choice for turboquant at vLLM's 4 layers without the forced "
+                         "first-2/last-2 layers; vLLM 0.33 always adds those (engine/arg_utils.py), so these rows "
+                         "show what the rule costs and are never chosen")
+        if cfg.eval_corpus is None and scales:
+            notes.append("fp8 scales come from kvcal calibrate's sample subset of the whole corpus, which may "
+                         "overlap the evaluation windows; pass --eval-corpus for a disjoint evaluation file")
+        doc.update({
+            "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": model_dir,
+            "passed": chosen is not None, "chosen": chosen, "commands": commands,
+            "max_bytes_per_token": cfg.max_bytes_per_token, "max_skip": cfg.max_skip,
+            "bytes_per_token_16bit": b16, "accept": cfg.accept or "kvcal evaluate defaults by precision",
+            "data": {"probe": {"corpus": info["path"], "windows": len(probe), "context": T},
+                     "evaluation": {"corpus": eval_info["path"], "windows": len(ev), "context": T,
+                                    "skipped_windows": 0 if cfg.eval_corpus else n_probe},
+                     "reference_ppl": res["16-bit"]["ppl"]},
+            "sensitivity": sens, "candidates": cands, "notes": notes})
+        (staging / "deploy.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (staging / "deploy.md").write_text(render_markdown(doc))
+
+    write_dir_atomically(Path(cfg.out), fill, overwrite=False,
+                         inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus})
+    return doc
+
+
+def render_table(doc: dict) -> str:
+    """The candidate table (one row per candidate, markdown)."""
+    lines = ["| dtype | 16-bit layers | choice | bytes/token | vs 16-bit | KL mean | ΔPPL | status |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+    for c in doc["candidates"]:
+        kl = f"{c['kl_mean']:.3e}" if "kl_mean" in c else "-"
+        dp = f"{c['delta_ppl']:+.4f}" if "delta_ppl" in c else "-"
+        mark = " ← chosen" if c is doc["chosen"] or c == doc["chosen"] else ""
+        lines.append(f"| {c['dtype']} | {','.join(map(str, c['skip_layers'])) or '-'} | {c['choice']}"
+                     f"{'' if c['deployable'] else ' (not deployable)'} | {c['bytes_per_token']} | "
+                     f"{c['vs_16bit']:.3f} | {kl} | {dp} | {c['status']}{mark} |")
+    return "\n".join(lines)
+
+
+def render_markdown(doc: dict) -> str:
+    """``deploy.md``: the chosen configuration, its commands, the candidate table and the notes."""
+    out = ["# kvcal recommend: vLLM KV-cache deployment", ""]
+    c = doc["chosen"]
+    if c is None:
+        out += ["**No configuration passes** the acceptance bar within the budget; nothing to deploy.", ""]
+    else:
+        out += [f"Chosen: `--kv-cache-dtype {c['dtype']}`, 16-bit layers {c['skip_layers'] or 'none'}, "
+                f"{c['bytes_per_token']} bytes/token ({c['vs_16bit']:.3f} of 16-bit), KL {c['kl_mean']:.3e}, "
+                f"ΔPPL {c['delta_ppl']:+.4f} ({c['criteria']}).", "", "```sh"]
+        if doc["commands"]["export"]:
+            out.append(doc["commands"]["export"])
+        out += [doc["commands"]["serve"], "```", ""]
+    d = doc["data"]
+    out += [f"Evaluated on {d['evaluation']['windows']} windows x {d['evaluation']['context']} tokens of "
+            f"{d['evaluation']['corpus']} (16-bit PPL {d['reference_ppl']:.4f}); 16-bit layers chosen by a per-layer "
+            f"KL probe on {d['probe']['windows']} other windows. Acceptance: {doc['accept']}.", "",
+            render_table(doc), ""]
+    out += [f"- {n}" for n in doc["notes"]]
+    return "\n".join(out) + "\n"
+
+
+__all__ = ["RecommendConfig", "DEFAULT_MENU", "check_options", "check_budget", "layer_sensitivity",
+           "candidate_sets", "recommend", "render_table", "render_markdown"]

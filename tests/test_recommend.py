@@ -1,0 +1,165 @@
+"""kvcal recommend --engine vllm end to end on a tiny random Llama (CliRunner): deploy files, the chosen
+configuration re-measured independently, exit codes and refusals before the model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcal.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = REPO / "calibration_sets" / "chat.jsonl"
+L, H_KV, D = 6, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run ~30x faster single-threaded on the shared loaded CPU; restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama-recommend")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=L,
+                      num_attention_heads=4, num_key_value_heads=H_KV, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    smollm_tokenizer.save_pretrained(d)
+    return d
+
+
+def run(args):
+    return CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--quiet", *map(str, args)])
+
+
+BASE = ["--corpus", CHAT, "--context", 64, "--windows", 2, "--probe-tokens", 128]
+
+
+def test_recommend_end_to_end(tiny_dir, tmp_path):
+    out = tmp_path / "rec"
+    accept = "kl_mean<=5e-4"
+    r = run([*BASE, "--model", tiny_dir, "--out", out, "--dtypes", "int4_per_token_head,turboquant_4bit_nc",
+             "--max-skip", 5, "--accept", accept])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "deploy.json").read_text())
+    md = (out / "deploy.md").read_text()
+    assert doc["schema"] == "kvcal-recommend/1" and doc["passed"]
+    cands = doc["candidates"]
+    # every candidate: vLLM's page bytes by hand (16-bit slot 4*D per head, int4_per_token_head D+8,
+    # turboquant_4bit_nc key D/2+2 + value D/2+4, rounded to even), judged by the given bar
+    slot = {"int4_per_token_head": D + 8, "turboquant_4bit_nc": (D // 2 + 2 + D // 2 + 4 + 1) // 2 * 2}
+    for c in cands:
+        n = len(c["skip_layers"])
+        assert c["bytes_per_token"] == H_KV * (n * 4 * D + (L - n) * slot[c["dtype"]])
+        assert c["status"] == ("PASS" if c["kl_mean"] <= 5e-4 else "FAIL") and c["criteria"] == accept
+    int4 = [c for c in cands if c["dtype"] == "int4_per_token_head"]
+    assert int4[0]["choice"] == "rule" and int4[0]["skip_layers"] == [0, 1, 4, 5]
+    # auto sets follow the probe: the n most sensitive layers (uniform costs), n = 0..5 (one equal to the
+    # rule's set is listed once, as the rule)
+    sens = doc["sensitivity"]["int4_per_token_head"]
+    top = [sorted(sorted(range(L), key=lambda i: (-sens[i], i))[:n]) for n in range(6)]
+    assert [c["skip_layers"] for c in int4[1:]] == [t for t in top if t != [0, 1, 4, 5]]
+    assert all(c["choice"] == "auto" for c in int4[1:])
+    tq = [c for c in cands if c["dtype"] == "turboquant_4bit_nc"]
+    assert tq[0]["choice"] == "rule" and tq[0]["skip_layers"] == [0, 1, 4, 5] and tq[0]["deployable"]
+    assert all(set(c["skip_layers"]) >= {0, 1, 4, 5} for c in tq if c["deployable"])
+    free = [c for c in tq if not c["deployable"]]
+    assert len(free) == 1 and len(free[0]["skip_layers"]) == 4
+    # the chosen one is the cheapest deployable PASS
+    ok = [c for c in cands if c["status"] == "PASS" and c["deployable"]]
+    ch = doc["chosen"]
+    assert ch["bytes_per_token"] == min(c["bytes_per_token"] for c in ok)
+    skip = " ".join(map(str, ch["skip_layers"]))
+    serve = f"vllm serve {tiny_dir} --kv-cache-dtype {ch['dtype']}" + (f" --kv-cache-dtype-skip-layers {skip}" if skip else "")
+    assert doc["commands"] == {"export": None, "serve": serve}
+    assert serve in md and serve in r.output and "| bytes/token |" in md and "← chosen" in md
+    assert not (out / "artifact").exists()
+    # its KL re-measured through Protocol A on the same evaluation windows (the tail after the probe windows)
+    from kvcal.evaluate import corpus_stream, cut_windows, teacher_forced
+    from kvcal.models import load_model, load_tokenizer
+    from kvcal.vllm_plan import VllmKVPlan
+
+    tok = load_tokenizer(str(tiny_dir))
+    ids, _ = corpus_stream(str(CHAT), tok)
+    ev = cut_windows(ids, 64, 2, skip=2)
+    model = load_model(str(tiny_dir))
+    res = teacher_forced(model, ev, {"x": VllmKVPlan(ch["dtype"], L, skip_layers=tuple(ch["skip_layers"]))},
+                         progress=False)
+    assert res["x"]["kl_mean"] == ch["kl_mean"]  # same arithmetic: exact
+
+
+def test_nothing_passes_exits_1_with_the_table(tiny_dir, tmp_path):
+    out = tmp_path / "rec"
+    r = run([*BASE, "--model", tiny_dir, "--out", out, "--dtypes", "int4_per_token_head", "--max-skip", 1,
+             "--accept", "kl_mean<=0"])  # KL is 0 only with every layer at 16 bits; at most 1 here
+    assert r.exit_code == 1, r.output
+    doc = json.loads((out / "deploy.json").read_text())
+    assert doc["chosen"] is None and doc["commands"] is None and not doc["passed"]
+    assert all(c["status"] == "FAIL" for c in doc["candidates"])
+    assert "No configuration passes" in (out / "deploy.md").read_text()
+
+
+def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp_path):
+    from kvcal.artifact import load_artifact
+    from kvcal.recommend import RecommendConfig, recommend
+
+    out = tmp_path / "rec"
+    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), dtypes=("fp8",), max_skip=0,
+                                    context=64, windows=2, probe_tokens=128, accept="kl_mean<=1",
+                                    fp8_samples=8, fp8_seq_len=64,
+                                    fp8_kwargs={"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2,
+                                                "max_queries": 16}),
+                    log=lambda s: None, progress=False)
+    assert doc["chosen"]["dtype"] == "fp8" and doc["chosen"]["skip_layers"] == []
+    art = load_artifact(out / "artifact")
+    assert all(f"model.layers.{i}.self_attn.q_scale" in art.tensors for i in range(L))
+    assert doc["commands"]["export"] == (f"kvcal export --artifact {out / 'artifact'} --target vllm --model-dir "
+                                         f"{tiny_dir} --out {out / 'checkpoint'}")
+    assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype fp8"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--dtypes", "fp9"], "--dtypes: "),
+    (["--accept", "kl<=1"], "--accept metric 'kl' is unknown"),
+    (["--max-bytes-per-token", 10], "--max-bytes-per-token 10: the cheapest dtype of the menu"),
+    (["--context", 4096], "--context 4096 exceeds the model's max_position_embeddings 512"),
+    (["--context", 512, "--probe-tokens", 100000], "196 probe window(s) of 512 tokens and at least one evaluation window"),
+])
+def test_refusals_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, args, msg):
+    import kvcal.models
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvcal.models, "load_model", boom)
+    out = tmp_path / "rec"
+    r = run([*BASE, "--model", tiny_dir, "--out", out, *args])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert line.startswith("error: ") and msg in line and "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_existing_out_and_bad_corpus_are_refused(tiny_dir, tmp_path):
+    out = tmp_path / "rec"
+    out.mkdir()
+    (out / "x.txt").write_text("mine")
+    r = run([*BASE, "--model", tiny_dir, "--out", out])
+    assert r.exit_code == 2 and "error: output directory" in r.output
+    assert (out / "x.txt").read_text() == "mine"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    r = run(["--corpus", bad, "--model", tiny_dir, "--out", tmp_path / "rec2"])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "bad.jsonl" in r.output
