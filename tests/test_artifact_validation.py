@@ -11,11 +11,18 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import D, H, H_KV, L, make_artifact
+from export_helpers import H_KV, D, H, L, make_artifact
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvcal.artifact import CONTENT_HASH_KEY, SCALES_FILE, content_sha256, load_artifact, tensor_name, write_artifact
+from kvcal.artifact import (
+    CONTENT_HASH_KEY,
+    SCALES_FILE,
+    content_sha256,
+    load_artifact,
+    tensor_name,
+    write_artifact,
+)
 from kvcal.cli import main
 from kvcal.errors import ArtifactError
 

@@ -360,7 +360,7 @@ def clipping_warning(p: PreparedScales, engines: tuple[str, ...]) -> str | None:
 def _interp_log(points: list[tuple[float, float]], x: float) -> float | None:
     """Piecewise-linear interpolation of ``(scale, error)`` points in log(scale); ``None`` outside them."""
     pts = sorted({(a, b) for a, b in points if a > 0 and b is not None and math.isfinite(b)})
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
         if x0 <= x <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
     return pts[0][1] if pts and abs(x / pts[0][0] - 1) < 1e-6 else None
