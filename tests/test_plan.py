@@ -7,7 +7,6 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvcal.errors import KvcalError
 from kvcal.capacity import (
     PlanConfig,
     max_batch,
@@ -18,6 +17,7 @@ from kvcal.capacity import (
     plan_capacity,
     render_plan,
 )
+from kvcal.errors import KvcalError
 
 # SmolLM2-135M(-Instruct) config.json, the fields the planner reads
 SMOL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
