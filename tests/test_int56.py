@@ -146,8 +146,8 @@ def test_plan_and_report_count_an_artifacts_per_layer_metadata(tmp_path):
     from test_transforms import tiny_model, transform_plan
 
     from kvcal.artifact import load_artifact, write_artifact
-    from kvcal.formats.memory import ModelShape, cache_bytes
     from kvcal.capacity import artifact_kv_config, resolve_option
+    from kvcal.formats.memory import ModelShape, cache_bytes
     from kvcal.report.data import memory_summary
 
     model = tiny_model()

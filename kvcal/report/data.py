@@ -438,9 +438,9 @@ def memory_summary(meta: dict, contexts: list[int] | None = None, batches: list[
     Returns ``{"bytes_per_token", "bytes_per_token_16", "ratio", "contexts", "batches",
     "cache_bytes": {batch: [bytes per context]}, "cache_bytes_16": {...}}`` or ``None`` when the
     metadata lacks the model shape or kv config."""
+    from kvcal.capacity import artifact_kv_config
     from kvcal.formats.memory import ModelShape, bytes_per_token_exact, cache_bytes
     from kvcal.formats.spec import PRESETS
-    from kvcal.capacity import artifact_kv_config
 
     m = meta.get("model") or {}
     try:
