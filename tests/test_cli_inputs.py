@@ -174,6 +174,8 @@ def base_args(files, tiny_dir, out: Path) -> dict[str, list[str]]:
         "plan": ["plan", "--model", str(tiny_dir / "config.json"), "--gpu-mem", "80GiB"],
         "evaluate": ["evaluate", "--artifact", str(files["art"]), "--corpus", str(files["long"]), "--model",
                      str(tiny_dir), "--context", "32"],
+        "recommend": ["recommend", "--engine", "vllm", "--corpus", str(files["long"]), "--model", str(tiny_dir),
+                      "--out", str(out), "--context", "32", "--probe-tokens", "64", "--windows", "1"],
     }
 
 
