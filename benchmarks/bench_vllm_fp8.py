@@ -39,6 +39,8 @@ def main(argv=None):
     ap.add_argument("--eval", type=int, default=4, help="held-out evaluation windows")
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--granularity", default="tensor", choices=("tensor", "head"))
+    ap.add_argument("--calib-corpus", default=None,
+                    help="calibrate on this kvcal corpus instead (e.g. calibration_sets/chat.jsonl: how it transfers)")
     a = ap.parse_args(argv)
 
     from kvcal.calibrate import CalibrateConfig, run_capture, search_scales, split_heldout
@@ -52,12 +54,17 @@ def main(argv=None):
     text = DATA.read_text(encoding="utf-8")
     ev = text_windows(tok, text, a.eval_len, a.eval)
     skip = -(-a.eval * a.eval_len // a.seq_len)  # calibration windows start after the evaluation tokens
-    cal = text_windows(tok, text, a.seq_len, a.calib, skip_windows=skip)
+    if a.calib_corpus:
+        from kvcal.corpus import load_corpus
+
+        cal = load_corpus(a.calib_corpus, tok, max_seq_len=a.seq_len, max_samples=a.calib, seed=0).samples
+    else:
+        cal = list(text_windows(tok, text, a.seq_len, a.calib, skip_windows=skip))
     c = model.config
     L, Hkv, Hq = c.num_hidden_layers, c.num_key_value_heads, c.num_attention_heads
     d = CalibrateConfig(corpus="-")
     held = split_heldout(len(cal), d.heldout_fraction, d.seed)
-    cap = run_capture(model, list(cal), held, num_layers=L, num_kv_heads=Hkv, num_q_heads=Hq,
+    cap = run_capture(model, cal, held, num_layers=L, num_kv_heads=Hkv, num_q_heads=Hq,
                       head_dim=c.hidden_size // Hq, batch_size=d.batch_size, reservoir=d.reservoir,
                       heldout_reservoir=d.heldout_reservoir, search_tokens=d.search_tokens, progress=False)
     per_head = a.granularity == "head"
@@ -86,7 +93,8 @@ def main(argv=None):
         plans[name + " [no q quant]"] = VllmKVPlan("fp8", L, quantize_query=False, **kw)
     res = teacher_forced(model, ev, plans, batch_size=1, progress=False)
     ra, rb = res[list(configs)[0]]["kl_mean"], res[list(configs)[1]]["kl_mean"]
-    print(f"model: SmolLM2-135M fp32, {L} layers; calibration {len(cal)} x {a.seq_len} tokens "
+    print(f"model: SmolLM2-135M fp32, {L} layers; calibration {len(cal)} samples of <= {a.seq_len} tokens "
+          f"({a.calib_corpus or 'wikitext2_valid windows'}, {sum(len(x) for x in cal)} tokens) "
           f"({len(cal) - len(held)} calib / {len(held)} held-out samples); evaluation {ev.shape[0]} x {ev.shape[1]} "
           f"tokens (first windows, disjoint); granularity {a.granularity}; search {t_search:.1f} s; "
           f"total {time.perf_counter() - t0:.0f} s\n")

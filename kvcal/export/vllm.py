@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import torch
+
 from kvcal.export.base import ExportContext, ExportError, Target, register, write_json
 from kvcal.export.checkpoint import SCALES_SHARD, merge_into_copy
 from kvcal.export.rules import VLLM_KV_QUANT_METHODS, is_kv_scale_name
@@ -57,7 +59,7 @@ def scale_names(layer: int, attention: str = "model.layers.{i}.self_attn") -> di
     return {s: f"{a}.{s}_scale" for s in ("k", "v", "q")}
 
 
-def vllm_q_scale(q: "torch.Tensor", model_meta: dict) -> "torch.Tensor":
+def vllm_q_scale(q: torch.Tensor, model_meta: dict) -> torch.Tensor:
     """The checkpoint ``q_scale`` for an artifact's ``q_scale`` (float32): ``[1]`` stays; per KV-head group
     ``[H_kv, 1, 1]`` becomes ``[H_q, 1, 1]`` (each group's value on its ``H_q/H_kv`` query heads), because
     vLLM's compressed-tensors ``attn_head`` loader reads a query scale per query head and reduces it to the

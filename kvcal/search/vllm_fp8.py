@@ -239,10 +239,9 @@ def search_vllm_fp8(cap, per_head: bool, max_queries: int = 96, progress: bool =
 
     out = []
     for layer in tqdm(range(len(cap.stats.k)), desc="search (vllm fp8)", disable=not progress):
-        mk = lambda res: [SequenceCache(*seq[layer], cap.scaling[layer], max_queries)  # noqa: E731
-                          for seq in res.sequences()]
-        calib = mk(cap.calib)
-        held = mk(cap.heldout) if cap.heldout.items else []
+        calib = [SequenceCache(*seq[layer], cap.scaling[layer], max_queries) for seq in cap.calib.sequences()]
+        held = ([SequenceCache(*seq[layer], cap.scaling[layer], max_queries) for seq in cap.heldout.sequences()]
+                if cap.heldout.items else [])
         st = {s: getattr(cap.stats, s)[layer].finalize()["head_absmax"] for s in ("q", "k", "v")}
         ch = choose_layer(calib, held, st["q"], st["k"], st["v"], per_head, quantize_query)
         out.append({"layer": layer, "k": ch.k, "v": ch.v, "q": ch.q, "q_only": ch.q_only, "kv_only": ch.kv_only})
