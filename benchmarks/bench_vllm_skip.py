@@ -1,0 +1,86 @@
+"""vLLM's 16-bit layers chosen by a measured probe (``--skip-layers auto``) vs vLLM's fixed first-2/last-2 rule.
+
+For each ``--kv-cache-dtype`` (default ``turboquant_4bit_nc``) on the embedded model: the per-layer
+sensitivity ``s_l`` (Protocol-A KL with only layer ``l`` quantized, :func:`kvcal.recommend.layer_sensitivity`)
+on ``--probe-windows`` WikiText windows; then Protocol A (:func:`kvcal.evaluate.teacher_forced`) on the
+next ``--windows`` windows (disjoint) for
+
+* the rule: first 2 + last 2 layers at 16 bits (what vLLM 0.33 always does for turboquant);
+* auto at the same 4 layers (:func:`kvcal.search.skip_layers.choose_skip_layers`, no forced layers —
+  for turboquant not deployable on stock vLLM 0.33, which always adds the rule's layers);
+* the memory/quality curve: auto with 0..6 layers at 16 bits.
+
+Every row at equal count has equal bytes per token (uniform layers). Prints one markdown table per dtype.
+
+    .venv/bin/python benchmarks/bench_vllm_skip.py [--dtypes turboquant_4bit_nc,int4_per_token_head]
+        [--tokens 512] [--probe-windows 2] [--windows 4] [--max-skip 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--text", default="../shared/data/wikitext2_valid.txt")
+    ap.add_argument("--dtypes", default="turboquant_4bit_nc")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--probe-windows", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--max-skip", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    from kvcal.evaluate import cut_windows, teacher_forced
+    from kvcal.formats.memory import model_shape, vllm_bytes_per_token
+    from kvcal.models import load_model, load_tokenizer
+    from kvcal.recommend import layer_sensitivity
+    from kvcal.search.skip_layers import choose_skip_layers, rule_skip_layers, skip_costs
+    from kvcal.vllm_plan import VllmKVPlan
+
+    tok = load_tokenizer(a.model)
+    model = load_model(a.model)
+    shp = model_shape(model.config)
+    L = shp.num_layers
+    text = open(a.text, encoding="utf-8").read()
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    probe = cut_windows(ids, a.tokens, a.probe_windows)
+    ev = cut_windows(ids, a.tokens, a.windows, skip=a.probe_windows)
+    b16 = vllm_bytes_per_token(model.config, "fp8", range(L))
+    print(f"model {a.model}: {L} layers; probe {len(probe)} x {a.tokens} tokens, evaluation {len(ev)} x {a.tokens} "
+          f"tokens of {a.text} (after the probe windows); 16-bit cache {b16} bytes/token")
+    for d in [x.strip() for x in a.dtypes.split(",") if x.strip()]:
+        t0 = time.perf_counter()
+        sens = layer_sensitivity(model, list(probe), d, L, progress=False)
+        costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
+        plans = {"rule (4)": tuple(rule_skip_layers(L, 4))}
+        for n in range(a.max_skip + 1):
+            plans[f"auto ({n})"] = tuple(choose_skip_layers(sens, costs, max_skip=n))
+        res = teacher_forced(model, ev, {k: VllmKVPlan(d, L, skip_layers=s, add_boundary=False)
+                                         for k, s in plans.items()}, progress=False)
+        order = sorted(range(L), key=lambda i: -sens[i])
+        print(f"\n### {d}  ({time.perf_counter() - t0:.0f} s)\n")
+        print("most sensitive layers (probe KL, nats): "
+              + ", ".join(f"{i}: {sens[i]:.2e}" for i in order[:8]))
+        print(f"16-bit PPL {res['16-bit']['ppl']:.4f}\n")
+        print("| 16-bit layers | choice | bytes/token | vs 16-bit | KL mean | ΔPPL | top-1 |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for k, s in plans.items():
+            r = res[k]
+            nb = vllm_bytes_per_token(model.config, d, s, add_boundary=False)
+            print(f"| {','.join(map(str, s)) or '-'} | {k} | {nb} | {nb / b16:.3f} | {r['kl_mean']:.3e} | "
+                  f"{r['delta_ppl']:+.4f} | {r['top1_agree']:.4f} |")
+        rd, ad = res["rule (4)"]["delta_ppl"], res["auto (4)"]["delta_ppl"]
+        print(f"\nauto vs rule at 4 layers: ΔPPL {ad:+.4f} vs {rd:+.4f} (ratio {ad / rd if rd else float('nan'):.2f}); "
+              f"KL {res['auto (4)']['kl_mean']:.3e} vs {res['rule (4)']['kl_mean']:.3e}")
+
+
+if __name__ == "__main__":
+    main()
