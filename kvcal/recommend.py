@@ -217,7 +217,10 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     crit_given = cfg.accept
     if model is None:
         model = load_model(cfg.model, device=cfg.device)
-    model_dir = str(resolve_model(cfg.model).path) if cfg.model is None else cfg.model
+    src = resolve_model(cfg.model)
+    # what vllm serve takes (the GGUF file, the user's directory or hub id) and what kvcal export merges into
+    serve_model = str(Path(src.path) / src.gguf_file) if src.gguf_file else cfg.model
+    model_dir = src.path
     b16 = vllm_bytes_per_token(mconf, "fp8", range(L))  # every layer skipped = the 16-bit cache
     doc: dict = {}
 
@@ -266,11 +269,14 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             skip_arg = f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
             if chosen["dtype"] in ("fp8", "fp8_e4m3"):
                 ck = Path(cfg.out) / "checkpoint"
+                if src.gguf_file:
+                    notes.append(f"{src.model_id} is a GGUF model: kvcal export --model-dir needs its HF safetensors "
+                                 "checkpoint; replace the --model-dir path with that one")
                 commands = {"export": f"kvcal export --artifact {Path(cfg.out) / 'artifact'} --target vllm "
                                       f"--model-dir {model_dir} --out {ck}",
                             "serve": f"vllm serve {ck} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
             else:
-                commands = {"export": None, "serve": f"vllm serve {model_dir} --kv-cache-dtype {chosen['dtype']}"
+                commands = {"export": None, "serve": f"vllm serve {serve_model} --kv-cache-dtype {chosen['dtype']}"
                                                      f"{skip_arg}"}
                 notes.append(f"{chosen['dtype']} computes its scales at write time: no checkpoint scales to "
                              "export, the vllm serve line is the whole deployment")
@@ -284,7 +290,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             notes.append("fp8 scales come from kvcal calibrate's sample subset of the whole corpus, which may "
                          "overlap the evaluation windows; pass --eval-corpus for a disjoint evaluation file")
         doc.update({
-            "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": model_dir,
+            "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": serve_model,
             "passed": chosen is not None, "chosen": chosen, "commands": commands,
             "max_bytes_per_token": cfg.max_bytes_per_token, "max_skip": cfg.max_skip,
             "bytes_per_token_16bit": b16, "accept": cfg.accept or "kvcal evaluate defaults by precision",
