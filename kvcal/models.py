@@ -420,14 +420,11 @@ def model_metadata(
             f"{getattr(cfg, 'model_type', type(cfg).__name__)} has no attention layers and therefore no KV cache "
             "to calibrate (e.g. a state-space model); kvcal calibrates transformer decoders"
         )
-    d = cfg.to_dict()
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    d.setdefault("num_key_value_heads", n_kv)
-    d["head_dim"] = head_dim_of(cfg)
     archs = [architecture] if architecture else (getattr(config, "architectures", None) or [type(config).__name__])
     return {
         "id": src.model_id if src else getattr(config, "_name_or_path", "unknown"),
-        "config_sha256": config_hash(d),
+        "config_sha256": config_hash(cfg.to_dict()),  # the normalized view export hashes from config.json
         "architecture": archs[0],
         "model_type": cfg.model_type,
         "num_layers": int(cfg.num_hidden_layers),

@@ -45,12 +45,35 @@ def config_hash(config_dict: dict) -> str:
     ``model.config_sha256`` (by :func:`kvcal.models.model_metadata`) and checked by
     ``kvcal export --model-dir``; also importable as :func:`kvcal.artifact.config_hash`.
     """
-    keys = (
-        "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "hidden_size", "head_dim", "rope_theta", "vocab_size", "max_position_embeddings",
-    )
-    sub = {k: config_dict.get(k) for k in keys}
+    sub = config_identity(config_dict)
     return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()
+
+
+#: The config.json fields :func:`config_hash` covers.
+IDENTITY_KEYS = (
+    "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "hidden_size", "head_dim", "rope_theta", "vocab_size", "max_position_embeddings",
+)
+
+
+def config_identity(config_dict: dict) -> dict:
+    """The normalized view of a (text) config dict that :func:`config_hash` hashes: the
+    :data:`IDENTITY_KEYS` fields, with the two that transformers derives when a config.json omits them
+    (or writes ``null``) filled in the way transformers does — ``num_key_value_heads`` defaults to
+    ``num_attention_heads`` (multi-head attention) and ``head_dim`` to ``hidden_size //
+    num_attention_heads``. Both sides of a comparison — the artifact's recorded hash
+    (:func:`kvcal.models.model_metadata`, from a loaded transformers config) and ``kvcal export
+    --model-dir`` (from the raw config.json, e.g. Phi-3 or GPT-NeoX, which omit ``head_dim``) — hash
+    this view, so the same checkpoint always gives the same hash. Configs that state both fields
+    (Llama, SmolLM2) hash exactly as before this normalization existed."""
+    sub = {k: config_dict.get(k) for k in IDENTITY_KEYS}
+    heads, hidden = sub["num_attention_heads"], sub["hidden_size"]
+    if sub["num_key_value_heads"] is None:
+        sub["num_key_value_heads"] = heads
+    if (sub["head_dim"] is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0
+            and not isinstance(heads, bool)):
+        sub["head_dim"] = hidden // heads
+    return sub
 
 
 SCHEME = "kvcal-weights/1: per layer and embedding, sha256[:16] of (name, shape, 32 bf16-rounded samples) per tensor"
