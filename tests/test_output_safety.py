@@ -330,3 +330,41 @@ def test_resume_refuses_a_malformed_checkpoint_in_one_line(tmp_path, tiny_dir, m
     torch.save({"fingerprint": seen["fp"], "next_batch": "x"}, cal.checkpoint_path(str(out)))
     with pytest.raises(KvcalError, match="malformed"):
         cal.calibrate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=tok)
+
+
+# ---- export --model-dir: no index entry may lead outside --model-dir / --out ---------------------------
+
+def test_export_refuses_index_entries_outside_the_model_dir(tmp_path):
+    """Tester: an index mapping weights to ``../outside/w.safetensors`` made ``export --out O/x`` write
+    O/outside/w.safetensors, replacing a user's file outside --out. Every such entry is refused in one line."""
+    from export_helpers import make_artifact, make_checkpoint
+
+    from kvcal.export.base import ExportError
+    from kvcal.export.checkpoint import staged_path
+
+    art = make_artifact(tmp_path / "art")[0]
+    src = make_checkpoint(tmp_path / "m" / "src")
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first_shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "m" / "outside").mkdir()
+    shutil.copy(src / first_shard, tmp_path / "m" / "outside" / "w.safetensors")
+    o = tmp_path / "o"  # --out o/x: the staging sibling's ../outside is o/outside, the user's file
+    (o / "outside").mkdir(parents=True)
+    victim = o / "outside" / "w.safetensors"
+    victim.write_bytes(b"the user's file")
+    before = _sha(victim)
+    (tmp_path / "abs.safetensors").write_bytes(victim.read_bytes())
+    for entry in ("../outside/w.safetensors", str(tmp_path / "abs.safetensors"), "sub/../../outside/w.safetensors"):
+        bad = dict(index, weight_map={k: (entry if v == first_shard else v) for k, v in index["weight_map"].items()})
+        index_path.write_text(json.dumps(bad))
+        r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--model-dir", str(src),
+                                      "--out", str(o / "x")])
+        line = _one_error_line(r)
+        assert repr(entry) in line and "inside --model-dir" in line, r.output
+        assert _sha(victim) == before and not (o / "x").exists()
+        assert sorted(x.name for x in o.iterdir()) == ["outside"]  # no staging directory left either
+    # the writer's own guard: a path leaving the staging directory is refused whatever the caller passes
+    with pytest.raises(ExportError, match="outside the output directory"):
+        staged_path(tmp_path / "stage", "../outside/w.safetensors")
+    assert staged_path(tmp_path / "stage", "sub/w.safetensors") == tmp_path / "stage" / "sub" / "w.safetensors"

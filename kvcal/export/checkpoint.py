@@ -22,7 +22,7 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
@@ -116,6 +116,42 @@ def link_or_copy(src: Path, dst: Path) -> None:
     shutil.copy2(real, dst)
 
 
+def check_member(model_dir: Path, name: object, where: str) -> str:
+    """Return ``name`` when it is a relative file name that stays inside ``model_dir``; raise
+    :class:`ExportError` (one line naming ``where`` and the entry) when it is not a non-empty string, is
+    absolute (POSIX or Windows drive), or has a ``..`` component — an index mapping weights to
+    ``../outside/w.safetensors`` would otherwise make kvcal read and write outside --model-dir / --out.
+    The check is lexical: a hub-cache snapshot's files are symlinks into ``../../blobs`` (outside the
+    directory by design) and are read through; what kvcal *writes* is named by ``name``, not the link."""
+    bad = None
+    if not isinstance(name, str) or not name:
+        bad = "is not a file name"
+    elif (PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() or PureWindowsPath(name).drive
+          or name.startswith(("/", "\\"))):
+        bad = "is an absolute path"
+    elif ".." in PurePosixPath(name.replace("\\", "/")).parts:
+        bad = "climbs out of the directory with '..'"
+    else:
+        root = os.path.abspath(model_dir)
+        if not os.path.normpath(os.path.join(root, name)).startswith(root + os.sep):
+            bad = "lies outside the directory"
+    if bad:
+        raise ExportError(f"{where} entry {name!r} {bad}; a checkpoint's files must lie inside --model-dir "
+                          f"{model_dir} — fix the entry (a plain shard file name such as model-00001-of-00002.safetensors)")
+    return name
+
+
+def staged_path(staging: Path, rel: str | os.PathLike) -> Path:
+    """``staging / rel``, checked to lie inside ``staging`` (lexically): every file an export writes
+    goes through here, so no entry of a source checkpoint can make kvcal write outside --out.
+    Raises :class:`ExportError` otherwise."""
+    root = os.path.abspath(staging)
+    dst = os.path.normpath(os.path.join(root, rel))
+    if not dst.startswith(root + os.sep):
+        raise ExportError(f"refusing to write {rel!s}: it lies outside the output directory; nothing was written")
+    return Path(dst)
+
+
 @dataclass
 class Checkpoint:
     """A source checkpoint: ``path``, parsed ``config`` (config.json), ``shards`` (safetensors
@@ -136,17 +172,16 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
     cfg_path = p / "config.json"
     if not cfg_path.is_file():
         raise ExportError(f"--model-dir {p} has no config.json; pass a Hugging Face checkpoint directory")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{cfg_path} is not valid JSON ({e})") from None
+    from kvcal.export.checkpoint_json import read_config, read_index
+
+    config = read_config(cfg_path, ExportError)  # field types checked once: one-line errors, no traceback
     index = None
     if (p / INDEX).is_file():
-        try:
-            index = json.loads((p / INDEX).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ExportError(f"{p / INDEX} is not valid JSON ({e})") from None
-        shards = sorted(set(index.get("weight_map", {}).values()))
+        index = read_index(p / INDEX, ExportError)  # an object whose weight_map maps str -> str
+        wm = index.get("weight_map", {}) if isinstance(index, dict) else None
+        if not isinstance(wm, dict):
+            raise ExportError(f"{p / INDEX} has no weight_map object; the checkpoint index is malformed")
+        shards = sorted({check_member(p, v, f"{p / INDEX} weight_map[{k!r}]") for k, v in wm.items()})
         missing = [s for s in shards if not (p / s).is_file()]
         if missing:
             raise ExportError(f"{p / INDEX} lists missing shard files {missing[:3]}; the checkpoint is incomplete")
@@ -267,10 +302,10 @@ def merge_into_copy(
             continue
         out_name = SINGLE_RENAMED if (ckpt.index is None and shard == SINGLE) else shard
         if drop:
-            kept = filtered_copy(src / shard, staging / out_name, drop)
+            kept = filtered_copy(src / shard, staged_path(staging, out_name), drop)
             stale_report[shard] = sorted(drop)
         else:
-            link_or_copy(src / shard, staging / out_name)
+            link_or_copy(src / shard, staged_path(staging, out_name))
             kept = names
         for k in kept:
             weight_map[k] = out_name
@@ -282,7 +317,7 @@ def merge_into_copy(
             rel = os.path.relpath(os.path.join(root, fname), src)
             if rel in skip or rel in shard_set or fname.startswith("."):
                 continue
-            link_or_copy(src / rel, staging / rel)
+            link_or_copy(src / rel, staged_path(staging, rel))
     shard_tensors = {**carried, **{k: v.detach().contiguous().cpu() for k, v in new_tensors.items()}}
     save_file(shard_tensors, str(staging / SCALES_SHARD), metadata={"format": "pt", "producer": "kvcal"})
     for k, t in shard_tensors.items():
@@ -292,7 +327,7 @@ def merge_into_copy(
              "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     for fname, obj in replace_files.items():
-        (staging / fname).write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        staged_path(staging, fname).write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if ckpt.index is None:
         notes.append(f"single-file checkpoint: weights linked as {SINGLE_RENAMED} and {INDEX} created "
                      "(transformers would otherwise load model.safetensors alone and miss the scales)")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcal.export.base import ExportContext, Target, register, report_shared_scale, write_json
-from kvcal.export.checkpoint import INDEX, Checkpoint, filtered_copy, link_or_copy, read_header
+from kvcal.export.checkpoint import INDEX, Checkpoint, filtered_copy, link_or_copy, read_header, staged_path
 from kvcal.export.rules import is_kv_scale_name
 
 JSON_FILE = "kv_cache_scales.json"
@@ -88,12 +88,13 @@ def copy_without_kv_scales(src: Path, staging: Path, ckpt: Checkpoint | None, ke
         for fname in sorted(files):
             rel = (Path(root) / fname).relative_to(src)
             if not fname.startswith(".") and str(rel) not in skip:
-                link_or_copy(Path(root) / fname, staging / rel)
+                link_or_copy(Path(root) / fname, staged_path(staging, rel))
     if not stale:
         return ["checkpoint linked unchanged; scales in " + JSON_FILE]
     for shard, names in stale.items():
-        (staging / shard).parent.mkdir(parents=True, exist_ok=True)
-        filtered_copy(src / shard, staging / shard, set(names))
+        dst = staged_path(staging, shard)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        filtered_copy(src / shard, dst, set(names))
     if ckpt.index is not None:
         dropped = {n for names in stale.values() for n in names}
         index = dict(ckpt.index)
