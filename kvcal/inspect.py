@@ -227,13 +227,14 @@ def _inspect_artifact(p: Path) -> Inspection:
 
 def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
     from kvcal.export.checkpoint import INDEX, text_config
+    from kvcal.export.checkpoint_json import read_config, read_index
 
-    cfg = _read_json(p / "config.json")
+    cfg = read_config(p / "config.json", InspectError)  # field types checked: one-line errors, no traceback
     tc = text_config(cfg)
     n = int(tc.get("num_hidden_layers", 0))
     nkv = tc.get("num_key_value_heads", tc.get("num_attention_heads"))
     if (p / INDEX).is_file():
-        files = [p / f for f in sorted(set(_read_json(p / INDEX).get("weight_map", {}).values()))]
+        files = [p / f for f in sorted(set(read_index(p / INDEX, InspectError)["weight_map"].values()))]
     else:
         files = sorted(p.glob("*.safetensors"))
     tensors = _kv_tensors(files)

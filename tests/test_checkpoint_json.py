@@ -36,3 +36,53 @@ def test_config_hash_of_the_calibrated_checkpoint_matches_export(tmp_path, confi
     assert check_matches(meta, raw, tmp_path / "ckpt") == []
     # and a real difference still warns
     assert check_matches(meta, {**raw, "vocab_size": 256}, tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", sharded=True)
+
+
+def _edit(d, name, fn):
+    p = d / name
+    p.write_text(json.dumps(fn(json.loads(p.read_text()))))
+
+
+# (file, edit of its parsed JSON, field the one-line error must name)
+_BAD = [
+    ("model.safetensors.index.json", lambda j: {**j, "weight_map": 5}, "weight_map"),
+    ("model.safetensors.index.json", lambda j: {**j, "weight_map": {"a": 5}}, 'weight_map["a"]'),
+    ("model.safetensors.index.json", lambda j: [1], "not an object"),
+    ("model.safetensors.index.json", lambda j: {"metadata": {}}, "weight_map"),
+    ("config.json", lambda j: [], "not an object"),
+    ("config.json", lambda j: {**j, "quantization_config": "x"}, "quantization_config"),
+    ("config.json", lambda j: {**j, "quantization_config": {"quant_method": "compressed-tensors",
+                                                            "kv_cache_scheme": [1]}},
+     "quantization_config.kv_cache_scheme"),
+    ("config.json", lambda j: {**j, "num_hidden_layers": "four"}, "num_hidden_layers"),
+    ("config.json", lambda j: {**j, "text_config": 3}, "text_config"),
+]
+
+
+@pytest.mark.parametrize("command", ["inspect", "export"])
+@pytest.mark.parametrize("case", range(len(_BAD)))
+def test_malformed_checkpoint_json_is_a_one_line_error(tmp_path, good_ckpt, command, case):
+    """Tester: a checkpoint whose config.json / index.json has a field of the wrong JSON type crashed
+    `kvcal inspect` and `kvcal export --model-dir` with AttributeError / TypeError tracebacks."""
+    name, edit, field = _BAD[case]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(good_ckpt, ckpt)
+    _edit(ckpt, name, edit)
+    if command == "inspect":
+        args = ["inspect", str(ckpt)]
+    else:
+        art, _ = make_artifact(tmp_path / "art")
+        args = ["export", "--artifact", str(art), "--target", "vllm", "--model-dir", str(ckpt),
+                "--out", str(tmp_path / "out")]
+    r = CliRunner().invoke(main, args)
+    out = r.output + (str(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else "")
+    assert r.exit_code == 2, out
+    assert "Traceback" not in out and not (r.exception and not isinstance(r.exception, SystemExit))
+    err = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and name in err[0] and field in err[0], r.output
+    assert not (tmp_path / "out").exists()
