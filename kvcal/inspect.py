@@ -227,7 +227,7 @@ def _inspect_artifact(p: Path) -> Inspection:
 
 def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
     from kvcal.export.checkpoint import INDEX, text_config
-    from kvcal.export.checkpoint_json import read_config, read_index
+    from kvcal.export.checkpoint_json import read_config, read_hf_quant_config, read_index
 
     cfg = read_config(p / "config.json", InspectError)  # field types checked: one-line errors, no traceback
     tc = text_config(cfg)
@@ -239,7 +239,8 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
         files = sorted(p.glob("*.safetensors"))
     tensors = _kv_tensors(files)
     qc = cfg.get("quantization_config")
-    hq = _read_json(p / "hf_quant_config.json") if (p / "hf_quant_config.json").is_file() else None
+    hq = (read_hf_quant_config(p / "hf_quant_config.json", InspectError) if (p / "hf_quant_config.json").is_file()
+          else None)
     ins = Inspection(p, "checkpoint", n, _fmt_from_configs(qc, hq), model={"model_type": tc.get("model_type")})
     fam = family(tc.get("model_type"))
     ins.layers = _stored_layers(_any_layout(fam, tensors) if fam else tensors, n)
@@ -340,13 +341,16 @@ def _transformers_load(hf, fam, tensors: dict, n: int) -> EngineLoad:
 
 
 def _inspect_standalone(p: Path) -> Inspection:
+    from kvcal.export.checkpoint_json import read_hf_quant_config, read_quantization_config_json
+
     files = sorted(p.glob("*.safetensors"))
     tensors = _kv_tensors(files)
     n = _num_layers_from_names(tensors)
     qc = None
     if (p / "quantization_config.json").is_file():
-        qc = _read_json(p / "quantization_config.json").get("quantization_config")
-    hq = _read_json(p / "hf_quant_config.json") if (p / "hf_quant_config.json").is_file() else None
+        qc = read_quantization_config_json(p / "quantization_config.json", InspectError)
+    hq = (read_hf_quant_config(p / "hf_quant_config.json", InspectError) if (p / "hf_quant_config.json").is_file()
+          else None)
     fmt = _fmt_from_configs(qc, hq)
     if fmt is None and (p / "quantization.json").is_file():  # trtllm-legacy's snippet for the checkpoint config
         algo = ((_read_json(p / "quantization.json").get("quantization") or {}).get("kv_cache_quant_algo"))

@@ -45,7 +45,7 @@ def good_ckpt(tmp_path_factory):
 
 def _edit(d, name, fn):
     p = d / name
-    p.write_text(json.dumps(fn(json.loads(p.read_text()))))
+    p.write_text(json.dumps(fn(json.loads(p.read_text()) if p.is_file() else None)))
 
 
 # (file, edit of its parsed JSON, field the one-line error must name)
@@ -61,6 +61,7 @@ _BAD = [
      "quantization_config.kv_cache_scheme"),
     ("config.json", lambda j: {**j, "num_hidden_layers": "four"}, "num_hidden_layers"),
     ("config.json", lambda j: {**j, "text_config": 3}, "text_config"),
+    ("hf_quant_config.json", lambda j: {"quantization": "x"}, "quantization"),  # ModelOpt's file
 ]
 
 
@@ -77,7 +78,8 @@ def test_malformed_checkpoint_json_is_a_one_line_error(tmp_path, good_ckpt, comm
         args = ["inspect", str(ckpt)]
     else:
         art, _ = make_artifact(tmp_path / "art")
-        args = ["export", "--artifact", str(art), "--target", "vllm", "--model-dir", str(ckpt),
+        target = "modelopt" if name == "hf_quant_config.json" else "vllm"  # the target that reads the file
+        args = ["export", "--artifact", str(art), "--target", target, "--model-dir", str(ckpt),
                 "--out", str(tmp_path / "out")]
     r = CliRunner().invoke(main, args)
     out = r.output + (str(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else "")
@@ -86,3 +88,14 @@ def test_malformed_checkpoint_json_is_a_one_line_error(tmp_path, good_ckpt, comm
     err = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and name in err[0] and field in err[0], r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_standalone_quantization_config_json_of_the_wrong_type(tmp_path):
+    """A standalone vLLM export's quantization_config.json whose quantization_config is a string: one line."""
+    art, _ = make_artifact(tmp_path / "art")
+    assert CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out",
+                                     str(tmp_path / "o")]).exit_code == 0
+    (tmp_path / "o" / "quantization_config.json").write_text(json.dumps({"quantization_config": "x"}))
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "o")])
+    assert r.exit_code == 2 and not (r.exception and not isinstance(r.exception, SystemExit)), r.output
+    assert "quantization_config.json: quantization_config is a JSON string" in r.output

@@ -96,3 +96,29 @@ def validate_index(path: Path, index, error: type[KvcalError] = KvcalError) -> d
 def read_index(path: str | Path, error: type[KvcalError] = KvcalError) -> dict:
     """Read and validate a checkpoint's ``model.safetensors.index.json`` at ``path`` (:func:`validate_index`)."""
     return validate_index(Path(path), _load(Path(path), error), error)
+
+
+def validate_hf_quant_config(path: Path, doc, error: type[KvcalError] = KvcalError) -> dict:
+    """Check a parsed ModelOpt ``hf_quant_config.json`` and return it: an object whose ``quantization``
+    (when present and not ``null``) is an object; ``error`` naming the field otherwise."""
+    _need_object(path, "the file", doc, error, allow_null=False)
+    _need_object(path, "quantization", doc.get("quantization"), error)
+    return doc
+
+
+def read_hf_quant_config(path: str | Path, error: type[KvcalError] = KvcalError) -> dict:
+    """Read and validate a ModelOpt ``hf_quant_config.json`` at ``path`` (:func:`validate_hf_quant_config`)."""
+    return validate_hf_quant_config(Path(path), _load(Path(path), error), error)
+
+
+def read_quantization_config_json(path: str | Path, error: type[KvcalError] = KvcalError) -> dict | None:
+    """The ``quantization_config`` of a standalone ``quantization_config.json`` (what ``kvcal export
+    --target vllm`` writes without ``--model-dir``): ``None`` when absent, else an object whose
+    ``kv_cache_scheme`` (when present) is an object; ``error`` naming the field otherwise."""
+    doc = _load(Path(path), error)
+    _need_object(Path(path), "the file", doc, error, allow_null=False)
+    qc = doc.get("quantization_config")
+    _need_object(Path(path), "quantization_config", qc, error)
+    if isinstance(qc, dict):
+        _need_object(Path(path), "quantization_config.kv_cache_scheme", qc.get("kv_cache_scheme"), error)
+    return qc

@@ -14,7 +14,6 @@ checkpoint: serve those with ``--target vllm``.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 from kvcal import __version__
@@ -63,10 +62,9 @@ class ModelOptTarget(Target):
             return "trtllm-serve {out}"
         existing = None
         if (ctx.model_dir / HF_QUANT_CONFIG).is_file():
-            try:
-                existing = json.loads((ctx.model_dir / HF_QUANT_CONFIG).read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ExportError(f"{ctx.model_dir / HF_QUANT_CONFIG} is not valid JSON ({e})") from None
+            from kvcal.export.checkpoint_json import read_hf_quant_config
+
+            existing = read_hf_quant_config(ctx.model_dir / HF_QUANT_CONFIG, ExportError)  # "quantization" an object
         replace = {HF_QUANT_CONFIG: hf_quant_config(existing)}
         cfg = copy.deepcopy(ctx.config)
         qc = cfg.get("quantization_config")
