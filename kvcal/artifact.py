@@ -297,6 +297,20 @@ def git_tracked_files(path: str | os.PathLike) -> list[str]:
     return [x for x in r.stdout.decode("utf-8", errors="replace").split("\0") if x]
 
 
+def is_git_tracked(path: str | os.PathLike) -> bool:
+    """True when git tracks file ``path`` (a committed file: no kvcal command may replace it). False when it is
+    untracked, not in a git work tree, its directory does not exist, or git is not installed."""
+    import subprocess
+
+    p = Path(os.path.abspath(path))
+    try:
+        r = subprocess.run(["git", "-C", str(p.parent), "ls-files", "-z", "--", p.name], capture_output=True,
+                           timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and bool(r.stdout.strip(b"\0"))
+
+
 def _check_inputs(out: Path, inputs: dict[str, object] | None, error: type[KvcalError], flag: str,
                   contains: bool) -> None:
     """Refuse ``out`` when it is one of ``inputs`` (option -> path; ``None`` and loaded artifacts skipped)
@@ -372,8 +386,10 @@ def check_output_file(path: str | os.PathLike, kind: str, inputs: dict[str, obje
     ``kind``: what the command writes (a key of :data:`FILE_KINDS`); an existing file is replaced only when
     :func:`kvcal_file_kind` finds that same kind. ``inputs``: option name -> path the command reads.
     ``flag``: the option that named the file, for the message. Raises ``error`` when ``path`` is one of the
-    inputs, is a directory or a broken link, exists and is not a ``kind`` kvcal wrote (a file kvcal did not
-    write, an artifact, a corpus), when a parent is a file, or when the location does not take new files."""
+    inputs, is a directory or a broken link, is tracked by git (:func:`is_git_tracked`: a committed file, e.g.
+    a worked example's evaluation — refused even when kvcal wrote it), exists and is not a ``kind`` kvcal
+    wrote (a file kvcal did not write, an artifact, a corpus), when a parent is a file, or when the location
+    does not take new files."""
     if kind not in FILE_KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
     p = Path(path)
@@ -383,6 +399,9 @@ def check_output_file(path: str | os.PathLike, kind: str, inputs: dict[str, obje
     if os.path.lexists(p) and not p.exists():
         raise error(f"{flag} {p} is a broken link; remove it or choose another {flag}")
     if p.exists():
+        if is_git_tracked(p):
+            raise error(f"{p} is tracked by git (a committed file); kvcal never replaces committed files — choose "
+                        f"another {flag}")
         found = kvcal_file_kind(p)
         if found != kind:
             desc = FILE_KINDS[found] if found else "a file kvcal did not write"

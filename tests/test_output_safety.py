@@ -368,3 +368,30 @@ def test_export_refuses_index_entries_outside_the_model_dir(tmp_path):
     with pytest.raises(ExportError, match="outside the output directory"):
         staged_path(tmp_path / "stage", "../outside/w.safetensors")
     assert staged_path(tmp_path / "stage", "sub/w.safetensors") == tmp_path / "stage" / "sub" / "w.safetensors"
+
+
+def test_single_file_writers_never_replace_a_committed_file(tracked_example):
+    """Tester: ``evaluate --json artifacts/smollm2-135m-fp8/eval_1024.json`` and ``report --out
+    artifacts/smollm2-135m-fp8`` replaced committed files (exit 0). Every single-file writer refuses a file git
+    tracks, even one kvcal wrote; an untracked kvcal file beside it is still replaced."""
+    from kvcal.artifact import check_output_file, write_file_atomically
+    from kvcal.errors import KvcalError
+
+    repo, ex = tracked_example
+    (ex / "report.md").write_text("# committed report\n")
+    _git(repo, "add", "artifacts")
+    _git(repo, "commit", "-q", "-m", "report")
+    before = {p: _sha(p) for p in ex.rglob("*") if p.is_file()}
+    doc = json.dumps({"schema": "kvcal-eval/1", "kvcal_version": "0", "results": [1]})
+    with pytest.raises(KvcalError, match="tracked by git.*never replaces committed files"):
+        write_file_atomically(ex / "eval_1024.json", doc, "evaluation", flag="--json")
+    r = CliRunner().invoke(main, ["report", "--artifact", str(ex), "--out", str(ex)])
+    line = _one_error_line(r)
+    assert "report" in line and "tracked by git" in line, r.output
+    assert {p: _sha(p) for p in ex.rglob("*") if p.is_file()} == before
+    assert not (ex / "figures").exists()
+    untracked = ex / "eval_2048.json"
+    untracked.write_text(json.dumps({"schema": "kvcal-eval/1", "kvcal_version": "0", "results": []}))
+    check_output_file(untracked, "evaluation", flag="--json")  # kvcal's own, uncommitted: replaceable
+    write_file_atomically(untracked, doc, "evaluation", flag="--json")
+    assert untracked.read_text() == doc
