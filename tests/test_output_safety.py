@@ -395,3 +395,24 @@ def test_single_file_writers_never_replace_a_committed_file(tracked_example):
     check_output_file(untracked, "evaluation", flag="--json")  # kvcal's own, uncommitted: replaceable
     write_file_atomically(untracked, doc, "evaluation", flag="--json")
     assert untracked.read_text() == doc
+
+
+def test_report_never_replaces_another_artifacts_report(tmp_path):
+    """Tester: ``report --artifact A --out B`` with B another artifact directory replaced B's report.md / html /
+    figures with A's report (exit 0). Refused by artifact sha256; a byte-identical copy of A is accepted."""
+    from export_helpers import make_artifact
+
+    from kvcal.report.disclosure import write_report
+
+    a = make_artifact(tmp_path / "a", seed=0)[0]
+    b = make_artifact(tmp_path / "b", seed=1)[0]
+    write_report(b)  # B's own report, figures included
+    before = {p: _sha(p) for p in b.rglob("*") if p.is_file()}
+    assert {"report.md", "report.html"} <= {p.name for p in before}
+    r = CliRunner().invoke(main, ["report", "--artifact", str(a), "--out", str(b)])
+    line = _one_error_line(r)
+    assert "holds another artifact" in line and str(b) in line, r.output
+    assert {p: _sha(p) for p in b.rglob("*") if p.is_file()} == before
+    shutil.copytree(a, tmp_path / "a2")  # the same artifact elsewhere: its report is this one's
+    r = CliRunner().invoke(main, ["report", "--artifact", str(a), "--out", str(tmp_path / "a2")])
+    assert r.exit_code == 0, r.output

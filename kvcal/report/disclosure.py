@@ -571,6 +571,23 @@ def check_eval_matches(art, ev: dict, source) -> None:
                          "artifact or pass its own --eval")
 
 
+def check_out_holds_no_other_artifact(art_dir: Path, od: Path) -> None:
+    """Refuse report ``--out`` directory ``od`` when it holds a ``kv_scales.safetensors`` other than the one in
+    ``art_dir`` (compared by :func:`kvcal.artifact.artifact_sha256`, as ``--eval`` is): its report.md,
+    report.html and figures describe that artifact, and a report of another one would replace them.
+    Raises :class:`KvcalError`; an identical copy of the artifact is accepted."""
+    from kvcal.artifact import SCALES_FILE, artifact_sha256
+    from kvcal.errors import KvcalError
+
+    other = od / SCALES_FILE
+    if not other.exists() or od.resolve() == Path(art_dir).resolve():
+        return
+    if artifact_sha256(other) != artifact_sha256(art_dir):
+        raise KvcalError(f"--out {od} holds another artifact (its {SCALES_FILE} differs from --artifact {art_dir}, "
+                         "sha256), whose report files a report of this one would replace — omit --out (the report "
+                         "goes into the --artifact directory) or choose a directory without an artifact")
+
+
 def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dict | None = None,
                  out: str | os.PathLike | None = None) -> dict:
     """Render ``report.md`` (+ ``figures/*.png``) and ``report.html`` for an artifact directory.
@@ -593,6 +610,7 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
     od = Path(out) if out is not None else art.path
     if od.exists() and not od.is_dir():
         raise KvcalError(f"--out {od} is not a directory; give the directory the report goes into")
+    check_out_holds_no_other_artifact(art.path, od)
     md, ht = od / "report.md", od / "report.html"
     inputs = {"--artifact": artifact, "--eval": None if isinstance(eval_json, dict) else eval_json}
     for p in (md, ht):  # before the figures are drawn (seconds); the figures' own files are checked below
