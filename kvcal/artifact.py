@@ -117,7 +117,7 @@ def write_artifact(
             else:
                 p.write_text(content, encoding="utf-8")
 
-    return write_dir_atomically(Path(out_dir), fill, overwrite, ArtifactError, inputs)
+    return write_dir_atomically(Path(out_dir), fill, overwrite, ArtifactError, inputs, kind="artifact")
 
 
 def artifact_sha256(path: str | os.PathLike) -> str:
@@ -162,6 +162,13 @@ def _output_kind(path: Path) -> str | None:
     except (OSError, ValueError, TypeError):
         return None
     return None
+
+
+#: Kinds of output directory :func:`_output_kind` finds, with how a message describes them.
+DIR_KINDS = {
+    "artifact": "a kvcal calibration artifact (kv_scales.safetensors)",
+    "export": "a kvcal export (kvcal-export.json)",
+}
 
 
 def is_kvcal_output(path: Path) -> bool:
@@ -343,7 +350,7 @@ def _check_parents_writable(out: Path, error: type[KvcalError], flag: str, noun:
 
 
 def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, object] | None = None,
-                     error: type[KvcalError] = ArtifactError) -> None:
+                     error: type[KvcalError] = ArtifactError, kind: str | None = None) -> None:
     """Refuse an output directory before any work is done (and again when it is written).
 
     ``inputs``: option name -> path the command reads (``--corpus``, ``--artifact``,
@@ -352,10 +359,21 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, 
     holds files kvcal did not write (a directory that is not an artifact or an export — a mistyped
     ``--out .`` must not wipe a working tree —, or a stray file in one: :func:`foreign_files`) or files
     git tracks (a committed worked example: :func:`git_tracked_files`), with or without ``overwrite``,
-    and without suggesting it; when it exists without ``overwrite``; when a parent of ``out`` is a file;
-    or when the nearest existing ancestor of ``out`` does not take a new directory."""
+    and without suggesting it; when ``kind`` (a key of :data:`DIR_KINDS`: what the command writes) is given
+    and ``out`` holds a kvcal output of another kind (``export --overwrite`` must not delete an artifact);
+    when it exists without ``overwrite``; when ``out`` lies inside a kvcal output directory (an artifact or
+    an export: a new output nested in one would be mistaken for part of it, and ``--overwrite`` of that one
+    would delete it); when a parent of ``out`` is a file; or when the nearest existing ancestor of ``out``
+    does not take a new directory."""
+    if kind is not None and kind not in DIR_KINDS:
+        raise ValueError(f"unknown output directory kind {kind!r}")
     out = Path(out)
     _check_inputs(out, inputs, error, "--out", contains=True)
+    for anc in out.resolve().parents:
+        held = _output_kind(anc) if anc.is_dir() else None
+        if held:
+            raise error(f"--out {out} lies inside {anc}, which is {DIR_KINDS[held]}; kvcal does not nest a new output "
+                        "inside another one — choose an --out outside it")
     if out.exists():
         if not out.is_dir():
             raise error(f"output path {out} exists and is not a directory; choose a directory path for --out")
@@ -368,6 +386,10 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, 
                 raise error(f"output directory {out} holds {len(tracked)} file(s) tracked by git (first: {tracked[0]}), "
                             "e.g. a committed worked example; kvcal never replaces committed files — choose another "
                             "--out")
+            held = _output_kind(out)
+            if kind is not None and held != kind:
+                raise error(f"output directory {out} holds {DIR_KINDS[held]}, not {DIR_KINDS[kind]}; --overwrite "
+                            "replaces only an output of the kind this command writes — choose another --out")
             foreign = foreign_files(out)
             if foreign:
                 raise error(f"output directory {out} holds {len(foreign)} file(s) kvcal did not write (first: "
@@ -449,17 +471,18 @@ def write_file_atomically(path: str | os.PathLike, content: str | bytes | Callab
 
 
 def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False,
-                         error: type[KvcalError] = ArtifactError, inputs: dict[str, object] | None = None) -> Path:
+                         error: type[KvcalError] = ArtifactError, inputs: dict[str, object] | None = None,
+                         kind: str | None = None) -> Path:
     """Create directory ``out`` atomically: ``fill(staging)`` populates a temporary sibling which
     replaces ``out`` only when ``fill`` returns normally; on any error (also Ctrl-C) nothing is
     left and an existing ``out`` is untouched. Files and the directory get normal permissions
     (``mkdtemp`` and safetensors create 0700/0600).
 
     Raises ``error`` (a :class:`KvcalError` subclass) for every refusal of
-    :func:`check_output_dir` (``inputs`` as there) or on OS errors (read-only location, disk full).
+    :func:`check_output_dir` (``inputs`` and ``kind`` as there) or on OS errors (read-only location, disk full).
     """
     out = Path(out)
-    check_output_dir(out, overwrite, inputs, error)
+    check_output_dir(out, overwrite, inputs, error, kind)
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -510,7 +533,8 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     another dtype, name or shape than kvcal writes, a missing or extra tensor, a scale that is not
     finite and > 0 or is implausible for the recorded calibration range (:func:`validate_tensors`),
     calibrated parameters that do not rebuild into a plan, or content that does not match its
-    recorded :data:`CONTENT_HASH_KEY` (edited after writing). Artifacts written before the hash was
+    recorded :data:`CONTENT_HASH_KEY` (edited after writing), or no hash although the metadata shows a
+    writer that records one (:func:`_refuse_stripped_hash`). Artifacts written before the hash was
     recorded carry none; they load after the same checks (``kvcal inspect`` and ``kvcal export`` say
     that edits to them cannot be detected).
     """
@@ -570,12 +594,35 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
             msg = str(e) if isinstance(e, ValueError) else f"metadata field {e} is missing or malformed"
             raise ArtifactError(f"{f}: {msg}; re-run calibration") from None
     recorded = meta.get(CONTENT_HASH_KEY)
+    if recorded is None:
+        _refuse_stripped_hash(f, meta)
     if recorded is not None and recorded != content_sha256(meta, tensors):
         raise ArtifactError(
             f"{f}: content does not match its {CONTENT_HASH_KEY}: scales or metadata were changed after kvcal wrote "
             "the file, so it is not what was calibrated and measured — re-run `kvcal calibrate` (kvcal refuses "
             "edited artifacts rather than serve them)")
     return Artifact(path=p if p.is_dir() else p.parent, tensors=tensors, metadata=meta)
+
+
+def _refuse_stripped_hash(f: Path, meta: dict) -> None:
+    """Refuse an artifact without :data:`CONTENT_HASH_KEY` whose metadata shows a writer that records one.
+
+    Only artifacts written before kvcal recorded the hash may lack it (the committed
+    ``artifacts/smollm2-135m-fp8``). Every :func:`write_artifact` that records the hash also records
+    ``tensor_names``, and ``model.weights`` (the weight fingerprint, :mod:`kvcal.weights`) came after the
+    hash; the writer of the released worked example wrote neither. So a hash-less artifact holding either
+    field most likely had its hash deleted — the way to make a hand edit (a tripled scale) pass as an old
+    artifact. (``tensor_names`` predates the hash by some hours of unreleased 0.1.0 development; an
+    artifact from that window is refused too and must be re-calibrated, which is the safe side.) Raises
+    :class:`ArtifactError` naming the field that gives it away."""
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    marker = next((name for name, present in (("tensor_names", "tensor_names" in meta),
+                                              ("model.weights", "weights" in model)) if present), None)
+    if marker is not None:
+        raise ArtifactError(
+            f"{f}: has no {CONTENT_HASH_KEY} although its {marker} field shows it was written by a kvcal that records "
+            "one: the hash was removed, so edits cannot be ruled out — re-run `kvcal calibrate` (kvcal refuses "
+            "edited artifacts rather than serve them)")
 
 
 def _has_calibrated_parameters(meta: dict, tensors: dict) -> bool:

@@ -141,7 +141,8 @@ def test_old_artifacts_without_a_content_hash_still_load(good, tmp_path):
     art = load_artifact("artifacts/smollm2-135m-fp8")
     assert CONTENT_HASH_KEY not in art.metadata and art.num_layers == 30
     path, _ = good
-    old = _edited(path, tmp_path / "old", lambda m, t: m.pop(CONTENT_HASH_KEY), resign=False)
+    old = _edited(path, tmp_path / "old", lambda m, t: (m.pop(CONTENT_HASH_KEY), m.pop("tensor_names"),
+                                                         m["model"].pop("weights", None)), resign=False)
     assert CONTENT_HASH_KEY not in load_artifact(old).metadata
     res = CliRunner().invoke(main, ["inspect", str(old)])
     assert res.exit_code == 0 and "no content_sha256" in res.output
@@ -151,6 +152,29 @@ def test_old_artifacts_without_a_content_hash_still_load(good, tmp_path):
     worse = _edited(old, tmp_path / "worse", lambda m, t: _set(t, K0, torch.tensor([1e30])), resign=False)
     with pytest.raises(ArtifactError, match="implausible"):
         load_artifact(worse)
+
+
+@pytest.mark.parametrize("marker", ["tensor_names", "model.weights"])
+def test_deleting_the_content_hash_of_a_hash_era_artifact_is_refused(good, tmp_path, marker):
+    """Tester: deleting content_sha256 and tripling a scale passed inspect/export with only the
+    'written before kvcal recorded one' note; fields only hash-recording writers produce give it away."""
+    path, _ = good
+
+    def strip(m, t):
+        m.pop(CONTENT_HASH_KEY)
+        t[K0] = t[K0] * 3
+        if marker == "model.weights":  # a fingerprint-era artifact whose editor also dropped tensor_names
+            m.pop("tensor_names")
+            m["model"]["weights"] = {"scheme": "kvcal-weights/1", "layers": []}
+
+    bad = _edited(path, tmp_path / "bad", strip, resign=False)
+    with pytest.raises(ArtifactError, match=rf"no content_sha256 although its {marker} field"):
+        load_artifact(bad)
+    for args in (["inspect", str(bad)],
+                 ["export", "--artifact", str(bad), "--target", "vllm", "--out", str(tmp_path / "o")]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2 and res.output.startswith("error:") and "no content_sha256 although" in res.output
+        assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 def test_rewriting_a_loaded_artifact_gets_a_fresh_hash(good, tmp_path):
