@@ -421,8 +421,12 @@ def int_list(lo: int, hi: int = MAX_INT):
     Tagged ``kvcal_int_list`` so tests find every such option."""
 
     def parse(ctx, param, value):
+        items = str(value).split(",")
+        if len(items) > 1 and any(not x.strip() for x in items):  # "128,,64" / "1024,": a typo, not a list
+            raise click.BadParameter(f"{value!r} has an empty item; separate the integers with single commas "
+                                     "(e.g. 1024,4096)")
         try:
-            out = [int(x) for x in str(value).split(",") if x.strip()]
+            out = [int(x) for x in items if x.strip()]
         except ValueError:
             raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
         if not out:
