@@ -364,6 +364,9 @@ def _prepare(path: str, kind: str, load, what: str | None = None):
         raise
     except Exception as e:
         work.cleanup()
+        if "corresponds to no data" in str(e):  # datasets' message for a split with no rows: say what it means
+            raise _err(path, None, f"no samples: the {kind} data holds no rows (an empty JSON array, a CSV with only a "
+                                   "header, an empty table); add samples or pass another corpus") from None
         raise _err(path, None, what.format(cause=_cause(e)) if what else
                    f"cannot read as {kind} ({_cause(e)}); check that it is a valid {kind} file") from None
 
@@ -593,6 +596,10 @@ class _JsonlParser:
     def _str(self, lineno: int, rec: dict, key: str) -> str:
         v = rec[key]
         if not isinstance(v, str):
+            if self.mapped is not None and key == self.mapped[1]:  # the user's field, not kvcal's internal name
+                field, _, option = self.mapped
+                raise _err(self.path, lineno, f"{field!r} ({option} {field}) must hold a string, got {_type_name(v)}; "
+                                              f"pass the name of the field that holds the {key}")
             raise _err(self.path, lineno, f'"{key}" must be a string, got {_type_name(v)}; '
                                           f'write it as {{"{key}": "..."}}')
         return v
@@ -831,6 +838,7 @@ def _records(src: _Source, spath: str, parser: _JsonlParser, counts: dict) -> It
         counts["lines"] = n
         where = f"row {n}"
         rec = _drop_nulls(row)
+        _check_cell_sizes(spath, where, rec)
         if isinstance(row, dict) and not any(k in rec for k in fields):
             nulls = [k for k in fields if k in row]
             if nulls:
@@ -862,6 +870,21 @@ def _dataset_iter(src: _Source, spath: str) -> Iterator[tuple[int, dict]]:
             raise fail(f"row {n + 1}" if n else None, e) from None
         n += 1
         yield n, row
+
+
+def _check_cell_sizes(spath: str, where, x, field: str = "") -> None:
+    """Refuse a dataset row holding a string over :data:`MAX_LINE_BYTES` (UTF-8), the limit a JSONL line
+    has: a CSV / parquet cell is held to the same bound (CorpusError naming the row and field)."""
+    if isinstance(x, str):
+        if len(x) * 4 > MAX_LINE_BYTES and len(x.encode("utf-8", "surrogatepass")) > MAX_LINE_BYTES:
+            raise _err(spath, where, f"field {field or '(value)'!r} is longer than the {MAX_LINE_BYTES >> 20} MiB limit "
+                                     "per sample (the JSONL line limit); split the document into several rows")
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _check_cell_sizes(spath, where, v, f"{field}.{k}" if field else str(k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            _check_cell_sizes(spath, where, v, f"{field}[{i}]")
 
 
 def _drop_nulls(x):

@@ -25,3 +25,52 @@ def test_integer_list_with_an_empty_item_is_refused(value):
         assert p.callback(None, p, "64") == (64,)  # a plain value still parses
     r = CliRunner().invoke(main, ["evaluate", "--artifact", "x", "--corpus", "y", "--context", value])
     assert r.exit_code == 2 and "empty item" in r.output and "Traceback" not in r.output
+
+
+# ---- corpus messages ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,content", [("empty.json", "[]"), ("header.csv", "text\n"), ("header2.csv", "id,text\n")])
+def test_a_corpus_without_rows_says_no_samples(tmp_path, name, content):
+    """Tester: an empty JSON array / header-only CSV said datasets' 'Instruction "train" corresponds to no data!'."""
+    from kvcal.corpus import check_corpus
+    from kvcal.errors import CorpusError
+
+    (tmp_path / name).write_text(content)
+    with pytest.raises(CorpusError) as ei:
+        check_corpus(str(tmp_path / name))
+    msg = str(ei.value)
+    assert "no samples" in msg and "corresponds to no data" not in msg and "\n" not in msg
+
+
+def test_text_field_of_the_wrong_type_names_the_field(tmp_path):
+    """Tester: `--text-field id` on an integer column said '"text" must be a string'."""
+    from kvcal.corpus import check_corpus
+    from kvcal.errors import CorpusError
+
+    (tmp_path / "c.csv").write_text("id,body\n1,hello\n")
+    with pytest.raises(CorpusError, match=r"row 1: 'id' \(--text-field id\) must hold a string, got a number"):
+        check_corpus(str(tmp_path / "c.csv"), text_field="id")
+    assert check_corpus(str(tmp_path / "c.csv"), text_field="body")["records"] == 1
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_a_table_cell_over_the_line_limit_is_refused_like_a_jsonl_line(tmp_path, kind):
+    """Tester: JSONL refuses a line over MAX_LINE_BYTES (8 MiB) but a CSV / parquet cell of any size was read."""
+    from kvcal.corpus import MAX_LINE_BYTES, check_corpus
+    from kvcal.errors import CorpusError
+
+    big, ok = "x" * (MAX_LINE_BYTES + 1), "y" * 1000
+    p = tmp_path / f"c.{kind}"
+    if kind == "csv":
+        p.write_text(f"text\n{ok}\n{big}\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": [ok, big]}), p)
+    with pytest.raises(CorpusError, match=r"row 2: field 'text' is longer than the 8 MiB limit"):
+        check_corpus(str(p))
+    (tmp_path / "j.jsonl").write_text('{"text": "' + big + '"}\n')  # the JSONL bound it matches
+    with pytest.raises(CorpusError, match="8 MiB"):
+        check_corpus(str(tmp_path / "j.jsonl"))
