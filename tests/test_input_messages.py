@@ -19,7 +19,7 @@ def test_integer_list_with_an_empty_item_is_refused(value):
     """Tester: `--context 128,,64` was read as 128,64 (the empty item silently dropped)."""
     opts = _int_list_options()
     assert any(p.name == "contexts" for _, p in opts)
-    for name, p in opts:
+    for _name, p in opts:
         with pytest.raises(click.BadParameter, match="empty item"):
             p.callback(None, p, value)
         assert p.callback(None, p, "64") == (64,)  # a plain value still parses
