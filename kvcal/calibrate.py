@@ -911,7 +911,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         log, progress = (lambda s: None), False
     from kvcal.artifact import check_output_dir
 
-    check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError)  # before the model loads: nothing to wait for
+    check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError, kind="artifact")  # before the model loads: nothing to wait for
     from kvcal.corpus import check_corpus
 
     corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}

@@ -416,3 +416,58 @@ def test_report_never_replaces_another_artifacts_report(tmp_path):
     shutil.copytree(a, tmp_path / "a2")  # the same artifact elsewhere: its report is this one's
     r = CliRunner().invoke(main, ["report", "--artifact", str(a), "--out", str(tmp_path / "a2")])
     assert r.exit_code == 0, r.output
+
+
+# ---- --overwrite replaces only an output of the same kind; no output nested inside another ----------------
+
+def test_overwrite_replaces_only_an_output_of_the_same_kind(tmp_path):
+    """Tester: ``export --out B --overwrite`` with B a calibration artifact deleted the artifact and wrote an
+    export (exit 0). Export replaces only an export, calibrate (write_artifact) only an artifact."""
+    from export_helpers import make_artifact
+
+    from kvcal.artifact import check_output_dir, write_artifact
+
+    a = make_artifact(tmp_path / "a", seed=0)[0]
+    b = make_artifact(tmp_path / "b", seed=1)[0]
+    before = {p: _sha(p) for p in b.rglob("*") if p.is_file()}
+    r = CliRunner().invoke(main, ["export", "--artifact", str(a), "--target", "vllm", "--out", str(b), "--overwrite"])
+    line = _one_error_line(r)
+    assert "calibration artifact" in line and "not a kvcal export" in line, r.output
+    assert {p: _sha(p) for p in b.rglob("*") if p.is_file()} == before
+    exp = tmp_path / "exp"
+    assert CliRunner().invoke(main, ["export", "--artifact", str(a), "--target", "vllm", "--out", str(exp)]).exit_code == 0
+    r = CliRunner().invoke(main, ["export", "--artifact", str(b), "--target", "vllm", "--out", str(exp), "--overwrite"])
+    assert r.exit_code == 0, r.output  # an export over an export: replaced
+    exp_before = {p: _sha(p) for p in exp.rglob("*") if p.is_file()}
+    from kvcal.artifact import load_artifact
+    from kvcal.errors import KvcalError
+
+    art = load_artifact(a)
+    with pytest.raises(KvcalError, match="holds a kvcal export.*not a kvcal calibration artifact"):
+        write_artifact(exp, art.tensors, art.metadata, overwrite=True)  # what calibrate --overwrite writes through
+    with pytest.raises(KvcalError, match="holds a kvcal export"):
+        check_output_dir(exp, True, kind="artifact")  # calibrate's early check
+    assert {p: _sha(p) for p in exp.rglob("*") if p.is_file()} == exp_before
+    write_artifact(b, art.tensors, art.metadata, overwrite=True)  # an artifact over an artifact: replaced
+    assert all(torch.equal(load_artifact(b).tensors[k], t) for k, t in art.tensors.items())
+
+
+def test_no_output_is_nested_inside_another_kvcal_output(tracked_example, tmp_path):
+    """Tester: ``calibrate --out artifacts/smollm2-135m-fp8/sub`` and ``export --out <artifact>/sub`` wrote a new
+    output inside the committed example / an artifact. An --out inside an artifact or an export is refused."""
+    from export_helpers import make_artifact
+
+    repo, ex = tracked_example
+    before = sorted(p.name for p in ex.iterdir())
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(repo / "c.jsonl"), "--out", str(ex / "sub"), "--quiet"])
+    line = _one_error_line(r)
+    assert "lies inside" in line and "calibration artifact" in line, r.output
+    a = make_artifact(tmp_path / "a")[0]
+    for out in (ex / "sub", a / "sub" / "deeper"):
+        r = CliRunner().invoke(main, ["export", "--artifact", str(a), "--target", "vllm", "--out", str(out)])
+        assert "lies inside" in _one_error_line(r), r.output
+    exp = tmp_path / "exp"
+    assert CliRunner().invoke(main, ["export", "--artifact", str(a), "--target", "vllm", "--out", str(exp)]).exit_code == 0
+    r = CliRunner().invoke(main, ["export", "--artifact", str(a), "--target", "sglang-json", "--out", str(exp / "sg")])
+    assert "lies inside" in _one_error_line(r) and "kvcal export" in r.output, r.output
+    assert sorted(p.name for p in ex.iterdir()) == before and not (a / "sub").exists() and not (exp / "sg").exists()

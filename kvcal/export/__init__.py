@@ -80,7 +80,7 @@ def export(
     from kvcal.artifact import check_output_dir
 
     inputs = {"--artifact": art.path, "--model-dir": model_dir}
-    check_output_dir(out, overwrite, inputs, ExportError)
+    check_output_dir(out, overwrite, inputs, ExportError, kind="export")
     notes: list[str] = []
     ckpt, ckpt_warnings = None, []
     if model_dir is not None:

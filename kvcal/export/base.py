@@ -449,9 +449,9 @@ def stage_output(out: Path, overwrite: bool, fill, inputs: dict | None = None) -
     which replaces ``out`` only if ``fill`` returns normally; on any error nothing is left.
 
     Raises :class:`ExportError` for the refusals of :func:`kvcal.artifact.check_output_dir`
-    (``out`` exists without ``overwrite``, is not a kvcal output, is or contains one of
-    ``inputs``) or on OS errors.
+    (``out`` exists without ``overwrite``, is not a kvcal export, is or contains one of
+    ``inputs``, lies inside a kvcal output) or on OS errors.
     """
     from kvcal.artifact import write_dir_atomically
 
-    write_dir_atomically(out, fill, overwrite, ExportError, inputs)
+    write_dir_atomically(out, fill, overwrite, ExportError, inputs, kind="export")
