@@ -37,3 +37,25 @@ def smollm_model():
 
     torch.manual_seed(0)
     return load_model("smollm2-135m")
+
+
+def save_tiny_llama(tmp_path_factory, tokenizer, name: str, **config) -> Path:
+    """A tiny random Llama (seed 0) saved with ``save_pretrained`` plus ``tokenizer`` into a fresh
+    ``tmp_path_factory`` directory ``name``; ``config``: LlamaConfig fields. Returns the directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp(name)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+#: the 2-layer, 2-KV-head x head_dim 16 tiny Llama several modules calibrate end to end
+TINY_LLAMA_16 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                     pad_token_id=2, tie_word_embeddings=True)
+#: the 2-layer, head_dim 8 tiny Llama with 128 positions the CLI tests use
+TINY_LLAMA_8 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=128)

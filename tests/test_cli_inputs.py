@@ -12,6 +12,7 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TINY_LLAMA_8, save_tiny_llama
 
 from kvcal.cli import main
 from kvcal.errors import ModelLoadError
@@ -41,15 +42,7 @@ def no_model(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm_tokenizer):
     """A 2-layer random Llama (max 128 positions) saved with the embedded model's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    smollm_tokenizer.save_pretrained(d)
-    return d
+    return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny", vocab_size=len(smollm_tokenizer), **TINY_LLAMA_8)
 
 
 def _artifact(root: Path, tiny_dir: Path, **overrides) -> Path:

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TINY_LLAMA_8, save_tiny_llama
 from test_runtime import make_plan, tiny_model, write_tiny_artifact
 
 from kvcal.errors import KvcalError
@@ -121,15 +122,7 @@ def test_evaluate_json_document(tmp_path, tiny):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm_tokenizer):
     """A tiny random Llama saved as an HF directory with the embedded model's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tinyllama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    smollm_tokenizer.save_pretrained(d)
-    return d
+    return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tinyllama", vocab_size=len(smollm_tokenizer), **TINY_LLAMA_8)
 
 
 def _cli_artifact(tmp_path, tiny_dir, name="fp8"):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.cli import main
 
@@ -38,16 +39,7 @@ def _one_error_line(r) -> str:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm_tokenizer):
     """A tiny random Llama (2 layers, 2 KV heads × head_dim 16) with the embedded model's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    cfg = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    smollm_tokenizer.save_pretrained(d)
-    return d
+    return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-llama", vocab_size=len(smollm_tokenizer), **TINY_LLAMA_16)
 
 
 def _tiny_artifact(tmp_path: Path, tiny_dir: Path) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.errors import KvcalError
 from kvcal.formats.fp8 import get_fp8_format
@@ -194,16 +195,7 @@ def test_engine_options_are_checked_in_one_line(kw, msg):
 # ---- end to end on a tiny random Llama -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama-vllm")
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    smollm_tokenizer.save_pretrained(d)
-    return d
+    return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-llama-vllm", vocab_size=49152, **TINY_LLAMA_16)
 
 
 @pytest.fixture(scope="module", params=["tensor", "head"])
