@@ -948,6 +948,9 @@ def _check(spath: str, text_field, messages_field, split) -> dict:
             raise _err(spath, None, "--text-field / --messages-field apply to JSONL and datasets; a .txt corpus is "
                                     "raw text: drop them")
         n = sum(1 for _ in _txt_documents(_lines(src.path, spath, src.gz), False))
+        if n == 0:
+            raise _err(spath, None, "no samples: the file holds no text (only blank lines or nothing); "
+                                    "add documents to it")
         return {"source": "txt", "split": None, "records": n, "formats": {"txt": n}}
     parser = _JsonlParser(spath, None, text_field, messages_field)
     counts = {"lines": 0, "empty": 0}
@@ -955,6 +958,9 @@ def _check(spath: str, text_field, messages_field, split) -> dict:
     for where, fmt, text, _ in _records(src, spath, parser, counts):
         _check_text(spath, where, text)
         formats[fmt] = formats.get(fmt, 0) + 1
+    if not formats:  # decided here, before any tokenizer or model loads (load_corpus says the same later)
+        raise _err(spath, None, f"no samples: {counts['lines']:,} lines, {counts['empty']:,} empty; "
+                                "add samples with text in them")
     return {"source": src.kind, "split": src.split, "records": sum(formats.values()), "formats": formats}
 
 

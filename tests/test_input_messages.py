@@ -43,6 +43,20 @@ def test_a_corpus_without_rows_says_no_samples(tmp_path, name, content):
     assert "no samples" in msg and "corresponds to no data" not in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("name,content", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.txt", ""),
+                                          ("blank.txt", "\n  \n\n")])
+def test_an_empty_file_says_no_samples_before_any_tokenizer(tmp_path, name, content):
+    """Tester: an empty .jsonl / .txt said "no samples" only after the tokenizer loaded (6-9 s); the
+    tokenizer-free check (what the CLI runs before importing torch) now says it."""
+    from kvcal.corpus import check_corpus
+    from kvcal.errors import CorpusError
+
+    (tmp_path / name).write_text(content)
+    with pytest.raises(CorpusError, match="no samples") as ei:
+        check_corpus(str(tmp_path / name))
+    assert "\n" not in str(ei.value)
+
+
 def test_text_field_of_the_wrong_type_names_the_field(tmp_path):
     """Tester: `--text-field id` on an integer column said '"text" must be a string'."""
     from kvcal.corpus import check_corpus
