@@ -905,6 +905,21 @@ def _check_text(spath: str, where, s: str) -> None:
                                  "write the character itself or a valid \\uXXXX pair") from None
 
 
+def txt_token_bound(path) -> int | None:
+    """An upper bound on the tokens of a plain ``.txt`` corpus (not ``.gz``) tokenized at once without
+    special tokens (how ``kvcal evaluate`` reads it), from its size alone: no tokenizer, no torch.
+
+    Every token of a byte-level BPE (GPT-2 / Llama-3 / SmolLM) or byte-fallback SentencePiece
+    (Llama-2) vocabulary covers at least one UTF-8 byte of the text, apart from at most one
+    SentencePiece dummy-prefix token; the text is the file decoded with ``errors="replace"``, whose
+    U+FFFD replacements are 3 bytes for each invalid byte. So ``tokens ≤ 3·size + 1``. Returns
+    ``None`` for anything else (JSONL and datasets get chat templates and per-sample special tokens)."""
+    p = Path(str(path)).expanduser()
+    if p.suffix.lower() != ".txt" or not p.is_file():
+        return None
+    return 3 * p.stat().st_size + 1
+
+
 def check_corpus(path, *, text_field: str | None = None, messages_field: str | None = None,
                  split: str | None = None) -> dict:
     """Validate a corpus without a tokenizer or model: source, format, every record's fields and

@@ -667,10 +667,14 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         check_max_positions(max(int(c) for c in cfg.contexts), art_max, "--context", " (artifact metadata)")
     # every input error before the model loads: corpus format and fields (no tokenizer), the plan the
     # artifact describes, the model's shape from its config, then the token stream (tokenizer only)
-    from kvcal.corpus import check_corpus
+    from kvcal.corpus import check_corpus, txt_token_bound
 
     corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
     check_corpus(cfg.corpus, **corpus_opts)
+    bound, t_max = txt_token_bound(cfg.corpus), max(int(c) for c in cfg.contexts)
+    if bound is not None and bound < t_max:  # too short for one window whatever the tokenizer: say so before it loads
+        raise KvcalError(f"corpus {cfg.corpus} has at most {bound:,} tokens (3 per byte of its size); context "
+                         f"{t_max} needs at least {t_max} (use a longer corpus or a smaller --context)")
     try:
         plan = KVPlan.from_artifact(art.tensors, art.metadata)
     except (ValueError, KeyError) as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -88,3 +90,36 @@ def test_a_table_cell_over_the_line_limit_is_refused_like_a_jsonl_line(tmp_path,
     (tmp_path / "j.jsonl").write_text('{"text": "' + big + '"}\n')  # the JSONL bound it matches
     with pytest.raises(CorpusError, match="8 MiB"):
         check_corpus(str(tmp_path / "j.jsonl"))
+
+
+def test_txt_token_bound_holds_and_refuses_a_short_corpus_before_anything_loads(tmp_path, smollm_tokenizer,
+                                                                                 shared_data, monkeypatch):
+    """``txt_token_bound`` (3·bytes + 1) is an upper bound of what evaluate's tokenization gives —
+    checked on real text, multi-byte characters and invalid bytes with the embedded tokenizer — and
+    `kvcal evaluate` refuses a .txt shorter than one window from it, after the artifact's own checks
+    and before the tokenizer or model loads (tester: 6-9 s after the tokenizer loaded)."""
+    import kvcal.models
+    from kvcal.corpus import txt_token_bound
+
+    samples = {
+        "wiki.txt": (shared_data / "wikitext2_valid.txt").read_bytes()[:20000],
+        "unicode.txt": "naïve café — 東京 😀 ﬁ ㍻\n".encode() * 50,
+        "invalid.txt": b"\xff\xfe\x80 abc \xc3\x28" * 40,
+    }
+    for name, raw in samples.items():
+        (tmp_path / name).write_bytes(raw)
+        text = raw.decode("utf-8", errors="replace")
+        n = len(smollm_tokenizer(text, add_special_tokens=False).input_ids)
+        assert n <= txt_token_bound(tmp_path / name), name
+    assert txt_token_bound(tmp_path / "x.jsonl") is None
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded something")
+
+    monkeypatch.setattr(kvcal.models, "load_model", no_load)
+    monkeypatch.setattr(kvcal.models, "load_tokenizer", no_load)
+    (tmp_path / "short.txt").write_text("short text here.\n")
+    art = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-fp8"
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", str(art), "--corpus",
+                                  str(tmp_path / "short.txt"), "--context", "1024"])
+    assert r.exit_code == 2 and "has at most 52 tokens" in r.output and "Traceback" not in r.output
