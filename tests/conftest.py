@@ -59,3 +59,14 @@ TINY_LLAMA_16 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 #: the 2-layer, head_dim 8 tiny Llama with 128 positions the CLI tests use
 TINY_LLAMA_8 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run ~30x faster single-threaded on a loaded 2-core CPU; the thread count is restored."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

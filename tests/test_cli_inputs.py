@@ -250,48 +250,38 @@ def _calibrate(tiny_dir, corpus: Path, out: Path, extra=()):
                                      "--max-seq-len", "64", *extra])
 
 
-def test_fuzz_corpus_lines(tiny_dir, fuzz_env, smollm_tokenizer):
+def _fuzz_calibrate(tiny_dir, fuzz_env, smollm_tokenizer, strategy, settings_, suffix: str, write) -> None:
+    """Hypothesis over ``strategy``: ``write(path, example)`` writes a corpus; ``kvcal calibrate`` on it
+    (model loader stubbed, the embedded tokenizer) exits 0 or 2 without a traceback and leaves no output."""
     import kvcal.models
 
     counter = iter(range(10**6))
 
-    @FUZZ
-    @given(st.lists(lines, max_size=6))
-    def run(body):
+    @settings_
+    @given(strategy)
+    def run(example):
         k = next(counter)
-        corpus = fuzz_env / f"f{k}.jsonl"
-        corpus.write_text("\n".join(body) + "\n", encoding="utf-8", errors="surrogatepass")
-        out = fuzz_env / f"out{k}"
-        r = _calibrate(tiny_dir, corpus, out)
-        _ok(r)
+        corpus = fuzz_env / f"{suffix}{k}{'.jsonl' if suffix == 'f' else '.json'}"
+        write(corpus, example)
+        out = fuzz_env / f"{suffix}out{k}"
+        _ok(_calibrate(tiny_dir, corpus, out))
         assert not out.exists()
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kvcal.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(LoaderCalled("stub")))
         mp.setattr(kvcal.models, "load_tokenizer", lambda model: smollm_tokenizer)
         run()
+
+
+def test_fuzz_corpus_lines(tiny_dir, fuzz_env, smollm_tokenizer):
+    _fuzz_calibrate(tiny_dir, fuzz_env, smollm_tokenizer, st.lists(lines, max_size=6), FUZZ, "f",
+                    lambda p, body: p.write_text("\n".join(body) + "\n", encoding="utf-8", errors="surrogatepass"))
 
 
 def test_fuzz_json_array_corpus_through_datasets(tiny_dir, fuzz_env, smollm_tokenizer):
-    import kvcal.models
-
-    counter = iter(range(10**6))
-
-    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(st.lists(records, max_size=4))
-    def run(rows):
-        k = next(counter)
-        corpus = fuzz_env / f"a{k}.json"
-        corpus.write_text(json.dumps(rows), encoding="utf-8")
-        out = fuzz_env / f"aout{k}"
-        r = _calibrate(tiny_dir, corpus, out)
-        _ok(r)
-        assert not out.exists()
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kvcal.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(LoaderCalled("stub")))
-        mp.setattr(kvcal.models, "load_tokenizer", lambda model: smollm_tokenizer)
-        run()
+    _fuzz_calibrate(tiny_dir, fuzz_env, smollm_tokenizer, st.lists(records, max_size=4),
+                    settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True),
+                    "a", lambda p, rows: p.write_text(json.dumps(rows), encoding="utf-8"))
 
 
 def _edit(meta, path: list, value, drop: bool):

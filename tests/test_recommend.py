@@ -17,13 +17,7 @@ CHAT = REPO / "calibration_sets" / "chat.jsonl"
 L, H_KV, D = 6, 2, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run ~30x faster single-threaded on the shared loaded CPU; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster single-threaded
 
 
 @pytest.fixture(scope="module")

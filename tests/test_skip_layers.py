@@ -11,14 +11,7 @@ import torch
 
 from kvcal.search.skip_layers import choose_skip_layers, probe_plans, rule_skip_layers, skip_costs
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run ~30x faster single-threaded on the shared loaded CPU; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster single-threaded
 
 
 def brute_force(sens, costs, max_skip, max_bytes, forced=()):
