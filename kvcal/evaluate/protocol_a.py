@@ -1,0 +1,217 @@
+"""Protocol A: teacher-forced evaluation with every key and value that attention reads fake-quantized.
+
+Protocol A (``shared/docs/prior-art.md``, "Evaluation conventions"): one forward pass per window
+with **every** key and value that attention reads quantized-dequantized by the plan (through the
+same attention hook as capture, :func:`kvcal.capture.attention_hook`), compared with the
+unquantized model on the same window. For a window ``[T]`` the predicted positions are the first
+``T - 1`` (position ``t`` predicts token ``t + 1``); every figure is over those positions:
+
+* perplexity ``exp(mean NLL)`` (nats);
+* ``KL(P_16bit ‖ P_quant) = Σ_v p_ref(v)·(log p_ref(v) − log p_quant(v))`` of the next-token
+  distribution at every predicted position: mean and 99.9th percentile (nats);
+* top-1 agreement: fraction of positions whose argmax token is the same.
+
+One forward path (:func:`protocol_a_logits`) and one KL formula (:func:`kl_terms`) serve all
+entry points. They differ in precision and reduction because their consumers do:
+
+* :func:`teacher_forced` (``kvcal evaluate``/``recommend`` rows): log-softmax of float32 logits on
+  the CPU, KL per position (float32, then float64 for the mean and the percentile),
+  :class:`TokenMetrics`;
+* :func:`plans_kl` / :func:`side_sensitivity` (the probes ``kvcal calibrate`` chooses sinks and bit
+  widths with): log-softmax of float64 logits, summed over positions and vocabulary in float64
+  (one number per plan; no per-position tensor is kept).
+
+A plan is a :class:`~kvcal.plan.KVPlan`, a :class:`~kvcal.vllm_plan.VllmKVPlan`, or anything with
+``fake_quant(layer, side, x)`` (``side`` ``"k"``/``"v"``, ``x`` ``[B, H_kv, S, D]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvcal.capture.hooks import attention_hook
+
+
+def plan_hook(plan) -> Callable:
+    """Attention-hook callback that fake-quantizes K and V of every layer with ``plan``
+    (a :class:`~kvcal.plan.KVPlan`), and the post-RoPE query too when the plan has
+    ``fake_quant_query(layer, q, num_kv_heads)`` (:class:`~kvcal.vllm_plan.VllmKVPlan`: vLLM's
+    FP8 query quantization)."""
+
+    def cb(module, q, k, v, mask, kwargs):
+        i = module.layer_idx
+        if hasattr(plan, "fake_quant_query"):
+            return plan.fake_quant_query(i, q, k.shape[1]), plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
+        return plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
+
+    return cb
+
+
+def side_only(plan, side: str, layer: int | None = None):
+    """A view of ``plan`` that quantizes only ``side`` (``"k"`` or ``"v"``) — of every layer, for
+    K-only/V-only splits, or of one ``layer`` (single-side sensitivity probes)."""
+
+    class _One:
+        def fake_quant(self, i, s, x):
+            return plan.fake_quant(i, s, x) if s == side and layer in (None, i) else x
+
+    return _One()
+
+
+def protocol_a_logits(model, ids: torch.Tensor, plan) -> torch.Tensor:
+    """Next-token logits ``[B, T - 1, V]`` of ``ids`` int64 ``[B, T]`` (on the model's device) under
+    Protocol A: every key and value attention reads fake-quantized by ``plan`` (``None``: the
+    unquantized model). Model dtype and device; no KV cache. Call under ``torch.no_grad()``."""
+    if plan is None:
+        return model(ids, use_cache=False).logits[:, :-1]
+    with attention_hook(model, plan_hook(plan)):
+        return model(ids, use_cache=False).logits[:, :-1]
+
+
+def kl_terms(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Terms ``p_ref · (log p_ref − log p)`` of ``KL(P_ref ‖ P)`` (nats), same shape and dtype as the
+    inputs ``[..., V]`` (log-probabilities over the vocabulary); sum over the last axis for the KL
+    of each position. Non-negative after the sum, up to rounding."""
+    return logp_ref.exp() * (logp_ref - logp)
+
+
+class TokenMetrics:
+    """Running Protocol A figures of one method over predicted positions (add, then :meth:`result`).
+
+    :meth:`add` takes log-probabilities ``[B, n, V]`` float32 of the reference and of the method and
+    the target token ids int64 ``[B, n]``; it accumulates the NLL of the targets (float64 sum), the
+    argmax agreements and the per-position KL (float32, kept as float64 for the percentile)."""
+
+    def __init__(self):
+        self.nll, self.n, self.top1 = 0.0, 0, 0
+        self.kl: list[torch.Tensor] = []
+
+    def add(self, logp_ref: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor):
+        self.nll += float(-logp.gather(-1, targets[..., None]).sum())
+        self.n += targets.numel()
+        self.top1 += int((logp.argmax(-1) == logp_ref.argmax(-1)).sum())
+        kl = kl_terms(logp_ref, logp).sum(-1)  # [B, n]
+        self.kl.append(kl.flatten().double())
+
+    def result(self, ref_ppl: float | None) -> dict:
+        """``{"ppl", "tokens", "kl_mean", "kl_p999", "top1_agree"}`` and ``"delta_ppl"`` (``ppl −
+        ref_ppl``) when ``ref_ppl`` is given. ``kl_p999``: ``torch.quantile(kl, 0.999)`` (linear
+        interpolation) over the positions; the max when there is one."""
+        ppl = math.exp(self.nll / max(self.n, 1))
+        kl = torch.cat(self.kl) if self.kl else torch.zeros(1, dtype=torch.float64)
+        out = {"ppl": ppl, "tokens": self.n, "kl_mean": float(kl.mean()),
+               "kl_p999": float(torch.quantile(kl, 0.999)) if kl.numel() > 1 else float(kl.max()),
+               "top1_agree": self.top1 / max(self.n, 1)}
+        if ref_ppl is not None:
+            out["delta_ppl"] = ppl - ref_ppl
+        return out
+
+
+def teacher_forced(
+    model,
+    windows: torch.Tensor,
+    plans: dict[str, object],
+    batch_size: int = 1,
+    progress: bool = True,
+) -> dict[str, dict]:
+    """Protocol A for several plans on the same windows, in one run.
+
+    ``windows``: int64 ``[N, T]``. ``plans``: name -> :class:`~kvcal.plan.KVPlan` (or anything
+    with ``fake_quant(layer, side, x)``), ``None`` meaning the unquantized model. Returns name ->
+    ``{"ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree", "tokens"}`` and ``"16-bit"`` for the
+    reference (KL 0). Units: nats; ``tokens`` = predicted positions ``N · (T − 1)``.
+    """
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    accs = {name: TokenMetrics() for name in plans}
+    ref = TokenMetrics()
+    steps = [(i, name) for i in range(0, len(windows), batch_size) for name in [None, *plans]]
+    bar = tqdm(total=len(steps), desc="evaluate", disable=not progress)
+    with torch.no_grad():
+        for i in range(0, len(windows), batch_size):
+            ids = windows[i : i + batch_size].to(device)
+            targets = ids[:, 1:].cpu()
+            logp_ref = torch.log_softmax(protocol_a_logits(model, ids, None).float().cpu(), -1)
+            ref.add(logp_ref, logp_ref, targets)
+            bar.update()
+            for name, plan in plans.items():
+                if plan is None:
+                    logp = logp_ref
+                else:
+                    logp = torch.log_softmax(protocol_a_logits(model, ids, plan).float().cpu(), -1)
+                accs[name].add(logp_ref, logp, targets)
+                bar.update()
+    bar.close()
+    ref_res = ref.result(None)
+    out = {"16-bit": {**ref_res, "delta_ppl": 0.0}}
+    for name, acc in accs.items():
+        out[name] = acc.result(ref_res["ppl"])
+    return out
+
+
+def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = True) -> dict[tuple[int, str], float]:
+    """Model-level KL when only one layer's side is quantized, for every (layer, side) of ``plan``.
+
+    ``samples``: int64 token ids, each ``[T_i]`` (held-out text; never the evaluation windows).
+    ``plan``: a :class:`~kvcal.plan.KVPlan` (its ``sink_tokens`` apply). For each layer ``l`` and
+    side ``s`` in ``"k"``, ``"v"`` the model runs teacher-forced with only that side of that layer
+    fake-quantized (Protocol A), and the result is the mean over all predicted positions of
+    ``KL(P_16bit ‖ P_quant)`` in nats (float64), keyed ``(l, s)``. Samples shorter than
+    ``plan.sink_tokens + 2`` are skipped (no predicted position reads a quantized token there);
+    ``ValueError`` when none is left. Cost: ``1 + 2·L`` forward passes per sample; memory: one
+    ``[T, vocab]`` float64 pair. Used as per-layer weights of a bit allocation (HAWQ-style
+    sensitivity, as KVTuner measures it; how well the single-side KLs add up: ``docs/design.md``,
+    "Bit allocation").
+    """
+    keys = [(layer, side) for layer in range(plan.num_layers) for side in ("k", "v")]
+    return _mean_kl(model, samples, {key: side_only(plan, key[1], key[0]) for key in keys}, plan.sink_tokens + 2,
+                    "sensitivity probe", progress,
+                    f"side_sensitivity needs a sample of at least sink_tokens + 2 = {plan.sink_tokens + 2} tokens")
+
+
+def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = True) -> dict:
+    """Model-level mean ``KL(P_16bit ‖ P_plan)`` in nats over every predicted position of
+    ``samples``, for each plan of ``plans`` (any keys; values :class:`~kvcal.plan.KVPlan` or
+    anything with ``fake_quant(layer, side, x)``), under Protocol A (every key and value attention
+    reads is fake-quantized, sinks as the plan keeps them) — the ``kl_mean`` of
+    :func:`teacher_forced` (computed in float64 here), for samples of different lengths.
+
+    ``samples``: int64 token ids, each ``[T_i]`` (held-out text; never the evaluation windows);
+    samples shorter than 2 tokens are skipped and ``ValueError`` is raised when none is left.
+    Every plan is scored on the same positions, so the results compare directly. Cost:
+    ``1 + len(plans)`` forward passes per sample. Used by ``kvcal calibrate`` to choose the sink
+    count on held-out samples."""
+    return _mean_kl(model, samples, plans, 2, "plan probe", progress, "plans_kl needs a sample of at least 2 tokens")
+
+
+def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc: str, progress: bool,
+             too_short: str) -> dict:
+    """Mean ``KL(P_16bit ‖ P_plan)`` (nats, float64) over every predicted position of the samples of
+    at least ``min_len`` tokens, for each plan (Protocol A); ``ValueError(too_short)`` when none is.
+    Each sample's KL is one float64 sum over positions and vocabulary (:func:`kl_terms`)."""
+    from tqdm.auto import tqdm
+
+    kl_sum = dict.fromkeys(plans, 0.0)
+    n = 0
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(samples) * len(plans), desc=desc, disable=not progress)
+    with torch.no_grad():
+        for ids in samples:
+            ids = ids.reshape(1, -1).to(device)
+            if ids.shape[1] < min_len:
+                bar.update(len(plans))
+                continue
+            logp_ref = torch.log_softmax(protocol_a_logits(model, ids, None).double(), -1)
+            n += ids.shape[1] - 1
+            for name, plan in plans.items():
+                logp = torch.log_softmax(protocol_a_logits(model, ids, plan).double(), -1)
+                kl_sum[name] += float(kl_terms(logp_ref, logp).sum())  # float64: >= 0 up to rounding
+                bar.update()
+    bar.close()
+    if n == 0:
+        raise ValueError(too_short)
+    return {k: v / n for k, v in kl_sum.items()}

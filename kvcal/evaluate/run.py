@@ -1,0 +1,316 @@
+"""``kvcal evaluate``: the options (:class:`EvalConfig`) and the driver (:func:`evaluate`).
+
+:func:`evaluate` checks every input before the model loads (artifact, context against the
+model's ``max_position_embeddings``, corpus format and length, the plan the artifact describes),
+cuts ``windows`` consecutive windows per context from one token stream
+(:func:`~kvcal.evaluate.windows.corpus_stream`), then runs the artifact's plan, the baselines
+(:mod:`kvcal.evaluate.baselines`) and any ``vllm:<dtype>`` rows in the modes asked for —
+Protocol A (:func:`~kvcal.evaluate.protocol_a.teacher_forced`) and decode mode
+(:func:`~kvcal.evaluate.decode.decode_eval`) — judges every row against its acceptance bar
+(:mod:`kvcal.evaluate.accept`), and returns the ``kvcal-eval/1`` document
+(:mod:`kvcal.evaluate.document`). ``doc["passed"]`` is False when any row of the artifact under
+test fails its criteria (the CLI exits 1). ``teacher_forced`` rows are computed once per context
+and reported with the largest batch regime that was used to run them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvcal.evaluate.accept import default_accept, judge, parse_accept, plan_bits
+from kvcal.evaluate.baselines import (
+    artifact_amax,
+    baseline_plans,
+    capture_amax,
+    describe_plan,
+    per_layer_errors,
+)
+from kvcal.evaluate.decode import decode_eval
+from kvcal.evaluate.document import SCHEMA
+from kvcal.evaluate.protocol_a import teacher_forced
+from kvcal.evaluate.windows import corpus_stream, cut_windows
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Options of ``kvcal evaluate`` (defaults in one place). ``contexts``/``batches``: regimes;
+    ``windows``: evaluation windows per context; ``decode_tokens``: positions decoded one at a
+    time after the prefill; ``greedy_tokens``: greedy-agreement length (0 disables);
+    ``accept``: criteria applied to every method (``None``: :data:`DEFAULT_ACCEPT` per precision);
+    ``modes``: subset of ``("teacher_forced", "decode")``; ``per_layer_tokens``: window length of
+    the per-layer error pass (0 disables)."""
+
+    artifact: str
+    corpus: str
+    model: str | None = None
+    contexts: tuple[int, ...] = (1024,)
+    batches: tuple[int, ...] = (1,)
+    windows: int = 8
+    decode_tokens: int = 128
+    greedy_tokens: int = 32
+    baselines: bool = True
+    accept: str | None = None
+    modes: tuple[str, ...] = ("teacher_forced", "decode")
+    per_layer_tokens: int = 1024
+    kivi_window: int = 32
+    device: str = "cpu"
+    text_field: str | None = None  # corpus options, as kvcal.corpus.load_corpus
+    messages_field: str | None = None
+    split: str | None = None
+    vllm_dtypes: tuple[str, ...] = ()  # vLLM --kv-cache-dtype values evaluated side by side (rows "vllm:<dtype>")
+
+    def __post_init__(self):
+        from kvcal.errors import KvcalError
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
+
+        for d in self.vllm_dtypes:
+            try:
+                vllm_dtype(d)
+            except VllmDTypeError as e:
+                raise KvcalError(f"--vllm-dtype: {e}") from None
+
+        if not self.contexts or any(int(c) < 2 for c in self.contexts):
+            raise KvcalError("--context values must be integers >= 2 (e.g. 1024,4096,8192)")
+        if not self.batches or any(int(b) < 1 for b in self.batches):
+            raise KvcalError("--batch values must be integers >= 1 (e.g. 1,8)")
+        if self.windows < 1:
+            raise KvcalError("--windows must be at least 1")
+        if self.decode_tokens < 1:
+            raise KvcalError("--decode-tokens must be at least 1")
+        bad = set(self.modes) - {"teacher_forced", "decode"}
+        if bad or not self.modes:
+            raise KvcalError(f"modes must be teacher_forced and/or decode, got {sorted(bad) or 'none'}")
+        if self.accept is not None:
+            parse_accept(self.accept)
+        from kvcal.models import check_device
+
+        check_device(self.device)
+
+
+def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool = True,
+             model=None, tokenizer=None) -> dict:
+    """Run ``kvcal evaluate``: the artifact and (optionally) the baselines, in both modes, at every
+    context/batch regime. Returns the ``kvcal-eval/1`` document (module docstring).
+
+    ``model``/``tokenizer``: already-loaded objects for ``cfg.model`` (tests); loaded offline
+    otherwise. Raises :class:`~kvcal.errors.KvcalError` for a bad artifact (incl. a model
+    mismatch), corpus or options."""
+    import datetime as _dt
+    import time
+
+    from kvcal import __version__
+    from kvcal.artifact import artifact_sha256, check_model_match, load_artifact
+    from kvcal.errors import ArtifactError, KvcalError
+    from kvcal.formats.memory import bytes_per_token, cache_bytes, model_shape
+    from kvcal.formats.spec import preset
+    from kvcal.models import check_max_positions, load_model, load_tokenizer, model_metadata
+    from kvcal.plan import KVPlan
+
+    art = load_artifact(cfg.artifact)
+    art_max = (art.metadata.get("model") or {}).get("max_position_embeddings")
+    if isinstance(art_max, int):  # before loading the model
+        check_max_positions(max(int(c) for c in cfg.contexts), art_max, "--context", " (artifact metadata)")
+    # every input error before the model loads: corpus format and fields (no tokenizer), the plan the
+    # artifact describes, the model's shape from its config, then the token stream (tokenizer only)
+    from kvcal.corpus import check_corpus, txt_token_bound
+
+    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
+    check_corpus(cfg.corpus, **corpus_opts)
+    bound, t_max = txt_token_bound(cfg.corpus), max(int(c) for c in cfg.contexts)
+    if bound is not None and bound < t_max:  # too short for one window whatever the tokenizer: say so before it loads
+        raise KvcalError(f"corpus {cfg.corpus} has at most {bound:,} tokens (3 per byte of its size); context "
+                         f"{t_max} needs at least {t_max} (use a longer corpus or a smaller --context)")
+    try:
+        plan = KVPlan.from_artifact(art.tensors, art.metadata)
+    except (ValueError, KeyError) as e:
+        raise ArtifactError(f"{art.path}: {e}") from None
+    if model is None:
+        from kvcal.models import load_model_config, resolve_model
+
+        pre = model_metadata(load_model_config(cfg.model), resolve_model(cfg.model))
+        check_model_match(art.metadata, pre)
+        check_max_positions(max(int(c) for c in cfg.contexts), pre.get("max_position_embeddings") or 0, "--context")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+    contexts = sorted({int(c) for c in cfg.contexts})
+    batches = sorted({int(b) for b in cfg.batches})
+    ids, corpus_info = corpus_stream(cfg.corpus, tok, **corpus_opts)
+    wins = {}
+    for T in contexts:
+        w = cut_windows(ids, T, cfg.windows)
+        if len(w) == 0:
+            raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens; context {T} needs at least {T} "
+                             "(use a longer corpus or a smaller --context)")
+        wins[T] = w
+    if model is None:
+        model = load_model(cfg.model, device=cfg.device)
+    mm = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
+    check_model_match(art.metadata, mm)
+    L = plan.num_layers
+    shp = model_shape(model.config)
+    max_pos = mm.get("max_position_embeddings") or 0
+    check_max_positions(contexts[-1], max_pos, "--context")
+    notes = []
+    device_kind = str(next(model.parameters()).device)
+    if device_kind.startswith("cpu"):
+        notes.append("CPU run: throughput is not measured; the figures are memory and quality only "
+                     "(decode-step timings on CPU say nothing about GPU serving speed).")
+
+    plans: dict[str, object] = {"artifact": plan}
+    roles = {"16-bit": "reference", "artifact": "artifact"}
+    if cfg.baselines:
+        amax = artifact_amax(art.metadata)
+        if amax is None:
+            extra = cut_windows(ids, contexts[0], 2, skip=cfg.windows)
+            if len(extra):
+                amax = capture_amax(model, extra, L)
+                notes.append(f"fp8-absmax: the artifact records no per-layer amax; absmax was captured on "
+                             f"{len(extra)} windows of {contexts[0]} tokens after the evaluation windows "
+                             "(disjoint from them).")
+            else:
+                notes.append("fp8-absmax omitted: no amax in the artifact and no corpus left after the "
+                             "evaluation windows for a calibration capture.")
+        else:
+            notes.append("fp8-absmax: scales = per-layer calibration absmax (artifact metadata) / 448.")
+        for name, p in baseline_plans(L, amax, cfg.kivi_window).items():
+            plans[name] = p
+            roles[name] = "baseline"
+        notes.append(f"kivi4/kivi2 keep the {cfg.kivi_window} most recent tokens in 16 bits in decode mode "
+                     "(KIVI's residual); teacher-forced rows quantize every key/value attention reads.")
+    vllm_names = set()
+    for d in dict.fromkeys(cfg.vllm_dtypes):
+        from kvcal.vllm_plan import VllmKVPlan
+
+        qt = [art.tensors.get(f"model.layers.{i}.self_attn.q_scale") for i in range(L)]  # calibrate --engine vllm
+        kw = ({"q_scales": [t.reshape(-1) if t.numel() > 1 else float(t.reshape(-1)[0]) for t in qt]}
+              if d in ("fp8", "fp8_e4m3") and all(t is not None for t in qt) else {})
+        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, **kw)
+        roles[f"vllm:{d}"] = "vllm"
+        vllm_names.add(f"vllm:{d}")
+        notes.append(note)
+    if vllm_names and "decode" in cfg.modes:
+        notes.append("vllm:* rows are teacher-forced only: every vLLM dtype quantizes each token's K/V on its own "
+                     "(static or per-token scales), so a decode step reads exactly what Protocol A reads at that "
+                     "position; kvcal's runtime cache does not hold vLLM layouts.")
+    crit_str = {name: cfg.accept or default_accept(p) for name, p in plans.items()}
+    crit = {name: parse_accept(s) for name, s in crit_str.items()}
+    methods = {"16-bit": {"role": "reference", "label": f"unquantized K/V ({str(next(model.parameters()).dtype).replace('torch.', '')})",
+                          "k": None, "v": None, "residual_window": 0, "sink_tokens": 0, "quantized_tensors": [],
+                          "bits": 16, "criteria": ""}}
+    for name, p in plans.items():
+        desc = ({"k": None, "v": None, "residual_window": 0, "sink_tokens": 0,
+                 "quantized_tensors": ["k", "v"] if p.quantized_bits() else [], **p.describe(),
+                 "label": f"vLLM --kv-cache-dtype {p.kv_cache_dtype}", "bits": plan_bits(p)}
+                if name in vllm_names else describe_plan(p))
+        methods[name] = {"role": roles[name], **desc, "criteria": crit_str[name]}
+
+    results, measured = [], []
+
+    def add_rows(res: dict, mode: str, T: int, B: int, n_windows: int, seconds: float):
+        for name, r in res.items():
+            row = {"method": name, "mode": mode, "context": T, "batch": B,
+                   **{k: r.get(k) for k in ("ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree")},
+                   "greedy_agree": r.get("greedy_agree"), "greedy_prefix": r.get("greedy_prefix"),
+                   "tokens": r["tokens"], "windows": n_windows, "seconds": round(seconds, 2)}
+            if name == "16-bit":
+                row.update(status="REFERENCE", criteria="", failed=[])
+            else:
+                st, failed = judge(row, crit[name])
+                row.update(status=st, criteria=crit_str[name], failed=failed)
+            results.append(row)
+
+    eval_tokens = {}
+    for T in contexts:
+        w = wins[T]
+        if "teacher_forced" in cfg.modes:
+            bsz = min(batches[-1], len(w))
+            t0 = time.perf_counter()
+            log(f"teacher-forced: {len(w)} windows x {T} tokens, {len(plans)} methods")
+            res = teacher_forced(model, w, plans, batch_size=bsz, progress=progress)
+            add_rows(res, "teacher_forced", T, bsz, len(w), time.perf_counter() - t0)
+            eval_tokens.setdefault(str(T), {})["teacher_forced"] = res["16-bit"]["tokens"]
+        if "decode" in cfg.modes:
+            for B in batches:
+                t0 = time.perf_counter()
+                log(f"decode: {len(w)} windows x {T} tokens, batch {B}, {min(cfg.decode_tokens, T - 1)} decoded "
+                    f"positions each, {len(plans)} methods")
+                meas: list = []
+                res = decode_eval(model, w, {n: p for n, p in plans.items() if n not in vllm_names}, B,
+                                  cfg.decode_tokens, cfg.greedy_tokens, progress, meas)
+                add_rows(res, "decode", T, B, len(w), time.perf_counter() - t0)
+                eval_tokens.setdefault(str(T), {})["decode"] = res["16-bit"]["tokens"]
+                for m in meas:
+                    measured.append({**m, "context": T})
+                    if m["allocated_bytes"] != m["expected_bytes"]:
+                        notes.append(f"{m['method']}: runtime cache held {m['allocated_bytes']} bytes, the accounting "
+                                     f"says {m['expected_bytes']}: accounting and allocation disagree (a bug: please report)")
+
+    per_layer = {}
+    if cfg.per_layer_tokens:
+        T0 = min(contexts[0], cfg.per_layer_tokens)
+        log(f"per-layer errors on one window of {T0} tokens")
+        per_layer = per_layer_errors(model, wins[contexts[0]][:1, :T0], plans)
+
+    b16 = int(bytes_per_token(shp, preset("bf16")))
+    memory = {"bytes_per_token": {}, "bytes_per_token_16bit": b16, "cache_bytes": {}, "measured": measured}
+    for name, p in plans.items():
+        if name in vllm_names:
+            from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
+
+            memory["bytes_per_token"][name] = vllm_bytes_per_token(shp, p.kv_cache_dtype, p.skipped)
+            memory["cache_bytes"][name] = [
+                {"context": T, "batch": B, "bytes": (nb := vllm_cache_bytes(shp, p.kv_cache_dtype, T, B,
+                                                                            skip_layers=p.skipped)),
+                 "vs_16bit": nb / (b16 * T * B)} for T in contexts for B in batches]
+            continue
+        cfgs = [p.kv_config(i) for i in range(L)]
+        memory["bytes_per_token"][name] = bytes_per_token(shp, cfgs)
+        memory["cache_bytes"][name] = []
+        for T in contexts:
+            for B in batches:
+                nb = cache_bytes(shp, cfgs, T, B)
+                memory["cache_bytes"][name].append({"context": T, "batch": B, "bytes": nb,
+                                                    "vs_16bit": nb / (b16 * T * B)})
+
+    art_rows = [r for r in results if r["method"] == "artifact"]
+    passed = all(r["status"] == "PASS" for r in art_rows)
+    calib = art.metadata.get("calibration")
+    doc = {
+        "schema": SCHEMA,
+        "kvcal_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "passed": passed,
+        "exit_code": 0 if passed else 1,
+        "artifact": {"path": str(art.path), "kv": art.metadata["kv"], "calibration": calib,
+                     "corpus": art.metadata.get("corpus"), "sha256": artifact_sha256(art.path)},
+        "model": mm,
+        "corpus": {**corpus_info, "windows": {str(T): len(wins[T]) for T in contexts},
+                   "window_source": ("whole file tokenized at once (no BOS), consecutive windows from the start"
+                                     if corpus_info["kind"] == "txt" else
+                                     "samples concatenated in file order, consecutive windows from the start"),
+                   "eval_tokens": eval_tokens},
+        "regimes": [{"context": T, "batch": B} for T in contexts for B in batches],
+        "methods": methods,
+        "results": results,
+        "per_layer": per_layer,
+        "memory": memory,
+        "description": {
+            "quantized_tensors": {n: m["quantized_tensors"] for n, m in methods.items()},
+            "formats": {n: m["label"] for n, m in methods.items()},
+            "weight_precision": mm.get("weight_precision"),
+            "key_position": plan.key_position,
+            "device": device_kind,
+            "throughput": ("not measured (CPU run: memory and quality only)" if device_kind.startswith("cpu")
+                           else "not measured by kvcal evaluate"),
+            "context_regimes": contexts, "batch_regimes": batches,
+            "decode_tokens": cfg.decode_tokens, "greedy_tokens": cfg.greedy_tokens,
+            "modes": list(cfg.modes),
+        },
+        "notes": notes,
+    }
+    short = [T for T in contexts if "decode" in cfg.modes and cfg.decode_tokens > T - 1]
+    if short:  # decode_eval decodes min(decode_tokens, T - 1) positions: the prompt keeps at least 1 token
+        notes.append(f"--decode-tokens {cfg.decode_tokens} exceeds context {', '.join(map(str, short))} − 1: "
+                     + ", ".join(f"{T - 1} tokens decoded at context {T}" for T in short))
+        doc["description"]["decode_tokens_by_context"] = {str(T): min(cfg.decode_tokens, T - 1) for T in contexts}
+    return doc

@@ -1,0 +1,72 @@
+"""The evaluation token stream and its windows (one tokenization, one windowing path).
+
+* :func:`tokenize_text`: a whole text tokenized at once, no special tokens (no BOS) — the protocol
+  of the prior-art baselines (``shared/docs/prior-art.md``); int64 ``[n]``.
+* :func:`corpus_stream`: a corpus file as one int64 stream ``[n]``: a ``.txt``/``.txt.gz`` through
+  :func:`tokenize_text`, anything else :func:`kvcal.corpus.load_corpus` reads (JSONL, datasets;
+  chat template applied) as its samples concatenated in file order.
+* :func:`cut_windows`: consecutive, non-overlapping ``window``-token windows ``[k, window]`` of a
+  stream, after ``skip`` windows (so calibration/probe and evaluation windows can be kept apart);
+  a short stream gives fewer windows (``k`` may be 0), never a partial one.
+* :func:`text_windows` = :func:`cut_windows` of :func:`tokenize_text`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tokenize_text(tokenizer, text: str) -> torch.Tensor:
+    """``text`` tokenized at once with ``add_special_tokens=False`` (no BOS): int64 ``[n]``."""
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+
+
+def cut_windows(ids: torch.Tensor, window: int, n: int, skip: int = 0) -> torch.Tensor:
+    """Consecutive ``window``-token windows of ``ids`` ``[L]``: a view ``[k, window]``,
+    ``k = min(n, max(0, (L - skip·window) // window))``, starting at token ``skip·window``."""
+    start = skip * window
+    k = min(n, max(0, (ids.numel() - start) // window))
+    return ids[start : start + k * window].view(k, window)
+
+
+def text_windows(tokenizer, text: str, window: int, n_windows: int, skip_windows: int = 0) -> torch.Tensor:
+    """Tokenize ``text`` at once (no BOS added) and cut consecutive ``window``-token windows.
+
+    Returns int64 ``[n, window]`` with ``n <= n_windows`` (fewer if the text is short), starting
+    after ``skip_windows`` windows (so calibration and evaluation windows can be kept apart).
+    Matches the protocol of the baselines in ``shared/docs/prior-art.md``; the same windows as
+    ``kvcal evaluate`` cuts from a ``.txt`` corpus holding ``text``.
+    """
+    return cut_windows(tokenize_text(tokenizer, text), window, n_windows, skip_windows)
+
+
+def corpus_stream(path: str, tokenizer, text_field: str | None = None, messages_field: str | None = None,
+                  split: str | None = None) -> tuple[torch.Tensor, dict]:
+    """The evaluation token stream: a ``.txt`` file tokenized at once (no BOS; the prior-art
+    protocol), or any other corpus :func:`kvcal.corpus.load_corpus` reads (JSONL, datasets; chat
+    template applied; ``text_field``/``messages_field``/``split`` as there), its samples
+    concatenated in file order. Returns ``(ids int64 [n], info)`` with ``info = {"path", "sha256",
+    "kind", "tokens"}``; ``info["kind"]`` is ``txt`` or the corpus source (``jsonl``, ``parquet``,
+    ...); ``sha256`` of the file's bytes (``.txt``) or as the corpus loader records it. Invalid
+    UTF-8 in a ``.txt`` is decoded with ``errors="replace"``. Raises :class:`~kvcal.errors.KvcalError`."""
+    import gzip
+    import hashlib
+    from pathlib import Path
+
+    from kvcal.corpus import check_corpus, load_corpus
+
+    p = Path(path)
+    name = p.name.lower()
+    if name.endswith((".txt", ".txt.gz")) and p.is_file():
+        check_corpus(path, text_field=text_field, messages_field=messages_field, split=split)  # refuses the options
+        raw = p.read_bytes()
+        sha = hashlib.sha256(raw).hexdigest()
+        text = (gzip.decompress(raw) if name.endswith(".gz") else raw).decode("utf-8", errors="replace")
+        ids = tokenize_text(tokenizer, text)
+        kind = "txt"
+    else:
+        c = load_corpus(str(path), tokenizer, max_seq_len=1 << 20, text_field=text_field,
+                        messages_field=messages_field, split=split)
+        ids = torch.cat(c.samples) if c.samples else torch.zeros(0, dtype=torch.long)
+        kind, sha = c.source, c.sha256
+    return ids.long(), {"path": str(path), "sha256": sha, "kind": kind, "tokens": int(ids.numel())}
