@@ -1,34 +1,48 @@
-"""The main job: corpus → capture → static scale search (K and V separately) → artifact.
+"""The calibration job: corpus → capture → scale search (K and V separately) → artifact.
 
-``calibrate(CalibrateConfig)`` is what ``kvcal calibrate`` runs. Steps:
+``calibrate(CalibrateConfig)`` is what ``kvcal calibrate`` runs; this module orchestrates the stages
+and assembles the artifact metadata. The stages live in their own modules:
 
-1. load the model and tokenizer (offline) and the corpus (chat template applied), print its
-   deployment shape;
-2. split samples into a calibration part and a held-out part (seeded);
-3. one forward pass through the decoder layers (no LM head) with the attention hook: streaming
-   statistics over every calibration token and two bounded reservoirs of real (q, k, v)
-   sequences (calibration and held-out);
-4. per layer, choose the K scale by attention KL and the V scale by attention-output error,
-   never worse than absmax or unity on the held-out part;
-5. write the artifact atomically (``kv_scales.safetensors`` + ``report.md``).
+1. inputs: the model and tokenizer (offline, :mod:`kvcal.models`) and the corpus (chat template
+   applied, :mod:`kvcal.corpus`), whose deployment shape is printed;
+2. :func:`kvcal.capture.run.split_heldout`: calibration / held-out samples (seeded);
+3. :func:`kvcal.capture.run.run_capture`: one forward pass through the decoder layers with the
+   attention hook — streaming statistics and two bounded reservoirs of real (q, k, v) sequences
+   (data parallel: :mod:`kvcal.capture.distributed`; resumable: :mod:`kvcal.capture.checkpoint`);
+4. the search: :mod:`kvcal.search.fp8` (static FP8 scales, K by attention KL, V by attention-output
+   error, guarded on held-out), :mod:`kvcal.search.vllm_fp8` (``--engine vllm``: k/v/q scales) or
+   :mod:`kvcal.search.integer` (integer presets and ``--bits`` allocation);
+5. the artifact, written atomically (``kv_scales.safetensors`` + ``report.md``, :mod:`kvcal.artifact`).
+
+Nothing is written unless the whole run succeeds. Raises :class:`kvcal.errors.KvcalError` (one line)
+for bad options, inputs or output locations.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from kvcal import __version__
-from kvcal.capture.hooks import attention_scaling, capture_kv
-from kvcal.capture.reservoir import SequenceReservoir
-from kvcal.capture.stats import LayerStats
+from kvcal.capture.checkpoint import Checkpointing
+from kvcal.capture.distributed import finish_distributed, init_distributed
+from kvcal.capture.run import CaptureResult, run_capture, split_heldout
 from kvcal.errors import KvcalError
+from kvcal.report.markdown import render_int_report
+from kvcal.search.fp8 import plan_from_choices, search_scales
+from kvcal.search.integer import SINK_CANDIDATES, IntSearchResult, bits_precheck, search_int
+
+# The stages live in their own modules; these names stay importable from here (deprecated: import them from
+# kvcal.capture.run / checkpoint, kvcal.search.fp8 / integer and kvcal.report.markdown).
+__all__ = ["CalibrateConfig", "calibrate", "output_dir", "checkpoint_path", "save_checkpoint", "FORMATS",
+           "GRANULARITIES", "PRESET_NAMES", "CaptureResult", "Checkpointing", "run_capture", "split_heldout",
+           "search_scales", "plan_from_choices", "search_int", "IntSearchResult", "SINK_CANDIDATES", "bits_precheck",
+           "render_int_report"]
 
 FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
 GRANULARITIES = ("tensor", "head")
@@ -169,726 +183,19 @@ class CalibrateConfig:
                              f"{self.max_seq_len} sample; choose fewer sinks (e.g. 4) or a longer --max-seq-len")
 
 
-@dataclass
-class CaptureResult:
-    """What one capture pass produced (all on CPU)."""
-
-    stats: LayerStats
-    calib: SequenceReservoir
-    heldout: SequenceReservoir
-    scaling: dict[int, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    tokens: int = 0
-    sink_stats: LayerStats | None = None  # statistics without the first tokens (see run_capture)
-    rope: object = None  # the model's RopeTable, set by calibrate() for pre-RoPE key choices
-
-
-#: Sink-token counts ``search_int`` chooses from when ``sinks`` is not given: none, the first token
-#: (the BOS / attention-sink position), or StreamingLLM's four initial tokens (Xiao et al., "Efficient
-#: Streaming Language Models with Attention Sinks", ICLR 2024). Each costs ``2·L·H·D`` 16-bit values
-#: (counted in the average bits); at 4096 tokens four sinks add about 0.009 bit to an int4 cache.
-SINK_CANDIDATES = (0, 1, 4)
-
-
-def split_heldout(n: int, fraction: float, seed: int) -> set[int]:
-    """Indices of held-out samples: ``round(n·fraction)`` (at least 1 when n ≥ 2 and fraction > 0)."""
-    if n < 2 or fraction <= 0:
-        return set()
-    k = min(n - 1, max(1, round(n * fraction)))
-    g = torch.Generator().manual_seed(seed)
-    return set(torch.randperm(n, generator=g)[:k].tolist())
-
-
-def _batches(samples: list[torch.Tensor], batch_size: int, max_batch_tokens: int | None = None) -> list[list[int]]:
-    """Sample indices grouped by similar length (less padding), in a deterministic order.
-
-    A batch holds at most ``batch_size`` samples and, when ``max_batch_tokens`` is set, at most
-    that many padded tokens (long samples, e.g. 8192 tokens, then go one per batch). The list
-    depends only on the samples, so data-parallel ranks and resumed runs see the same batches.
-    """
-    order = sorted(range(len(samples)), key=lambda i: (len(samples[i]), i))
-    out, cur = [], []
-    for i in order:
-        L = len(samples[i])  # sorted ascending: the new sample is the longest of the batch
-        if cur and (len(cur) >= batch_size or (max_batch_tokens and L * (len(cur) + 1) > max_batch_tokens)):
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return out
-
-
-@dataclass(frozen=True)
-class Checkpointing:
-    """Resumable capture: save every ``every`` batches to ``path`` (atomic), ``resume`` from it.
-
-    ``fingerprint`` identifies the run (corpus sha256, model config hash, options that change
-    what is captured); a checkpoint with another fingerprint is refused.
-    """
-
-    path: str
-    every: int = 0
-    resume: bool = False
-    fingerprint: str = ""
-
-
-def _save_checkpoint(ck: Checkpointing, state: dict, inputs: dict | None = None) -> None:
+def save_checkpoint(path: str, state: dict, inputs: dict | None = None) -> None:
     """Write ``state`` (tensors, numbers, strings, containers only: it must load with ``weights_only=True``)
-    to ``ck.path`` atomically; refuses a file there that is not a kvcal checkpoint, or an input."""
+    to ``path`` atomically; refuses a file there that is not a kvcal checkpoint, or an input
+    (:class:`KvcalError`). The writer :func:`calibrate` binds into :class:`Checkpointing`."""
     from kvcal.artifact import write_file_atomically
 
-    write_file_atomically(ck.path, lambda tmp: torch.save(state, tmp), "checkpoint", inputs, KvcalError, "--out",
+    write_file_atomically(path, lambda tmp: torch.save(state, tmp), "checkpoint", inputs, KvcalError, "--out",
                           hint="free space or drop --checkpoint-every")
 
 
-def _load_checkpoint(ck: Checkpointing) -> dict:
-    """The capture state saved at ``ck.path``, after checking it is a kvcal checkpoint of this run.
-
-    Loaded with ``torch.load(weights_only=True)``: only tensors, numbers, strings and containers are
-    rebuilt, so a planted file cannot run code (``weights_only=False`` would unpickle anything); its
-    ``fingerprint`` is compared before any of its state is used. Raises :class:`KvcalError` (one line)."""
-    from pathlib import Path
-
-    p = Path(ck.path)
-    if not p.exists():
-        raise KvcalError(f"--resume: no checkpoint at {p}; run without --resume (add --checkpoint-every N to make one)")
-    try:
-        st = torch.load(p, weights_only=True, map_location="cpu")
-    except Exception as e:  # UnpicklingError for any object that is not plain data; others for damaged files
-        raise KvcalError(f"--resume: {p} is not a kvcal checkpoint (it does not load as plain tensors and numbers: "
-                         f"{type(e).__name__}; nothing in it was run); delete it and start over") from None
-    if not isinstance(st, dict) or not isinstance(st.get("fingerprint"), str):
-        raise KvcalError(f"--resume: {p} is not a kvcal checkpoint (no run fingerprint); delete it and start over")
-    if st["fingerprint"] != ck.fingerprint:
-        raise KvcalError(f"--resume: checkpoint {p} belongs to a different run (corpus, model or options changed); "
-                         "delete it or restore the original options")
-    return st
-
-
-def _restore_checkpoint(ck: dict, path: str, n_batches: int, result, res_c, res_h) -> tuple[int, object]:
-    """Restore the capture state from checkpoint dict ``ck`` (already identified by :func:`_load_checkpoint`)
-    into ``result`` and the reservoirs; returns ``(next batch, stats)``. A state of the wrong shape or type
-    raises :class:`KvcalError` naming the checkpoint, never a traceback later in the run."""
-    try:
-        start = ck["next_batch"]
-        if not isinstance(start, int) or isinstance(start, bool) or not 0 < start < n_batches:
-            raise ValueError(f"next_batch {start!r} is not a batch index in 1..{n_batches - 1}")
-        if not isinstance(ck["tokens"], int) or not isinstance(ck["rng"], torch.Tensor):
-            raise ValueError("tokens / rng have the wrong type")
-        stats = LayerStats.from_state_dict(ck["stats"])
-        sink_stats = LayerStats.from_state_dict(ck["sink_stats"]) if ck.get("sink_stats") is not None else None
-        res_c.load_state_dict(ck["calib"])
-        res_h.load_state_dict(ck["heldout"])
-        scaling = {int(k): float(v) for k, v in dict(ck["scaling"]).items()}
-        torch.set_rng_state(ck["rng"])
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
-        raise KvcalError(f"--resume: checkpoint {path} is malformed ({type(e).__name__}: {e}); delete it and start "
-                         "over") from None
-    result.stats = stats
-    if sink_stats is not None:
-        result.sink_stats = sink_stats
-    result.scaling.update(scaling)
-    result.tokens = ck["tokens"]
-    return start, stats
-
-
-def _dist_info() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_reduce_capture(result: CaptureResult) -> None:
-    """Combine per-rank statistics (MAX/MIN exact, SUM for sums/counts/histograms) and reservoirs
-    (gathered, then merged by priority: identical to one process)."""
-    import torch.distributed as dist
-
-    def red(ts):
-        for t in ts:
-            t.absmax, t.max = _ar(t.absmax, dist.ReduceOp.MAX), _ar(t.max, dist.ReduceOp.MAX)
-            t.min = _ar(t.min, dist.ReduceOp.MIN)
-            t.sum, t.sumsq = _ar(t.sum, dist.ReduceOp.SUM), _ar(t.sumsq, dist.ReduceOp.SUM)
-            t.count, t.hist = _ar(t.count, dist.ReduceOp.SUM), _ar(t.hist, dist.ReduceOp.SUM)
-
-    for st in (result.stats, result.sink_stats):
-        if st is None:
-            continue
-        for side in ("q", "k", "v"):
-            red(getattr(st, side))
-        st.fired = _ar(st.fired, dist.ReduceOp.SUM)
-    for res in (result.calib, result.heldout):
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, res.state_dict())
-        merged = SequenceReservoir(res.capacity, res.max_tokens, res.seed)
-        for sd in gathered:
-            other = SequenceReservoir(res.capacity, res.max_tokens, res.seed)
-            other.load_state_dict(sd)
-            merged.merge(other)
-        res.items, res.seen = merged.items, merged.seen
-    scal = [None] * dist.get_world_size()
-    dist.all_gather_object(scal, result.scaling)
-    for d in scal:
-        result.scaling.update(d)
-    toks = [None] * dist.get_world_size()
-    dist.all_gather_object(toks, result.tokens)
-    result.tokens = sum(toks)
-
-
-def _release_freed_memory() -> None:
-    """Return freed heap pages to the OS (glibc ``malloc_trim``), once per batch.
-
-    glibc raises its mmap threshold after large blocks are freed, so later activation-sized blocks
-    come from the heap and fragment it; without trimming, peak RSS creeps up with the number of
-    batches although nothing is kept (measured: 1.74x RSS for a 10x corpus; benchmarks/
-    bench_capture_memory.py). No-op where glibc is absent.
-    """
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6")
-            _MALLOC_TRIM = libc.malloc_trim
-            # fixed mmap threshold (M_MMAP_THRESHOLD = -3): blocks >= 32 MiB always come from mmap and
-            # go back to the OS when freed, instead of fragmenting the heap (glibc mallopt(3))
-            libc.mallopt(-3, 32 * 1024 * 1024)
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM = None
-
-
-def _ar(t: torch.Tensor, op) -> torch.Tensor:
-    import torch.distributed as dist
-
-    x = t.clone()
-    dist.all_reduce(x, op=op)
-    return x
-
-
-class _LastLayerDone(Exception):
-    """Raised by the capture hook after the last attention layer: the rest of the forward pass
-    (the last attention's output projection, the last MLP, the final norm) feeds no cache."""
-
-
-def run_capture(
-    model,
-    samples: list[torch.Tensor],
-    heldout_idx: set[int],
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    num_q_heads: int,
-    head_dim: int,
-    batch_size: int = 8,
-    reservoir: int = 12,
-    heldout_reservoir: int = 6,
-    search_tokens: int = 512,
-    seed: int = 0,
-    pad_id: int = 0,
-    progress: bool = True,
-    stats_skip_first: int = 0,
-    sink_stats_skip: int = 0,
-    max_batch_tokens: int | None = 8192,
-    checkpoint: Checkpointing | None = None,
-) -> CaptureResult:
-    """One forward pass over ``samples`` (1-D int64 token ids) through the decoder, stopped right
-    after the last layer's attention call (no LM head, no last MLP).
-
-    Statistics cover calibration samples only (held-out samples are seen by the held-out
-    reservoir alone). Padding positions are masked out of every statistic. Raises
-    ``FloatingPointError`` (layer named) on NaN/Inf activations and ``KvcalError`` if some
-    attention layer never fired. ``stats_skip_first``: the first tokens of every sample (attention
-    sinks kept in 16 bits) are left out of the statistics (the reservoirs keep them).
-    ``sink_stats_skip > 0`` additionally fills ``result.sink_stats`` with statistics that leave out
-    that many first tokens (one capture serving both FP8 and integer searches).
-
-    Data parallel: inside an initialized ``torch.distributed`` group (``torchrun``), rank ``r`` of
-    ``N`` captures batches ``r, r+N, ...`` of the deterministic batch list and the results are
-    all-reduced, so every rank ends with the statistics and reservoirs of one full pass (max/min/
-    counts exact, sums to float64 rounding). ``checkpoint``: save every N batches / resume
-    (single process only). Inputs go to the device of the input embeddings, so models spread
-    with ``device_map="auto"`` work; captured tensors are moved to the CPU.
-    """
-    from tqdm.auto import tqdm
-
-    rank, world = _dist_info()
-    stats = LayerStats(num_layers, num_kv_heads, num_q_heads, head_dim)
-    res_c = SequenceReservoir(max(reservoir, 1), search_tokens, seed)
-    res_h = SequenceReservoir(max(heldout_reservoir, 1), search_tokens, seed + 1)
-    result = CaptureResult(stats, res_c, res_h)
-    try:  # the RoPE table for pre-RoPE key choices (None for models without a full rotary embedding)
-        from kvcal.models import rope_table
-
-        result.rope = rope_table(model)
-    except ValueError:
-        result.rope = None
-    if sink_stats_skip > 0:
-        result.sink_stats = LayerStats(num_layers, num_kv_heads, num_q_heads, head_dim)
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    device = emb.weight.device if emb is not None and emb.weight.device.type != "meta" else next(model.parameters()).device
-    base = model.base_model if hasattr(model, "base_model") else model
-    state: dict = {}
-
-    def on_layer(layer, q, k, v, module):
-        if layer >= num_layers:
-            raise KvcalError(f"attention layer index {layer} >= num_hidden_layers {num_layers}")
-        result.scaling.setdefault(layer, attention_scaling(module, head_dim))
-        q, k, v = q.cpu(), k.cpu(), v.cpu()
-        mask = state["mask"]
-        stats.update(layer, q, k, v, mask & state["is_calib"][:, None] & state["pos_ok"][None, :])
-        if result.sink_stats is not None:
-            pos = torch.arange(mask.shape[1]) >= sink_stats_skip
-            result.sink_stats.k[layer].update(k, mask & state["is_calib"][:, None] & pos[None, :])
-            result.sink_stats.v[layer].update(v, mask & state["is_calib"][:, None] & pos[None, :])
-        for row, T in state["keep"].items():
-            state["pending"][row][layer] = (
-                q[row, :, :T].float().clone(), k[row, :, :T].float().clone(), v[row, :, :T].float().clone(),
-            )
-        if layer == num_layers - 1:
-            raise _LastLayerDone  # nothing after the last attention call feeds the cache: skip it
-
-    t0 = time.perf_counter()
-    batches = _batches(samples, batch_size, max_batch_tokens)
-    start = 0
-    if checkpoint is not None and checkpoint.resume:
-        if world > 1:
-            raise KvcalError("--resume is not supported under torchrun; resume with a single process")
-        start, stats = _restore_checkpoint(_load_checkpoint(checkpoint), checkpoint.path, len(batches), result,
-                                           res_c, res_h)
-    mine = [b for j, b in enumerate(batches) if j % world == rank]
-    total_tokens = sum(len(samples[i]) for b in mine for i in b)
-    done_tokens = sum(len(samples[i]) for j, b in enumerate(batches) if j < start and j % world == rank for i in b)
-    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", desc="capture", disable=not progress or rank != 0)
-    with torch.no_grad(), capture_kv(model, on_layer):
-        for j, idx in enumerate(batches):
-            if j < start or j % world != rank:
-                continue
-            L = max(len(samples[i]) for i in idx)
-            ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
-            mask = torch.zeros(len(idx), L, dtype=torch.bool)
-            for r, i in enumerate(idx):
-                ids[r, : len(samples[i])] = samples[i]
-                mask[r, : len(samples[i])] = True
-            is_calib = torch.tensor([i not in heldout_idx for i in idx])
-            keep = {}
-            for r, i in enumerate(idx):
-                if (res_h if i in heldout_idx else res_c).offer(i):
-                    keep[r] = min(len(samples[i]), search_tokens)
-            state.update(mask=mask, is_calib=is_calib, pos_ok=torch.arange(L) >= stats_skip_first, keep=keep,
-                         pending={r: [None] * num_layers for r in keep})
-            try:
-                # no padding in this batch: let attention take its causal fast path (no mask tensor)
-                am = None if bool(mask.all()) else mask.long().to(device)
-                base(input_ids=ids.to(device), attention_mask=am, use_cache=False)
-            except _LastLayerDone:
-                pass
-            for r in keep:
-                i = idx[r]
-                (res_h if i in heldout_idx else res_c).put(i, state["pending"][r])
-            result.tokens += int(mask.sum())
-            bar.update(int(mask.sum()))
-            del state["pending"]
-            _release_freed_memory()
-            if checkpoint is not None and checkpoint.every and world == 1 and (j + 1) % checkpoint.every == 0 \
-                    and j + 1 < len(batches):
-                _save_checkpoint(checkpoint, {
-                    "fingerprint": checkpoint.fingerprint, "next_batch": j + 1, "stats": stats.state_dict(),
-                    "sink_stats": None if result.sink_stats is None else result.sink_stats.state_dict(),
-                    "calib": res_c.state_dict(), "heldout": res_h.state_dict(), "scaling": dict(result.scaling),
-                    "tokens": result.tokens, "rng": torch.get_rng_state(),
-                })
-    bar.close()
-    if world > 1:
-        _all_reduce_capture(result)
-        stats = result.stats
-    missing = [i for i in range(num_layers) if int(stats.fired[i]) == 0]
-    if missing:
-        raise KvcalError(f"attention layers {missing} never fired during capture; this architecture's "
-                         "attention does not go through transformers' attention interface (no KV cache?)")
-    result.seconds = time.perf_counter() - t0
-    return result
-
-
-def _sequence_caches(res: SequenceReservoir, layer: int, scaling: float, max_queries: int):
-    from kvcal.search.objectives import SequenceCache
-
-    return [SequenceCache(*seq[layer], scaling, max_queries) for seq in res.sequences()]
-
-
-def search_scales(cap: CaptureResult, fmt_name: str, per_head: bool, max_queries: int = 128,
-                  progress: bool = True) -> list[dict]:
-    """Per layer: choose K and V static scales. Returns ``[{"layer", "k": SideChoice, "v": SideChoice}]``."""
-    from tqdm.auto import tqdm
-
-    from kvcal.formats.fp8 import get_fp8_format
-    from kvcal.search.static_scales import choose_static_fp8
-
-    fmt = get_fp8_format(fmt_name)
-    out = []
-    n = len(cap.stats.k)
-    for layer in tqdm(range(n), desc="search", disable=not progress):
-        calib = _sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries)
-        held = _sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else []
-        row = {"layer": layer}
-        for side in ("k", "v"):
-            st = getattr(cap.stats, side)[layer].finalize()
-            row[side] = choose_static_fp8(calib, held, st["head_absmax"], side, fmt, per_head)
-        out.append(row)
-    return out
-
-
-def plan_from_choices(rows: list[dict], fmt: str, granularity: str, num_kv_heads: int):
-    """Build the :class:`~kvcal.plan.KVPlan` and the per-layer metadata from :func:`search_scales` rows."""
-    from kvcal.formats.spec import TensorQuantSpec
-    from kvcal.plan import KVPlan, LayerPlan, SidePlan
-
-    spec = TensorQuantSpec(fmt, granularity)
-    layers, layers_meta = [], []
-    for r in rows:
-        lm, sides = {"layer": r["layer"]}, {}
-        for side in ("k", "v"):
-            ch = r[side]
-            shape = (1, 1, 1, 1) if granularity == "tensor" else (1, num_kv_heads, 1, 1)
-            sides[side] = SidePlan(spec, scale=ch.scale.reshape(shape).float())
-            lm[side] = {"scale": ch.scale.tolist(), "amax": ch.amax.tolist(), "clip_ratio": ch.clip_ratio.tolist(),
-                        "candidate": ch.label, "heldout": ch.heldout, "calib": ch.calib}
-        layers.append(LayerPlan(sides["k"], sides["v"]))
-        layers_meta.append(lm)
-    return KVPlan(layers), layers_meta
-
-
-# ---- integer presets and bit allocation ---------------------------------------------------------
-
-@dataclass
-class IntSearchResult:
-    """What :func:`search_int` chose: the plan, per-layer metadata and a summary for the artifact."""
-
-    plan: object
-    layers_meta: list[dict]
-    summary: dict
-
-
-def _reference_index(menu: tuple, side: str) -> tuple[int, bool]:
-    """``(index, fallback)`` in ``menu`` of the sensitivity probe's reference choice: the ``int4``
-    preset's side when the menu has it; else (``fallback=True``, e.g. no RoPE table, so no pre-RoPE
-    entries) the entry with the same spec without its transform / rounding, else the first 4-bit
-    entry, else the first entry."""
-    from kvcal.search.presets import ALLOC_REFERENCE
-
-    ref = ALLOC_REFERENCE[side]
-    if ref in menu:
-        return menu.index(ref), False
-    same = [i for i, c in enumerate(menu) if c.spec == ref.spec]
-    if same:
-        return same[-1], True
-    return next((i for i, c in enumerate(menu) if c.spec.bits == 4), 0), True
-
-
-def _probe_weights(kl: dict, items: list, ref_idx: dict, log) -> tuple[dict, dict]:
-    """Per (layer, side) weight ``KL / error(reference)`` from the probe's KLs (nats).
-
-    KLs at or below a floor of 1e-3 × the mean positive KL (below what the probe resolves, e.g. a
-    side whose quantized tokens no probed position reads) are raised to it and listed. Raises
-    :class:`KvcalError` for missing / non-finite values or a probe that measured nothing."""
-    keys = [(it.layer, it.side) for it in items]
-    bad = [k for k in keys if k not in kl or not math.isfinite(float(kl[k]))]
-    if bad:
-        raise KvcalError(f"the sensitivity probe returned no finite KL for {len(bad)} (layer, side) pairs (first: "
-                         f"layer {bad[0][0]} {bad[0][1].upper()}) — the model's logits overflow or are -inf on the probe "
-                         "samples; use other held-out samples or --probe-tokens 0 (no probe)")
-    pos = [float(kl[k]) for k in keys if float(kl[k]) > 0]
-    if not pos:
-        raise KvcalError("the sensitivity probe measured no effect of any layer (every KL <= 0): the probe samples are "
-                         "too short to read a quantized token; raise --probe-tokens / --max-seq-len or use --probe-tokens 0")
-    floor = 1e-3 * sum(pos) / len(pos)
-    floored = [k for k in keys if float(kl[k]) < floor]
-    if floored:
-        log(f"sensitivity probe: {len(floored)} (layer, side) pairs below its resolution, weighted at the floor "
-            f"{floor:.3g} nats")
-    weights = {}
-    for it in items:
-        k = (it.layer, it.side)
-        v = max(float(kl[k]), floor)
-        weights[k] = (v / max(it.errors[ref_idx[it.side]], 1e-12), float(kl[k]))
-    return weights, {"floor_nats": floor, "floored": [f"{layer}{side.upper()}" for layer, side in floored]}
-
-
-def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | None = None, sinks: int | None = None,
-               residual_window: int = 0, key_centering: str = "auto", objective_k: str = "kl",
-               max_queries: int = 128, budget_context: int = 4096, progress: bool = True,
-               cache: dict | None = None, log: Callable[[str], None] = lambda s: None,
-               rope=None, probe: Callable | None = None, sink_probe: Callable | None = None) -> IntSearchResult:
-    """Integer KV plan from a capture: fixed ``preset`` specs, or per-layer specs under ``bits``.
-
-    Per layer and side the parameters come from :func:`kvcal.search.optimizer.search_side`
-    (clip ratios / static ranges / centering, guarded on held-out). With ``bits``, every menu spec
-    (:data:`kvcal.search.presets.ALLOC_MENU`) is first searched on a coarse grid to measure its
-    held-out attention-output error, :func:`kvcal.search.allocate.allocate` picks per-layer specs
-    under the exact byte budget at ``budget_context`` tokens, and the chosen specs are refined.
-    ``sinks``: ``None`` searches with 1 sink token and then keeps the count in
-    :data:`SINK_CANDIDATES` (0, 1 or 4 first tokens in 16 bits) with the lowest held-out
-    model-level KL when ``sink_probe`` is given — a callable taking ``{count: KVPlan}`` and
-    returning ``{count: KL in nats}`` (:func:`kvcal.evaluate.plans_kl` on held-out samples) —, else
-    with the lowest summed held-out attention-output error (ties: fewer sinks; ``--bits`` budgets
-    count the largest, so any choice fits). The attention-level sum is recorded either way (why the
-    model is asked when one is at hand: ``docs/design.md``, "Sink count"). ``cache``: dict reused across calls on the same capture (benchmarks).
-    ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable`
-    (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4``, ``int2``, ``k4v2`` presets; with
-    ``bits`` the pre-RoPE menu entries are skipped when it is ``None``).
-    ``probe`` (with ``bits``): a callable taking a :class:`~kvcal.plan.KVPlan` and returning the
-    model-level KL (nats) of quantizing each ``(layer, side)`` alone with it
-    (:func:`kvcal.evaluate.side_sensitivity` on held-out samples). It is called once with the
-    reference plan (every side at its ``int4``-preset choice, :data:`~kvcal.search.presets.ALLOC_REFERENCE`),
-    and each (layer, side)'s attention-level errors are multiplied by ``KL / error(reference)``, so
-    the allocation minimizes an estimate of the model-level KL instead of the sum of layer errors
-    (``docs/design.md``, "Bit allocation"). Raises
-    :class:`KvcalError` for an infeasible budget or a pre-RoPE preset without ``rope``.
-    """
-    from tqdm.auto import tqdm
-
-    from kvcal.formats.memory import cache_bytes, side_extra_bytes
-    from kvcal.plan import KVPlan, LayerPlan
-    from kvcal.search import allocate as al
-    from kvcal.search.optimizer import search_side, side_error
-    from kvcal.search.presets import ALLOC_MENU, INT_PRESETS, NEEDS_ROPE, spec_label
-
-    cache = {} if cache is None else cache
-    rope = rope if rope is not None else cap.rope
-    L = len(cap.stats.k)
-    H, D = cap.stats.k[0].num_heads, cap.stats.k[0].head_dim
-    s_try = 1 if sinks is None else sinks
-    s_cost = max(SINK_CANDIDATES) if sinks is None else sinks  # sink tokens the --bits costs count
-    obj = {"k": objective_k, "v": "out"}
-
-    def caches(layer):
-        key = ("caches", layer, max_queries)
-        if key not in cache:
-            cache[key] = (_sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries),
-                          _sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else [])
-        return cache[key]
-
-    def run(layer, side, choice, refine):
-        spec, tr, rounding, clip_search, chbits, lv, tnu = choice
-        key = ("search", layer, side, spec, tr, rounding, clip_search, chbits, lv, tnu, refine, s_try, key_centering,
-               obj[side], max_queries)
-        if key not in cache:
-            cal, held = caches(layer)
-            st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
-            cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
-                                     centering=key_centering if side == "k" else "off", refine=refine,
-                                     transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding,
-                                     grid=None if clip_search else (1.0,), channel_bits=chbits, levels=lv,
-                                     trellis_nu=tnu)
-        return cache[key]
-
-    menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
-            for s in ("k", "v")}
-    if bits is None and rope is None and any(c.transform in NEEDS_ROPE for c in INT_PRESETS[preset]):
-        raise KvcalError(f"preset {preset} quantizes keys pre-RoPE and needs the model's RoPE table (rope=)")
-
-    t0 = time.perf_counter()
-    alloc_meta = None
-    if bits is not None:
-        items = []
-        for layer in tqdm(range(L), desc="sensitivity", disable=not progress):
-            for side in ("k", "v"):
-                rs = [run(layer, side, c, False) for c in menu[side]]
-                costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_cost, residual_window,
-                                           side_extra_bytes(c.spec, H, D, centering=r.plan.mean is not None,
-                                                            rounding=c.rounding, channel_bits=c.channel_bits,
-                                                            levels=r.plan.levels is not None,
-                                                            trellis=_trellis_entries(r.plan)))
-                              for c, r in zip(menu[side], rs, strict=True))
-                items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
-                                     tuple(r.heldout_out for r in rs)))
-        weights = probe_meta = None
-        if probe is not None:
-            refs = {s: _reference_index(menu[s], s) for s in ("k", "v")}
-            ref_idx = {s: refs[s][0] for s in ("k", "v")}
-            ref_plan = KVPlan([LayerPlan(run(layer, "k", menu["k"][ref_idx["k"]], False).plan,
-                                         run(layer, "v", menu["v"][ref_idx["v"]], False).plan) for layer in range(L)],
-                              sink_tokens=s_try)
-            log("sensitivity probe: model-level KL of each layer's K and V alone at "
-                + ", ".join(spec_label(menu[s][ref_idx[s]]) + (" (fallback: the int4 preset's choice is not in the "
-                                                               "menu)" if refs[s][1] else "") for s in ("k", "v")))
-            weights, probe_meta = _probe_weights(probe(ref_plan), items, ref_idx, log)
-            probe_meta.update(getattr(probe, "meta", {}))
-            items = [al.Item(it.layer, it.side, it.specs, it.costs,
-                             tuple(weights[(it.layer, it.side)][0] * e for e in it.errors)) for it in items]
-        budget = al.budget_bytes(bits, L, H, D, budget_context)
-        _check_bits_feasible(bits, sum(min(it.costs) for it in items), L, H, D, budget_context, s_cost)
-        try:
-            choice = al.allocate(items, budget)
-        except ValueError as e:
-            raise KvcalError(f"--bits {bits}: {e}") from None
-        specs = [[None, None] for _ in range(L)]
-        for it, j in zip(items, choice, strict=True):
-            specs[it.layer][0 if it.side == "k" else 1] = menu[it.side][j]
-        alloc_meta = {"budget_bits": bits, "budget_context": budget_context, "budget_bytes": float(budget),
-                      "sensitivity": ("held-out relative attention-output error per (layer, side, spec)"
-                                      + ("" if weights is None else " × model-level KL of that (layer, side) alone "
-                                         "at the reference spec / its error at the reference spec (nats)")),
-                      "menu": {s: [spec_label(c) for c in menu[s]] for s in ("k", "v")},
-                      "table": [{"layer": it.layer, "side": it.side, "errors": [float(e) for e in it.errors],
-                                 "bytes": list(it.costs), "chosen": spec_label(menu[it.side][j]),
-                                 **({} if weights is None else {"probe_kl": weights[(it.layer, it.side)][1],
-                                                                "weight": weights[(it.layer, it.side)][0]})}
-                                for it, j in zip(items, choice, strict=True)]}
-        if weights is not None:
-            alloc_meta["reference"] = {s: spec_label(menu[s][ref_idx[s]]) for s in ("k", "v")}
-            alloc_meta["probe"] = probe_meta
-    else:
-        specs = [list(INT_PRESETS[preset]) for _ in range(L)]
-    results = []
-    for layer in tqdm(range(L), desc="search", disable=not progress):
-        results.append({side: run(layer, side, specs[layer][i], True) for i, side in enumerate(("k", "v"))})
-        for i, side in enumerate(("k", "v")):
-            results[-1][side].extra["transform"] = specs[layer][i].transform
-    # sinks: the count with the lowest summed held-out output error (ties: fewer)
-    word = "held-out" if cap.heldout.items else "calibration-data"  # no held-out split: say what was measured
-    sink_meta = {"tried": list(SINK_CANDIDATES) if sinks is None else [s_try]}
-    final_sinks = s_try
-    if sinks is None:
-        tot = dict.fromkeys(SINK_CANDIDATES, 0.0)
-        for layer, r in enumerate(results):
-            cal, held = caches(layer)
-            for side in ("k", "v"):
-                for n in SINK_CANDIDATES:
-                    a, b = side_error(held or cal, side, r[side].plan, "out", n)
-                    tot[n] += float(a.sum() / b.sum())
-        sink_meta["heldout_out_sum"] = {str(n): tot[n] for n in SINK_CANDIDATES}
-        if sink_probe is None:
-            final_sinks = min(SINK_CANDIDATES, key=lambda n: (tot[n], n))
-            sink_meta["chosen_by"] = f"{word} attention-output error (summed over layers and sides)"
-        else:
-            kl = sink_probe({n: KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results],
-                                       residual_window=residual_window, sink_tokens=n) for n in SINK_CANDIDATES})
-            bad = [n for n in SINK_CANDIDATES if n not in kl or not math.isfinite(float(kl[n])) or float(kl[n]) < -1e-9]
-            if bad:
-                raise KvcalError(f"the sink probe returned no finite, non-negative KL for {bad[0]} sink tokens (the "
-                                 "model's logits overflow on the probe samples); use other held-out samples, "
-                                 "--sinks N, or --probe-tokens 0")
-            final_sinks = min(SINK_CANDIDATES, key=lambda n: (float(kl[n]), n))
-            sink_meta["heldout_model_kl"] = {str(n): float(kl[n]) for n in SINK_CANDIDATES}
-            sink_meta["chosen_by"] = f"{word} model-level KL (nats/token)"
-            sink_meta.update(getattr(sink_probe, "meta", {}))
-            log(f"sink tokens by {word} model KL: " + ", ".join(f"{n}: {float(kl[n]):.4e}" for n in SINK_CANDIDATES)
-                + f" nats -> {final_sinks}")
-    sink_meta["kept"] = final_sinks
-    plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
-                  sink_tokens=final_sinks)
-    total = cache_bytes({"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H},
-                        [plan.kv_config(i) for i in range(L)], budget_context)
-    avg = al.average_bits(total, L, H, D, budget_context)
-    if bits is not None:
-        assert avg <= bits + 1e-12, (avg, bits)
-    layers_meta = [{"layer": i, "k": r["k"].to_meta(), "v": r["v"].to_meta()} for i, r in enumerate(results)]
-    summary = {
-        "preset": preset if bits is None else None, "bits_budget": bits, "sinks": sink_meta,
-        "average_bits": avg, "average_bits_context": budget_context, "cache_bytes_at_context": total,
-        "key_bits_mean": sum(r["k"].spec.bits for r in results) / L,
-        "value_bits_mean": sum(r["v"].spec.bits for r in results) / L,
-        "centered_layers": [i for i, r in enumerate(results) if r["k"].plan.mean is not None],
-        "objective_k": obj["k"], "objective_v": "out", "search_seconds": round(time.perf_counter() - t0, 2),
-        "heldout": {s: {"chosen": sum(r[s].heldout for r in results) / L,
-                        "minmax": sum(r[s].heldout_minmax for r in results) / L} for s in ("k", "v")},
-    }
-    if alloc_meta is not None:
-        summary["allocation"] = alloc_meta
-    return IntSearchResult(plan, layers_meta, summary)
-
-
-def _alloc_line(cal: dict) -> str:
-    from kvcal.report.data import heldout_word
-
-    a = cal.get("allocation")
-    if not a:
-        return ""
-    p = a.get("probe")
-    w = heldout_word({"calibration": cal})
-    how = (f"summed {w} attention-level errors (no model-level probe)" if p is None else
-           f"{w} attention-level errors weighted by each layer's K / V model-level KL, measured alone at "
-           f"{a['reference']['k']} / {a['reference']['v']} on {p.get('samples')} {p.get('source')} samples "
-           f"({p.get('tokens')} tokens)")
-    return f"- Per-layer formats allocated under {a['budget_bits']} bits at {a['budget_context']} tokens from {how}.\n"
-
-
-def _sink_note(cal: dict) -> str:
-    from kvcal.report.data import heldout_word
-
-    sk = cal.get("sinks") or {}
-    if len(sk.get("tried", [])) < 2:
-        return " (given)"
-    if "heldout_model_kl" in sk:
-        p = sk.get("probe", {})
-        vals = ", ".join(f"{n}: {float(v):.3e}" for n, v in sk["heldout_model_kl"].items())
-        return (f" (of {sk['tried']}, the lowest model KL on {p.get('samples', '?')} {p.get('source', 'held-out')} "
-                f"samples ({p.get('tokens', '?')} tokens): {vals} nats/token)")
-    return f" (of {sk['tried']}, the lowest summed {heldout_word({'calibration': cal})} attention-output error)"
-
-
-def render_int_report(meta: dict) -> str:
-    """``report.md`` for integer artifacts: specs, parameters chosen per layer, held-out errors."""
-    kv, cal, m = meta["kv"], meta["calibration"], meta["model"]
-    rows = []
-
-    def spec_cell(side: dict) -> str:
-        sp = side["spec"]
-        out = f"{sp['format']} {sp['granularity']}{sp.get('group_size') or ''} {'sym' if sp.get('symmetric') else 'asym'}"
-        if side.get("transform", "none") != "none":
-            out += f", {side['transform'].replace('_', '-')}"
-        out += ", query-aware rounding" if side.get("rounding") else ""
-        out += ", non-uniform levels" if side.get("levels") else ""
-        out += f", trellis-coded (nu={side['trellis']['nu']})" if side.get("trellis") else ""
-        return out + (", per-channel bit widths" if side.get("channel_bits") else "")
-
-    def pick_cell(side: dict) -> str:
-        """What each head got: clip ratios of dynamic sides (``min/max`` where every ratio is 1 or the
-        baseline won), per-head family and parameter of static ones."""
-        labels, param = side["label"], side.get("param")
-        if param is None or not side["spec"].get("dynamic", True):
-            return ", ".join(sorted(set(labels)))
-        center = " + centering" if any(lb.endswith("center") for lb in labels) else ""
-        if all(abs(float(x) - 1.0) < 1e-9 for x in param):
-            return "min/max ranges" + center + (" (baseline)" if set(labels) == {"minmax"} else "")
-        return "clip " + "/".join(f"{float(x):.3g}" for x in param) + center
-
-    for lm in meta["layers"]:
-        k, v = lm["k"], lm["v"]
-        rows.append(f"| {lm['layer']} | {spec_cell(k)} | {pick_cell(k)} | "
-                    f"{k['heldout']:.3e} | {k['heldout_minmax']:.3e} | {spec_cell(v)} | "
-                    f"{pick_cell(v)} | {v['heldout']:.3e} | {v['heldout_minmax']:.3e} |")
-    from kvcal.report.data import error_data_label, has_heldout, heldout_word
-    from kvcal.report.markdown import corpus_section
-
-    w = heldout_word(meta)
-    budget = (f"--bits {cal['bits_budget']:g} (per-layer allocation)" if cal.get("bits_budget") is not None
-              else "none (fixed preset layout)")
-    return f"""# KV-cache calibration report (integer)
-
-- Model `{m["id"]}` ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); weights {m["weight_precision"]}.
-- Preset: {cal.get("preset")}; bit budget: {budget}; average bits per cached element including all
-  metadata at {cal["average_bits_context"]} tokens: **{cal["average_bits"]:.4f}**.
-- Keys quantized {kv["key_position"].replace("_", "-")}; sink tokens in 16 bits: {kv["sink_tokens"]}{_sink_note(cal)}; residual window (runtime): {kv["residual_window"]}.
-- Key objective: {cal["objective_k"]} (attention KL, nats/query, when `kl`); value objective: relative attention-output error.
-- Every choice is compared with plain min/max (same transform; uniform grid, nearest rounding, uniform widths:
-  the "min/max" columns) on {error_data_label(meta)} and kept only where it is lower. "pick" gives each KV head's clip ratio.
-{_alloc_line(cal)}
-{corpus_section(meta, "Integer parameters are per token / group at run time or per layer from calibration: batch "
-                      "size changes neither; evaluate a serving regime with `kvcal evaluate`.")}
-## {"Held-out error per layer" if has_heldout(meta) else f"Error per layer on {error_data_label(meta)}"}
-
-| layer | K spec | K pick | K {w} | K min/max | V spec | V pick | V {w} | V min/max |
-|---|---|---|---|---|---|---|---|---|
-{chr(10).join(rows)}
-"""
+def _save_checkpoint(ck: Checkpointing, state: dict, inputs: dict | None = None) -> None:
+    """Deprecated: :func:`save_checkpoint` ``(ck.path, state, inputs)``."""
+    save_checkpoint(ck.path, state, inputs)
 
 
 def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress: bool = True,
@@ -906,7 +213,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     out = output_dir(cfg)
     from pathlib import Path
 
-    rank, world = _init_distributed(cfg.device)
+    rank, world = init_distributed(cfg.device)
     if rank != 0:
         log, progress = (lambda s: None), False
     from kvcal.artifact import check_output_dir
@@ -971,7 +278,7 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
               **{k: getattr(cfg, k) for k in ("max_samples", "max_seq_len", "seed", "heldout_fraction", "batch_size",
                                               "reservoir", "heldout_reservoir", "search_tokens")}}
         ckpt = Checkpointing(checkpoint_path(out), cfg.checkpoint_every, cfg.resume,
-                             hashlib.sha256(_json.dumps(fp, sort_keys=True).encode()).hexdigest())
+                             hashlib.sha256(_json.dumps(fp, sort_keys=True).encode()).hexdigest(), save=save_checkpoint)
     cap = run_capture(
         model, corpus.samples, held_idx, num_layers=mmeta["num_layers"], num_kv_heads=mmeta["num_kv_heads"],
         num_q_heads=int(conf.num_attention_heads), head_dim=head_dim_of(conf), batch_size=cfg.batch_size,
@@ -979,12 +286,12 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         seed=cfg.seed, pad_id=pad, progress=progress, stats_skip_first=skip, checkpoint=ckpt,
     )
     if rank != 0:
-        _finish_distributed()
+        finish_distributed()
         return {"out": str(out), "rank": rank}
     try:
         res = _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path, model)
     finally:
-        _finish_distributed()
+        finish_distributed()
     if ckpt is not None:
         Path(ckpt.path).unlink(missing_ok=True)
     return res
@@ -1014,25 +321,6 @@ def output_dir(cfg: CalibrateConfig) -> str:
 def checkpoint_path(out: str) -> str:
     """Where ``--checkpoint-every`` saves the capture state for artifact directory ``out``."""
     return str(out).rstrip("/") + ".checkpoint.pt"
-
-
-def _init_distributed(device: str) -> tuple[int, int]:
-    """Join the ``torchrun`` process group when ``WORLD_SIZE > 1`` (gloo on CPU, nccl on CUDA)."""
-    import os
-
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return _dist_info()
-
-
-def _finish_distributed() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _channel_ranges(cap: CaptureResult, layers_meta: list[dict]) -> None:
@@ -1174,56 +462,6 @@ def _out_inputs(cfg) -> dict:
     return {"--corpus": cfg.corpus, "--model": cfg.model if cfg.model and Path(cfg.model).exists() else None}
 
 
-def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, context: int, sinks: int) -> None:
-    """Raise :class:`KvcalError` naming the smallest feasible ``--bits`` when ``cheapest`` (bytes of
-    the cheapest menu choice of every layer's K and V at ``context`` tokens, batch 1, ``sinks``
-    16-bit sink tokens counted) exceeds the ``bits`` budget."""
-    from kvcal.search import allocate as al
-
-    if cheapest > al.budget_bytes(bits, L, H, D, context):
-        avg = al.average_bits(cheapest, L, H, D, context)
-        if avg > 16.0:  # no allowed --bits can fit: the 16-bit tokens alone exceed the context's budget
-            raise KvcalError(f"--bits {bits}: the cheapest plan needs {avg:.4f} bits per element at --budget-context "
-                             f"{context} tokens, above any allowed --bits (2-16): the 16-bit sink tokens ({sinks}) and "
-                             "residual window take most of that context; lower --residual-window / --sinks or raise "
-                             "--budget-context")
-        raise KvcalError(f"--bits {bits}: even the cheapest choice for every layer needs {avg:.4f} bits per "
-                         f"element at {context} tokens (payload, scales, tables and {sinks} 16-bit sink tokens); "
-                         f"raise --bits to at least {math.ceil(avg * 100) / 100:.2f}")
-
-
-def _trellis_entries(sp) -> int:
-    """Entries (= bytes, int8) of a side plan's trellis table, 0 without one."""
-    return 0 if sp.trellis is None else int(sp.trellis.numel())
-
-
-def bits_precheck(bits: float, config, context: int, sinks: int | None, residual_window: int) -> None:
-    """Refuse an infeasible ``--bits`` from the model's config alone, before any weight loads or
-    capture runs (the allocation itself comes after a capture, a search and a sensitivity probe).
-
-    Lower bound of the cheapest plan: every layer's K and V at the cheapest
-    :data:`~kvcal.search.presets.ALLOC_MENU` entry, without key centering (which only adds bytes),
-    with the sink tokens the allocation counts (``--sinks``, else ``max(SINK_CANDIDATES)``), at
-    ``context`` tokens, batch 1. ``config``: a transformers config. Raises :class:`KvcalError`
-    (as the allocation would) when even that exceeds the budget."""
-    from kvcal.formats.memory import model_shape, side_extra_bytes
-    from kvcal.search import allocate as al
-    from kvcal.search.presets import ALLOC_MENU
-
-    try:
-        shape = model_shape(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    except ValueError as e:
-        raise KvcalError(str(e)) from None
-    L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
-    s_cost = max(SINK_CANDIDATES) if sinks is None else sinks
-    cheapest = L * sum(
-        min(al.side_cost(c.spec, H, D, context, s_cost, residual_window,
-                         side_extra_bytes(c.spec, H, D, rounding=c.rounding, channel_bits=c.channel_bits, levels=c.levels))
-            for c in ALLOC_MENU[side])
-        for side in ("k", "v"))
-    _check_bits_feasible(bits, cheapest, L, H, D, context, s_cost)
-
-
 def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model=None) -> dict:
     """Integer preset / ``--bits`` branch of :func:`calibrate` (after capture)."""
     from kvcal.artifact import write_artifact
@@ -1266,4 +504,3 @@ def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress,
              f"(min/max {s['heldout']['k']['minmax']:.3e}), V {s['heldout']['v']['chosen']:.3e} "
              f"(min/max {s['heldout']['v']['minmax']:.3e})")
     return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg), "plan": plan}
-

@@ -105,3 +105,91 @@ These are attention-level errors on {text}, not model-level quality; run
 |---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 """
+
+
+# ---- integer artifacts ----
+
+def _alloc_line(cal: dict) -> str:
+    from kvcal.report.data import heldout_word
+
+    a = cal.get("allocation")
+    if not a:
+        return ""
+    p = a.get("probe")
+    w = heldout_word({"calibration": cal})
+    how = (f"summed {w} attention-level errors (no model-level probe)" if p is None else
+           f"{w} attention-level errors weighted by each layer's K / V model-level KL, measured alone at "
+           f"{a['reference']['k']} / {a['reference']['v']} on {p.get('samples')} {p.get('source')} samples "
+           f"({p.get('tokens')} tokens)")
+    return f"- Per-layer formats allocated under {a['budget_bits']} bits at {a['budget_context']} tokens from {how}.\n"
+
+
+def _sink_note(cal: dict) -> str:
+    from kvcal.report.data import heldout_word
+
+    sk = cal.get("sinks") or {}
+    if len(sk.get("tried", [])) < 2:
+        return " (given)"
+    if "heldout_model_kl" in sk:
+        p = sk.get("probe", {})
+        vals = ", ".join(f"{n}: {float(v):.3e}" for n, v in sk["heldout_model_kl"].items())
+        return (f" (of {sk['tried']}, the lowest model KL on {p.get('samples', '?')} {p.get('source', 'held-out')} "
+                f"samples ({p.get('tokens', '?')} tokens): {vals} nats/token)")
+    return f" (of {sk['tried']}, the lowest summed {heldout_word({'calibration': cal})} attention-output error)"
+
+
+def render_int_report(meta: dict) -> str:
+    """``report.md`` for integer artifacts: specs, parameters chosen per layer, held-out errors."""
+    kv, cal, m = meta["kv"], meta["calibration"], meta["model"]
+    rows = []
+
+    def spec_cell(side: dict) -> str:
+        sp = side["spec"]
+        out = f"{sp['format']} {sp['granularity']}{sp.get('group_size') or ''} {'sym' if sp.get('symmetric') else 'asym'}"
+        if side.get("transform", "none") != "none":
+            out += f", {side['transform'].replace('_', '-')}"
+        out += ", query-aware rounding" if side.get("rounding") else ""
+        out += ", non-uniform levels" if side.get("levels") else ""
+        out += f", trellis-coded (nu={side['trellis']['nu']})" if side.get("trellis") else ""
+        return out + (", per-channel bit widths" if side.get("channel_bits") else "")
+
+    def pick_cell(side: dict) -> str:
+        """What each head got: clip ratios of dynamic sides (``min/max`` where every ratio is 1 or the
+        baseline won), per-head family and parameter of static ones."""
+        labels, param = side["label"], side.get("param")
+        if param is None or not side["spec"].get("dynamic", True):
+            return ", ".join(sorted(set(labels)))
+        center = " + centering" if any(lb.endswith("center") for lb in labels) else ""
+        if all(abs(float(x) - 1.0) < 1e-9 for x in param):
+            return "min/max ranges" + center + (" (baseline)" if set(labels) == {"minmax"} else "")
+        return "clip " + "/".join(f"{float(x):.3g}" for x in param) + center
+
+    for lm in meta["layers"]:
+        k, v = lm["k"], lm["v"]
+        rows.append(f"| {lm['layer']} | {spec_cell(k)} | {pick_cell(k)} | "
+                    f"{k['heldout']:.3e} | {k['heldout_minmax']:.3e} | {spec_cell(v)} | "
+                    f"{pick_cell(v)} | {v['heldout']:.3e} | {v['heldout_minmax']:.3e} |")
+    from kvcal.report.data import error_data_label, has_heldout, heldout_word
+    from kvcal.report.markdown import corpus_section
+
+    w = heldout_word(meta)
+    budget = (f"--bits {cal['bits_budget']:g} (per-layer allocation)" if cal.get("bits_budget") is not None
+              else "none (fixed preset layout)")
+    return f"""# KV-cache calibration report (integer)
+
+- Model `{m["id"]}` ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); weights {m["weight_precision"]}.
+- Preset: {cal.get("preset")}; bit budget: {budget}; average bits per cached element including all
+  metadata at {cal["average_bits_context"]} tokens: **{cal["average_bits"]:.4f}**.
+- Keys quantized {kv["key_position"].replace("_", "-")}; sink tokens in 16 bits: {kv["sink_tokens"]}{_sink_note(cal)}; residual window (runtime): {kv["residual_window"]}.
+- Key objective: {cal["objective_k"]} (attention KL, nats/query, when `kl`); value objective: relative attention-output error.
+- Every choice is compared with plain min/max (same transform; uniform grid, nearest rounding, uniform widths:
+  the "min/max" columns) on {error_data_label(meta)} and kept only where it is lower. "pick" gives each KV head's clip ratio.
+{_alloc_line(cal)}
+{corpus_section(meta, "Integer parameters are per token / group at run time or per layer from calibration: batch "
+                      "size changes neither; evaluate a serving regime with `kvcal evaluate`.")}
+## {"Held-out error per layer" if has_heldout(meta) else f"Error per layer on {error_data_label(meta)}"}
+
+| layer | K spec | K pick | K {w} | K min/max | V spec | V pick | V {w} | V min/max |
+|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+"""

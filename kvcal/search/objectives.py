@@ -153,3 +153,13 @@ class SequenceCache:
         out.num_queries = self.num_queries
         out.masked, out.logp0, out.out_sq = self.masked[h : h + 1], self.logp0[h : h + 1], self.out_sq[h : h + 1]
         return out
+
+
+def sequence_caches(reservoir, layer: int, scaling: float, max_queries: int | None) -> list[SequenceCache]:
+    """One :class:`SequenceCache` per captured sequence of ``reservoir`` at ``layer``.
+
+    ``reservoir``: a :class:`kvcal.capture.reservoir.SequenceReservoir` whose ``sequences()`` yield, per
+    sequence, per layer ``(q [H_q, T, D], k [H_kv, T, D], v [H_kv, T, D])`` float32 post-RoPE tensors;
+    ``scaling``: the layer's softmax scale (1/sqrt(head_dim) unless the model says otherwise);
+    ``max_queries``: query positions evaluated per sequence (:func:`query_positions`)."""
+    return [SequenceCache(*seq[layer], scaling, max_queries) for seq in reservoir.sequences()]

@@ -42,7 +42,8 @@ import torch
 
 from kvcal.formats.fp8 import get_fp8_format
 from kvcal.formats.vllm_dtypes import FP8_E4M3_MAX, fp8_static_quantize, query_fp8_fake_quant
-from kvcal.search.objectives import SequenceCache
+from kvcal.search.guard import guarded_tensor_choice
+from kvcal.search.objectives import SequenceCache, sequence_caches
 from kvcal.search.static_scales import SideChoice, candidate_scales, choose_static_fp8
 
 #: vLLM dtypes whose static scales this module calibrates (queries quantized for both).
@@ -122,8 +123,8 @@ def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, qu
     den_c = float(sum(c.num_queries for c in calib)) * (1 if per_head else H)
     held = heldout if heldout else calib
     den_h = float(sum(c.num_queries for c in held)) * (1 if per_head else H)
-    num_c = _errors(calib, which, scales, other, quantize_other)  # [C, H]
     if per_head:
+        num_c = _errors(calib, which, scales, other, quantize_other)  # [C, H]
         best = num_c.argmin(0)
         cand = torch.stack([best, torch.zeros(H, dtype=torch.long), torch.ones(H, dtype=torch.long)])
         num_h = _errors(held, which, scales.gather(0, cand), other, quantize_other)  # [3, H]
@@ -137,17 +138,10 @@ def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, qu
         lab = [labels[i] for i in final.tolist()]
         amax_out = amax.float()
     else:
-        tot_c = num_c.sum(1)
-        best = int(tot_c.argmin())
-        cand = [best, 0, 1]
-        tot_h = _errors(held, which, scales[cand], other, quantize_other).sum(1)
-        pick = int(tot_h.argmin())
-        final = cand[pick]
+        g = guarded_tensor_choice(lambda caches, rows: _errors(caches, which, rows, other, quantize_other),
+                                  calib, heldout, scales, den_c, den_h)
+        final, fig_h, fig_c = g.index, g.heldout, g.calib
         scale = scales[final, :1]
-        fig_h = {"chosen": float(tot_h[pick] / den_h), "absmax": float(tot_h[1] / den_h),
-                 "unity": float(tot_h[2] / den_h)}
-        fig_c = {"chosen": float(tot_c[final] / den_c), "absmax": float(tot_c[0] / den_c),
-                 "unity": float(tot_c[1] / den_c)}
         lab = [labels[final]]
         amax_out = amax[:1].float()
     clip = (scale.double() * fmt.max / amax_out.double()).float()
@@ -232,16 +226,15 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
 
 def search_vllm_fp8(cap, per_head: bool, max_queries: int = 96, progress: bool = True,
                     quantize_query: bool = True) -> list[dict]:
-    """:func:`choose_layer` for every layer of a :class:`~kvcal.calibrate.CaptureResult`. Returns rows
+    """:func:`choose_layer` for every layer of a :class:`~kvcal.capture.run.CaptureResult`. Returns rows
     ``{"layer", "k", "v", "q": SideChoice, "q_only", "kv_only"}`` (``k``/``v`` as
-    :func:`kvcal.calibrate.search_scales` rows, so :func:`kvcal.calibrate.plan_from_choices` builds the plan)."""
+    :func:`kvcal.search.fp8.search_scales` rows, so :func:`kvcal.search.fp8.plan_from_choices` builds the plan)."""
     from tqdm.auto import tqdm
 
     out = []
     for layer in tqdm(range(len(cap.stats.k)), desc="search (vllm fp8)", disable=not progress):
-        calib = [SequenceCache(*seq[layer], cap.scaling[layer], max_queries) for seq in cap.calib.sequences()]
-        held = ([SequenceCache(*seq[layer], cap.scaling[layer], max_queries) for seq in cap.heldout.sequences()]
-                if cap.heldout.items else [])
+        calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries)
+        held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else []
         st = {s: getattr(cap.stats, s)[layer].finalize()["head_absmax"] for s in ("q", "k", "v")}
         ch = choose_layer(calib, held, st["q"], st["k"], st["v"], per_head, quantize_query)
         out.append({"layer": layer, "k": ch.k, "v": ch.v, "q": ch.q, "q_only": ch.q_only, "kv_only": ch.kv_only})
