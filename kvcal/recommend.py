@@ -71,7 +71,7 @@ def check_options(cfg: RecommendConfig) -> None:
     from kvcal.artifact import check_output_dir
     from kvcal.corpus import check_corpus
     from kvcal.errors import KvcalError
-    from kvcal.evaluate import parse_accept
+    from kvcal.evaluate.accept import parse_accept
     from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
 
     if cfg.engine != "vllm":
@@ -117,7 +117,7 @@ def layer_sensitivity(model, samples, kv_cache_dtype: str, num_layers: int, prog
     predicted positions of ``samples`` (int64 ``[T_i]`` each) when only layer ``l`` goes through vLLM's
     ``kv_cache_dtype`` (K, V, and the query where vLLM quantizes it) — :func:`kvcal.evaluate.plans_kl`
     on :func:`kvcal.search.skip_layers.probe_plans`. Cost: ``1 + L`` forward passes per sample."""
-    from kvcal.evaluate import plans_kl
+    from kvcal.evaluate.protocol_a import plans_kl
     from kvcal.search.skip_layers import probe_plans
 
     kl = plans_kl(model, samples, probe_plans(kv_cache_dtype, num_layers, **scales), progress=progress)
@@ -154,20 +154,29 @@ def candidate_sets(kv_cache_dtype: str, sensitivity: list[float], costs: list[in
     return out
 
 
-def _fp8_scales(artifact_dir: Path, num_layers: int) -> dict:
-    """k/v scales (as vLLM loads them) and q scales of a ``kvcal calibrate --engine vllm`` artifact."""
-    from kvcal.artifact import load_artifact
+def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
+    """``{"k_scales", "v_scales", "q_scales"}`` (one float or ``[H_kv]`` tensor per layer, as
+    :class:`~kvcal.vllm_plan.VllmKVPlan` takes them) of a ``kvcal calibrate --engine vllm --kv-cache-dtype
+    fp8`` artifact's ``tensors``/``metadata``: k/v as vLLM loads them, q from ``...self_attn.q_scale``
+    (1.0 where absent). Used by recommend's probe and by calibrate's ``--skip-layers auto``."""
     from kvcal.plan import KVPlan
     from kvcal.vllm_plan import VllmKVPlan
 
-    art = load_artifact(artifact_dir)
-    vp, _ = VllmKVPlan.from_kvcal_plan("fp8", KVPlan.from_artifact(art.tensors, art.metadata))
+    vp, _ = VllmKVPlan.from_kvcal_plan("fp8", KVPlan.from_artifact(tensors, metadata))
     q = []
     for i in range(num_layers):
-        t = art.tensors.get(f"model.layers.{i}.self_attn.q_scale")
+        t = tensors.get(f"model.layers.{i}.self_attn.q_scale")
         t = t.float().reshape(-1) if t is not None else None
         q.append(1.0 if t is None else float(t[0]) if t.numel() == 1 else t)
     return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q}
+
+
+def _fp8_scales(artifact_dir: Path, num_layers: int) -> dict:
+    """:func:`vllm_fp8_scales` of the artifact in ``artifact_dir``."""
+    from kvcal.artifact import load_artifact
+
+    art = load_artifact(artifact_dir)
+    return vllm_fp8_scales(art.tensors, art.metadata, num_layers)
 
 
 def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress: bool = True,
@@ -184,10 +193,12 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 
     from kvcal.artifact import write_dir_atomically
     from kvcal.errors import KvcalError
-    from kvcal.evaluate import corpus_stream, cut_windows, default_accept, judge, parse_accept, teacher_forced
+    from kvcal.evaluate.accept import default_accept, judge, parse_accept
+    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token
     from kvcal.models import check_max_positions, load_model, load_model_config, load_tokenizer, resolve_model
-    from kvcal.search.skip_layers import skip_costs
+    from kvcal.search.skip_layers import serve_skip_arg, skip_costs
     from kvcal.vllm_plan import VllmKVPlan
 
     check_options(cfg)
@@ -265,8 +276,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         chosen = min(ok, key=lambda c: (c["bytes_per_token"], c["kl_mean"])) if ok else None
         commands = None
         if chosen is not None:
-            skip = " ".join(map(str, chosen["skip_layers"]))
-            skip_arg = f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
+            skip_arg = serve_skip_arg(chosen["skip_layers"])
             if chosen["dtype"] in ("fp8", "fp8_e4m3"):
                 ck = Path(cfg.out) / "checkpoint"
                 if src.gguf_file:
@@ -343,5 +353,5 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["RecommendConfig", "DEFAULT_MENU", "check_options", "check_budget", "layer_sensitivity",
+__all__ = ["RecommendConfig", "DEFAULT_MENU", "check_options", "check_budget", "layer_sensitivity", "vllm_fp8_scales",
            "candidate_sets", "recommend", "render_table", "render_markdown"]

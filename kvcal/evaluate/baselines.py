@@ -18,7 +18,9 @@ from kvcal.evaluate.accept import plan_bits
 
 
 def fp8_plan(num_layers: int, scales: list[tuple[float, float]]):
-    """Per-tensor FP8 e4m3 plan with the given ``(k_scale, v_scale)`` per layer."""
+    """Per-tensor FP8 e4m3 :class:`~kvcal.plan.KVPlan` of ``num_layers`` layers with the given
+    ``(k_scale, v_scale)`` per layer (dequantization multipliers, ``x ≈ q·scale``; stored as float32
+    ``[1, 1, 1, 1]``). ``ValueError`` when ``len(scales) != num_layers``."""
     from kvcal.formats.spec import preset
     from kvcal.plan import KVPlan
 
@@ -30,8 +32,9 @@ def fp8_plan(num_layers: int, scales: list[tuple[float, float]]):
 
 
 def artifact_amax(metadata: dict) -> list[tuple[float, float]] | None:
-    """Per-layer ``(k_amax, v_amax)`` from a calibration artifact's ``layers[i][side]["amax"]``
-    (max over heads), or ``None`` when the artifact does not record it."""
+    """Per-layer ``(k_amax, v_amax)`` (float, activation units) from a calibration artifact's
+    ``layers[i][side]["amax"]`` metadata (max over heads/channels), or ``None`` when the artifact
+    does not record it for every one of ``metadata["model"]["num_layers"]`` layers."""
     layers = metadata.get("layers") or []
     n = int(metadata["model"]["num_layers"])
     if len(layers) != n:
@@ -47,8 +50,10 @@ def artifact_amax(metadata: dict) -> list[tuple[float, float]] | None:
 
 
 def capture_amax(model, windows: torch.Tensor, num_layers: int) -> list[tuple[float, float]]:
-    """Per-layer ``(k_amax, v_amax)`` from a capture pass over ``windows`` ``[N, T]`` (use windows
-    kept apart from the evaluation windows)."""
+    """Per-layer ``(k_amax, v_amax)`` (float, activation units): the max of ``|k|`` / ``|v|``
+    (post-RoPE keys) over every head, position and window of a capture pass over ``windows`` int64
+    ``[N, T]``, one window per forward pass (use windows kept apart from the evaluation windows).
+    Layers that never fire keep ``0.0``."""
     from kvcal.capture.hooks import capture_kv
 
     amax = [[0.0, 0.0] for _ in range(num_layers)]
