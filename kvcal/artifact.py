@@ -675,6 +675,12 @@ TENSOR_KINDS = ("scale", "zero_point", "clip_ratio", "mean", "rounding", "channe
                 "scale_base")
 #: Tensors outside the per-layer K/V pattern: the query scale (per layer) and the RoPE table.
 _OTHER_TENSOR = ("q_scale",)
+#: vLLM NVFP4 outer scales (``model.layers.{i}.self_attn.{k,v}_outer_scale``, float32 ``[1]``; written by
+#: ``calibrate --engine vllm --kv-cache-dtype nvfp4``, :mod:`kvcal.search.vllm_nvfp4`): accepted only when
+#: the metadata's ``vllm.kv_cache_dtype`` is an nvfp4 dtype, and then required for every layer.
+_OUTER_KIND = "outer_scale"
+#: e4m3 max x E2M1 max: the NVFP4 amax rule's divisor (outer = amax / 2688).
+_NVFP4_AMAX_DIVISOR = 448.0 * 6.0
 _ROPE_TENSOR = "rotary.inv_freq"
 
 #: A static scale is refused when it lies outside ``[amax / fmt_max / SCALE_SANITY,
@@ -781,6 +787,7 @@ _VLLM_SCHEMA = {  # calibrate --engine vllm (kvcal.search.vllm_fp8.vllm_metadata
     "query_quantization": (_STR, False),
     "q_scale": ((lambda v: isinstance(v, list) and all(isinstance(r, list) and all(_is_num(x) for x in r) for r in v),
                  "a list (one per layer) of lists of finite numbers"), False),
+    "k_outer_scale": (_NUM_LIST, False), "v_outer_scale": (_NUM_LIST, False),  # nvfp4 (kvcal.search.vllm_nvfp4)
 }
 
 
@@ -832,6 +839,10 @@ def validate_metadata_schema(f: Path, meta) -> None:
         _check_section(f, "corpus", meta["corpus"], _CORPUS_SCHEMA)
     if meta.get("vllm") is not None:
         _check_section(f, "vllm", meta["vllm"], _VLLM_SCHEMA)
+        bad = [x for x in meta["vllm"].get("skip_layers") or [] if x >= n]
+        if bad:  # export would print a --kv-cache-dtype-skip-layers naming no layer of the model
+            raise ArtifactError(f"{f}: metadata field vllm.skip_layers names layer(s) {bad} but the model has {n} "
+                                "layers (model.num_layers); fix the field or re-run calibration")
     for j, lm in enumerate(meta.get("layers") or []):
         _check_section(f, f"layers[{j}]", lm, {"layer": ((lambda v: _is_int(v) and 0 <= v < n,
                                                            f"a layer index in 0..{n - 1}"), True)})
@@ -864,7 +875,7 @@ def _parse_tensor_name(name: str) -> tuple[int, str, str] | None:
     if parts[4] in _OTHER_TENSOR:
         return int(parts[2]), "q", "scale"
     side, _, kind = parts[4].partition("_")
-    if side not in SIDES or kind not in TENSOR_KINDS:
+    if side not in SIDES or kind not in (*TENSOR_KINDS, _OUTER_KIND):
         return None
     return int(parts[2]), side, kind
 
@@ -894,6 +905,9 @@ def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
         i, side, kind = parsed
         if i >= n:
             raise ArtifactError(f"{f}: tensor {name} is for layer {i} but the metadata says {n} layers")
+        if kind == _OUTER_KIND:
+            _check_outer_scale(f, meta, name, t, i, side)
+            continue
         if side == "q":  # vLLM's static FP8 query scale (kvcal.search.vllm_fp8): per tensor or per KV-head group
             if tuple(t.shape) not in ((1,), (H, 1, 1)):
                 raise ArtifactError(f"{f}: {name} has shape {list(t.shape)}, expected [1] (per tensor) or {[H, 1, 1]} "
@@ -915,7 +929,48 @@ def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
             if bool(bad.any()):
                 raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales "
                                     f"({t[bad].flatten()[:3].tolist()}); re-run calibration")
+    if _nvfp4_dtype(meta):
+        lost = [f"model.layers.{i}.self_attn.{s}_{_OUTER_KIND}" for i in range(n) for s in SIDES
+                if f"model.layers.{i}.self_attn.{s}_{_OUTER_KIND}" not in tensors]
+        if lost:
+            raise ArtifactError(f"{f}: metadata says vllm.kv_cache_dtype {_nvfp4_dtype(meta)} but {len(lost)} NVFP4 "
+                                f"outer scale(s) are missing (first: {lost[0]}); the file is incomplete — re-run "
+                                "calibration")
     _check_scale_ranges(f, meta, tensors)
+
+
+def _nvfp4_dtype(meta: dict) -> str | None:
+    """The vLLM nvfp4 dtype the artifact was calibrated for (``vllm.kv_cache_dtype``), else ``None``."""
+    d = (meta.get("vllm") or {}).get("kv_cache_dtype")
+    return d if isinstance(d, str) and d.startswith("nvfp4") else None
+
+
+def _check_outer_scale(f: Path, meta: dict, name: str, t: torch.Tensor, i: int, side: str) -> None:
+    """An NVFP4 outer scale tensor: only in an nvfp4 artifact, shape ``[1]``, finite and > 0, and within
+    :data:`SCALE_SANITY` of the amax rule for the calibration absmax ``layers[i].{side}.amax``
+    (``[amax/2688/64, 64·max(1, amax/100)]``; the search's candidates — amax/2688 x 2^(-4/8..7/8) and
+    1.0 — lie well inside). Raises :class:`ArtifactError` naming the tensor."""
+    if not _nvfp4_dtype(meta):
+        have = (meta.get("vllm") or {}).get("kv_cache_dtype")
+        raise ArtifactError(f"{f}: holds {name}, a vLLM NVFP4 outer scale, but the metadata says "
+                            + (f"vllm.kv_cache_dtype {have!r}" if have else "no vllm nvfp4 calibration")
+                            + "; kvcal writes outer scales only for --engine vllm --kv-cache-dtype nvfp4 — remove it "
+                            "or re-run calibration")
+    if tuple(t.shape) != (1,):
+        raise ArtifactError(f"{f}: {name} has shape {list(t.shape)}, expected [1] (vLLM loads one outer scale per "
+                            "layer and side); the file was edited — re-run calibration")
+    v = float(t.reshape(-1)[0])
+    if not math.isfinite(v) or v <= 0:
+        raise ArtifactError(f"{f}: tensor {name} holds the non-positive or non-finite scale {v}; re-run calibration")
+    rec = next((lm.get(side) for lm in meta.get("layers") or [] if lm.get("layer") == i), None) or {}
+    amax = rec.get("amax")
+    if amax:
+        a = max(float(x) for x in amax)
+        lo, hi = a / _NVFP4_AMAX_DIVISOR / SCALE_SANITY, SCALE_SANITY * max(1.0, a / 100.0)
+        if a > 0 and not lo <= v <= hi:
+            raise ArtifactError(f"{f}: tensor {name} holds the outer scale {v:.4g}, implausible for the calibration "
+                                f"absmax {a:.4g} recorded for layer {i} {side.upper()} (a plausible NVFP4 outer scale "
+                                f"lies in [{lo:.3g}, {hi:.3g}]); the file was edited — re-run calibration")
 
 
 def _check_scale_ranges(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -72,6 +72,17 @@ def vllm_q_scale(q: torch.Tensor, model_meta: dict) -> torch.Tensor:
 
 
 class VllmTarget(Target):
+    """compressed-tensors checkpoint names (module docstring). For an artifact of ``calibrate --engine vllm
+    --kv-cache-dtype nvfp4`` the per-layer NVFP4 outer scales are written as ``{attn}.k_scale`` /
+    ``{attn}.v_scale`` (float32 ``[1]``) with ``q_scale``: vLLM 0.33 reads an NVFP4 cache's outer scale from
+    the layer's ``k_scale``/``v_scale`` (``v1/attention/backends/flashinfer.py`` :2822-2856 store, :2223-2231
+    ``bmm1_scale = sm_scale·q_scale·k_scale``, ``bmm2_scale = v_scale``), loaded per tensor
+    (``model_executor/layers/quantization/kv_cache.py`` :117-145). The config keeps the FP8
+    ``kv_cache_scheme`` (``num_bits: 8, type: float``): compressed-tensors' KV method refuses any other
+    (``compressed_tensors/compressed_tensors.py`` :1114-1122, ``validate_kv_cache_scheme``), and it only makes
+    vLLM create and load the scale parameters; the cache dtype comes from ``--kv-cache-dtype nvfp4``, which
+    wins over the scheme (``model_executor/layers/attention/attention.py`` :283-291)."""
+
     name = "vllm"
     order = 0
     aliases = ("compressed-tensors",)
@@ -79,6 +90,11 @@ class VllmTarget(Target):
     granularities = ("tensor", "head")
     non_saturating = ("SGLang",)  # SGLang loads the same names (per-tensor only)
     description = "compressed-tensors checkpoint names + quantization_config.kv_cache_scheme"
+
+    def can_load(self, meta: dict) -> str | None:
+        from kvcal.export.base import vllm_nvfp4_dtype
+
+        return None if vllm_nvfp4_dtype(meta) is not None else super().can_load(meta)
 
     def write(self, ctx: ExportContext, staging: Path) -> str:
         from safetensors.torch import save_file
@@ -138,6 +154,29 @@ class VllmTarget(Target):
                 replace_files={"config.json": cfg},
             )
         cmd = "vllm serve {out} --kv-cache-dtype fp8"
+        if p.format == "nvfp4":  # calibrate --engine vllm --kv-cache-dtype nvfp4: outer scales + q_scale
+            from kvcal.export.base import vllm_nvfp4_dtype
+
+            d = vllm_nvfp4_dtype(ctx.artifact.metadata)
+            cmd = f"vllm serve {{out}} --kv-cache-dtype {d}"
+            ctx.warnings.append(f"serve with --kv-cache-dtype {d}: k_scale/v_scale here are NVFP4 outer scales "
+                                "(about observed max / 2688); without the flag vLLM follows the config's FP8 "
+                                "kv_cache_scheme and would store FP8 K/V saturating at 448 x these scales")
+            ctx.notes.append("q_scale is used on SM100 (FlashInfer trtllm-gen, FP8 queries); on SM80/90/120 "
+                             "(FlashInfer fa2) vLLM keeps NVFP4-cache queries in the model dtype and ignores it")
+            ctx.manifest["kv_cache_dtype"] = d
+        vm = ctx.artifact.metadata.get("vllm")
+        if isinstance(vm, dict) and vm.get("skip_layers"):  # calibrate --engine vllm --skip-layers: 16-bit layers
+            from kvcal.search.skip_layers import serve_skip_arg
+
+            skip = [int(i) for i in vm["skip_layers"]]
+            how = (vm.get("skip_layers_choice") or {}).get("method")
+            cmd = f"vllm serve {{out}} --kv-cache-dtype {vm['kv_cache_dtype']}{serve_skip_arg(skip)}"
+            ctx.notes.append(f"layers kept in the model dtype (--kv-cache-dtype-skip-layers): {', '.join(map(str, skip))}"
+                             + (" (chosen by kvcal's per-layer probe under the budget)" if how == "auto" else "")
+                             + "; their k/v/q scales are written but vLLM does not use them")
+            ctx.manifest["kv_cache_dtype"] = vm["kv_cache_dtype"]
+            ctx.manifest["kv_cache_dtype_skip_layers"] = skip
         if p.granularity == "head":
             ctx.notes.append("per-head scales need vLLM's FlashAttention-3 backend (Hopper); SGLang loads "
                              "per-tensor scales only")

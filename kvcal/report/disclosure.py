@@ -213,6 +213,7 @@ def _serving_engine(rep: Report, meta: dict) -> None:
              f"{vm.get('kv_cache_dtype')}`; the scales were searched for what it serves.",
              f"Layers kept in the model dtype (`--kv-cache-dtype-skip-layers`): "
              f"{', '.join(map(str, skip)) if skip else 'none (every layer quantized)'}.",
+             *_skip_choice(vm),
              f"Query quantization: **{vm.get('query_quantization', 'none')}** — vLLM quantizes the post-RoPE queries "
              "to FP8 with the checkpoint's `q_scale` (1.0 when a checkpoint has none) and folds q_scale · k_scale into "
              "the softmax scale; the key search scored vLLM's scores with those FP8 queries."]
@@ -225,6 +226,28 @@ def _serving_engine(rep: Report, meta: dict) -> None:
         if xs:
             items.append(f"Mean {D.heldout_word(meta)} attention KL per query over layers, {lab}: {_sci(sum(xs) / len(xs))} nats.")
     rep.add(Bullets(items))
+
+
+def _skip_choice(vm: dict) -> list[str]:
+    """How the 16-bit layers were chosen (``vllm.skip_layers_choice``, ``kvcal calibrate --skip-layers``):
+    a bullet with the method, the budget, the bytes per token and the serve argument; none without it."""
+    ch = vm.get("skip_layers_choice")
+    if not isinstance(ch, dict):
+        return []
+    skip = vm.get("skip_layers") or []
+    arg = f"`--kv-cache-dtype-skip-layers {' '.join(map(str, skip))}`" if skip else "no `--kv-cache-dtype-skip-layers`"
+    if ch.get("method") == "auto":
+        budget = ", ".join(f"{k} {ch[v]}" for k, v in (("--max-skip", "max_skip"),
+                                                      ("--max-bytes-per-token", "max_bytes_per_token"))
+                           if ch.get(v) is not None)
+        pr = ch.get("probe") or {}
+        how = (f"chosen by `--skip-layers auto` under {budget}: exact 0/1 knapsack of each layer's model-level KL "
+               f"when only it goes through `{vm.get('kv_cache_dtype')}` (probe on {_num(pr.get('samples'))} "
+               f"{pr.get('source', '?')} samples, {_num(pr.get('tokens'))} tokens)")
+    else:
+        how = "given with `--skip-layers`"
+    return [f"16-bit layers {how}; {_num(ch.get('bytes_per_token'))} KV bytes per token as vLLM allocates pages "
+            f"({_num(ch.get('bytes_per_token_16bit'))} at 16 bits); serve with {arg}."]
 
 
 def _weights(rep: Report, meta: dict, ev: dict | None) -> None:

@@ -114,4 +114,114 @@ def choose_skip_layers(sensitivity: list[float], costs: list[int], *, max_skip: 
     return list(top[1])
 
 
-__all__ = ["rule_skip_layers", "skip_costs", "probe_plans", "choose_skip_layers"]
+def parse_skip_layers(text: str | None) -> str | tuple[int, ...] | None:
+    """``--skip-layers`` as given: ``None`` (not given), ``"auto"`` (choose by the probe), or a tuple of
+    layer indices from a comma-separated list (``"0,1,29"``; spaces allowed; order kept as sorted). The
+    range is checked later against the model (:func:`check_skip_layers`). Raises
+    :class:`~kvcal.errors.KvcalError` with a one-line fix for an empty list, an empty item, a non-integer
+    or negative item, or a repeated layer."""
+    from kvcal.errors import KvcalError
+
+    if text is None:
+        return None
+    t = str(text).strip()
+    if t.lower() == "auto":
+        return "auto"
+    items = [x.strip() for x in t.split(",")]
+    if not t or any(not x for x in items):
+        raise KvcalError(f"--skip-layers {text!r}: empty item; give 'auto' or comma-separated layer indices "
+                         "(e.g. 0,1,29)")
+    out = []
+    for x in items:
+        if not x.isdigit():
+            raise KvcalError(f"--skip-layers {text!r}: {x!r} is not a layer index (an integer >= 0); give 'auto' or "
+                             "comma-separated layer indices (e.g. 0,1,29)")
+        if int(x) in out:
+            raise KvcalError(f"--skip-layers {text!r}: layer {int(x)} is named twice; name each layer once")
+        out.append(int(x))
+    return tuple(sorted(out))
+
+
+def check_skip_options(skip_layers, max_skip: int | None, max_bytes_per_token: int | None) -> None:
+    """The model-free checks of ``--skip-layers`` / ``--max-skip`` / ``--max-bytes-per-token`` (values
+    as :func:`parse_skip_layers` returns them): ``auto`` needs a budget (without one the knapsack keeps
+    every layer at 16 bits), a budget applies to ``auto`` only (an explicit list is taken as given), and
+    bounds are >= 0 / >= 1. Raises :class:`~kvcal.errors.KvcalError`."""
+    from kvcal.errors import KvcalError
+
+    if max_skip is not None and max_skip < 0:
+        raise KvcalError(f"--max-skip must be >= 0, got {max_skip}")
+    if max_bytes_per_token is not None and max_bytes_per_token < 1:
+        raise KvcalError(f"--max-bytes-per-token must be >= 1, got {max_bytes_per_token}")
+    budget = [o for o, v in (("--max-skip", max_skip), ("--max-bytes-per-token", max_bytes_per_token)) if v is not None]
+    if skip_layers == "auto" and not budget:
+        raise KvcalError("--skip-layers auto needs a budget: add --max-skip N (most 16-bit layers) or "
+                         "--max-bytes-per-token B (KV bytes per token, all layers)")
+    if budget and skip_layers != "auto":
+        raise KvcalError(f"{' and '.join(budget)} bound{'s' if len(budget) == 1 else ''} the choice of "
+                         "--skip-layers auto; add --skip-layers auto or drop "
+                         f"{'it' if len(budget) == 1 else 'them'}")
+
+
+def check_skip_layers(skip_layers, kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                      max_skip: int | None = None, max_bytes_per_token: int | None = None) -> None:
+    """The checks that need the model's shape (before it loads): an explicit list inside
+    ``[0, num_layers)``; for ``auto``, a ``--max-bytes-per-token`` that the dtype can meet with only the
+    layers vLLM skips on its own, and a ``--max-skip`` not below their count. Raises
+    :class:`~kvcal.errors.KvcalError`."""
+    from kvcal.errors import KvcalError
+    from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
+
+    if skip_layers is None:
+        return
+    if skip_layers != "auto":
+        bad = [i for i in skip_layers if i >= num_layers]
+        if bad:
+            raise KvcalError(f"--skip-layers: layer{'s' if len(bad) > 1 else ''} {','.join(map(str, bad))} out of "
+                             f"range: the model has {num_layers} layers (0..{num_layers - 1})")
+        return
+    forced = boundary_skip_layers(kv_cache_dtype, num_layers)
+    if max_skip is not None and max_skip < len(forced):
+        raise KvcalError(f"--max-skip {max_skip}: vLLM always keeps {len(forced)} layers {forced} of "
+                         f"--kv-cache-dtype {kv_cache_dtype} at 16 bits; give --max-skip >= {len(forced)}")
+    if max_bytes_per_token is not None:
+        least = sum(layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim))
+        if least > max_bytes_per_token:
+            raise KvcalError(f"--max-bytes-per-token {max_bytes_per_token}: --kv-cache-dtype {kv_cache_dtype} needs "
+                             f"{least} bytes per token on this model with no layer at 16 bits; raise the bound")
+
+
+def budget_skip_layers(sensitivity: list[float], kv_cache_dtype: str, num_layers: int, num_kv_heads: int,
+                       head_dim: int, *, max_skip: int | None = None,
+                       max_bytes_per_token: int | None = None) -> list[int]:
+    """The 16-bit layers ``--skip-layers auto`` deploys under a budget: :func:`choose_skip_layers` with
+    :func:`skip_costs`, vLLM's own boundary layers forced in, ``max_skip`` as the count bound and
+    ``max_bytes_per_token`` (KV bytes per token, all layers, as
+    :func:`kvcal.formats.memory.vllm_bytes_per_token` counts them) turned into the extra-bytes bound
+    ``B - Σ quantized slots``. ``sensitivity``: per-layer KL (nats) of
+    :func:`kvcal.recommend.layer_sensitivity`. Sorted layer indices. Raises ``ValueError`` when the
+    forced layers alone exceed a bound (:func:`check_skip_layers` refuses that before the model loads)."""
+    from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
+
+    costs = skip_costs(kv_cache_dtype, num_layers, num_kv_heads, head_dim)
+    extra = None
+    if max_bytes_per_token is not None:
+        base = sum(layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim, add_boundary=False))
+        extra = max_bytes_per_token - base
+        if extra < 0:
+            raise ValueError(f"{max_bytes_per_token} bytes per token is below {base}, the dtype with no 16-bit layer")
+    return choose_skip_layers(sensitivity, costs, max_skip=max_skip, max_extra_bytes=extra,
+                              forced=boundary_skip_layers(kv_cache_dtype, num_layers))
+
+
+def serve_skip_arg(skip_layers) -> str:
+    """The ``vllm serve`` argument for ``skip_layers`` (``" --kv-cache-dtype-skip-layers 0 1 29"``, or ``""``
+    for none): vLLM 0.33 parses the option as a ``list[str]`` with ``nargs="+"`` (``engine/arg_utils.py``)
+    and compares each item with ``str(layer_index)`` (``attention.py``), so the indices are separated by
+    spaces — a comma-separated ``0,1`` would be one item that matches no layer."""
+    skip = " ".join(str(int(i)) for i in skip_layers)
+    return f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
+
+
+__all__ = ["rule_skip_layers", "skip_costs", "probe_plans", "choose_skip_layers", "parse_skip_layers",
+           "check_skip_options", "check_skip_layers", "budget_skip_layers", "serve_skip_arg"]
