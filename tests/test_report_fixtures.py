@@ -79,7 +79,7 @@ _RESULT = {"ppl": 16.0, "delta_ppl": 0.0, "kl_mean": 0.0, "kl_p999": 0.0, "top1_
            "greedy_agree": 1.0, "greedy_prefix": 1.0, "tokens": 4000, "windows": 2, "seconds": 1.0}
 _CRIT = "kl_mean<=2e-3,delta_ppl<=0.05"
 
-# shaped like kvcal/evaluate.py's documented "kvcal-eval/1" JSON
+# shaped like the "kvcal-eval/1" JSON documented in kvcal/evaluate/document.py
 EVAL = {
     "schema": "kvcal-eval/1", "kvcal_version": "0.1.0", "created": "2025-01-02T00:00:00+00:00",
     "passed": True, "exit_code": 0,

@@ -102,8 +102,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     from kvcal import __version__
     from kvcal.artifact import artifact_sha256, check_model_match, load_artifact
     from kvcal.errors import ArtifactError, KvcalError
-    from kvcal.formats.memory import bytes_per_token, cache_bytes, model_shape
-    from kvcal.formats.spec import preset
+    from kvcal.formats.memory import model_shape
     from kvcal.models import check_max_positions, load_model, load_tokenizer, model_metadata
     from kvcal.plan import KVPlan
 
@@ -182,8 +181,14 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         from kvcal.vllm_plan import VllmKVPlan
 
         qt = [art.tensors.get(f"model.layers.{i}.self_attn.q_scale") for i in range(L)]  # calibrate --engine vllm
+        nv = (art.metadata.get("vllm") or {}).get("kv_cache_dtype")
+        nv = nv if isinstance(nv, str) and nv.startswith("nvfp4") else None  # --kv-cache-dtype nvfp4 artifact
         kw = ({"q_scales": [t.reshape(-1) if t.numel() > 1 else float(t.reshape(-1)[0]) for t in qt]}
-              if d in ("fp8", "fp8_e4m3") and all(t is not None for t in qt) else {})
+              if d in ("fp8", "fp8_e4m3") and all(t is not None for t in qt) and nv is None else {})
+        if d == nv:  # its NVFP4 outer scales (vLLM's k_scale/v_scale) and q_scale, per tensor
+            kw = {f"{s}_scales": [float(art.tensors[f"model.layers.{i}.self_attn.{s}_outer_scale"].reshape(-1)[0])
+                                  for i in range(L)] for s in "kv"}
+            kw["q_scales"] = [float(t.reshape(-1)[0]) for t in qt]
         plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, **kw)
         roles[f"vllm:{d}"] = "vllm"
         vllm_names.add(f"vllm:{d}")
@@ -251,26 +256,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         log(f"per-layer errors on one window of {T0} tokens")
         per_layer = per_layer_errors(model, wins[contexts[0]][:1, :T0], plans)
 
-    b16 = int(bytes_per_token(shp, preset("bf16")))
-    memory = {"bytes_per_token": {}, "bytes_per_token_16bit": b16, "cache_bytes": {}, "measured": measured}
-    for name, p in plans.items():
-        if name in vllm_names:
-            from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
-
-            memory["bytes_per_token"][name] = vllm_bytes_per_token(shp, p.kv_cache_dtype, p.skipped)
-            memory["cache_bytes"][name] = [
-                {"context": T, "batch": B, "bytes": (nb := vllm_cache_bytes(shp, p.kv_cache_dtype, T, B,
-                                                                            skip_layers=p.skipped)),
-                 "vs_16bit": nb / (b16 * T * B)} for T in contexts for B in batches]
-            continue
-        cfgs = [p.kv_config(i) for i in range(L)]
-        memory["bytes_per_token"][name] = bytes_per_token(shp, cfgs)
-        memory["cache_bytes"][name] = []
-        for T in contexts:
-            for B in batches:
-                nb = cache_bytes(shp, cfgs, T, B)
-                memory["cache_bytes"][name].append({"context": T, "batch": B, "bytes": nb,
-                                                    "vs_16bit": nb / (b16 * T * B)})
+    memory = memory_section(plans, vllm_names, shp, L, contexts, batches, measured)
 
     art_rows = [r for r in results if r["method"] == "artifact"]
     passed = all(r["status"] == "PASS" for r in art_rows)
@@ -314,3 +300,38 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                      + ", ".join(f"{T - 1} tokens decoded at context {T}" for T in short))
         doc["description"]["decode_tokens_by_context"] = {str(T): min(cfg.decode_tokens, T - 1) for T in contexts}
     return doc
+
+
+def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts: list[int], batches: list[int],
+                   measured: list) -> dict:
+    """The ``"memory"`` section of the document: exact KV-cache bytes per token and per
+    (context, batch) regime of every method, from :mod:`kvcal.formats.memory` (kvcal plans:
+    ``bytes_per_token`` / ``cache_bytes`` of each layer's ``kv_config``; ``vllm:<dtype>`` methods:
+    vLLM's page layout, skipped layers at 16 bits), ``vs_16bit`` against the bf16 cache of the same
+    regime. ``shp``: :func:`kvcal.formats.memory.model_shape`; ``measured``: decode mode's runtime
+    allocations, stored as given."""
+    from kvcal.formats.memory import bytes_per_token, cache_bytes
+    from kvcal.formats.spec import preset
+
+    L = num_layers
+    b16 = int(bytes_per_token(shp, preset("bf16")))
+    memory = {"bytes_per_token": {}, "bytes_per_token_16bit": b16, "cache_bytes": {}, "measured": measured}
+    for name, p in plans.items():
+        if name in vllm_names:
+            from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
+
+            memory["bytes_per_token"][name] = vllm_bytes_per_token(shp, p.kv_cache_dtype, p.skipped)
+            memory["cache_bytes"][name] = [
+                {"context": T, "batch": B, "bytes": (nb := vllm_cache_bytes(shp, p.kv_cache_dtype, T, B,
+                                                                            skip_layers=p.skipped)),
+                 "vs_16bit": nb / (b16 * T * B)} for T in contexts for B in batches]
+            continue
+        cfgs = [p.kv_config(i) for i in range(L)]
+        memory["bytes_per_token"][name] = bytes_per_token(shp, cfgs)
+        memory["cache_bytes"][name] = []
+        for T in contexts:
+            for B in batches:
+                nb = cache_bytes(shp, cfgs, T, B)
+                memory["cache_bytes"][name].append({"context": T, "batch": B, "bytes": nb,
+                                                    "vs_16bit": nb / (b16 * T * B)})
+    return memory
