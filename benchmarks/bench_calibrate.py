@@ -54,7 +54,7 @@ def main():
 
     from kvcal.artifact import write_artifact
     from kvcal.calibrate import CalibrateConfig, plan_from_choices, run_capture, search_scales, split_heldout
-    from kvcal.evaluate import text_windows
+    from kvcal.evaluate.windows import text_windows
     from kvcal.models import load_model, load_tokenizer
 
     tok, model = load_tokenizer(None), load_model(None)

@@ -67,7 +67,8 @@ def main():
     from scipy.stats import spearmanr
 
     from kvcal.calibrate import plan_from_choices, run_capture, search_int, search_scales, split_heldout
-    from kvcal.evaluate import plans_kl, side_only, side_sensitivity, teacher_forced, text_windows
+    from kvcal.evaluate.protocol_a import plans_kl, side_only, side_sensitivity, teacher_forced
+    from kvcal.evaluate.windows import text_windows
     from kvcal.formats.granularity import PerToken, PerTokenGroup
     from kvcal.formats.spec import TensorQuantSpec, preset
     from kvcal.models import head_dim_of, load_model, load_tokenizer

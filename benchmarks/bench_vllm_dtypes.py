@@ -46,7 +46,8 @@ def main(argv=None):
         from pathlib import Path
 
         from kvcal.capture.hooks import capture_kv
-        from kvcal.evaluate import teacher_forced, text_windows
+        from kvcal.evaluate.protocol_a import teacher_forced
+        from kvcal.evaluate.windows import text_windows
         from kvcal.formats.memory import vllm_bytes_per_token
         from kvcal.models import load_model, load_tokenizer
         from kvcal.vllm_plan import VllmKVPlan

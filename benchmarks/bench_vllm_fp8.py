@@ -44,7 +44,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     from kvcal.calibrate import CalibrateConfig, run_capture, search_scales, split_heldout
-    from kvcal.evaluate import teacher_forced, text_windows
+    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.windows import text_windows
     from kvcal.models import load_model, load_tokenizer
     from kvcal.search.vllm_fp8 import search_vllm_fp8
     from kvcal.vllm_plan import VllmKVPlan

@@ -38,7 +38,8 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    from kvcal.evaluate import cut_windows, teacher_forced
+    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.windows import cut_windows
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token
     from kvcal.models import load_model, load_tokenizer
     from kvcal.recommend import layer_sensitivity

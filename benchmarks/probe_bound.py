@@ -69,7 +69,8 @@ def main():
     from _probe import load_probe
 
     from kvcal.capture.hooks import capture_kv
-    from kvcal.evaluate import side_only, teacher_forced, text_windows
+    from kvcal.evaluate.protocol_a import side_only, teacher_forced
+    from kvcal.evaluate.windows import text_windows
     from kvcal.formats.transforms import apply_transform
 
     def check(plan):

@@ -45,7 +45,8 @@ def main():
 
     from _probe import load_probe
 
-    from kvcal.evaluate import plans_kl, side_only, side_sensitivity, text_windows
+    from kvcal.evaluate.protocol_a import plans_kl, side_only, side_sensitivity
+    from kvcal.evaluate.windows import text_windows
 
     _, plan, tok, model = load_probe(a.artifact, a.model)
     windows = text_windows(tok, DATA.read_text(encoding="utf-8"), 1024, a.windows, skip_windows=a.skip_windows)

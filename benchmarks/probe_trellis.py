@@ -52,7 +52,8 @@ def main():
 
     from kvcal.capture.hooks import capture_kv
     from kvcal.corpus import load_corpus
-    from kvcal.evaluate import side_only, teacher_forced, text_windows
+    from kvcal.evaluate.protocol_a import side_only, teacher_forced
+    from kvcal.evaluate.windows import text_windows
     from kvcal.formats import trellis
     from kvcal.formats.transforms import apply_transform
 

@@ -36,7 +36,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     from kvcal.artifact import load_artifact
     from kvcal.capture.hooks import attention_hook
-    from kvcal.evaluate import plan_hook
+    from kvcal.evaluate.protocol_a import plan_hook
     from kvcal.export.hf_loader import check_transformers_kv
     from kvcal.plan import KVPlan
 

@@ -261,7 +261,7 @@ def test_embedded_runtime_matches_protocol_a(smollm_model, smollm_tokenizer, sha
 def test_eval_config_refuses_a_device_torch_cannot_use():
     """Reviewer: ``kvcal evaluate --device cuda`` on a CPU-only torch ended in an AssertionError
     traceback; now a one-line error before anything loads."""
-    from kvcal.evaluate import EvalConfig
+    from kvcal.evaluate.run import EvalConfig
 
     if not torch.cuda.is_available():
         with pytest.raises(KvcalError, match="--device cuda: this torch build .* use --device cpu"):

@@ -15,7 +15,7 @@ from kvcal.calibrate import (
     split_heldout,
 )
 from kvcal.errors import KvcalError
-from kvcal.evaluate import teacher_forced
+from kvcal.evaluate.protocol_a import teacher_forced
 
 transformers = pytest.importorskip("transformers")
 
@@ -318,7 +318,7 @@ def _kl64_and_fp32_bound(model, ids, plan):
     import math
 
     from kvcal.capture.hooks import attention_hook
-    from kvcal.evaluate import plan_hook
+    from kvcal.evaluate.protocol_a import plan_hook
 
     eps32 = torch.finfo(torch.float32).eps
     with torch.no_grad():
@@ -347,7 +347,7 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
       over the two log-probabilities; the bound is that sum, computed from the logits.
     Comparing at batch 2 (as this test once did) is not shared arithmetic: another BLAS blocking moves
     codes across rounding boundaries, by an amount no argument bounds."""
-    from kvcal.evaluate import side_sensitivity
+    from kvcal.evaluate.protocol_a import side_sensitivity
 
     model, cap = tiny_capture
     # one sink (not the automatic choice): 23 of 24 tokens quantized
@@ -379,7 +379,7 @@ def test_side_sensitivity_is_single_side_protocol_a(tiny_capture):
 def test_plans_kl_is_protocol_a_kl_over_samples_of_any_length(tiny_capture):
     """plans_kl = teacher_forced's kl_mean per plan, pooled over samples of different lengths by
     predicted positions; an identity plan scores 0; no usable sample raises."""
-    from kvcal.evaluate import plans_kl
+    from kvcal.evaluate.protocol_a import plans_kl
     from kvcal.plan import KVPlan
 
     model, cap = tiny_capture

@@ -81,7 +81,8 @@ def test_recommend_end_to_end(tiny_dir, tmp_path):
     assert serve in md and serve in r.output and "| bytes/token |" in md and "← chosen" in md
     assert not (out / "artifact").exists()
     # its KL re-measured through Protocol A on the same evaluation windows (the tail after the probe windows)
-    from kvcal.evaluate import corpus_stream, cut_windows, teacher_forced
+    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
     from kvcal.vllm_plan import VllmKVPlan
 

@@ -14,7 +14,7 @@ import torch
 
 from kvcal.capture.hooks import attention_hook
 from kvcal.errors import ArtifactError
-from kvcal.evaluate import plan_hook
+from kvcal.evaluate.protocol_a import plan_hook
 from kvcal.formats.memory import cache_bytes
 from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec, preset
 from kvcal.plan import KVPlan

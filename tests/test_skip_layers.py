@@ -95,7 +95,7 @@ def test_probe_finds_a_sensitive_middle_layer_the_rule_misses(smollm_tokenizer):
     ([0, 5]) — measured independently with plans_kl on other tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcal.evaluate import plans_kl
+    from kvcal.evaluate.protocol_a import plans_kl
     from kvcal.recommend import layer_sensitivity
     from kvcal.vllm_plan import VllmKVPlan
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcal.capture.hooks import attention_hook
-from kvcal.evaluate import plan_hook
+from kvcal.evaluate.protocol_a import plan_hook
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
 from kvcal.formats.quant import fake_quant
 from kvcal.formats.spec import TensorQuantSpec

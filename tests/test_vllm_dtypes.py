@@ -488,7 +488,7 @@ def test_vllm_plan_runs_fp8_with_query_quantization_in_protocol_a():
     """The plan hook hands attention e4m3(q·(1/q_scale))·q_scale and e4m3(k/k_scale)·k_scale —
     checked against a callback written from the float64 grids above, logits bit-identical."""
     from kvcal.capture.hooks import attention_hook
-    from kvcal.evaluate import plan_hook, teacher_forced
+    from kvcal.evaluate.protocol_a import plan_hook, teacher_forced
     from kvcal.vllm_plan import VllmKVPlan
 
     model = _tiny_llama()
