@@ -37,9 +37,10 @@ class EvalConfig:
     """Options of ``kvcal evaluate`` (defaults in one place). ``contexts``/``batches``: regimes;
     ``windows``: evaluation windows per context; ``decode_tokens``: positions decoded one at a
     time after the prefill; ``greedy_tokens``: greedy-agreement length (0 disables);
-    ``accept``: criteria applied to every method (``None``: :data:`DEFAULT_ACCEPT` per precision);
-    ``modes``: subset of ``("teacher_forced", "decode")``; ``per_layer_tokens``: window length of
-    the per-layer error pass (0 disables)."""
+    ``accept``: criteria applied to every method (``None``:
+    :data:`~kvcal.evaluate.accept.DEFAULT_ACCEPT` per precision); ``modes``: subset of
+    ``("teacher_forced", "decode")``; ``per_layer_tokens``: window length of the per-layer error
+    pass (0 disables). Invalid options raise :class:`~kvcal.errors.KvcalError` on construction."""
 
     artifact: str
     corpus: str
@@ -91,7 +92,7 @@ class EvalConfig:
 def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool = True,
              model=None, tokenizer=None) -> dict:
     """Run ``kvcal evaluate``: the artifact and (optionally) the baselines, in both modes, at every
-    context/batch regime. Returns the ``kvcal-eval/1`` document (module docstring).
+    context/batch regime. Returns the ``kvcal-eval/1`` document (schema: :mod:`kvcal.evaluate.document`).
 
     ``model``/``tokenizer``: already-loaded objects for ``cfg.model`` (tests); loaded offline
     otherwise. Raises :class:`~kvcal.errors.KvcalError` for a bad artifact (incl. a model
