@@ -56,6 +56,7 @@ from kvcal.formats.quant import (
 )
 from kvcal.formats.spec import DTYPE_NAMES, LOG8, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding
 
 SIDES = ("k", "v")
 
@@ -67,6 +68,14 @@ def _checked(tensor_name: str, spec: TensorQuantSpec, check, *args):
     except ValueError as e:
         raise ValueError(f"{tensor_name} ({spec.format.value} {spec.granularity.name} "
                          f"{'sym' if spec.symmetric else 'asym'} side): {e}") from None
+
+
+def _set_table(sp: SidePlan, name: str, value: torch.Tensor, tensor: str) -> None:
+    """``setattr(sp, name, value)``, its ``ValueError`` (a refused combination) prefixed with the artifact tensor."""
+    try:
+        setattr(sp, name, value)
+    except ValueError as e:
+        raise ValueError(f"{tensor}: {e}") from None
 
 
 def tensor_name(layer: int, side: str, kind: str = "scale") -> str:
@@ -93,22 +102,115 @@ def _unsqueeze_static(t: torch.Tensor, spec: TensorQuantSpec, H: int, D: int) ->
     return t.reshape(spec.granularity.scale_shape(1, H, 1, D))
 
 
-@dataclass
-class SidePlan:
-    """One layer's K or V: spec plus calibrated parameters (see module docstring for shapes)."""
+class _Table:
+    """A :class:`SidePlan` attribute held in its ``tables`` (:class:`~kvcal.formats.variants.QuantTables`):
+    reading gives the tensor (``None``: absent); assigning replaces it, checked like a new plan — a
+    refused combination raises ``ValueError`` and leaves the plan unchanged."""
 
-    spec: TensorQuantSpec
-    scale: torch.Tensor | None = None
-    zero_point: torch.Tensor | None = None
-    clip_ratio: torch.Tensor | None = None
-    mean: torch.Tensor | None = None
-    transform: str = "none"
-    rope: RopeTable | None = None
-    rounding: torch.Tensor | None = None
-    channel_bits: torch.Tensor | None = None
-    levels: torch.Tensor | None = None
-    scale_base: torch.Tensor | None = None
-    trellis: torch.Tensor | None = None
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, sp, owner=None):
+        return self if sp is None else getattr(sp.tables, self.name)
+
+    def __set__(self, sp, value):
+        old = sp.tables
+        sp.tables = old.replace(**{self.name: value})
+        try:
+            sp._check_variants()
+        except ValueError:
+            sp.tables = old
+            raise
+
+
+class SidePlan:
+    """One layer's K or V: spec plus calibrated parameters (see module docstring for shapes).
+
+    Fields: ``spec``; the scale parameters ``scale`` / ``zero_point`` (static sides) or
+    ``clip_ratio`` (dynamic sides); ``mean`` (key centering); ``transform`` / ``rope``; and
+    ``tables``, a :class:`~kvcal.formats.variants.QuantTables` holding the side's variant tables
+    (codebook: uniform / ``levels`` / ``trellis``; ``rounding`` matrix; per-channel widths
+    ``channel_bits``; log8 ``scale_base``), read as :attr:`codebook`, :attr:`rounding_mode`,
+    :attr:`channel_widths`, :attr:`scale_coding`. Each table is also an attribute
+    (``sp.levels``, ``sp.rounding``, ...; assigning one replaces it in ``tables``, checked), and the
+    constructor takes them as keywords, the older form of ``tables=`` (not both).
+
+    Raises ``ValueError`` (one line) when built with a combination no quantizer defines:
+    ``tables`` combinations refused by :class:`~kvcal.formats.variants.QuantTables`; a levels or
+    trellis codebook with a calibrated ``scale`` (their scale is each group's absmax / RMS); a
+    trellis side with a ``clip_ratio``; a variant table on a side whose spec is not an int format;
+    a log8 ``scale_base`` on a spec without log8 scales; or, as :meth:`check_transform`, an unknown
+    transform, ``pre_rope`` without ``rope``, a transform with ``mean``. (The fit of each table with
+    the spec — shapes, bits, granularity — is checked where it is used.)"""
+
+    rounding = _Table()  #: query-aware rounding matrix ``U [H, D, D]``
+    channel_bits = _Table()  #: per-channel widths ``[H, D]``
+    levels = _Table()  #: levels table ``[H, 2^b]``
+    scale_base = _Table()  #: log8 base ``[H]``
+    trellis = _Table()  #: trellis table ``[2^(ν+b)]``
+
+    def __init__(self, spec: TensorQuantSpec, scale: torch.Tensor | None = None,
+                 zero_point: torch.Tensor | None = None, clip_ratio: torch.Tensor | None = None,
+                 mean: torch.Tensor | None = None, transform: str = "none", rope: RopeTable | None = None,
+                 rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None,
+                 levels: torch.Tensor | None = None, scale_base: torch.Tensor | None = None,
+                 trellis: torch.Tensor | None = None, *, tables: QuantTables | None = None):
+        self.spec = spec
+        self.scale = scale
+        self.zero_point = zero_point
+        self.clip_ratio = clip_ratio
+        self.mean = mean
+        self.transform = transform
+        self.rope = rope
+        self.tables = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
+                                                scale_base=scale_base, trellis=trellis)
+        self._check_variants()
+        self.check_transform()
+
+    def _check_variants(self) -> None:
+        t = self.tables
+        if t.codebook is not Codebook.UNIFORM and self.scale is not None:
+            raise ValueError(f"a {t.codebook.value} side takes its scale from each group (absmax / RMS); pass "
+                             "clip_ratio, not a calibrated scale")
+        if t.codebook is Codebook.TRELLIS and self.clip_ratio is not None:
+            raise ValueError("a trellis side takes no clip_ratio (its scale is the row's RMS)")
+        present = [n for n in ("rounding", "channel_bits", "levels", "trellis") if getattr(t, n) is not None]
+        if present and self.spec.format.kind != "int":
+            raise ValueError(f"{', '.join(present)} need an int spec, not {self.spec.format.value}")
+        if t.scale_base is not None and ScaleCoding.of(self.spec) is not ScaleCoding.LOG8:
+            raise ValueError("scale_base is for log8 scales (scale_dtype='log8'); this side's scales are "
+                             f"{DTYPE_NAMES.get(self.spec.scale_dtype, self.spec.scale_dtype)}")
+
+    def __repr__(self) -> str:
+        parts = [f"spec={self.spec!r}"]
+        for n in ("scale", "zero_point", "clip_ratio", "mean"):
+            v = getattr(self, n)
+            if v is not None:
+                parts.append(f"{n}={tuple(v.shape)}")
+        parts.append(f"transform={self.transform!r}")
+        parts += [f"{n}={tuple(v.shape)}" for n, v in self.tables.as_kwargs().items()]
+        return f"SidePlan({', '.join(parts)})"
+
+    # ---- the variants, as typed values --------------------------------------------------------
+    @property
+    def codebook(self) -> Codebook:
+        """``uniform``, ``levels`` or ``trellis`` (:class:`~kvcal.formats.variants.Codebook`)."""
+        return self.tables.codebook
+
+    @property
+    def rounding_mode(self) -> Rounding:
+        """``nearest`` or ``query_aware`` (:class:`~kvcal.formats.variants.Rounding`)."""
+        return self.tables.rounding_mode
+
+    @property
+    def channel_widths(self) -> ChannelWidths:
+        """``spec`` or ``allocated`` (:class:`~kvcal.formats.variants.ChannelWidths`)."""
+        return self.tables.channel_widths
+
+    @property
+    def scale_coding(self) -> ScaleCoding:
+        """``float`` or ``log8``, from the spec (:class:`~kvcal.formats.variants.ScaleCoding`)."""
+        return ScaleCoding.of(self.spec)
 
     def check_transform(self) -> None:
         """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
@@ -141,9 +243,10 @@ class SidePlan:
             xq = x - self.mean.to(x.dtype) if self.mean is not None else x
         params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
                   else {"scale": self.scale, "zero_point": self.zero_point})
-        rounding = None if self.rounding is None else self._unit_rounding()  # as the runtime keeps it
-        y = fake_quant(xq, self.spec, rounding=rounding, channel_bits=self.channel_bits, levels=self.levels,
-                       scale_base=self.scale_base, trellis=self.trellis, **params)
+        tables = self.tables
+        if tables.rounding is not None:
+            tables = tables.replace(rounding=self._unit_rounding())  # as the runtime keeps it
+        y = fake_quant(xq, self.spec, tables=tables, **params)
         if self.transform != "none":
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
         return y + self.mean.to(x.dtype) if self.mean is not None else y
@@ -193,13 +296,15 @@ class KVPlan:
 
     def kv_config(self, layer: int = 0) -> KVCacheConfig:
         lp = self.layers[layer]
-        return KVCacheConfig(lp.k.spec, lp.v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens,
-                             key_centering=lp.k.mean is not None, key_rounding=lp.k.rounding is not None,
-                             value_rounding=lp.v.rounding is not None,
-                             key_channel_bits=lp.k.channel_bits is not None,
-                             value_channel_bits=lp.v.channel_bits is not None,
-                             key_levels=lp.k.levels is not None, value_levels=lp.v.levels is not None,
-                             value_trellis=0 if lp.v.trellis is None else int(lp.v.trellis.numel()))
+        k, v = lp.k, lp.v
+        return KVCacheConfig(k.spec, v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens,
+                             key_centering=k.mean is not None,
+                             key_rounding=k.rounding_mode is Rounding.QUERY_AWARE,
+                             value_rounding=v.rounding_mode is Rounding.QUERY_AWARE,
+                             key_channel_bits=k.channel_widths is ChannelWidths.ALLOCATED,
+                             value_channel_bits=v.channel_widths is ChannelWidths.ALLOCATED,
+                             key_levels=k.codebook is Codebook.LEVELS, value_levels=v.codebook is Codebook.LEVELS,
+                             value_trellis=int(v.trellis.numel()) if v.codebook is Codebook.TRELLIS else 0)
 
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.
@@ -337,19 +442,21 @@ class KVPlan:
                 if rd is not None:
                     if tuple(rd.shape) != (H, D, D):
                         raise ValueError(f"{tensor_name(i, s, 'rounding')} has shape {tuple(rd.shape)}, expected {(H, D, D)}")
-                    sp.rounding = unit_rounding(rd.float())  # identity for kvcal artifacts
+                    _set_table(sp, "rounding", unit_rounding(rd.float()), tensor_name(i, s, "rounding"))  # identity for kvcal artifacts
                 cb = tensors.get(tensor_name(i, s, "channel_bits"))
                 if cb is not None:
                     if tuple(cb.shape) != (H, D):
                         raise ValueError(f"{tensor_name(i, s, 'channel_bits')} has shape {tuple(cb.shape)}, expected {(H, D)}")
-                    sp.channel_bits = _checked(tensor_name(i, s, "channel_bits"), spec, check_channel_bits, cb.float(), spec, H, D)
+                    _set_table(sp, "channel_bits", _checked(tensor_name(i, s, "channel_bits"), spec, check_channel_bits, cb.float(),
+                                                            spec, H, D), tensor_name(i, s, "channel_bits"))
                 lv = tensors.get(tensor_name(i, s, "levels"))
                 if lv is not None:
                     n = 2**spec.bits if spec.format.kind == "int" else 0
                     if lv.ndim not in (1, 2) or lv.shape[-1] != n or lv.numel() not in (n, H * n):
                         raise ValueError(f"{tensor_name(i, s, 'levels')} has shape {tuple(lv.shape)}, expected [H, 2^bits] = "
                                          f"{(H, n)} for its {spec.format.value} side")
-                    sp.levels = _checked(tensor_name(i, s, "levels"), spec, check_levels, lv.float(), spec, H)
+                    _set_table(sp, "levels", _checked(tensor_name(i, s, "levels"), spec, check_levels, lv.float(), spec, H),
+                               tensor_name(i, s, "levels"))
                 tt = tensors.get(tensor_name(i, s, "trellis"))
                 if tt is not None:
                     if s != "v":
@@ -357,7 +464,8 @@ class KVPlan:
                     if sp.clip_ratio is not None or sp.levels is not None:
                         raise ValueError(f"{tensor_name(i, s, 'trellis')}: a trellis side takes no clip_ratio or levels "
                                          "tensor (its scale is the row's RMS)")
-                    sp.trellis = _checked(tensor_name(i, s, "trellis"), spec, check_trellis, tt.float(), spec, D)
+                    _set_table(sp, "trellis", _checked(tensor_name(i, s, "trellis"), spec, check_trellis, tt.float(), spec, D),
+                               tensor_name(i, s, "trellis"))
                 sb = tensors.get(tensor_name(i, s, "scale_base"))
                 if spec.is_quantized and spec.scale_dtype == LOG8:
                     if sb is None:

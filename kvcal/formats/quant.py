@@ -94,6 +94,7 @@ from kvcal.formats.fp8 import FP8_FORMATS, quantize_fp8
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.packing import pack, pack_channels, unpack, unpack_channels
 from kvcal.formats.spec import DEFAULTS, LOG8, QFormat, TensorQuantSpec
+from kvcal.formats.variants import QuantTables
 
 #: e2m1 magnitudes by 3-bit code (OCP MX spec, FP4 E2M1).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -761,6 +762,7 @@ def quantize(
     clip_ratio: torch.Tensor | float | None = None,
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
+    tables: QuantTables | None = None,
     rounding: torch.Tensor | None = None,
     channel_bits: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
@@ -774,7 +776,11 @@ def quantize(
     scalar or ``[H]``-sized, shrinks ranges computed from ``x`` (see module docstring); not with
     ``scale``. ``global_scale``: NVFP4 fp32 outer scale (default ``amax(x) / 2688``).
     ``check_finite=False`` skips the NaN/Inf check (results for non-finite inputs are then
-    undefined). ``rounding``: ``U [H, D, D]`` for query-aware rounding (int formats; module
+    undefined). ``tables``: the side's calibrated tables as one
+    :class:`~kvcal.formats.variants.QuantTables` (codebook, rounding, channel widths, log8 base; it
+    refuses undefined combinations when built). The five keywords below are the deprecated form of
+    ``tables`` (kept as a thin adapter; not together with ``tables``):
+    ``rounding``: ``U [H, D, D]`` for query-aware rounding (int formats; module
     docstring). ``channel_bits``: per-channel widths ``[H, D]`` (asymmetric int, per-channel token
     groups, each head summing to ``spec.bits · D``; :func:`check_channel_bits`); explicit ``scale`` /
     ``zero_point`` given with them must come from :func:`params_from_range` with
@@ -791,11 +797,14 @@ def quantize(
     if not spec.is_quantized:
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return QuantizedTensor(x.to(dt), None, None, shape, spec, x.dtype)
+    t = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
+                                  scale_base=scale_base, trellis=trellis)
+    rounding, scale_base = t.rounding, t.scale_base
     lay = _Layout(spec, shape)
-    w = None if channel_bits is None else check_channel_bits(channel_bits, spec, lay.H, lay.D)
+    w = None if t.channel_bits is None else check_channel_bits(t.channel_bits, spec, lay.H, lay.D)
     top = None if w is None else _top_codes(w, lay, x.device)
-    L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
-    T = _trellis_arg(trellis, spec, lay, L, rounding, channel_bits, scale, clip_ratio)
+    L = _levels_arg(t.levels, spec, lay, scale)
+    T = _trellis_arg(t.trellis, spec, lay, scale, clip_ratio)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top,
@@ -824,22 +833,19 @@ def quantize(
                            None if scale_base is None else check_scale_base(scale_base, lay.H).to(x.device), T)
 
 
-def _levels_arg(levels, spec, lay: _Layout, rounding, channel_bits, scale) -> torch.Tensor | None:
+def _levels_arg(levels, spec, lay: _Layout, scale) -> torch.Tensor | None:
+    """Checked levels table (combinations with other tables: refused by :class:`QuantTables`)."""
     if levels is None:
         return None
-    if rounding is not None or channel_bits is not None:
-        raise ValueError("non-uniform levels do not combine with query-aware rounding or per-channel widths")
     if scale is not None:
         raise ValueError("non-uniform levels take the group's absmax as scale; pass clip_ratio, not scale")
     return check_levels(levels, spec, lay.H)
 
 
-def _trellis_arg(trellis, spec, lay: _Layout, L, rounding, channel_bits, scale, clip_ratio) -> torch.Tensor | None:
+def _trellis_arg(trellis, spec, lay: _Layout, scale, clip_ratio) -> torch.Tensor | None:
+    """Checked trellis table (combinations with other tables: refused by :class:`QuantTables`)."""
     if trellis is None:
         return None
-    if L is not None or rounding is not None or channel_bits is not None:
-        raise ValueError("a trellis table does not combine with non-uniform levels, query-aware rounding or "
-                         "per-channel widths")
     if scale is not None or clip_ratio is not None:
         raise ValueError("trellis rows take their RMS as scale; pass neither scale nor clip_ratio")
     return check_trellis(trellis, spec, lay.D)
@@ -902,6 +908,7 @@ def fake_quant(
     clip_ratio: torch.Tensor | float | None = None,
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
+    tables: QuantTables | None = None,
     rounding: torch.Tensor | None = None,
     channel_bits: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
@@ -916,10 +923,14 @@ def fake_quant(
     if not spec.is_quantized:
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return x.to(dt).to(x.dtype)
+    t = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
+                                  scale_base=scale_base, trellis=trellis)
+    rounding, scale_base = t.rounding, t.scale_base
     lay = _Layout(spec, tuple(x.shape))
-    top = None if channel_bits is None else _top_codes(check_channel_bits(channel_bits, spec, lay.H, lay.D), lay, x.device)
-    L = _levels_arg(levels, spec, lay, rounding, channel_bits, scale)
-    T = _trellis_arg(trellis, spec, lay, L, rounding, channel_bits, scale, clip_ratio)
+    cb = t.channel_bits
+    top = None if cb is None else _top_codes(check_channel_bits(cb, spec, lay.H, lay.D), lay, x.device)
+    L = _levels_arg(t.levels, spec, lay, scale)
+    T = _trellis_arg(t.trellis, spec, lay, scale, clip_ratio)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, scale_base,

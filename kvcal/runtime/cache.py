@@ -88,6 +88,7 @@ from kvcal.formats.quant import (
 )
 from kvcal.formats.spec import DEFAULTS, LOG8, QFormat
 from kvcal.formats.transforms import apply_transform
+from kvcal.formats.variants import QuantTables
 from kvcal.plan import KVPlan, SidePlan
 
 try:  # transformers is a runtime dependency of this layer (style: runtime adds transformers)
@@ -310,17 +311,7 @@ class _Side:
             kw = self._params()
         if spec.format is QFormat.NVFP4 and float(self.global_scale) == 0.0:
             self.global_scale.copy_(nvfp4_global_scale(x.abs().amax()).reshape(1))
-        if self.rounding is not None:
-            kw["rounding"] = self._rounding_matrix()
-        if self.channel_bits is not None:
-            kw["channel_bits"] = self.channel_bits
-        if self.levels is not None:
-            kw["levels"] = self.levels
-        if self.scale_base is not None:
-            kw["scale_base"] = self.scale_base
-        if self.trellis is not None:
-            kw["trellis"] = self._trellis_table()
-        qt = quantize(x, spec, **kw)
+        qt = quantize(x, spec, tables=self._tables(), **kw)
         s_pad = qt.data.shape[2]
         self.data[:, :, q0 : q0 + s_pad] = qt.data
         if spec.dynamic:
@@ -330,6 +321,13 @@ class _Side:
             if self.zp is not None:
                 self.zp[:, :, r0 : r0 + n] = qt.zero_point
         self.n_q = self.n_q + e
+
+    def _tables(self) -> QuantTables:
+        """The side's variant tables as :func:`~kvcal.formats.quant.quantize` reads them, rebuilt from
+        the compact forms held here (rounding triangle, uint8 widths, int8 trellis table; exact)."""
+        return QuantTables(rounding=None if self.rounding is None else self._rounding_matrix(),
+                           channel_bits=self.channel_bits, levels=self.levels, scale_base=self.scale_base,
+                           trellis=None if self.trellis is None else self._trellis_table())
 
     def _trellis_table(self) -> torch.Tensor:
         """The int8 trellis table as the float32 values it encodes (exact)."""

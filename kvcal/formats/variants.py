@@ -1,0 +1,148 @@
+"""The variants of an integer K/V side, as small typed values (torch only).
+
+A side's storage is its :class:`~kvcal.formats.spec.TensorQuantSpec` plus a choice along four
+independent axes; each axis is a value here instead of a loose boolean or an optional tensor:
+
+* **codebook** (:class:`Codebook`): what the codes index — the ``uniform`` grid of the spec, a
+  non-uniform ``levels`` table ``float32 [H, 2^b]``, or a ``trellis`` table ``float32 [2^(ν+b)]``
+  (:mod:`kvcal.formats.quant` module docstring, sections "Non-uniform levels" / "Trellis-coded rows");
+* **scale coding** (:class:`ScaleCoding`): per-group scales stored as floats (``float``: the spec's
+  ``scale_dtype``) or as 8-bit log codes (``log8``: ``scale_dtype="log8"``, with a per-head
+  ``scale_base float32 [H]``);
+* **rounding** (:class:`Rounding`): ``nearest`` code, or ``query_aware`` channel-ordered rounding with
+  error feedback through a matrix ``U float32 [H, D, D]``;
+* **channel widths** (:class:`ChannelWidths`): every channel at the spec's width (``spec``), or
+  per-channel widths ``int64 [H, D]`` (``allocated``; each head summing to ``bits · D``).
+
+:class:`QuantTables` carries the calibrated tensors of one side along these axes into
+:func:`kvcal.formats.quant.quantize` / :func:`~kvcal.formats.quant.fake_quant`, the plan
+(:class:`kvcal.plan.SidePlan`) and the runtime cache; it refuses at construction the combinations
+no quantizer defines (a levels or trellis codebook with query-aware rounding or per-channel widths,
+levels with trellis). Which spec each table needs (symmetric / asymmetric, granularity, bits) is checked
+against the spec where the tables are used (:func:`kvcal.formats.quant.check_levels`,
+:func:`~kvcal.formats.quant.check_trellis`, :func:`~kvcal.formats.quant.check_channel_bits`,
+:func:`~kvcal.formats.quant.check_scale_base`). Errors: ``ValueError`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import torch
+
+
+class Codebook(str, Enum):
+    """What a side's integer codes index (see the module docstring)."""
+
+    UNIFORM = "uniform"
+    LEVELS = "levels"
+    TRELLIS = "trellis"
+
+
+class ScaleCoding(str, Enum):
+    """How per-group scales are stored: ``float`` (the spec's scale dtype) or ``log8`` (one byte,
+    ``base_h · 2^(code/16)``; :func:`kvcal.formats.quant.log8_decode`)."""
+
+    FLOAT = "float"
+    LOG8 = "log8"
+
+    @classmethod
+    def of(cls, spec) -> ScaleCoding:
+        """The scale coding of a :class:`~kvcal.formats.spec.TensorQuantSpec` (``log8`` iff its
+        ``scale_dtype`` is :data:`~kvcal.formats.spec.LOG8`)."""
+        from kvcal.formats.spec import LOG8
+
+        return cls.LOG8 if spec.is_quantized and spec.scale_dtype == LOG8 else cls.FLOAT
+
+
+class Rounding(str, Enum):
+    """``nearest`` code (round half to even), or ``query_aware`` channel-ordered rounding with error
+    feedback (OPTQ/GPTQ-style, :func:`kvcal.formats.quant.rounding_matrix`)."""
+
+    NEAREST = "nearest"
+    QUERY_AWARE = "query_aware"
+
+
+class ChannelWidths(str, Enum):
+    """Every channel at the spec's width (``spec``), or ``allocated`` per-channel widths
+    (:func:`kvcal.formats.quant.check_channel_bits`)."""
+
+    SPEC = "spec"
+    ALLOCATED = "allocated"
+
+
+_TABLE_NAMES = ("rounding", "channel_bits", "levels", "trellis", "scale_base")
+
+
+@dataclass(frozen=True, eq=False)
+class QuantTables:
+    """The calibrated per-layer tables of one side, beyond its scales (all optional).
+
+    * ``rounding``: ``U [H, D, D]`` (float) — query-aware rounding (:class:`Rounding`);
+    * ``channel_bits``: ``[H, D]`` integer widths 1–8 — per-channel widths (:class:`ChannelWidths`);
+    * ``levels``: ``[H, 2^b]`` or ``[2^b]`` float in ``[-1, 1]`` — a levels codebook;
+    * ``trellis``: ``[2^(ν+b)]`` float, int8 multiples of 1/32 — a trellis codebook;
+    * ``scale_base``: ``[H]`` float > 0 — the base of log8 scales (:class:`ScaleCoding`).
+
+    Raises ``ValueError`` (one line) when built with a combination no quantizer defines: levels
+    with query-aware rounding or per-channel widths; a trellis table with levels, query-aware
+    rounding or per-channel widths. Tensor contents and the fit with a spec are checked where the
+    tables are used (module docstring). Immutable: :meth:`replace` returns a checked copy."""
+
+    rounding: torch.Tensor | None = None
+    channel_bits: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
+    trellis: torch.Tensor | None = None
+    scale_base: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.trellis is not None and (self.levels is not None or self.rounding is not None
+                                         or self.channel_bits is not None):
+            raise ValueError("a trellis table does not combine with non-uniform levels, query-aware rounding or "
+                             "per-channel widths")
+        if self.levels is not None and (self.rounding is not None or self.channel_bits is not None):
+            raise ValueError("non-uniform levels do not combine with query-aware rounding or per-channel widths")
+
+    @property
+    def codebook(self) -> Codebook:
+        """``trellis`` with a trellis table, ``levels`` with a levels table, else ``uniform``."""
+        if self.trellis is not None:
+            return Codebook.TRELLIS
+        return Codebook.LEVELS if self.levels is not None else Codebook.UNIFORM
+
+    @property
+    def rounding_mode(self) -> Rounding:
+        """``query_aware`` with a rounding matrix, else ``nearest``."""
+        return Rounding.NEAREST if self.rounding is None else Rounding.QUERY_AWARE
+
+    @property
+    def channel_widths(self) -> ChannelWidths:
+        """``allocated`` with per-channel widths, else ``spec``."""
+        return ChannelWidths.SPEC if self.channel_bits is None else ChannelWidths.ALLOCATED
+
+    def replace(self, **changes) -> QuantTables:
+        """A copy with some tables replaced (checked like a new one)."""
+        return replace(self, **changes)
+
+    def as_kwargs(self) -> dict:
+        """``{name: tensor}`` of the tables present (for messages and the deprecated keyword forms)."""
+        return {n: getattr(self, n) for n in _TABLE_NAMES if getattr(self, n) is not None}
+
+    @classmethod
+    def from_keywords(cls, tables: QuantTables | None = None, **legacy) -> QuantTables:
+        """``tables``, or one built from the deprecated keyword forms (``rounding=``,
+        ``channel_bits=``, ``levels=``, ``trellis=``, ``scale_base=``); ``ValueError`` when both are given."""
+        given = {k: v for k, v in legacy.items() if v is not None}
+        if tables is None:
+            return cls(**given) if given else _NONE
+        if not isinstance(tables, QuantTables):
+            raise ValueError(f"tables must be a QuantTables, got {type(tables).__name__}")
+        if given:
+            raise ValueError(f"pass the tables either as tables= or as {', '.join(f'{k}=' for k in given)}, not both")
+        return tables
+
+
+_NONE = QuantTables()
+
+__all__ = ["Codebook", "ScaleCoding", "Rounding", "ChannelWidths", "QuantTables"]
