@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvcal.capture.run import CaptureResult
 from kvcal.errors import KvcalError
+from kvcal.formats.variants import ChannelWidths, Codebook, Rounding
 from kvcal.search.objectives import sequence_caches
 
 #: Sink-token counts ``search_int`` chooses from when ``sinks`` is not given: none, the first token
@@ -115,7 +116,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     from kvcal.plan import KVPlan, LayerPlan
     from kvcal.search import allocate as al
     from kvcal.search.optimizer import search_side, side_error
-    from kvcal.search.presets import ALLOC_MENU, INT_PRESETS, NEEDS_ROPE, spec_label
+    from kvcal.search.presets import ALLOC_MENU, INT_PRESETS, NEEDS_ROPE, SideChoice, spec_label
 
     cache = {} if cache is None else cache
     rope = rope if rope is not None else cap.rope
@@ -132,18 +133,14 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                           sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else [])
         return cache[key]
 
-    def run(layer, side, choice, refine):
-        spec, tr, rounding, clip_search, chbits, lv, tnu = choice
-        key = ("search", layer, side, spec, tr, rounding, clip_search, chbits, lv, tnu, refine, s_try, key_centering,
-               obj[side], max_queries)
+    def run(layer, side, choice: SideChoice, refine):
+        key = ("search", layer, side, choice, refine, s_try, key_centering, obj[side], max_queries)
         if key not in cache:
             cal, held = caches(layer)
             st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
-            cache[key] = search_side(cal, held, side, spec, stats=st, sinks=s_try, objective=obj[side],
+            cache[key] = search_side(cal, held, side, choice, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine,
-                                     transform=tr, rope=rope if tr in NEEDS_ROPE else None, rounding=rounding,
-                                     grid=None if clip_search else (1.0,), channel_bits=chbits, levels=lv,
-                                     trellis_nu=tnu)
+                                     rope=rope if choice.transform in NEEDS_ROPE else None)
         return cache[key]
 
     menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
@@ -160,8 +157,9 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                 rs = [run(layer, side, c, False) for c in menu[side]]
                 costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_cost, residual_window,
                                            side_extra_bytes(c.spec, H, D, centering=r.plan.mean is not None,
-                                                            rounding=c.rounding, channel_bits=c.channel_bits,
-                                                            levels=r.plan.levels is not None,
+                                                            rounding=c.rounding is Rounding.QUERY_AWARE,
+                                                            channel_bits=c.channel_widths is ChannelWidths.ALLOCATED,
+                                                            levels=r.plan.codebook is Codebook.LEVELS,
                                                             trellis=_trellis_entries(r.plan)))
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
@@ -283,7 +281,7 @@ def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, con
 
 def _trellis_entries(sp) -> int:
     """Entries (= bytes, int8) of a side plan's trellis table, 0 without one."""
-    return 0 if sp.trellis is None else int(sp.trellis.numel())
+    return int(sp.trellis.numel()) if sp.codebook is Codebook.TRELLIS else 0
 
 
 def bits_precheck(bits: float, config, context: int, sinks: int | None, residual_window: int) -> None:
@@ -307,7 +305,9 @@ def bits_precheck(bits: float, config, context: int, sinks: int | None, residual
     s_cost = max(SINK_CANDIDATES) if sinks is None else sinks
     cheapest = L * sum(
         min(al.side_cost(c.spec, H, D, context, s_cost, residual_window,
-                         side_extra_bytes(c.spec, H, D, rounding=c.rounding, channel_bits=c.channel_bits, levels=c.levels))
+                         side_extra_bytes(c.spec, H, D, rounding=c.rounding is Rounding.QUERY_AWARE,
+                                          channel_bits=c.channel_widths is ChannelWidths.ALLOCATED,
+                                          levels=c.codebook is not Codebook.UNIFORM))  # levels: fitted by both
             for c in ALLOC_MENU[side])
         for side in ("k", "v"))
     _check_bits_feasible(bits, cheapest, L, H, D, context, s_cost)

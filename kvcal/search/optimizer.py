@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
+from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerTokenGroup
 from kvcal.formats.quant import (
     TRELLIS_UNIT,
     check_levels,
@@ -54,8 +54,10 @@ from kvcal.formats.quant import (
 )
 from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.transforms import apply_transform
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding
 from kvcal.plan import SidePlan, quantize_seq  # quantize_seq: re-exported (moved to kvcal.plan)
 from kvcal.search.objectives import SequenceCache
+from kvcal.search.presets import SideChoice
 
 OBJECTIVES = ("kl", "centered", "out", "mse")
 DEFAULT_OBJECTIVE = {"k": "kl", "v": "out"}
@@ -131,29 +133,31 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
               mean: torch.Tensor | None = None, transform: str = "none", rope=None,
-              rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None,
-              levels: torch.Tensor | None = None, scale_base: torch.Tensor | None = None) -> SidePlan:
+              tables: QuantTables | None = None, rounding: torch.Tensor | None = None,
+              channel_bits: torch.Tensor | None = None, levels: torch.Tensor | None = None,
+              scale_base: torch.Tensor | None = None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
     ``family="clip"`` (dynamic specs): ``clip_ratio = t``; ``"shrink"`` / ``"std"`` (static
     per-channel int specs): ranges from ``stats`` (``min``/``max``/``mean``/``std`` ``[H, D]``).
     ``mean`` ``[H, D]``: key centering (rows of zeros = off for that head). ``transform`` /
     ``rope``: see :class:`~kvcal.plan.SidePlan` (dynamic specs only: the capture statistics that
-    static ranges come from are of the untransformed tensor). ``rounding``: ``U [H, D, D]`` for
+    static ranges come from are of the untransformed tensor). ``tables``: the side's variant tables
+    (:class:`~kvcal.formats.variants.QuantTables`); the four keywords below are its deprecated form
+    (not together with it). ``rounding``: ``U [H, D, D]`` for
     query-aware rounding (see :func:`query_rounding`). ``channel_bits``: per-channel widths ``[H, D]``
     (dynamic asymmetric per-channel specs; see :func:`channel_bit_allocation`). ``levels``:
     non-uniform levels ``[H, 2^b]`` (dynamic symmetric per-token specs; see :func:`fit_levels`).
     ``scale_base``: ``[H]`` base of log8 scales (see :func:`log8_scale_base`)."""
+    tables = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
+                                       scale_base=scale_base)
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
             raise ValueError(f"clip search needs a dynamic spec, got {spec.granularity.name}")
-        sp = SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
-                      rope=rope if transform == "pre_rope" else None, rounding=rounding, channel_bits=channel_bits,
-                      levels=levels, scale_base=scale_base)
-        sp.check_transform()
-        return sp
-    if channel_bits is not None or levels is not None:
+        return SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
+                        rope=rope if transform == "pre_rope" else None, tables=tables)
+    if tables.channel_bits is not None or tables.levels is not None:
         raise ValueError("per-channel bit widths and non-uniform levels are searched for dynamic specs only")
     if transform != "none":
         raise ValueError(f"transform {transform!r} needs a dynamic spec (static ranges come from untransformed stats)")
@@ -168,7 +172,7 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
     else:
         scale, zp = params_from_range(spec, amax=hi, amin=lo)
     return SidePlan(spec, scale=scale.float(), zero_point=None if zp is None else zp.float(), mean=m,
-                    rounding=rounding)
+                    rounding=tables.rounding)
 
 
 def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
@@ -436,9 +440,10 @@ def _one_head(spec, family, stats, mean, h, t, H, quant_kw: dict | None = None):
     st = None if stats is None else {k: v[h : h + 1] for k, v in stats.items() if k in ("min", "max", "mean", "std")}
     mh = None if mean is None else mean[h : h + 1]
     kw = dict(quant_kw or {})
-    for name in ("rounding", "channel_bits", "levels", "scale_base"):
-        if kw.get(name) is not None:
-            kw[name] = kw[name][h : h + 1]
+    tab = kw.get("tables")
+    if tab is not None:  # per-head tables sliced to head h (a trellis table is per layer: none here)
+        kw["tables"] = tab.replace(**{n: v[h : h + 1] for n, v in tab.as_kwargs().items()
+                                      if n in ("rounding", "channel_bits", "levels", "scale_base")})
     return make_plan(spec, torch.tensor([t]), family=family, stats=st, mean=mh, **kw)
 
 
@@ -469,26 +474,49 @@ def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks
     return _refine(caches, side, objective, sinks, build, lo_b, hi_b, x, f, H, evals)
 
 
+def _legacy_choice(spec: TensorQuantSpec, transform: str | None, rounding: bool | None, channel_bits: bool | None,
+                   levels: bool | None, trellis_nu: int | None):
+    """The :class:`~kvcal.search.presets.SideChoice` that :func:`search_side`'s deprecated keyword form
+    (bare spec + variant flags) names; ``ValueError`` as ``SideChoice`` raises it."""
+    if not isinstance(spec, TensorQuantSpec):
+        raise ValueError(f"search_side needs a SideChoice or a TensorQuantSpec, got {type(spec).__name__}")
+    if spec.format.kind != "int":
+        raise ValueError(f"search_side handles integer specs; {spec.format.value} is searched elsewhere")
+    if trellis_nu and not levels:
+        raise ValueError("a trellis side is searched as an alternative to non-uniform levels (levels=True)")
+    codebook = Codebook.TRELLIS if trellis_nu else Codebook.LEVELS if levels else Codebook.UNIFORM
+    return SideChoice(spec, transform=transform or "none",
+                      rounding=Rounding.QUERY_AWARE if rounding else Rounding.NEAREST,
+                      channel_widths=ChannelWidths.ALLOCATED if channel_bits else ChannelWidths.SPEC,
+                      codebook=codebook, trellis_nu=int(trellis_nu or 0))
+
+
 def search_side(
     calib: list[SequenceCache],
     heldout: list[SequenceCache],
     side: str,
-    spec: TensorQuantSpec,
+    choice: SideChoice | TensorQuantSpec,
     *,
     stats: dict | None = None,
     sinks: int = 0,
     objective: str | None = None,
     centering: str = "auto",
     refine: bool = True,
-    transform: str = "none",
     rope=None,
-    rounding: bool = False,
     grid: tuple[float, ...] | None = None,
-    channel_bits: bool = False,
-    levels: bool = False,
-    trellis_nu: int = 0,
+    transform: str | None = None,
+    rounding: bool | None = None,
+    channel_bits: bool | None = None,
+    levels: bool | None = None,
+    trellis_nu: int | None = None,
 ) -> SideSearch:
-    """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an int ``spec``.
+    """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an integer side choice.
+
+    ``choice``: a :class:`~kvcal.search.presets.SideChoice` — the int spec and its variants (transform,
+    rounding, clip search, channel widths, codebook), checked when it was built and against ``side``
+    here (:meth:`~kvcal.search.presets.SideChoice.check_side`). A bare ``TensorQuantSpec`` is read with the
+    deprecated keyword form of the variants, ``transform`` / ``rounding`` / ``channel_bits`` /
+    ``levels`` / ``trellis_nu`` (a thin adapter building the ``SideChoice``; not with a ``SideChoice``).
 
     ``calib`` / ``heldout``: per-sequence caches of this layer (held-out may be empty: then the
     calibration split is reused and the guard is only a calibration-split check). ``stats``:
@@ -497,40 +525,40 @@ def search_side(
     centering. ``centering``: ``"auto"`` (keys, dynamic specs: kept per head where it helps on
     held-out), ``"off"``, or ``"on"``. Raises ``ValueError`` for a spec this search does not
     handle (16-bit, FP8 — see :mod:`kvcal.search.static_scales` —, NVFP4, static per-tensor/head
-    ints). ``transform`` / ``rope``: quantize after a transform (:mod:`kvcal.formats.transforms`;
+    ints). ``choice.transform`` / ``rope``: quantize after a transform (:mod:`kvcal.formats.transforms`;
     dynamic specs only; centering is then off); the guard's min/max baseline uses the same
     transform, and the objective is always measured on what attention reads (post-RoPE).
-    ``grid``: clip-ratio grid of dynamic specs (default :func:`clip_grid`; ``(1.0,)`` = plain
-    min/max ranges, no search). ``rounding=True`` (keys, int): query-aware rounding with :func:`query_rounding` of the
-    calibration split; heads whose held-out winner is plain min/max get the identity (nearest
-    rounding). ``channel_bits=True`` (keys, dynamic asymmetric per-channel int): per-channel widths
-    from :func:`channel_bit_allocation` in every candidate; heads whose held-out winner is plain
-    min/max get uniform widths. ``levels=True`` (values, dynamic symmetric per-token /
-    per-token-group int2–int6): every candidate uses the :func:`fit_levels` table of the calibration
-    split; the min/max baseline is the uniform grid as a table (:func:`uniform_levels`), which
-    heads whose held-out winner is min/max keep. ``trellis_nu=ν > 0`` (with ``levels=True``, symmetric
-    per-token int2–int4 values): after the levels search, a :func:`fit_trellis` table of the calibration
-    split replaces the levels for the whole layer when the trellis plan's held-out error is lower
-    (``extra`` records both held-out errors; the guard against min/max still holds).
+    ``grid``: clip-ratio grid of dynamic specs (default :func:`clip_grid`, or ``(1.0,)`` = plain
+    min/max ranges, no search, when ``choice.clip_search`` is ``False``). Query-aware rounding (keys,
+    int): :func:`query_rounding` of the calibration split; heads whose held-out winner is plain
+    min/max get the identity (nearest rounding). Allocated channel widths (keys, dynamic asymmetric
+    per-channel int): per-channel widths from :func:`channel_bit_allocation` in every candidate; heads
+    whose held-out winner is plain min/max get uniform widths. Levels codebook (values, dynamic
+    symmetric per-token / per-token-group int2–int6): every candidate uses the :func:`fit_levels`
+    table of the calibration split; the min/max baseline is the uniform grid as a table
+    (:func:`uniform_levels`), which heads whose held-out winner is min/max keep. Trellis codebook
+    (symmetric per-token int2–int4 values): after the levels search, a :func:`fit_trellis` table
+    (``2^choice.trellis_nu`` states) of the calibration split replaces the levels for the whole layer
+    when the trellis plan's held-out error is lower (``extra`` records both held-out errors; the
+    guard against min/max still holds).
     """
-    if trellis_nu:
-        if not levels:
-            raise ValueError("a trellis side is searched as an alternative to non-uniform levels (levels=True)")
-        if not isinstance(spec.granularity, PerToken) or not 2 <= spec.bits <= 4:
-            raise ValueError(f"trellis-coded values need a symmetric per-token int2–int4 spec, not "
-                             f"{spec.format.value} {spec.granularity.name}")
-    if rounding or channel_bits:
-        what = "query-aware rounding is" if rounding else "per-channel bit widths are"
-        if side != "k":
-            raise ValueError(f"{what} defined for keys (errors weighted by the queries)")
-        if not spec.dynamic:
-            raise ValueError(f"{what} searched for dynamic key specs only")
-    if levels:
-        if side != "v":
-            raise ValueError("non-uniform levels are fitted for values")
-        if not spec.dynamic or not spec.symmetric or not isinstance(spec.granularity, (PerToken, PerTokenGroup)):
-            raise ValueError(f"non-uniform levels need a symmetric per-token or per-token-group int spec, "
-                             f"not {spec.granularity.name} {'sym' if spec.symmetric else 'asym'}")
+    if isinstance(choice, SideChoice):
+        legacy = {k: v for k, v in (("transform", transform), ("rounding", rounding), ("channel_bits", channel_bits),
+                                    ("levels", levels), ("trellis_nu", trellis_nu)) if v is not None}
+        if legacy:
+            raise ValueError(f"pass the variants in the SideChoice, not as {', '.join(f'{k}=' for k in legacy)}")
+    else:
+        choice = _legacy_choice(choice, transform, rounding, channel_bits, levels, trellis_nu)
+    choice.check_side(side)
+    if not choice.clip_search:
+        if grid is not None and tuple(grid) != (1.0,):
+            raise ValueError(f"grid={grid} searches clip ratios but the choice has clip_search=False")
+        grid = (1.0,)
+    spec, transform = choice.spec, choice.transform
+    rounding = choice.rounding is Rounding.QUERY_AWARE
+    channel_bits = choice.channel_widths is ChannelWidths.ALLOCATED
+    levels = choice.codebook is not Codebook.UNIFORM  # a trellis choice searches levels first
+    trellis_nu = choice.trellis_nu if choice.codebook is Codebook.TRELLIS else 0
     log8 = spec.dynamic and spec.scale_dtype == LOG8
     if (rounding or channel_bits or levels or log8) and not calib:
         raise ValueError("no calibration sequences to search on")
@@ -539,8 +567,8 @@ def search_side(
     base = log8_scale_base(calib, side, spec, transform, rope, sinks, levels) if log8 else None
     Lv = fit_levels(calib, spec, transform, sinks, scale_base=base) if levels else None
     L0 = None if Lv is None else uniform_levels(spec.bits)[None].expand_as(Lv).contiguous()
-    quant_kw = {"transform": transform, "rope": rope, "rounding": U, "channel_bits": W, "levels": Lv,
-                "scale_base": base}
+    quant_kw = {"transform": transform, "rope": rope,
+                "tables": QuantTables(rounding=U, channel_bits=W, levels=Lv, scale_base=base)}
     if transform != "none" or rounding or channel_bits:
         centering = "off"
     if spec.format.kind != "int":
@@ -578,7 +606,7 @@ def search_side(
     # held-out: each variant and plain min/max, per head
     base_family = "clip" if spec.dynamic else "shrink"
     base_plan = make_plan(spec, torch.ones(H), family=base_family, stats=stats, transform=transform, rope=rope,
-                          levels=L0, scale_base=base)
+                          tables=QuantTables(levels=L0, scale_base=base))
     nb, db = side_error(held, side, base_plan, objective, sinks)
     evals[0] += len(held) / max(len(calib), 1)
     best_err, best_idx = nb / db, torch.full((H,), -1)
@@ -630,7 +658,8 @@ def search_side(
         L_final = torch.stack([Lv[h] if int(best_idx[h]) >= 0 else L0[h] for h in range(H)])
     if spec.dynamic:
         plan = make_plan(spec, param, family="clip", mean=mean_rows if any_mean else None, transform=transform,
-                         rope=rope, rounding=U_final, channel_bits=W_final, levels=L_final, scale_base=base)
+                         rope=rope, tables=QuantTables(rounding=U_final, channel_bits=W_final, levels=L_final,
+                                                       scale_base=base))
     else:
         plan = _static_plan_mixed(spec, stats, param, fam_final)
     # final figures (normalized over heads)

@@ -29,83 +29,206 @@ the model-level sensitivity probe measures each (layer, side).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import KW_ONLY, dataclass
 
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.spec import LOG8, PRESETS, KVCacheConfig, TensorQuantSpec
+from kvcal.formats.quant import TRELLIS_MAX_NU
+from kvcal.formats.spec import PRESETS, KVCacheConfig, TensorQuantSpec
+from kvcal.formats.transforms import TRANSFORMS
+from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, ScaleCoding
 
 
-class SideChoice(NamedTuple):
-    """One side's storage: the spec, the transform applied before quantizing (``"none"``,
-    ``"pre_rope"``, ``"hadamard"``; :mod:`kvcal.formats.transforms`) and whether keys use
-    query-aware rounding (:func:`kvcal.search.optimizer.query_rounding`); ``clip_search=False``
-    keeps dynamic ranges at min/max (clip ratio 1) instead of searching them; ``channel_bits``: keys
-    get per-channel payload widths (:func:`kvcal.search.optimizer.channel_bit_allocation`); ``levels``:
-    values use a fitted non-uniform grid (:func:`kvcal.search.optimizer.fit_levels`); ``trellis_nu``
-    (with ``levels``): a trellis table with ``2^trellis_nu`` states replaces the levels in the layers
-    where it measures lower held-out error (:func:`kvcal.search.optimizer.fit_trellis`; 0 = never)."""
+def _enum(cls, value, name: str):
+    """``value`` as a member of the str enum ``cls``; ``ValueError`` naming the members otherwise (a bool
+    is refused: the flags these enums replace were bools, and ``False`` must not pass for a member)."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{name} must be one of {[m.value for m in cls]} ({cls.__name__}), got {value!r}")
+
+
+@dataclass(frozen=True)
+class SideChoice:
+    """One side's storage as the integer search takes it (:func:`kvcal.search.optimizer.search_side`).
+
+    ``spec``: an integer :class:`~kvcal.formats.spec.TensorQuantSpec` (its ``scale_dtype`` gives the
+    :class:`~kvcal.formats.variants.ScaleCoding`, :attr:`scale_coding`). Keyword-only variants:
+
+    * ``transform``: applied before quantizing (``"none"``, ``"pre_rope"``, ``"hadamard"``;
+      :mod:`kvcal.formats.transforms`);
+    * ``rounding``: :class:`~kvcal.formats.variants.Rounding` — ``query_aware`` (keys, dynamic specs:
+      :func:`kvcal.search.optimizer.query_rounding`) or ``nearest``;
+    * ``clip_search``: ``False`` keeps dynamic ranges at min/max (clip ratio 1) instead of searching them;
+    * ``channel_widths``: :class:`~kvcal.formats.variants.ChannelWidths` — ``allocated`` (keys, dynamic
+      asymmetric per-channel-token-group specs: :func:`kvcal.search.optimizer.channel_bit_allocation`)
+      or ``spec``;
+    * ``codebook``: :class:`~kvcal.formats.variants.Codebook` — ``uniform``; ``levels`` (values: a fitted
+      non-uniform grid, :func:`kvcal.search.optimizer.fit_levels`); or ``trellis`` (values: the levels
+      search, then a trellis table with ``2^trellis_nu`` states replaces the levels in the layers where it
+      measures lower held-out error, :func:`kvcal.search.optimizer.fit_trellis`);
+    * ``trellis_nu``: trellis state bits, ``spec.bits ≤ ν ≤ 10`` with the ``trellis`` codebook, else 0.
+
+    Raises ``ValueError`` (one line) at construction for a combination the search does not define:
+    a non-integer spec, an unknown transform or enum value (a bool where an enum is expected
+    included), a levels / trellis codebook with query-aware rounding or allocated widths, levels on
+    a spec other than a dynamic symmetric per-token / per-token-group int2–int6, a trellis codebook on
+    a spec other than a symmetric per-token int2–int4 or without a valid ``trellis_nu`` (or a
+    ``trellis_nu`` without it), query-aware rounding or allocated widths on a static spec, allocated
+    widths on a spec other than an asymmetric per-channel-token-group int. Which side a choice is
+    for is checked by :meth:`check_side`."""
 
     spec: TensorQuantSpec
+    _: KW_ONLY
     transform: str = "none"
-    rounding: bool = False
+    rounding: Rounding = Rounding.NEAREST
     clip_search: bool = True
-    channel_bits: bool = False
-    levels: bool = False
+    channel_widths: ChannelWidths = ChannelWidths.SPEC
+    codebook: Codebook = Codebook.UNIFORM
     trellis_nu: int = 0
+
+    def __post_init__(self):
+        spec = self.spec
+        if not isinstance(spec, TensorQuantSpec):
+            raise ValueError(f"SideChoice.spec must be a TensorQuantSpec, got {type(spec).__name__}")
+        if spec.format.kind != "int":
+            raise ValueError(f"SideChoice is for integer specs (search_side); {spec.format.value} is searched "
+                             "elsewhere")
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"unknown transform {self.transform!r}; choose one of {TRANSFORMS}")
+        rounding = _enum(Rounding, self.rounding, "rounding")
+        widths = _enum(ChannelWidths, self.channel_widths, "channel_widths")
+        codebook = _enum(Codebook, self.codebook, "codebook")
+        object.__setattr__(self, "rounding", rounding)
+        object.__setattr__(self, "channel_widths", widths)
+        object.__setattr__(self, "codebook", codebook)
+        if not isinstance(self.clip_search, bool):
+            raise ValueError(f"clip_search must be True or False, got {self.clip_search!r}")
+        nu = self.trellis_nu
+        if not isinstance(nu, int) or isinstance(nu, bool) or nu < 0:
+            raise ValueError(f"trellis_nu must be an integer >= 0, got {nu!r}")
+        gran = spec.granularity
+        if codebook is not Codebook.UNIFORM and (rounding is not Rounding.NEAREST
+                                                 or widths is not ChannelWidths.SPEC):
+            raise ValueError(f"a {codebook.value} codebook does not combine with query-aware rounding or "
+                             "per-channel widths")
+        if codebook is Codebook.TRELLIS:
+            if not isinstance(gran, PerToken) or not spec.symmetric or not 2 <= spec.bits <= 4:
+                raise ValueError(f"trellis-coded values need a symmetric per-token int2–int4 spec, not "
+                                 f"{spec.format.value} {gran.name} {'sym' if spec.symmetric else 'asym'}")
+            if not spec.bits <= nu <= TRELLIS_MAX_NU:
+                raise ValueError(f"a trellis codebook needs trellis_nu in {spec.bits}..{TRELLIS_MAX_NU} "
+                                 f"(state bits), got {nu}")
+        elif nu:
+            raise ValueError(f"trellis_nu={nu} needs codebook=Codebook.TRELLIS, not {codebook.value}")
+        if codebook is not Codebook.UNIFORM:
+            if not spec.dynamic or not spec.symmetric or not isinstance(gran, (PerToken, PerTokenGroup)):
+                raise ValueError(f"non-uniform levels need a symmetric per-token or per-token-group int spec, "
+                                 f"not {gran.name} {'sym' if spec.symmetric else 'asym'}")
+            if spec.bits > 6:
+                raise ValueError(f"non-uniform levels need a symmetric int2–int6 spec, got {spec.format.value}")
+        for on, what in ((rounding is Rounding.QUERY_AWARE, "query-aware rounding is"),
+                         (widths is ChannelWidths.ALLOCATED, "per-channel bit widths are")):
+            if on and not spec.dynamic:
+                raise ValueError(f"{what} searched for dynamic key specs only")
+        if widths is ChannelWidths.ALLOCATED and (spec.symmetric or not isinstance(gran, PerChannelTokenGroup)):
+            raise ValueError("per-channel bit widths need an asymmetric int spec with per-channel token groups")
+
+    def check_side(self, side: str) -> None:
+        """Raise ``ValueError`` when this choice is not defined for ``side`` (``"k"`` / ``"v"``): query-aware
+        rounding and allocated widths weigh errors by the queries (keys), levels / trellis codebooks are
+        fitted for values."""
+        if side not in ("k", "v"):
+            raise ValueError(f"side must be 'k' or 'v', got {side!r}")
+        for on, what in ((self.rounding is Rounding.QUERY_AWARE, "query-aware rounding is"),
+                         (self.channel_widths is ChannelWidths.ALLOCATED, "per-channel bit widths are")):
+            if on and side != "k":
+                raise ValueError(f"{what} defined for keys (errors weighted by the queries)")
+        if self.codebook is not Codebook.UNIFORM and side != "v":
+            raise ValueError("non-uniform levels are fitted for values")
+
+    @property
+    def scale_coding(self) -> ScaleCoding:
+        """``float`` or ``log8`` (from ``spec.scale_dtype``)."""
+        return ScaleCoding.of(self.spec)
+
+    @property
+    def levels(self) -> bool:
+        """Deprecated flag view: the search fits a levels table (``levels`` or ``trellis`` codebook)."""
+        return self.codebook is not Codebook.UNIFORM
+
+    @property
+    def channel_bits(self) -> bool:
+        """Deprecated flag view: ``channel_widths is ChannelWidths.ALLOCATED``."""
+        return self.channel_widths is ChannelWidths.ALLOCATED
 
 
 #: Trellis state bits of the int4 values (a 1024-entry int8 table per layer; ``benchmarks/probe_trellis.py``)
 TRELLIS_NU = 6
 
+QUERY_AWARE, ALLOCATED, LEVELS, TRELLIS = Rounding.QUERY_AWARE, ChannelWidths.ALLOCATED, Codebook.LEVELS, Codebook.TRELLIS
 
-def _s(fmt, gran, sym, transform="none", rounding=False, clip_search=True, channel_bits=False, levels=False,
-       scale_dtype=None, trellis_nu=0):
-    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=sym, scale_dtype=scale_dtype), transform, rounding,
-                      clip_search, channel_bits, levels, trellis_nu)
+
+def _c(fmt: str, gran, *, symmetric: bool, scale_dtype: str | None = None, **variants) -> SideChoice:
+    """``SideChoice(TensorQuantSpec(fmt, gran, symmetric, scale_dtype), **variants)`` (keywords only)."""
+    return SideChoice(TensorQuantSpec(fmt, gran, symmetric=symmetric, scale_dtype=scale_dtype), **variants)
+
+
+def _key_qround(fmt: str, group: int) -> SideChoice:
+    """Asymmetric per-channel keys in ``group``-token groups, pre-RoPE, query-aware rounding, allocated widths."""
+    return _c(fmt, PerChannelTokenGroup(group), symmetric=False, transform="pre_rope", rounding=QUERY_AWARE,
+              channel_widths=ALLOCATED)
+
+
+def _value_levels(fmt: str, gran=None, **variants) -> SideChoice:
+    """Symmetric Hadamard-rotated values with a levels codebook (or ``codebook=TRELLIS``), log8 scales, min/max
+    ranges (no clip search)."""
+    variants.setdefault("codebook", LEVELS)
+    return _c(fmt, gran or PerToken(), symmetric=True, scale_dtype="log8", transform="hadamard", clip_search=False,
+              **variants)
 
 
 INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
-    "int8": (_s("int8", PerTokenGroup(64), False), _s("int8", PerTokenGroup(64), False)),
-    "int4": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
-             _s("int4", PerToken(), True, "hadamard", clip_search=False, levels=True, scale_dtype="log8",
-                trellis_nu=TRELLIS_NU)),
-    "int2": (_s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
-             _s("int2", PerTokenGroup(32), False, "hadamard")),
-    "k4v2": (_s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
-             _s("int2", PerTokenGroup(32), False, "hadamard")),
+    "int8": (_c("int8", PerTokenGroup(64), symmetric=False), _c("int8", PerTokenGroup(64), symmetric=False)),
+    "int4": (_key_qround("int4", 128), _value_levels("int4", codebook=TRELLIS, trellis_nu=TRELLIS_NU)),
+    "int2": (_key_qround("int2", 32), _c("int2", PerTokenGroup(32), symmetric=False, transform="hadamard")),
+    "k4v2": (_key_qround("int4", 128), _c("int2", PerTokenGroup(32), symmetric=False, transform="hadamard")),
 }
 
 #: Candidate side choices for ``--bits`` allocation (cheapest first within a payload width).
 ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
     "k": (
-        _s("int2", PerChannel(), False),
-        _s("int2", PerChannelTokenGroup(128), False),
-        _s("int2", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
-        _s("int2", PerChannelTokenGroup(32), False),
-        _s("int2", PerChannelTokenGroup(32), False, "pre_rope"),
-        _s("int2", PerChannelTokenGroup(32), False, "pre_rope", True, channel_bits=True),
-        _s("int4", PerChannel(), False),
-        _s("int4", PerChannelTokenGroup(128), False),
-        _s("int4", PerChannelTokenGroup(128), False, "pre_rope"),
-        _s("int4", PerChannelTokenGroup(128), False, "pre_rope", True, channel_bits=True),
-        _s("int4", PerChannelTokenGroup(32), False),
-        _s("int4", PerChannelTokenGroup(32), False, "pre_rope"),
-        _s("int8", PerToken(), False),
+        _c("int2", PerChannel(), symmetric=False),
+        _c("int2", PerChannelTokenGroup(128), symmetric=False),
+        _key_qround("int2", 128),
+        _c("int2", PerChannelTokenGroup(32), symmetric=False),
+        _c("int2", PerChannelTokenGroup(32), symmetric=False, transform="pre_rope"),
+        _key_qround("int2", 32),
+        _c("int4", PerChannel(), symmetric=False),
+        _c("int4", PerChannelTokenGroup(128), symmetric=False),
+        _c("int4", PerChannelTokenGroup(128), symmetric=False, transform="pre_rope"),
+        _key_qround("int4", 128),
+        _c("int4", PerChannelTokenGroup(32), symmetric=False),
+        _c("int4", PerChannelTokenGroup(32), symmetric=False, transform="pre_rope"),
+        _c("int8", PerToken(), symmetric=False),
     ),
     "v": (
-        _s("int2", PerToken(), False),
-        _s("int2", PerToken(), False, "hadamard"),
-        _s("int2", PerTokenGroup(32), False),
-        _s("int2", PerTokenGroup(32), False, "hadamard"),
-        _s("int2", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
-        _s("int2", PerTokenGroup(32), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
-        _s("int3", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
-        _s("int4", PerToken(), True),
-        _s("int4", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8", trellis_nu=TRELLIS_NU),
-        _s("int4", PerTokenGroup(32), False),
-        _s("int5", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
-        _s("int6", PerToken(), True, "hadamard", False, False, levels=True, scale_dtype="log8"),
-        _s("int8", PerToken(), True),
+        _c("int2", PerToken(), symmetric=False),
+        _c("int2", PerToken(), symmetric=False, transform="hadamard"),
+        _c("int2", PerTokenGroup(32), symmetric=False),
+        _c("int2", PerTokenGroup(32), symmetric=False, transform="hadamard"),
+        _value_levels("int2"),
+        _value_levels("int2", PerTokenGroup(32)),
+        _value_levels("int3"),
+        _c("int4", PerToken(), symmetric=True),
+        _value_levels("int4", codebook=TRELLIS, trellis_nu=TRELLIS_NU),
+        _c("int4", PerTokenGroup(32), symmetric=False),
+        _value_levels("int5"),
+        _value_levels("int6"),
+        _c("int8", PerToken(), symmetric=True),
     ),
 }
 
@@ -117,20 +240,20 @@ NEEDS_ROPE = ("pre_rope",)
 
 
 def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
-    """Short name, e.g. ``int4/channel/asym``, ``int4/channel_token_group128/asym/pre_rope/qround``."""
-    tr, rounding, spec_in = "none", False, spec
-    if isinstance(spec, SideChoice):
-        spec, tr, rounding = spec.spec, spec.transform, spec.rounding
+    """Short name, e.g. ``int4/channel/asym``, ``int4/channel_token_group128/asym/pre_rope/qround/chbits``,
+    ``int4/token/sym/hadamard/levels/trellis6/log8`` (a trellis choice also fits levels: both are named)."""
+    c = spec if isinstance(spec, SideChoice) else None
+    spec = spec.spec if c is not None else spec
     g = spec.granularity
     gs = getattr(g, "group_size", "")
     out = f"{spec.format.value}/{g.name}{gs}/{'sym' if spec.symmetric else 'asym'}"
-    if tr != "none":
-        out += f"/{tr}"
-    out = out + "/qround" if rounding else out
-    out = out + "/chbits" if isinstance(spec_in, SideChoice) and spec_in.channel_bits else out
-    out = out + "/levels" if isinstance(spec_in, SideChoice) and spec_in.levels else out
-    out = out + f"/trellis{spec_in.trellis_nu}" if isinstance(spec_in, SideChoice) and spec_in.trellis_nu else out
-    return out + "/log8" if spec.scale_dtype == LOG8 else out
+    if c is not None:
+        out += "" if c.transform == "none" else f"/{c.transform}"
+        out += "/qround" if c.rounding is Rounding.QUERY_AWARE else ""
+        out += "/chbits" if c.channel_widths is ChannelWidths.ALLOCATED else ""
+        out += "/levels" if c.codebook is not Codebook.UNIFORM else ""
+        out += f"/trellis{c.trellis_nu}" if c.codebook is Codebook.TRELLIS else ""
+    return out + "/log8" if ScaleCoding.of(spec) is ScaleCoding.LOG8 else out
 
 
 def preset_cache_config(name: str, sink_tokens: int = 0, residual_window: int = 0) -> KVCacheConfig:
@@ -143,10 +266,12 @@ def preset_cache_config(name: str, sink_tokens: int = 0, residual_window: int = 
     whose guard keeps the levels stores ``4·H·2^b`` bytes instead of ``2^(ν+b)``).
     Raises ``KeyError`` for another name."""
     k, v = INT_PRESETS[name]
-    vt = 2 ** (v.trellis_nu + v.spec.bits) if v.trellis_nu else 0
+    vt = 2 ** (v.trellis_nu + v.spec.bits) if v.codebook is Codebook.TRELLIS else 0
     return KVCacheConfig(k.spec, v.spec, residual_window=residual_window, sink_tokens=sink_tokens,
-                         key_rounding=k.rounding, value_rounding=v.rounding, key_channel_bits=k.channel_bits,
-                         value_channel_bits=v.channel_bits, key_levels=k.levels, value_levels=v.levels and not vt,
+                         key_rounding=k.rounding is Rounding.QUERY_AWARE, value_rounding=v.rounding is Rounding.QUERY_AWARE,
+                         key_channel_bits=k.channel_widths is ChannelWidths.ALLOCATED,
+                         value_channel_bits=v.channel_widths is ChannelWidths.ALLOCATED,
+                         key_levels=k.codebook is Codebook.LEVELS, value_levels=v.codebook is Codebook.LEVELS,
                          value_trellis=vt)
 
 
