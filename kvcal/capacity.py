@@ -321,17 +321,17 @@ def max_batch(shape, kv_config, context: int, budget: int) -> int:
 
 
 def load_config(model: str):
-    """A model's config for planning: a ``config.json`` path is read as a dict; anything else goes
-    through :func:`kvcal.models.load_model_config` (no weights loaded). Raises :class:`KvcalError`."""
-    import json
+    """A model's config for planning: a ``config.json`` path is read as a dict by the checked reader
+    (:func:`kvcal.export.checkpoint_json.read_config`: a JSON object whose size fields are positive
+    integers); anything else goes through :func:`kvcal.models.load_model_config` (no weights loaded).
+    Raises :class:`KvcalError` naming the file and field."""
     from pathlib import Path
 
     p = Path(model).expanduser()
     if p.suffix == ".json":
-        try:
-            return json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise KvcalError(f"cannot read model config {p}: {e}") from None
+        from kvcal.export.checkpoint_json import read_config
+
+        return read_config(p)
     from kvcal.models import load_model_config
 
     return load_model_config(model)

@@ -257,67 +257,23 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
                skip_layers=None):
     """Print KV-cache bytes per token and total cache bytes for a model and KV format (exact)."""
     import json
-    from dataclasses import replace
-    from pathlib import Path
 
-    from kvcal.formats.granularity import granularity_from_name
-    from kvcal.formats.memory import memory_report, model_shape
-    from kvcal.formats.spec import DTYPE_NAMES, KVCacheConfig, TensorQuantSpec
-    from kvcal.search.presets import named_cache_config
+    from kvcal.api import memory
+    from kvcal.formats.spec import DTYPE_NAMES
 
-    try:
-        p = Path(model).expanduser()
-        if p.suffix == ".json" and p.is_file():
-            shape = model_shape(json.loads(p.read_text(encoding="utf-8")))
-        else:
-            from kvcal.models import load_model_config
-
-            shape = model_shape(load_model_config(model))
-        if fmt.startswith("vllm:"):
-            _memory_vllm(model, shape, fmt[len("vllm:"):], skip_layers, context, batch, as_json)
-            return
-        if skip_layers is not None:
-            raise ValueError("--skip-layers applies to vllm:<dtype> formats only (e.g. --format vllm:fp8)")
-        if group_size is not None and group_size < 1:
-            raise ValueError(f"--group-size must be >= 1 channels/tokens, got {group_size}")
-        named = named_cache_config(fmt)
-        if named is not None:
-            cfg = named
-        else:
-            kind_int = fmt.startswith("int")
-            gran = granularity or ("token_group" if kind_int else "tensor")
-            side = TensorQuantSpec(fmt, granularity_from_name(gran, group_size), symmetric=not kind_int)
-            cfg = KVCacheConfig(side, side)
-        if (granularity is not None or group_size is not None) and "nvfp4" in (cfg.key.format.value, cfg.value.format.value):
-            raise ValueError("--granularity / --group-size do not apply to nvfp4: its 16-element blocks along head_dim "
-                             "with e4m3 block scales are fixed by the format (NVIDIA); drop them")
-        sides = []
-        for s in (cfg.key, cfg.value):
-            if s.is_quantized and granularity is not None and s.format.value != "nvfp4":
-                s = replace(s, granularity=granularity_from_name(granularity, group_size), scale_dtype=None)
-            elif group_size is not None:
-                s = s.with_group_size(group_size)
-            if symmetric is not None and s.format.kind == "int":
-                s = replace(s, symmetric=symmetric)
-            sides.append(s)
-        cfg = replace(cfg, key=sides[0], value=sides[1], residual_window=residual_window, sink_tokens=sinks)
-        ctx = context if context is not None else shape.max_position_embeddings
-        if ctx is None:
-            raise ValueError("the model config has no max_position_embeddings; pass --context")
-        if context is not None:
-            from kvcal.models import check_max_positions
-
-            check_max_positions(context, shape.max_position_embeddings, "--context")
-        too_long = [sp.granularity.group_size for sp in (cfg.key, cfg.value)
-                    if getattr(sp.granularity, "name", "") == "channel_token_group" and sp.granularity.group_size > ctx]
-        if too_long:
-            raise ValueError(f"a key group of {too_long[0]} tokens is longer than --context {ctx}: such a cache never "
-                             "closes a group; choose --group-size <= the context")
-        rep = memory_report(shape, cfg, ctx, batch)
-    except (ValueError, json.JSONDecodeError, OSError) as e:
-        raise KvcalError(str(e)) from None
+    res = memory(model, fmt, granularity=granularity, group_size=group_size, symmetric=symmetric,
+                 residual_window=residual_window, sinks=sinks, context=context, batch=batch, skip_layers=skip_layers)
     if as_json:
-        click.echo(json.dumps({"model_id": model, "format": fmt, **rep.to_dict()}, indent=2))
+        click.echo(json.dumps(res.to_dict(), indent=2))
+        return
+    shape, b16 = res.shape, res.bytes_16bit
+    click.echo(f"model: {model} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim})")
+    if res.vllm is not None:
+        v = res.vllm
+        click.echo(f"kv: vLLM {v['version']} --kv-cache-dtype {v['dtype']}; layers at 16 bits: {v['skip_layers'] or 'none'}")
+        click.echo(f"bytes per token: {v['bytes_per_token']} ({b16 / v['bytes_per_token']:.2f}x smaller than 16-bit {b16})")
+        click.echo(f"cache bytes (context {res.context}, batch {res.batch}, 16-token blocks): {v['total']} "
+                   f"({v['total'] / 2**20:.2f} MiB)")
         return
 
     def desc(s):
@@ -328,49 +284,13 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
         sym = "sym" if s.symmetric else "asym"
         return f"{s.format.value} {g.name}{gs} {sym}, {DTYPE_NAMES[s.scale_dtype]} scales"
 
-    b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    rep, cfg = res.report, res.kv
     bpt = rep.bytes_per_token
-    click.echo(f"model: {model} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim})")
     click.echo(f"kv: K {desc(cfg.key)} | V {desc(cfg.value)} | residual window {residual_window}, sinks {sinks}")
     click.echo(f"bytes per token: {bpt:g} ({b16 / bpt:.2f}x smaller than 16-bit {b16})")
-    click.echo(f"cache bytes (context {ctx}, batch {batch}): {rep.total} ({rep.total / 2**20:.2f} MiB)")
+    click.echo(f"cache bytes (context {res.context}, batch {res.batch}): {rep.total} ({rep.total / 2**20:.2f} MiB)")
     click.echo(f"  payload {rep.payload}, scales/zero points {rep.params}, 16-bit window+sinks {rep.dense16}, "
                f"per-layer metadata {rep.static}")
-
-
-def _memory_vllm(model, shape, dtype, skip_layers, context, batch, as_json):
-    """`kvcal memory --format vllm:<dtype>`: the pages vLLM 0.33 allocates (raises ValueError)."""
-    import json
-
-    from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
-    from kvcal.formats.vllm_dtypes import VLLM_VERSION, boundary_skip_layers, vllm_dtype
-
-    vllm_dtype(dtype)
-    skip = []
-    for tok in (skip_layers or "").split(","):
-        if tok.strip():
-            try:
-                skip.append(int(tok))
-            except ValueError:
-                raise ValueError(f"--skip-layers takes comma-separated layer indices, got {tok.strip()!r}") from None
-    ctx = context if context is not None else shape.max_position_embeddings
-    if ctx is None:
-        raise ValueError("the model config has no max_position_embeddings; pass --context")
-    if batch < 1 or ctx < 0:
-        raise ValueError(f"--batch must be >= 1 and --context >= 0, got {batch} and {ctx}")
-    bpt = vllm_bytes_per_token(shape, dtype, skip)
-    total = vllm_cache_bytes(shape, dtype, ctx, batch, skip_layers=skip)
-    all_skip = sorted(set(skip) | set(boundary_skip_layers(dtype, shape.num_layers)))
-    b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
-    if as_json:
-        click.echo(json.dumps({"model_id": model, "format": f"vllm:{dtype}", "vllm_version": VLLM_VERSION,
-                               "skip_layers": all_skip, "context": ctx, "batch": batch, "block_size": 16,
-                               "bytes_per_token": bpt, "bytes": {"total": total}}, indent=2))
-        return
-    click.echo(f"model: {model} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim})")
-    click.echo(f"kv: vLLM {VLLM_VERSION} --kv-cache-dtype {dtype}; layers at 16 bits: {all_skip or 'none'}")
-    click.echo(f"bytes per token: {bpt} ({b16 / bpt:.2f}x smaller than 16-bit {b16})")
-    click.echo(f"cache bytes (context {ctx}, batch {batch}, 16-token blocks): {total} ({total / 2**20:.2f} MiB)")
 
 
 # ---- plan --------------------------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""kvcal's Python API: one function per command, the same work the CLI does, no printing.
+
+Each function takes the command's options as keyword arguments (the CLI's defaults), runs it and
+returns its result; bad input raises :class:`kvcal.errors.KvcalError` with a one-line message (the CLI
+prints it as ``error: ...``). The CLI (:mod:`kvcal.cli`) parses options, calls these and renders.
+
+======================  =========================================  ==============================
+function                CLI                                        returns
+======================  =========================================  ==============================
+:func:`calibrate`       ``kvcal calibrate``                        ``{"out", "metadata", "table"}``
+:func:`evaluate`        ``kvcal evaluate``                         the ``kvcal-eval/1`` document
+:func:`export`          ``kvcal export``                           :class:`kvcal.export.ExportResult`
+:func:`memory`          ``kvcal memory``                           :class:`MemoryResult`
+:func:`capacity`        ``kvcal plan``                             :class:`kvcal.capacity.CapacityPlan`
+:func:`recommend`       ``kvcal recommend``                        the ``kvcal-recommend/1`` document
+======================  =========================================  ==============================
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+
+
+def calibrate(corpus: str, *, log: Callable[[str], None] = print, progress: bool = True, model_obj=None,
+              tokenizer=None, **options) -> dict:
+    """``kvcal calibrate --corpus CORPUS ...``: options are :class:`kvcal.calibrate.CalibrateConfig` fields
+    (``out``, ``model``, ``preset``, ``bits``, ``engine``, ...). ``model_obj``/``tokenizer``: already-loaded
+    objects for ``options["model"]``. Writes the artifact directory; returns ``{"out", "metadata", "table"}``."""
+    from kvcal.calibrate import CalibrateConfig
+    from kvcal.calibrate import calibrate as run
+
+    return run(CalibrateConfig(corpus=corpus, **options), log=log, progress=progress, model=model_obj,
+               tokenizer=tokenizer)
+
+
+def evaluate(artifact: str | None, corpus: str, *, log: Callable[[str], None] = print, progress: bool = True,
+             **options) -> dict:
+    """``kvcal evaluate``: options are :class:`kvcal.evaluate.EvalConfig` fields. Returns the
+    ``kvcal-eval/1`` document (:func:`kvcal.evaluate.to_json` serializes it)."""
+    from kvcal.evaluate import EvalConfig
+    from kvcal.evaluate import evaluate as run
+
+    return run(EvalConfig(artifact=artifact, corpus=corpus, **options), log=log, progress=progress)
+
+
+def export(artifact: str, target: str, out: str, **options):
+    """``kvcal export``: :func:`kvcal.export.export` (``model_dir``, ``tp``, ``headroom``, ``overwrite``,
+    ``clipped_scales``). Writes ``out`` atomically; returns its :class:`~kvcal.export.ExportResult`."""
+    from kvcal.export import export as run
+
+    return run(artifact, target, out, **options)
+
+
+def capacity(model: str, gpu_mem: str | int, **options):
+    """``kvcal plan``: max context per concurrency for 16-bit and each cache precision. ``options``:
+    :class:`kvcal.capacity.PlanConfig` fields besides ``gpu_mem`` (``weights_dtype``, ``reserve``,
+    ``kv_configs``, ``params``). No weights are loaded."""
+    from kvcal.capacity import PlanConfig, load_config, plan_capacity
+
+    return plan_capacity(load_config(model), PlanConfig(gpu_mem=gpu_mem, **options), model_id=model)
+
+
+def recommend(corpus: str, engine: str, out: str, *, log: Callable[[str], None] = print, progress: bool = True,
+              **options) -> dict:
+    """``kvcal recommend``: options are :class:`kvcal.recommend.RecommendConfig` fields. Writes ``out``
+    (deploy.md, deploy.json, the artifact); returns the ``kvcal-recommend/1`` document."""
+    from kvcal.recommend import RecommendConfig
+    from kvcal.recommend import recommend as run
+
+    return run(RecommendConfig(corpus=corpus, engine=engine, out=out, **options), log=log, progress=progress)
+
+
+@dataclass(frozen=True)
+class MemoryResult:
+    """What ``kvcal memory`` prints. ``shape``: :class:`kvcal.formats.memory.ModelShape`; ``context``
+    (tokens) and ``batch`` (sequences) of the total; ``bytes_16bit``: 16-bit K+V bytes per token.
+    kvcal formats: ``kv`` (:class:`kvcal.formats.spec.KVCacheConfig`) and ``report``
+    (:class:`kvcal.formats.memory.MemoryReport`). ``vllm:<dtype>``: ``vllm`` = ``{"dtype", "version",
+    "skip_layers", "bytes_per_token", "total", "block_size"}`` (pages as vLLM allocates them)."""
+
+    model: str
+    format: str
+    shape: object
+    context: int
+    batch: int
+    bytes_16bit: int
+    kv: object = None
+    report: object = None
+    vllm: dict | None = None
+
+    def to_dict(self) -> dict:
+        """The ``kvcal memory --json`` document."""
+        if self.vllm is not None:
+            v = self.vllm
+            return {"model_id": self.model, "format": self.format, "vllm_version": v["version"],
+                    "skip_layers": v["skip_layers"], "context": self.context, "batch": self.batch,
+                    "block_size": v["block_size"], "bytes_per_token": v["bytes_per_token"],
+                    "bytes": {"total": v["total"]}}
+        return {"model_id": self.model, "format": self.format, **self.report.to_dict()}
+
+
+def model_shape_of(model: str):
+    """:class:`kvcal.formats.memory.ModelShape` of ``model``: a ``config.json`` file (read with the checked
+    reader, :func:`kvcal.export.checkpoint_json.read_config`), or anything
+    :func:`kvcal.models.load_model_config` takes (no weights load). Raises :class:`KvcalError`."""
+    from kvcal.formats.memory import model_shape
+
+    p = Path(model).expanduser()
+    try:
+        if p.suffix == ".json" and p.is_file():
+            from kvcal.export.checkpoint_json import read_config
+
+            return model_shape(read_config(p))
+        from kvcal.models import load_model_config
+
+        return model_shape(load_model_config(model))
+    except ValueError as e:
+        raise KvcalError(f"{model}: {e}") from None
+
+
+def memory(model: str = "smollm2-135m", fmt: str = "fp8", *, granularity: str | None = None,
+           group_size: int | None = None, symmetric: bool | None = None, residual_window: int = 0, sinks: int = 0,
+           context: int | None = None, batch: int = 1, skip_layers: str | None = None) -> MemoryResult:
+    """``kvcal memory``: exact KV-cache bytes for ``model`` stored as ``fmt`` — a preset / named layout
+    (:func:`kvcal.search.presets.named_cache_config`), a storage format applied to K and V (``int4``,
+    ``fp8_e4m3fnuz``, ...; ``granularity``/``group_size``/``symmetric`` override), or ``vllm:<dtype>`` (the
+    pages vLLM 0.33 allocates; ``skip_layers``: comma-separated layer indices kept at 16 bits). ``context``
+    (tokens; default the model's max positions) and ``batch`` (sequences) size the total. Raises
+    :class:`KvcalError` (one line) for a bad format, option combination or model."""
+    try:
+        return _memory(model, fmt, granularity, group_size, symmetric, residual_window, sinks, context, batch,
+                       skip_layers)
+    except (ValueError, json.JSONDecodeError, OSError) as e:
+        raise KvcalError(str(e)) from None
+
+
+def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sinks, context, batch, skip_layers):
+    from kvcal.formats.granularity import granularity_from_name
+    from kvcal.formats.memory import memory_report
+    from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
+    from kvcal.search.presets import named_cache_config
+
+    shape = model_shape_of(model)
+    b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    if fmt.startswith("vllm:"):
+        return _memory_vllm(model, shape, fmt[len("vllm:"):], skip_layers, context, batch, b16)
+    if skip_layers is not None:
+        raise ValueError("--skip-layers applies to vllm:<dtype> formats only (e.g. --format vllm:fp8)")
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"--group-size must be >= 1 channels/tokens, got {group_size}")
+    named = named_cache_config(fmt)
+    if named is not None:
+        cfg = named
+    else:
+        kind_int = fmt.startswith("int")
+        gran = granularity or ("token_group" if kind_int else "tensor")
+        side = TensorQuantSpec(fmt, granularity_from_name(gran, group_size), symmetric=not kind_int)
+        cfg = KVCacheConfig(side, side)
+    if (granularity is not None or group_size is not None) and "nvfp4" in (cfg.key.format.value, cfg.value.format.value):
+        raise ValueError("--granularity / --group-size do not apply to nvfp4: its 16-element blocks along head_dim "
+                         "with e4m3 block scales are fixed by the format (NVIDIA); drop them")
+    sides = []
+    for s in (cfg.key, cfg.value):
+        if s.is_quantized and granularity is not None and s.format.value != "nvfp4":
+            s = replace(s, granularity=granularity_from_name(granularity, group_size), scale_dtype=None)
+        elif group_size is not None:
+            s = s.with_group_size(group_size)
+        if symmetric is not None and s.format.kind == "int":
+            s = replace(s, symmetric=symmetric)
+        sides.append(s)
+    cfg = replace(cfg, key=sides[0], value=sides[1], residual_window=residual_window, sink_tokens=sinks)
+    ctx = context if context is not None else shape.max_position_embeddings
+    if ctx is None:
+        raise ValueError("the model config has no max_position_embeddings; pass --context")
+    if context is not None:
+        from kvcal.models import check_max_positions
+
+        check_max_positions(context, shape.max_position_embeddings, "--context")
+    too_long = [sp.granularity.group_size for sp in (cfg.key, cfg.value)
+                if getattr(sp.granularity, "name", "") == "channel_token_group" and sp.granularity.group_size > ctx]
+    if too_long:
+        raise ValueError(f"a key group of {too_long[0]} tokens is longer than --context {ctx}: such a cache never "
+                         "closes a group; choose --group-size <= the context")
+    return MemoryResult(model, fmt, shape, ctx, batch, b16, kv=cfg, report=memory_report(shape, cfg, ctx, batch))
+
+
+def _memory_vllm(model, shape, dtype, skip_layers, context, batch, b16) -> MemoryResult:
+    """``kvcal memory --format vllm:<dtype>``: the pages vLLM 0.33 allocates (raises ValueError)."""
+    from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
+    from kvcal.formats.vllm_dtypes import VLLM_VERSION, boundary_skip_layers, vllm_dtype
+
+    vllm_dtype(dtype)
+    skip = []
+    for tok in (skip_layers or "").split(","):
+        if tok.strip():
+            try:
+                skip.append(int(tok))
+            except ValueError:
+                raise ValueError(f"--skip-layers takes comma-separated layer indices, got {tok.strip()!r}") from None
+    ctx = context if context is not None else shape.max_position_embeddings
+    if ctx is None:
+        raise ValueError("the model config has no max_position_embeddings; pass --context")
+    if batch < 1 or ctx < 0:
+        raise ValueError(f"--batch must be >= 1 and --context >= 0, got {batch} and {ctx}")
+    bpt = vllm_bytes_per_token(shape, dtype, skip)
+    total = vllm_cache_bytes(shape, dtype, ctx, batch, skip_layers=skip)
+    all_skip = sorted(set(skip) | set(boundary_skip_layers(dtype, shape.num_layers)))
+    return MemoryResult(model, f"vllm:{dtype}", shape, ctx, batch, b16,
+                        vllm={"dtype": dtype, "version": VLLM_VERSION, "skip_layers": all_skip, "bytes_per_token": bpt,
+                              "total": total, "block_size": 16})
