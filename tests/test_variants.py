@@ -176,3 +176,19 @@ def test_search_side_choice_equals_the_deprecated_keyword_form():
     assert torch.equal(a.plan.levels, b.plan.levels) and torch.equal(a.plan.clip_ratio, b.plan.clip_ratio)
     assert a.heldout == b.heldout
     _refused(ValueError, "not as levels=", lambda: search_side(cal, held, "v", SideChoice(spec), levels=True))
+
+
+def test_artifact_side_with_tables_that_do_not_combine_is_refused_on_load():
+    """KVPlan.from_artifact refuses a side holding a levels table next to a rounding matrix (written by
+    hand; kvcal never writes both) in one line naming the tensor, instead of loading a plan that fails
+    only when used."""
+    from kvcal.plan import KVPlan, LayerPlan
+
+    plan = KVPlan([LayerPlan(SidePlan(K4, clip_ratio=torch.ones(H)),
+                             SidePlan(V4, clip_ratio=torch.ones(H), levels=LEVELS))])
+    meta = {"model": {"num_layers": 1, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
+    t = plan.to_tensors()
+    assert KVPlan.from_artifact(t, meta).layers[0].v.codebook is Codebook.LEVELS
+    t["model.layers.0.self_attn.v_rounding"] = U.clone()
+    _refused(ValueError, r"^model\.layers\.0\.self_attn\.v_levels: non-uniform levels do not combine",
+             lambda: KVPlan.from_artifact(t, meta))

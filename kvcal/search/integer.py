@@ -184,9 +184,9 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             choice = al.allocate(items, budget)
         except ValueError as e:
             raise KvcalError(f"--bits {bits}: {e}") from None
-        specs = [[None, None] for _ in range(L)]
+        chosen: list[dict[str, SideChoice]] = [{} for _ in range(L)]  # per layer: side -> choice
         for it, j in zip(items, choice, strict=True):
-            specs[it.layer][0 if it.side == "k" else 1] = menu[it.side][j]
+            chosen[it.layer][it.side] = menu[it.side][j]
         alloc_meta = {"budget_bits": bits, "budget_context": budget_context, "budget_bytes": float(budget),
                       "sensitivity": ("held-out relative attention-output error per (layer, side, spec)"
                                       + ("" if weights is None else " × model-level KL of that (layer, side) alone "
@@ -201,12 +201,13 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             alloc_meta["reference"] = {s: spec_label(menu[s][ref_idx[s]]) for s in ("k", "v")}
             alloc_meta["probe"] = probe_meta
     else:
-        specs = [list(INT_PRESETS[preset]) for _ in range(L)]
+        pair = INT_PRESETS[preset]
+        chosen = [{"k": pair.k, "v": pair.v} for _ in range(L)]
     results = []
     for layer in tqdm(range(L), desc="search", disable=not progress):
-        results.append({side: run(layer, side, specs[layer][i], True) for i, side in enumerate(("k", "v"))})
-        for i, side in enumerate(("k", "v")):
-            results[-1][side].extra["transform"] = specs[layer][i].transform
+        results.append({side: run(layer, side, chosen[layer][side], True) for side in ("k", "v")})
+        for side in ("k", "v"):
+            results[-1][side].extra["transform"] = chosen[layer][side].transform
     # sinks: the count with the lowest summed held-out output error (ties: fewer)
     word = "held-out" if cap.heldout.items else "calibration-data"  # no held-out split: say what was measured
     sink_meta = {"tried": list(SINK_CANDIDATES) if sinks is None else [s_try]}

@@ -11,11 +11,11 @@ What is searched, for a side (K or V) with a given :class:`~kvcal.formats.spec.T
   min/max shrunk about its centre by ``c`` (``"shrink"``), or ``mean ± z·std`` cut to min/max
   (``"std"``), the statistics coming from the streaming capture over every calibration token
   (sink tokens excluded);
-* **non-uniform levels** (symmetric per-token / per-token-group values, ``levels=True``): one
+* **non-uniform levels** (symmetric per-token / per-token-group values, ``codebook=Codebook.LEVELS``): one
   ``2^b``-entry table per layer fitted by Lloyd / k-means on the calibration
   values (:func:`fit_levels`), kept per KV head only where it beats the uniform grid on held-out;
-* **trellis-coded values** (``trellis_nu=ν``, symmetric per-token int2–int4 values searched with
-  ``levels=True``): one ``2^(ν+b)``-entry int8 table per layer fitted by the generalized Lloyd
+* **trellis-coded values** (``codebook=Codebook.TRELLIS, trellis_nu=ν``, symmetric per-token int2–int4
+  values, searched after the levels): one ``2^(ν+b)``-entry int8 table per layer fitted by the generalized Lloyd
   algorithm on the calibration values (:func:`fit_trellis`; :mod:`kvcal.formats.trellis`), kept for
   the layer (all KV heads share the table) only where its held-out error is below the levels plan's;
 * **key centering** (dynamic keys): a per-channel mean ``[1,H,1,D]`` subtracted before quantizing
@@ -39,6 +39,7 @@ quantized part exactly as :meth:`kvcal.plan.KVPlan.fake_quant` does: the search 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -474,6 +475,18 @@ def _grid_search(caches, side, spec, family, grid, stats, mean, objective, sinks
     return _refine(caches, side, objective, sinks, build, lo_b, hi_b, x, f, H, evals)
 
 
+class _Candidate(NamedTuple):
+    """One searched family of :func:`search_side`: its ``label``, range ``family`` (``None`` once static
+    families are merged per head), centering ``mean`` ``[H, D]`` or ``None``, and per-head best parameter
+    ``x [H]`` with its calibration error ``f [H]``."""
+
+    label: str
+    family: str | None
+    mean: torch.Tensor | None
+    x: torch.Tensor
+    f: torch.Tensor
+
+
 def _legacy_choice(spec: TensorQuantSpec, transform: str | None, rounding: bool | None, channel_bits: bool | None,
                    levels: bool | None, trellis_nu: int | None):
     """The :class:`~kvcal.search.presets.SideChoice` that :func:`search_side`'s deprecated keyword form
@@ -580,29 +593,28 @@ def search_side(
     held = heldout or calib
     H = (calib[0].k if side == "k" else calib[0].v).shape[0]
     evals = [0.0]
-    variants: list[tuple[str, str, torch.Tensor | None]] = []  # (label, family, mean)
+    families: list[tuple[str, str, torch.Tensor | None]] = []  # (label, family, mean)
     if spec.dynamic:
-        variants.append(("clip", "clip", None))
+        families.append(("clip", "clip", None))
         if side == "k" and centering != "off" and stats is not None:
-            variants.append(("clip+center", "clip", stats["mean"].float()))
-        if centering == "on" and len(variants) == 2:
-            variants = variants[1:]
+            families.append(("clip+center", "clip", stats["mean"].float()))
+        if centering == "on" and len(families) == 2:
+            families = families[1:]
     else:
         if stats is None:
             raise ValueError("static per-channel search needs capture statistics (stats=)")
-        variants += [("shrink", "shrink", None), ("std", "std", None)]
-    results = []
-    for label, family, mean in variants:
+        families += [("shrink", "shrink", None), ("std", "std", None)]
+    results: list[_Candidate] = []
+    for label, family, mean in families:
         g_ = (grid or clip_grid(spec.bits)) if family in ("clip", "shrink") else std_grid(spec.bits)
         x, f = _grid_search(calib, side, spec, family, g_, stats, mean, objective, sinks, refine and len(g_) > 1,
                             evals, quant_kw)
-        results.append((label, family, mean, x, f))
+        results.append(_Candidate(label, family, mean, x, f))
     if not spec.dynamic:  # static families compete on calibration error per head
-        lab0, fam0, _, x0, f0 = results[0]
-        lab1, fam1, _, x1, f1 = results[1]
-        pick1 = f1 < f0
-        results = [("per-head", None, None, torch.where(pick1, x1, x0), torch.where(pick1, f1, f0))]
-        fams = [fam1 if b else fam0 for b in pick1.tolist()]
+        r0, r1 = results
+        pick1 = r1.f < r0.f
+        results = [_Candidate("per-head", None, None, torch.where(pick1, r1.x, r0.x), torch.where(pick1, r1.f, r0.f))]
+        fams = [r1.family if b else r0.family for b in pick1.tolist()]
     # held-out: each variant and plain min/max, per head
     base_family = "clip" if spec.dynamic else "shrink"
     base_plan = make_plan(spec, torch.ones(H), family=base_family, stats=stats, transform=transform, rope=rope,
@@ -611,11 +623,11 @@ def search_side(
     evals[0] += len(held) / max(len(calib), 1)
     best_err, best_idx = nb / db, torch.full((H,), -1)
     plans = []
-    for i, (_label, _family, mean, x, _f) in enumerate(results):
+    for i, cand in enumerate(results):
         if spec.dynamic:
-            p = make_plan(spec, x, family="clip", mean=mean, **quant_kw)
+            p = make_plan(spec, cand.x, family="clip", mean=cand.mean, **quant_kw)
         else:
-            p = _static_plan_mixed(spec, stats, x, fams)
+            p = _static_plan_mixed(spec, stats, cand.x, fams)
         plans.append(p)
         n, d = side_error(held, side, p, objective, sinks)
         evals[0] += len(held) / max(len(calib), 1)
@@ -635,13 +647,13 @@ def search_side(
             fam_final.append(base_family)
             calib_f[h] = float("nan")
             continue
-        label, family, mean, x, f = results[i]
-        param[h], calib_f[h] = x[h], f[h]
+        cand = results[i]
+        param[h], calib_f[h] = cand.x[h], cand.f[h]
         if spec.dynamic:
-            labels.append(label)
+            labels.append(cand.label)
             fam_final.append("clip")
-            if mean is not None:
-                mean_rows[h] = mean[h]
+            if cand.mean is not None:
+                mean_rows[h] = cand.mean[h]
                 any_mean = True
         else:
             labels.append(fams[h])

@@ -30,6 +30,7 @@ the model-level sensitivity probe measures each (layer, side).
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
+from typing import NamedTuple
 
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.quant import TRELLIS_MAX_NU
@@ -191,11 +192,18 @@ def _value_levels(fmt: str, gran=None, **variants) -> SideChoice:
               **variants)
 
 
-INT_PRESETS: dict[str, tuple[SideChoice, SideChoice]] = {
-    "int8": (_c("int8", PerTokenGroup(64), symmetric=False), _c("int8", PerTokenGroup(64), symmetric=False)),
-    "int4": (_key_qround("int4", 128), _value_levels("int4", codebook=TRELLIS, trellis_nu=TRELLIS_NU)),
-    "int2": (_key_qround("int2", 32), _c("int2", PerTokenGroup(32), symmetric=False, transform="hadamard")),
-    "k4v2": (_key_qround("int4", 128), _c("int2", PerTokenGroup(32), symmetric=False, transform="hadamard")),
+class KVChoice(NamedTuple):
+    """A preset's key and value :class:`SideChoice` (a named pair; ``k, v = INT_PRESETS[name]`` still works)."""
+
+    k: SideChoice
+    v: SideChoice
+
+
+INT_PRESETS: dict[str, KVChoice] = {
+    "int8": KVChoice(k=_c("int8", PerTokenGroup(64), symmetric=False), v=_c("int8", PerTokenGroup(64), symmetric=False)),
+    "int4": KVChoice(k=_key_qround("int4", 128), v=_value_levels("int4", codebook=TRELLIS, trellis_nu=TRELLIS_NU)),
+    "int2": KVChoice(k=_key_qround("int2", 32), v=_c("int2", PerTokenGroup(32), symmetric=False, transform="hadamard")),
+    "k4v2": KVChoice(k=_key_qround("int4", 128), v=_c("int2", PerTokenGroup(32), symmetric=False, transform="hadamard")),
 }
 
 #: Candidate side choices for ``--bits`` allocation (cheapest first within a payload width).
@@ -233,7 +241,7 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
 }
 
 #: The side choices at which ``--bits`` measures each (layer, side)'s model-level sensitivity.
-ALLOC_REFERENCE: dict[str, SideChoice] = {"k": INT_PRESETS["int4"][0], "v": INT_PRESETS["int4"][1]}
+ALLOC_REFERENCE: dict[str, SideChoice] = {"k": INT_PRESETS["int4"].k, "v": INT_PRESETS["int4"].v}
 
 #: Transforms that need the model's RoPE table.
 NEEDS_ROPE = ("pre_rope",)
@@ -265,7 +273,7 @@ def preset_cache_config(name: str, sink_tokens: int = 0, residual_window: int = 
     sides that may use a trellis table are counted with it in every layer (the upper bound: a layer
     whose guard keeps the levels stores ``4·H·2^b`` bytes instead of ``2^(ν+b)``).
     Raises ``KeyError`` for another name."""
-    k, v = INT_PRESETS[name]
+    k, v = INT_PRESETS[name].k, INT_PRESETS[name].v
     vt = 2 ** (v.trellis_nu + v.spec.bits) if v.codebook is Codebook.TRELLIS else 0
     return KVCacheConfig(k.spec, v.spec, residual_window=residual_window, sink_tokens=sink_tokens,
                          key_rounding=k.rounding is Rounding.QUERY_AWARE, value_rounding=v.rounding is Rounding.QUERY_AWARE,
@@ -290,5 +298,5 @@ def named_cache_config(name: str) -> KVCacheConfig | None:
     return PRESETS.get(name)
 
 
-__all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "NEEDS_ROPE", "spec_label",
+__all__ = ["INT_PRESETS", "ALLOC_MENU", "ALLOC_REFERENCE", "SideChoice", "KVChoice", "NEEDS_ROPE", "spec_label",
            "preset_cache_config", "named_cache_config", "CACHE_CONFIG_NAMES"]
