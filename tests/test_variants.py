@@ -192,3 +192,22 @@ def test_artifact_side_with_tables_that_do_not_combine_is_refused_on_load():
     t["model.layers.0.self_attn.v_rounding"] = U.clone()
     _refused(ValueError, r"^model\.layers\.0\.self_attn\.v_levels: non-uniform levels do not combine",
              lambda: KVPlan.from_artifact(t, meta))
+
+
+def test_kernel_dispatcher_takes_tables_and_keeps_the_reference_contract():
+    """kvcal.kernels.quantize with tables= runs the torch reference for a side with variant tables, so a
+    trellis-coded or query-aware-rounded side (no keyword for them in the dispatcher before) reads back
+    exactly as formats.quant.fake_quant computes it."""
+    from kvcal import kernels
+    from kvcal.search.optimizer import uniform_levels
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, H, 6, D, generator=g)
+    T = (torch.randn(256, generator=g) * 32).round().clamp(-127, 127) / 32  # nu = 4, int8 multiples of 1/32
+    tt = QuantTables(trellis=T)
+    assert torch.equal(kernels.dequantize(kernels.quantize(x, V4, tables=tt)), fake_quant(x, V4, tables=tt))
+    a = torch.randn(H, D, D, generator=g)
+    tr = QuantTables(rounding=rounding_matrix(a @ a.transpose(1, 2)))
+    assert torch.equal(kernels.dequantize(kernels.quantize(x, K4, tables=tr)), fake_quant(x, K4, tables=tr))
+    tl = QuantTables(levels=uniform_levels(4))
+    assert torch.equal(kernels.dequantize(kernels.quantize(x, V4, levels=tl.levels)), fake_quant(x, V4, tables=tl))

@@ -27,6 +27,7 @@ from kvcal.formats import quant as _ref
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.quant import QuantizedTensor
 from kvcal.formats.spec import LOG8, TensorQuantSpec
+from kvcal.formats.variants import QuantTables
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -106,20 +107,24 @@ def quantize(
     zero_point: torch.Tensor | None = None,
     clip_ratio: torch.Tensor | float | None = None,
     global_scale: torch.Tensor | float | None = None,
+    tables: QuantTables | None = None,
     levels: torch.Tensor | None = None,
     scale_base: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> QuantizedTensor:
     """Same contract as :func:`kvcal.formats.quant.quantize`, dispatched to Triton when supported
-    (dynamic int layouts without given parameters, uniform grids, float scales; non-uniform
-    ``levels`` and log8 ``scale_base`` run on the torch reference). Raises ``ValueError`` like the reference."""
+    (dynamic int layouts without given parameters, uniform grids, float scales; a side with variant
+    ``tables`` — :class:`~kvcal.formats.variants.QuantTables`: levels, trellis, rounding, widths, log8
+    base — runs on the torch reference). ``levels`` / ``scale_base``: the deprecated keyword form of
+    ``tables``. Raises ``ValueError`` like the reference."""
     _ref._check_input(x)
+    t = QuantTables.from_keywords(tables, levels=levels, scale_base=scale_base)
     use = "torch"
-    if scale is None and zero_point is None and global_scale is None and levels is None and scale_base is None:
+    if scale is None and zero_point is None and global_scale is None and not t.as_kwargs():
         use = _resolve(backend, x.device, spec, tuple(x.shape))
     if use == "torch":
         return _ref.quantize(x, spec, scale=scale, zero_point=zero_point, clip_ratio=clip_ratio,
-                             global_scale=global_scale, check_finite=False, levels=levels, scale_base=scale_base)
+                             global_scale=global_scale, check_finite=False, tables=t)
     from kvcal.kernels.triton_quant import quantize_triton
 
     H = x.shape[1]
