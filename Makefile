@@ -36,7 +36,7 @@ test: venv
 	$(PY) -m pytest -q -x --durations=15
 
 lint: venv
-	$(VENV)/bin/ruff check kvcal tests benchmarks
+	$(VENV)/bin/ruff check kvcal tests benchmarks diagnostics
 
 clean:
 	rm -rf $(VENV) .pytest_cache

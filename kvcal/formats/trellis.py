@@ -22,7 +22,7 @@ The table is fitted to data by the generalized Lloyd algorithm (:func:`fit_table
 the training rows, then set every used entry to the mean of the elements that chose it; the
 training distortion never increases).
 
-Measured on the embedded model (``benchmarks/probe_trellis.py``, tables fitted on
+Measured on the embedded model (``diagnostics/probe_trellis.py``, tables fitted on
 ``calibration_sets/chat.jsonl``): Hadamard-rotated value rows at 4 bits, ``ν = 6``, have 0.9–1.2 dB
 lower MSE than with the fitted 16-level table (all 30 layers), and the model's V-only mean KL on
 2 × 1024 wikitext windows fell from 4.81e-3 to 3.78e-3 (all sides: 7.54e-3 → 6.19e-3).

@@ -167,7 +167,7 @@ class SideChoice:
         return self.channel_widths is ChannelWidths.ALLOCATED
 
 
-#: Trellis state bits of the int4 values (a 1024-entry int8 table per layer; ``benchmarks/probe_trellis.py``)
+#: Trellis state bits of the int4 values (a 1024-entry int8 table per layer; ``diagnostics/probe_trellis.py``)
 TRELLIS_NU = 6
 
 QUERY_AWARE, ALLOCATED, LEVELS, TRELLIS = Rounding.QUERY_AWARE, ChannelWidths.ALLOCATED, Codebook.LEVELS, Codebook.TRELLIS

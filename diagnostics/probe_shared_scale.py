@@ -9,7 +9,7 @@ the same unclipped to at least the calibration max / 448 (``--target vllm`` defa
 of the unclipped scales (``sglang-json`` default). kvcal's FP8 fake-quantization saturates, so the clipped
 rows are what a saturating engine (vLLM, TensorRT-LLM) computes; in SGLang their clipped values become NaN.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/probe_shared_scale.py --out bench_out/shared_scale  # ~40 min here
+    HF_HUB_OFFLINE=1 .venv/bin/python diagnostics/probe_shared_scale.py --out bench_out/shared_scale  # ~40 min here
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Shared start of the ``probe_*.py`` diagnostics: an artifact's plan and the model it was calibrated on.
 
-Imported by the probe scripts, which run with ``benchmarks/`` on ``sys.path`` (``python benchmarks/probe_*.py``)."""
+Imported by the probe scripts, which run with ``diagnostics/`` on ``sys.path`` (``python diagnostics/probe_*.py``)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ fake-quantized; mean logit KL against the 16-bit model, nats):
 
     HF_HUB_OFFLINE=1 .venv/bin/kvcal calibrate --corpus calibration_sets/chat.jsonl --preset int4 \\
         --out bench_out/int4
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/probe_int4.py --artifact bench_out/int4   # ~6 min here
+    HF_HUB_OFFLINE=1 .venv/bin/python diagnostics/probe_int4.py --artifact bench_out/int4   # ~6 min here
 
 The windows are the benchmark's evaluation windows by default (``--skip-windows 0``); these are
 diagnostics of one plan, not a tuning split. Writes nothing; prints the tables.

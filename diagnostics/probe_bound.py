@@ -27,7 +27,7 @@ independent elements could still recover at this layout and bit budget.
 
     HF_HUB_OFFLINE=1 .venv/bin/kvcal calibrate --corpus calibration_sets/chat.jsonl --preset int4 \\
         --out bench_out/int4
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/probe_bound.py --artifact bench_out/int4 --windows 8  # ~12 min
+    HF_HUB_OFFLINE=1 .venv/bin/python diagnostics/probe_bound.py --artifact bench_out/int4 --windows 8  # ~12 min
 
 Writes nothing. Diagnostics of one plan on the benchmark's evaluation windows, not a tuning split.
 """

@@ -17,7 +17,7 @@ values only, levels vs trellis — a paired comparison (same keys, sinks, window
 
     HF_HUB_OFFLINE=1 .venv/bin/kvcal calibrate --corpus calibration_sets/chat.jsonl --preset int4 \\
         --out bench_out/int4
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/probe_trellis.py --artifact bench_out/int4   # ~15 min here
+    HF_HUB_OFFLINE=1 .venv/bin/python diagnostics/probe_trellis.py --artifact bench_out/int4   # ~15 min here
 
 Writes nothing. Diagnostics of one plan on the benchmark's evaluation windows, not a tuning split.
 """
