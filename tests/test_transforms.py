@@ -12,7 +12,7 @@ from kvcal.evaluate.protocol_a import plan_hook
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
 from kvcal.formats.quant import fake_quant
 from kvcal.formats.spec import TensorQuantSpec
-from kvcal.formats.transforms import RopeTable, apply_transform, hadamard_matrix
+from kvcal.formats.transforms import RopeTable, apply_transform, fwht, hadamard_matrix
 from kvcal.models import rope_table
 from kvcal.plan import KVPlan, LayerPlan, SidePlan
 from kvcal.runtime import QuantizedKVCache
@@ -51,23 +51,24 @@ def test_hadamard_matches_scipy_and_is_orthogonal():
     for d in (1, 2, 16, 64, 128):
         h = hadamard_matrix(d, torch.float64)
         assert torch.equal(h, torch.tensor(hadamard(d), dtype=torch.float64) / d**0.5)
-        torch.testing.assert_close(h @ h, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-12)
+        # float64 dot of d terms of magnitude 1/d: |error| <= d·eps64·Σ|terms| = d·eps64 <= 2.9e-14
+        torch.testing.assert_close(h @ h, torch.eye(d, dtype=torch.float64), rtol=0, atol=d * torch.finfo(torch.float64).eps)
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_matrix(96)
 
 
 def test_fwht_is_the_hadamard_product_and_row_independent():
-    """fwht(x) = x @ H_D/√D: in float64 within log2(D) butterfly roundings of the magnitudes
-    (|err| ≤ log2(D)·eps64·Σ|x|/√D·2, a standard forward-error bound for D-term sums); in float32 each
+    """fwht(x) = x @ H_D/√D: in float64 within the butterfly's log2(D) roundings plus the matmul's
+    D-term dot-product error (Higham Thm 3.1: γ_D ≈ D·eps64), each of the magnitudes Σ|x|/√D, so
+    |err| ≤ (log2 D + D)·eps64·Σ|x|/√D whatever the BLAS blocking; a wrong butterfly sign moves an
+    output by ~|x|/√D, 10¹³x more; in float32 each
     row's result does not depend on the other rows (one token alone == the same token inside a
     sequence, exactly), which is what keeps decode-step codes equal to Protocol A's on any CPU."""
-    from kvcal.formats.transforms import fwht
-
     g = torch.Generator().manual_seed(0)
     for d in (1, 2, 16, 64, 128):
         x = torch.randn(3, 2, 7, d, generator=g, dtype=torch.float64)
         want = x @ hadamard_matrix(d, torch.float64)
-        bound = 2 * max(math.log2(d), 1) * torch.finfo(torch.float64).eps * x.abs().sum(-1, keepdim=True) / d**0.5
+        bound = (math.log2(d) + d) * torch.finfo(torch.float64).eps * x.abs().sum(-1, keepdim=True) / d**0.5
         assert ((fwht(x) - want).abs() <= bound).all()
         x32 = x.float()
         full = fwht(x32)
@@ -85,14 +86,19 @@ def test_rope_table_matches_transformers(model):
     pos = torch.arange(20)[None] + 5
     cos, sin = model.model.rotary_emb(x, pos)
     _, k_post = apply_rotary_pos_emb(x, x, cos, sin)
-    torch.testing.assert_close(rope.to_post_rope(x, 5), k_post, rtol=0, atol=1e-6)
-    torch.testing.assert_close(rope.to_pre_rope(k_post, 5), x, rtol=0, atol=1e-5)
+    # same float32 angles (one product), same cos/sin, same x·cos + rotate_half(x)·sin: equal exactly
+    assert torch.equal(rope.to_post_rope(x, 5), k_post)
+    # the inverse: ~6 fp32 roundings of magnitude ≤ |x| plus cos²+sin² = 1 ± 2 ulp -> ≤ 8·eps32·max|x|;
+    # a wrong sign or position moves elements by O(|x|)
+    inv_bound = 8 * torch.finfo(torch.float32).eps * float(x.abs().max())
+    torch.testing.assert_close(rope.to_pre_rope(k_post, 5), x, rtol=0, atol=inv_bound)
     # the inverse undoes the rotation at the given positions only
     assert (rope.to_pre_rope(k_post, 6) - x).abs().max() > 1e-2
     # a YaRN-style attention scaling multiplies cos and sin: the inverse divides it out
     r2 = RopeTable(rope.inv_freq, 1.3)
-    torch.testing.assert_close(r2.to_pre_rope(r2.to_post_rope(x, 3), 3), x, rtol=0, atol=1e-5)
-    torch.testing.assert_close(r2.to_post_rope(x, 3), 1.3 * rope.to_post_rope(x, 3), rtol=1e-6, atol=1e-6)
+    # two more roundings (·1.3, /1.3) of magnitude ≤ 1.3·2|x|: 8 -> 16 eps32·max|x| covers them
+    torch.testing.assert_close(r2.to_pre_rope(r2.to_post_rope(x, 3), 3), x, rtol=0, atol=2 * inv_bound)
+    assert torch.equal(r2.to_post_rope(x, 3), 1.3 * rope.to_post_rope(x, 3))  # (…)·1.3 and 1.3·((…)·1.0): same products
 
 
 def test_rope_table_refuses_partial_rotary():
@@ -113,12 +119,13 @@ def test_side_plan_pre_rope_is_quantization_of_the_unrotated_key(model):
     pre = rope.to_pre_rope(k[:, :, 2:], 2)
     q = fake_quant(pre, K_SPEC, clip_ratio=torch.full((H,), 0.9))
     want = torch.cat([k[:, :, :2].to(torch.bfloat16).float(), rope.to_post_rope(q, 2)], dim=2)
-    torch.testing.assert_close(y, want, rtol=0, atol=1e-6)
-    # values: Hadamard rotate, per-token symmetric int4, rotate back
+    assert torch.equal(y, want)  # the same elementwise ops in the same order: exact
+    # values: Hadamard rotate (the butterfly, as the plan does), per-token symmetric int4, rotate back;
+    # exact, since the arithmetic is shared. A matmul by H_D here (as this test once had) differs from
+    # the butterfly by ulps that can move an int4 code a whole step; fwht == x @ H_D is its own test
     v = torch.randn(1, H, 30, D)
-    hm = hadamard_matrix(D)
-    want_v = torch.cat([v[:, :, :2].to(torch.bfloat16).float(), fake_quant(v[:, :, 2:] @ hm, V_SPEC) @ hm], dim=2)
-    torch.testing.assert_close(plan.fake_quant(0, "v", v), want_v, rtol=0, atol=1e-6)
+    want_v = torch.cat([v[:, :, :2].to(torch.bfloat16).float(), fwht(fake_quant(fwht(v[:, :, 2:]), V_SPEC))], dim=2)
+    assert torch.equal(plan.fake_quant(0, "v", v), want_v)
     # and it is not the post-RoPE quantization
     post = SidePlan(K_SPEC, clip_ratio=torch.full((H,), 0.9)).fake_quant(k[:, :, 2:])
     assert (post - y[:, :, 2:]).abs().max() > 1e-3
@@ -135,6 +142,9 @@ def test_pre_rope_helps_keys_with_an_offset_channel(model):
     sp_pre = SidePlan(K_SPEC, clip_ratio=torch.ones(H), transform="pre_rope", rope=rope)
     e_post = (sp_post.fake_quant(post) - post).pow(2).mean()
     e_pre = (sp_pre.fake_quant(post) - post).pow(2).mean()
+    # channels 0 and D/2 span ~±5 over a post-RoPE 8-token group (step ~10/15) but ~0.6 pre-RoPE; the
+    # other 14 channels are alike, so e_pre/e_post ≈ (0.6/10)²·(16/2)… ≈ 0.006 (seeds 0-2 give 0.006):
+    # 0.2 is a 30x margin that a transform applied at the wrong positions (no gain) does not meet
     assert e_pre < 0.2 * e_post
 
 
@@ -157,7 +167,7 @@ def prefill_matches_protocol_a(model, plan, ids) -> QuantizedKVCache:
         a = model(ids, cache=cache, use_cache=True).logits
         with attention_hook(model, plan_hook(plan)):
             b = model(ids, use_cache=False).logits
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert torch.equal(a, b)  # same [B, T] forward, same fake-quant on the same K/V: shared arithmetic
     assert cache.allocated_bytes() == cache.expected_bytes()
     return cache
 
@@ -273,14 +283,20 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
     q = (torch.randn(4000, D, generator=g, dtype=torch.float64) * w) @ basis.T
     sigma = (q.T @ q).expand(H, D, D)
     U = rounding_matrix(sigma)
-    torch.testing.assert_close(U[0].double().T @ U[0].double() @ (sigma[0] + 0.01 * sigma[0].diagonal().mean()
-                                                                    * torch.eye(D, dtype=torch.float64)),
-                               torch.eye(D, dtype=torch.float64), rtol=0, atol=1e-4)
+    # U is float64's Cholesky factor rounded to float32 (|ΔU| ≤ eps32/2·|U|), so elementwise
+    # |UᵀU·M − I| ≤ eps32·|U|ᵀ|U||M| to first order; 2x that covers float64's inv/cholesky (κ·eps64 ≈ 3e-13).
+    # A wrong damping (e.g. 2% instead of 1%) moves the small-eigenvalue block by ~0.5: caught
+    u, m = U[0].double(), sigma[0] + 0.01 * sigma[0].diagonal().mean() * torch.eye(D, dtype=torch.float64)
+    err = (u.T @ u @ m - torch.eye(D, dtype=torch.float64)).abs()
+    assert bool((err <= 2 * torch.finfo(torch.float32).eps * (u.abs().T @ u.abs() @ m.abs())).all())
     for spec in (K_SPEC, TensorQuantSpec("int4", PerToken(), symmetric=True)):
         near, fb = fake_quant(x, spec), fake_quant(x, spec, rounding=U)
         # float64 score error E[(q·Δk)^2] over the query sample, independently of the library
         e_near = ((near - x).double() @ q.T).pow(2).mean()
         e_fb = ((fb - x).double() @ q.T).pow(2).mean()
+        # seeded data; GPTQ-style feedback moves error out of the 3 strong query directions (weights
+        # 30/10/5 vs 0.3): 0.12 / 0.07 of nearest here, so 0.7 holds with a 6x margin on any CPU's
+        # ulp-level differences, and fails for feedback that is a no-op (ratio 1) or mis-ordered
         assert e_fb < 0.7 * e_near
         # same grid: every code is a representable value (the packed round trip agrees exactly)
         qt = quantize(x, spec, rounding=U)
