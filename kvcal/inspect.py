@@ -183,12 +183,13 @@ def _has_kvcal_meta(f: Path) -> bool:
 def _inspect_artifact(p: Path) -> Inspection:
     from kvcal.artifact import load_artifact
     from kvcal.export import target_names
-    from kvcal.export.base import get_target
+    from kvcal.export.base import get_target, vllm_nvfp4_dtype
     from kvcal.export.vllm import kv_only_quantization_config
 
     art = load_artifact(p)
     meta = art.metadata
     n = art.num_layers
+    nvfp4 = vllm_nvfp4_dtype(meta)  # calibrate --engine vllm --kv-cache-dtype nvfp4: per-layer outer scales
     kv = meta["kv"]
     k = kv.get("k") or {}
     ins = Inspection(art.path, "artifact", n, k.get("format"), k.get("granularity"),
@@ -196,7 +197,7 @@ def _inspect_artifact(p: Path) -> Inspection:
     for i in range(n):
         row = {"layer": i}
         for side in ("k", "v"):
-            t = art.scale(i, side)
+            t = art.scale(i, side) if not nvfp4 else art.tensors.get(f"model.layers.{i}.self_attn.{side}_outer_scale")
             row[side] = [float(x) for x in t.flatten().tolist()] if t is not None else None
         q = art.tensors.get(f"model.layers.{i}.self_attn.q_scale")  # vLLM's FP8 query scale (calibrate --engine vllm)
         row["q"] = [float(x) for x in q.flatten().tolist()] if q is not None else None
@@ -209,9 +210,18 @@ def _inspect_artifact(p: Path) -> Inspection:
     nkv = meta["model"].get("num_kv_heads")
     qc = kv_only_quantization_config(k.get("granularity", "tensor"))
     scales = {name: t for name, t in art.tensors.items() if name.endswith(("k_scale", "v_scale"))}
-    ins.engines["vLLM"] = simulate_vllm(scales, n, nkv, qc)
-    ins.engines["SGLang"] = simulate_sglang(scales, n, nkv, qc)
-    ins.engines["TensorRT-LLM"] = simulate_trtllm(scales, n)
+    if nvfp4:
+        scales = {f"model.layers.{i}.self_attn.{s}_scale": art.tensors[f"model.layers.{i}.self_attn.{s}_outer_scale"]
+                  for i in range(n) for s in ("k", "v")}
+        ins.notes.append(f"K/V scale columns: the NVFP4 outer scales (vLLM --kv-cache-dtype {nvfp4} reads them as each "
+                         "layer's k_scale/v_scale, per tensor; export --target vllm writes them so); Q scale: FP8 "
+                         "query scale (used on SM100 FlashInfer trtllm-gen only). SGLang and TensorRT-LLM rows "
+                         "omitted: they load no NVFP4 KV outer scales from these names")
+        ins.engines["vLLM"] = simulate_vllm(scales, n, nkv, qc)
+    else:
+        ins.engines["vLLM"] = simulate_vllm(scales, n, nkv, qc)
+        ins.engines["SGLang"] = simulate_sglang(scales, n, nkv, qc)
+        ins.engines["TensorRT-LLM"] = simulate_trtllm(scales, n)
     ins.notes.append("engine rows: the artifact's names as if copied into a checkpoint with a compressed-tensors "
                      "kv_cache_scheme; use `kvcal export` to produce what each engine loads")
     from kvcal.artifact import CONTENT_HASH_KEY

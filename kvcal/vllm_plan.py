@@ -135,6 +135,10 @@ class VllmKVPlan:
         note = (f"vllm:{kv_cache_dtype}: vLLM's defaults (static scales 1.0; no checkpoint scales)"
                 if vllm_dtype(kv_cache_dtype).static_scales else
                 f"vllm:{kv_cache_dtype}: scales computed at write time, as vLLM does")
+        if kv_cache_dtype.startswith("nvfp4") and kw.get("k_scales") is not None:
+            note = (f"vllm:{kv_cache_dtype}: the artifact's NVFP4 outer scales (k_scale/v_scale) and q_scale "
+                    "(calibrate --engine vllm --kv-cache-dtype nvfp4) as vLLM loads them, queries FP8-quantized "
+                    "(SM100 FlashInfer trtllm-gen; SM80/90/120 keep them 16-bit)")
         if kv_cache_dtype.startswith("turboquant_"):
             note += ("; first and last 2 layers at 16 bits (vLLM's boundary rule); vLLM's first-chunk prefill "
                      "attends to raw K/V, so these rows measure what decode steps read")

@@ -114,6 +114,10 @@ class Target:
     def can_load(self, meta: dict) -> str | None:
         """``None`` if this target's engines can load the artifact described by ``meta`` (the
         artifact metadata dict), else a one-line reason."""
+        d = vllm_nvfp4_dtype(meta)
+        if d is not None:
+            return (f"the artifact holds vLLM NVFP4 outer scales (calibrate --engine vllm --kv-cache-dtype {d}), "
+                    "which only vLLM's NVFP4 cache reads; use --target vllm")
         reason = engine_common_reason(meta)
         if reason:
             return reason
@@ -189,6 +193,48 @@ def layer_kv_specs(meta: dict) -> list[tuple[str, dict]]:
         return [(f" (layer {i})", {"k": ls.get("k"), "v": ls.get("v")}) for i, ls in enumerate(per_layer)
                 if isinstance(ls, dict)]
     return [("", {"k": kv.get("k"), "v": kv.get("v")})]
+
+
+def vllm_nvfp4_dtype(meta: dict) -> str | None:
+    """The vLLM nvfp4 ``--kv-cache-dtype`` an artifact was calibrated for (``kvcal calibrate --engine vllm
+    --kv-cache-dtype nvfp4`` records it in ``vllm.kv_cache_dtype`` and writes per-layer outer scales
+    ``model.layers.{i}.self_attn.{k,v}_outer_scale``), else ``None``."""
+    d = (meta.get("vllm") or {}).get("kv_cache_dtype") if isinstance(meta.get("vllm"), dict) else None
+    return d if isinstance(d, str) and d.startswith("nvfp4") else None
+
+
+def _prepare_nvfp4(artifact: Artifact, headroom: float | None) -> PreparedScales:
+    """:class:`PreparedScales` of an NVFP4 artifact: ``k``/``v`` the per-layer outer scales (float32 ``[1]``,
+    vLLM's ``k_scale``/``v_scale`` for an NVFP4 cache: the dequantization multiplier, ``global_scale =
+    1/outer``), ``q`` the FP8 query scales, ``fmt_max`` 2688 (e4m3 max x E2M1 max: at ``amax/2688`` the
+    largest block's e4m3 scale is 448). ``headroom`` raises each outer scale to at least
+    ``observed amax / 2688 x headroom`` (block scales of larger values then do not saturate)."""
+    meta = artifact.metadata
+    n = artifact.num_layers
+    fmax = FP8_E4M3_MAX * 6.0
+    stats = {int(e["layer"]): e for e in meta.get("layers", []) if isinstance(e, dict) and "layer" in e}
+    p = PreparedScales(n, "tensor", "nvfp4", {}, {}, {}, {}, fmax)
+    p.notes.append(f"vLLM --kv-cache-dtype {vllm_nvfp4_dtype(meta)}: k_scale/v_scale are the NVFP4 outer "
+                   "(global) scales, one per layer and side (vLLM's BaseKVCacheMethod takes per-tensor scales only)")
+    raised = 0
+    for i in range(n):
+        p.amax[i] = {}
+        for side in ("k", "v"):
+            s = artifact.tensors[f"model.layers.{i}.self_attn.{side}_outer_scale"].detach().float().reshape(1).clone()
+            amax = _amax_like((stats.get(i, {}).get(side) or {}).get("amax"), s)
+            p.amax[i][side] = amax
+            if headroom is not None and amax is not None:
+                floor = amax / fmax * headroom
+                raised += int(bool((floor > s).any()))
+                s = torch.maximum(s, floor)
+            getattr(p, side)[i] = s.contiguous()
+        q = artifact.tensors.get(f"model.layers.{i}.self_attn.q_scale")
+        if q is not None:
+            p.q[i] = q.detach().float().clone()
+    if headroom is not None:
+        p.notes.append(f"--headroom {headroom}: raised {raised} of {2 * n} outer scales to observed max / 2688 x "
+                       f"{headroom}")
+    return p
 
 
 def engine_common_reason(meta: dict) -> str | None:
@@ -271,17 +317,24 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tu
       the calibration observed is representable (what :func:`kvcal.export.export` does by default for
       targets a non-saturating engine loads; ``--clipped-scales`` turns it off).
 
+    * An artifact of ``calibrate --engine vllm --kv-cache-dtype nvfp4`` gives its NVFP4 outer scales
+      (:func:`_prepare_nvfp4`; ``headroom`` against ``amax / 2688``; never unclipped, since no engine
+      writes NVFP4 without saturating its block scales).
+
     Returns :class:`PreparedScales` (float32 ``[1]`` or ``[H_kv,1,1]`` per layer and side).
     Raises :class:`ExportError` for a bad ``headroom``.
     """
     meta = artifact.metadata
     kv = meta["kv"]
     fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
+    nvfp4 = vllm_nvfp4_dtype(meta) is not None
     if headroom is not None and not (1.0 <= headroom <= MAX_HEADROOM):
         raise ExportError(
             f"--headroom must be a margin between 1.0 and {MAX_HEADROOM:g} (e.g. 1.25), got {headroom}: a margin of "
             f"{MAX_HEADROOM:g} already puts the observed max at 1/{MAX_HEADROOM:g} of the format's range and pushes "
             "small values into its subnormals; a larger one flushes the cache toward zero")
+    if nvfp4:
+        return _prepare_nvfp4(artifact, headroom)
     conv = 1.0
     notes = []
     out_fmt_max = FORMAT_MAX.get(fmt, FP8_E4M3_MAX)

@@ -220,6 +220,12 @@ def _serving_engine(rep: Report, meta: dict) -> None:
     if qs:
         items.append(f"q_scale: {len(vm['q_scale'])} layers, min {_num(min(qs))}, median "
                      f"{_num(sorted(qs)[len(qs) // 2])}, max {_num(max(qs))} (exported as `...self_attn.q_scale`).")
+    for side in ("k", "v"):  # --kv-cache-dtype nvfp4: the static outer scales (kvcal.search.vllm_nvfp4)
+        xs = vm.get(f"{side}_outer_scale")
+        if xs:
+            items.append(f"NVFP4 outer {side}_scale: {len(xs)} layers, min {_num(min(xs))}, median "
+                         f"{_num(sorted(xs)[len(xs) // 2])}, max {_num(max(xs))} (exported as `...self_attn.{side}_scale`; "
+                         "the e4m3 block scales are computed at write time).")
     for key, lab in (("heldout_kl_query_only", "query quantization alone"), ("heldout_kl_kv_only", "K/V alone"),
                      ("heldout_kl_joint", "both")):
         xs = vm.get(key)
