@@ -142,9 +142,9 @@ def test_pre_rope_helps_keys_with_an_offset_channel(model):
     sp_pre = SidePlan(K_SPEC, clip_ratio=torch.ones(H), transform="pre_rope", rope=rope)
     e_post = (sp_post.fake_quant(post) - post).pow(2).mean()
     e_pre = (sp_pre.fake_quant(post) - post).pow(2).mean()
-    # channels 0 and D/2 span ~±5 over a post-RoPE 8-token group (step ~10/15) but ~0.6 pre-RoPE; the
-    # other 14 channels are alike, so e_pre/e_post ≈ (0.6/10)²·(16/2)… ≈ 0.006 (seeds 0-2 give 0.006):
-    # 0.2 is a 30x margin that a transform applied at the wrong positions (no gain) does not meet
+    # channels 0 and D/2 span ~±5 over a post-RoPE 8-token group (int4 step ~10/15) but only the 0.1-noise
+    # range pre-RoPE, and they dominate e_post: e_pre/e_post ≈ 0.006 (seeds 0-2); 0.2 is a 30x margin
+    # that a transform applied at the wrong positions (no gain, ratio ~1) does not meet
     assert e_pre < 0.2 * e_post
 
 
