@@ -74,8 +74,8 @@ def test_capture_sees_post_rope_keys():
         q = attn.q_proj(h).view(1, 9, 4, 16).transpose(1, 2)
         cos, sin = m.model.rotary_emb(h, torch.arange(9)[None])
         q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)
-    torch.testing.assert_close(got[0][1], k_rot, rtol=0, atol=1e-6)
-    torch.testing.assert_close(got[0][0], q_rot, rtol=0, atol=1e-6)
+    # the same modules on the same [1, 9] shapes: the hook's tensors are these, exactly
+    assert torch.equal(got[0][1], k_rot) and torch.equal(got[0][0], q_rot)
     assert not torch.allclose(k, k_rot)
 
 
@@ -118,15 +118,23 @@ def test_stats_chunked_merge_equals_one_pass_and_matches_float64():
     merged = parts[0].merge(parts[1]).merge(parts[2])
     for f in ("absmax", "min", "max", "count", "hist"):
         assert torch.equal(getattr(one, f), getattr(merged, f)), f
-    torch.testing.assert_close(one.sum, merged.sum, rtol=1e-12, atol=1e-12)
-    xs = _ref_stats(x, mask)
+    xs = _ref_stats(x, mask)  # [H, N, D] float64
+    # sums accumulate in float64 (float32 accumulation would miss these bounds by ~10⁶): two orders of the
+    # same N terms differ by ≤ 2·N·eps64·Σ|x| (Higham Thm 3.1, each within γ_N of the exact sum)
+    eps64, n = torch.finfo(torch.float64).eps, xs.shape[1]
+    sum_bound = 2 * n * eps64 * xs.abs().sum(1)
+    assert bool(((one.sum - merged.sum).abs() <= sum_bound).all())
     assert torch.equal(one.absmax, xs.abs().amax(1))
     assert torch.equal(one.min, xs.amin(1)) and torch.equal(one.max, xs.amax(1))
     assert int(one.count) == int(mask.sum())
-    torch.testing.assert_close(one.sum, xs.sum(1), rtol=1e-6, atol=1e-6)
+    assert bool(((one.sum - xs.sum(1)).abs() <= sum_bound).all())
     fin = one.finalize()
-    torch.testing.assert_close(fin["mean"], xs.mean(1), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(fin["std"], xs.std(1, unbiased=False), rtol=1e-4, atol=1e-6)
+    ref_mean, ref_std = xs.mean(1), xs.std(1, unbiased=False)
+    assert bool(((fin["mean"] - ref_mean).abs() <= sum_bound / n + 2 * eps64 * ref_mean.abs()).all())
+    # var = Σx²/N − mean²: each term within ~(N+2)·eps64 of its size, so |Δvar| ≤ 2(N+2)·eps64·(Σx²/N + mean²)
+    # and |Δstd| ≤ |Δvar| / std (≥ |Δvar| / (std + std'))
+    dvar = 2 * (n + 2) * eps64 * ((xs * xs).mean(1) + ref_mean**2)
+    assert bool(((fin["std"] - ref_std).abs() <= dvar / ref_std + eps64 * ref_std).all())
     # histogram equals bucketizing |x| on the documented edges
     a = xs.abs().reshape(3, -1)
     ref_h = torch.stack([torch.bucketize(r, HIST_EDGES[1:-1], right=True).bincount(minlength=one.hist.shape[1]) for r in a])
@@ -171,5 +179,6 @@ def test_reservoir_is_bounded_order_independent_and_mergeable():
     merged = run(range(0, 100, 2)).merge(run(range(1, 100, 2)))
     assert merged.indices() == expect
     assert run(range(100), seed=1).indices() != expect
-    # priorities are uniform-ish: mean of 10k close to 1/2
+    # priorities are uniform-ish: the mean of 10k U(0,1) has sd 1/√(12·10⁴) = 0.0029, so 0.01 is 3.5 sd
+    # (a hash: the same numbers on any machine); a priority stuck in half the range misses by 0.25
     assert abs(sum(priority(3, i) for i in range(10000)) / 10000 - 0.5) < 0.01
