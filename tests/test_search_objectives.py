@@ -51,6 +51,12 @@ def test_objectives_match_float64_brute_force():
     kh, vh = k + 0.1 * torch.randn(k.shape, generator=g), v + 0.1 * torch.randn(v.shape, generator=g)
     c = SequenceCache(q, k, v, 8**-0.5, None)
     ref = _brute(q, k, v, kh, vh, 8**-0.5)
+    # SequenceCache computes in float32 (scores: D = 8-term dots; softmax over ≤ 9 keys), the reference in
+    # float64. Rounding errors of such short sums behave as independent ±eps32/2 terms (Higham §2.8): the
+    # results' relative errors are ~√(D + T)·eps32 ≈ 5e-7 times the cancellation in the KL / centered
+    # differences (~3 here) — 1.5e-6 (KL) and ≤ 4e-7 (the rest) measured, on every CPU capability. rtol 1e-4 is
+    # 65x that; the first-order worst case (all roundings aligned, ~9e-3 for the KL) is not a realistic event.
+    # A real defect — reverse KL, a missing causal mask, a 1/D instead of 1/√D scaling — is ≥ 1e-2 off.
     torch.testing.assert_close(c.key_kl(kh), ref[0], rtol=1e-4, atol=1e-8)
     torch.testing.assert_close(c.key_centered(kh), ref[1], rtol=1e-4, atol=1e-8)
     num, den = c.key_output_error(kh)
@@ -62,10 +68,16 @@ def test_objectives_match_float64_brute_force():
 
 def test_key_centering_is_exact_under_softmax():
     q, k, v = _seq(2, T=24, D=16)
-    mu = torch.linspace(-5, 5, 16).repeat(2, 1)  # [H, D] per-channel offsets
+    # dyadic keys (multiples of 2⁻¹²) and offsets (of 1/8): (k + μ) − μ == k exactly in float32, so the
+    # centered plan sees the same keys and picks the same codes (an ulp could move a code at a tie)
+    k = (k * 4096).round() / 4096
+    mu = (torch.linspace(-5, 5, 16) * 8).round().div(8).repeat(2, 1)  # [H, D] per-channel offsets
+    assert torch.equal((k + mu[:, None]) - mu[:, None], k)
     c = SequenceCache(q, k, v, 0.25, None)
     c_shift = SequenceCache(q, k + mu[:, None], v, 0.25, None)
     # exact keys with a per-channel mean added: attention is unchanged (KL 0 between the two)
+    # float32 scores of k and k + μ differ only by rounding (q·μ is a per-row constant that softmax removes):
+    # KL ≈ Σ p·(δs)² ≲ (γ_D·Σ|q·k|)² ≈ 1e-10 per row; 1e-5 is the float32 log-softmax floor 8·eps32·(|s|+log T)
     assert float(c.key_kl(k + mu[:, None]).abs().max()) < 1e-5
     # quantizing (k + mu) with centering mu gives the same attention KL as quantizing k uncentered
     spec = TensorQuantSpec("int4", PerTokenGroup(64), symmetric=False, scale_dtype=torch.float32)
@@ -73,6 +85,9 @@ def test_key_centering_is_exact_under_softmax():
     centered = make_plan(spec, torch.ones(2), mean=mu)
     kl_plain = side_error([c], "k", plain, "kl")[0]
     kl_centered = side_error([c_shift], "k", centered, "kl")[0]
+    # the same codes (dyadic data above); what differs is the float32 rounding of the shifted scores q·(k̂ + μ)
+    # (|q·μ| ≲ 20: γ_D·20 ≈ 4e-5 absolute per score, cancelling in the KL's log-prob differences to ~1e-4
+    # relative at worst); a centering that is not removed after quantizing changes the KL by O(1)
     torch.testing.assert_close(kl_centered, kl_plain, rtol=1e-3, atol=1e-7)
     # and centering beats quantizing the offset keys directly
     assert float(side_error([c_shift], "k", plain, "kl")[0].sum()) > 2 * float(kl_centered.sum())
@@ -85,7 +100,7 @@ def test_head_view_and_sinks():
     plan = make_plan(spec, torch.tensor([0.8, 0.9]))
     full = side_error([c], "k", plan, "kl")[0]
     one = side_error([c.head(1)], "k", make_plan(spec, torch.tensor([0.9])), "kl")[0]
-    torch.testing.assert_close(one[0], full[1])
+    torch.testing.assert_close(one[0], full[1])  # a view of the same head: float32 default rtol 1.3e-6 (sum order)
     xh = quantize_seq(plan, k, sinks=2)
     assert torch.equal(xh[:, :2], k[:, :2].to(torch.bfloat16).float())
     assert not torch.equal(xh[:, 2:], k[:, 2:])
