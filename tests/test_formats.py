@@ -36,11 +36,21 @@ EPS32 = torch.finfo(torch.float32).eps
 
 
 def _near_tie(t: torch.Tensor, ties: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
-    """Elements of float64 ``t`` within ``slack`` of a rounding tie (``ties`` + any integer for a
-    length-1 ``ties`` of 0.5; else the given midpoints): where float32 and float64 may round apart."""
-    if ties.numel() == 1:
-        return ((t - t.floor() - ties).abs() <= slack)
+    """Elements of float64 ``t`` within ``slack`` of one of the rounding ``ties`` (midpoints of a
+    non-uniform grid): where float32 and float64 arithmetic may round apart."""
     return ((t[..., None] - ties).abs() <= slack[..., None]).any(-1)
+
+
+def assert_codes_match_up_to_ties(got, ref, t, step, slack):
+    """Integer-grid codes from the library (float32) against a float64 reference, compared through their
+    dequantized values ``got``/``ref`` (float64): ``t`` is the float64 value the reference rounds (x/s, +zp),
+    ``step`` the code step s, ``slack`` the float32 rounding bound of ``t``. A correctly rounded float32
+    quotient is within that slack of the float64 one, so a code may differ only where ``t`` lies within it of
+    a half-integer tie, and then by one step; any other difference is a real defect."""
+    near = (t - t.floor() - 0.5).abs() <= slack
+    diff = (got - ref).abs() > step / 2  # a different code moves the value by a whole step
+    assert not bool((diff & ~near).any())
+    assert bool(((got - ref).abs()[diff] <= step[diff] * (1 + 1e-6)).all())
 
 
 def _x(shape=(2, 3, 19, 32), seed=0, dtype=torch.float32):
@@ -206,10 +216,7 @@ def test_int_codes_against_float64_reference():
         # one only where the float64 value lies that close to a rounding tie k + 1/2, and then by one step.
         # (This test once allowed "at most 2" flips anywhere — a count one data draw printed.)
         t = x.double() / s + (0 if sym else zp)
-        near_tie = _near_tie(t, torch.tensor([0.5], dtype=torch.float64), EPS32 * (t.abs() + (x.double() / s).abs()))
-        diff = (got - ref).abs() > s / 2  # a different code moves the value by a step s; dequant rounding ≪ s/2
-        assert not bool((diff & ~near_tie).any())
-        assert bool(((got - ref).abs()[diff] <= s[diff] * (1 + 1e-6)).all())
+        assert_codes_match_up_to_ties(got, ref, t, s, EPS32 * (t.abs() + (x.double() / s).abs()))
 
 
 def test_static_given_parameters_hand_example():

@@ -53,7 +53,12 @@ def test_log8_quantization_against_float64_reference(spec):
     s = base.double().reshape(1, H, 1, 1, 1) * 2.0 ** (qt.scale.double().reshape(s_exact.shape) / 16)
     assert bool((s >= s_exact.float().double() * (1 - 1e-6)).all()) and bool((s < s_exact * 2 ** (1 / 16) * (1 + 1e-6)).all())
     ref = (xg / s).round().clamp(-spec.qmax, spec.qmax) * s
-    torch.testing.assert_close(y.double(), ref.reshape(2, H, 9, D), rtol=1e-6, atol=1e-9)
+    # codes equal except within float32 rounding of a tie (the library divides in float32)
+    from test_formats import assert_codes_match_up_to_ties
+
+    t = xg / s
+    assert_codes_match_up_to_ties(y.double(), ref.reshape(2, H, 9, D), t.reshape(2, H, 9, D),
+                                  s.expand_as(xg).reshape(2, H, 9, D), torch.finfo(torch.float32).eps * t.abs().reshape(2, H, 9, D))
     # MSE costs about 4.5% over fp16 scales on Gaussian rows (2^(1/16) steps, rounded up)
 
 
