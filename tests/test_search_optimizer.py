@@ -47,6 +47,10 @@ def _laplace_seqs(n, seed, Hq=4, Hk=2, T=48, D=64):
 def test_clip_search_beats_minmax_on_heavy_tails(fmt, gain):
     cal, held = _laplace_seqs(4, 0), _laplace_seqs(2, 1)
     r = search_side(cal, held, "v", TensorQuantSpec(fmt, PerToken(), symmetric=True))
+    # seeded Laplace rows (the same up to ulps on any CPU): MSE-optimal clipping of Laplace data at 4 / 2 bits
+    # sits well inside the per-token absmax (ACIQ, Banner et al. 2019); seen: clips 0.92/0.89 (int4),
+    # 0.42/0.45 (int2), held-out ratios 0.950 and 0.515 against 0.97 and 0.6. Neighbouring grid clips differ by
+    # < 1 % in error, so an ulp-level change of choice stays inside; no clip search gives ratio 1
     assert (r.param < 0.95).all()  # learned a real clip, not min/max
     assert r.heldout < gain * r.heldout_minmax
 
