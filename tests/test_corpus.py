@@ -382,7 +382,7 @@ def test_hostile_input_one_line_error(tok, tmp_path, case):
     with pytest.raises(CorpusError) as ei:
         load_corpus(p, tok, max_seq_len=256)
     msg = str(ei.value)
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < 20  # wall clock: ≤ 0.11 s seen on a loaded 2-core CPU; catches a hang only
     assert "\n" not in msg and str(p) in msg, msg
     if line is not None:
         assert msg.startswith(f"{p}:{line}: "), msg
@@ -401,6 +401,8 @@ def test_fifty_megabyte_line_is_refused_fast(tok, tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(CorpusError, match=r"big\.jsonl:1: line is longer than the 8 MiB limit"):
         load_corpus(p, tok, max_seq_len=2048)
+    # wall clock: 0.4 s seen on a loaded 2-core CPU (12x margin for slower machines); catches a hang or a
+    # quadratic scan of the line — the limit itself is checked by the message above
     assert time.perf_counter() - t0 < 5
 
 

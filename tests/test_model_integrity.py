@@ -149,7 +149,7 @@ def test_gguf_without_tensors_is_refused_before_building_the_model(tmp_path, mon
     with pytest.raises(ModelLoadError) as e:
         load_model(str(_write_gguf(tmp_path / "empty.gguf", 30, [])))
     assert "\n" not in str(e.value) and "no weight tensors" in str(e.value) and "empty.gguf" in str(e.value)
-    assert time.perf_counter() - t0 < 10
+    assert time.perf_counter() - t0 < 10  # wall clock, 57 ms seen: catches a hang; `never` above is the real check
     with pytest.raises(ModelLoadError, match=r"no tensors for blocks 15-29 of 30"):
         load_model(str(_write_gguf(tmp_path / "part.gguf", 30, list(range(15)))))
 
