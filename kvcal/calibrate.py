@@ -121,7 +121,7 @@ class CalibrateConfig:
         if self.engine is not None or self.kv_cache_dtype is not None:
             from kvcal.search.vllm_fp8 import check_engine_options
 
-            check_engine_options(self.engine, self.kv_cache_dtype, self.preset, self.bits, self.format)
+            check_engine_options(self.engine, self.kv_cache_dtype, self.preset, self.bits, self.format, self.granularity)
         # options given explicitly (not None) are never dropped silently, even when equal to their defaults
         if self.bits is not None and self.preset is not None:
             raise KvcalError(f"--bits {self.bits:g} allocates formats per layer and replaces --preset; give one of them")
@@ -339,7 +339,12 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     if int_path:
         return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model)
     t1 = time.perf_counter()
-    if cfg.engine == "vllm":  # k/v/q scales for vLLM's FP8 queries (kvcal.search.vllm_fp8)
+    nvfp4 = cfg.engine == "vllm" and cfg.kv_cache_dtype.startswith("nvfp4")  # outer scales (kvcal.search.vllm_nvfp4)
+    if nvfp4:
+        from kvcal.search import vllm_nvfp4
+
+        rows = vllm_nvfp4.search_vllm_nvfp4(cap, cfg.max_queries, progress)
+    elif cfg.engine == "vllm":  # k/v/q scales for vLLM's FP8 queries (kvcal.search.vllm_fp8)
         from kvcal.search.vllm_fp8 import search_vllm_fp8
 
         rows = search_vllm_fp8(cap, cfg.granularity == "head", cfg.max_queries, progress)
@@ -347,7 +352,8 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
         rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
     search_s = time.perf_counter() - t1
 
-    plan, layers_meta = plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"])
+    plan, layers_meta = (vllm_nvfp4.plan_from_rows(rows) if nvfp4 else
+                         plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"]))
     _channel_ranges(cap, layers_meta)
     tensors = plan.to_tensors()
     meta = {
@@ -368,7 +374,14 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
         "corpus": _corpus_meta(corpus, shape),
         "layers": layers_meta,
     }
-    if cfg.engine == "vllm":
+    if nvfp4:
+        vllm_nvfp4.add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype)
+        if getattr(cfg, "skip_layers", None) is not None:  # a given list (auto probes fp8 scales: refused earlier)
+            from kvcal.vllm_skip import choose_skip_layers_for_artifact
+
+            choose_skip_layers_for_artifact(model, [], {}, tensors, meta, cfg.skip_layers, cfg.max_skip,
+                                            cfg.max_bytes_per_token, progress=progress, log=log)
+    elif cfg.engine == "vllm":
         from kvcal.search.vllm_fp8 import add_to_artifact
 
         add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"])

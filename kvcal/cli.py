@@ -142,7 +142,8 @@ def main():
 @click.option("--engine", default=None, help="Calibrate for what this engine serves: vllm (needs --kv-cache-dtype).")
 @click.option("--kv-cache-dtype", "kv_cache_dtype", default=None,
               help="With --engine vllm: the --kv-cache-dtype it will run (fp8/fp8_e4m3: k/v scales and a q_scale for "
-                   "vLLM's FP8 queries, the key search seeing the quantized queries).")
+                   "vLLM's FP8 queries, the key search seeing the quantized queries; nvfp4: per-layer NVFP4 outer "
+                   "scales (vLLM's k_scale/v_scale) and q_scale).")
 @user_errors
 def calibrate(corpus, text_field, messages_field, split, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
               key_centering, budget_context, probe_tokens, device, seed, batch_size, search_tokens, strict, overwrite,

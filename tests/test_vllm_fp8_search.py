@@ -180,7 +180,7 @@ def test_key_search_changes_its_choice_when_queries_are_fp8():
     (dict(kv_cache_dtype="fp8"), "applies with --engine vllm"),
     (dict(engine="sglang", kv_cache_dtype="fp8"), "--engine 'sglang'"),
     (dict(engine="vllm", kv_cache_dtype="fp9"), "unknown or unemulated vLLM --kv-cache-dtype"),
-    (dict(engine="vllm", kv_cache_dtype="nvfp4"), "kvcal evaluate --vllm-dtype nvfp4"),
+    (dict(engine="vllm", kv_cache_dtype="int4_per_token_head"), "kvcal evaluate --vllm-dtype int4_per_token_head"),
     (dict(engine="vllm", kv_cache_dtype="fp8", preset="int4"), "--preset conflicts"),
     (dict(engine="vllm", kv_cache_dtype="fp8", format="fp8_e5m2"), "--format conflicts"),
 ])

@@ -261,11 +261,14 @@ def vllm_metadata(rows: list[dict], kv_cache_dtype: str, per_head: bool) -> dict
     }
 
 
-def check_engine_options(engine, kv_cache_dtype, preset, bits, fmt) -> None:
-    """Validate ``kvcal calibrate --engine/--kv-cache-dtype`` against the other options; raises
-    :class:`~kvcal.errors.KvcalError` with a one-line fix."""
+def check_engine_options(engine, kv_cache_dtype, preset, bits, fmt, granularity=None) -> None:
+    """Validate ``kvcal calibrate --engine/--kv-cache-dtype`` against the other options (``granularity``: the
+    ``--granularity`` given, ``None`` if none); raises :class:`~kvcal.errors.KvcalError` with a one-line fix.
+    Calibrated dtypes: :data:`SUPPORTED_DTYPES` (static FP8 k/v/q scales) and
+    :data:`kvcal.search.vllm_nvfp4.SUPPORTED_DTYPES` (NVFP4 outer scales and q_scale, per tensor only)."""
     from kvcal.errors import KvcalError
     from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
+    from kvcal.search.vllm_nvfp4 import SUPPORTED_DTYPES as NVFP4_DTYPES
 
     if engine != "vllm":
         if engine is None:
@@ -277,10 +280,19 @@ def check_engine_options(engine, kv_cache_dtype, preset, bits, fmt) -> None:
         vllm_dtype(kv_cache_dtype)
     except VllmDTypeError as e:
         raise KvcalError(f"--kv-cache-dtype: {e}") from None
-    if kv_cache_dtype not in SUPPORTED_DTYPES:
+    if kv_cache_dtype not in SUPPORTED_DTYPES + NVFP4_DTYPES:
         raise KvcalError(f"--kv-cache-dtype {kv_cache_dtype}: kvcal calibrate --engine vllm calibrates "
-                         f"{'/'.join(SUPPORTED_DTYPES)} scales; measure {kv_cache_dtype} with kvcal evaluate "
-                         f"--vllm-dtype {kv_cache_dtype}")
+                         f"{'/'.join(SUPPORTED_DTYPES + NVFP4_DTYPES)} scales; measure {kv_cache_dtype} with kvcal "
+                         f"evaluate --vllm-dtype {kv_cache_dtype}")
+    if kv_cache_dtype in NVFP4_DTYPES:
+        extra = [o for o, v in (("--bits", bits is not None), ("--preset", preset is not None),
+                                ("--format", fmt is not None), ("--granularity head", granularity == "head")) if v]
+        if extra:
+            raise KvcalError(f"{', '.join(extra)} conflict{'s' if len(extra) == 1 else ''} with --engine vllm "
+                             f"--kv-cache-dtype {kv_cache_dtype}, which stores NVFP4 blocks with one static outer "
+                             f"scale per layer and side (vLLM loads per-tensor scales only); drop "
+                             f"{'it' if len(extra) == 1 else 'them'}")
+        return
     extra = [o for o, v in (("--bits", bits is not None), ("--preset", preset not in (None, "fp8")),
                             ("--format", fmt not in (None, "fp8_e4m3"))) if v]
     if extra:
