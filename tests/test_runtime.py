@@ -223,14 +223,26 @@ def test_generate_batch2_left_padding(model):
     ids[0], ids[1, 5:] = p1[0], p2[0]
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :5] = 0
+    # Batch 2 is not the arithmetic of batch 1 (another GEMM blocking): logits differ by float reassociation
+    # (~1e-7 here), and an ulp at a rounding tie can move one bf16/fp8/int8 code by a step (one element by
+    # ≤ 1/8 of it: one score by ~q·Δk/√D ≈ 0.03, damped by this model's 0.02-std projections to ~1e-3 on a
+    # logit). So per step: logits within 1e-2 (the padding defect — pads attended — moves them by 0.13 at the
+    # first step, measured), and the same greedy token unless the batch-1 top-2 margin is within twice the
+    # difference (a near-tie: both continuations are right and the sequences may part there; seen: margins
+    # ≥ 5e-4 vs differences ~1e-7, so they agree to the end on this machine).
+    kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
     for name in ("bf16", "fp8", "int8"):
         plan = make_plan(name)
-        both = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(plan, model.config),
-                              max_new_tokens=12, do_sample=False)
-        a1 = model.generate(p1, cache=QuantizedKVCache(plan, model.config), max_new_tokens=12, do_sample=False)
-        a2 = model.generate(p2, cache=QuantizedKVCache(plan, model.config), max_new_tokens=12, do_sample=False)
-        assert torch.equal(both[0, 12:], a1[0, 12:]), name
-        assert torch.equal(both[1, 12:], a2[0, 7:]), name
+        both = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(plan, model.config), **kw)
+        for r, p in ((0, p1), (1, p2)):
+            one = model.generate(p, cache=QuantizedKVCache(plan, model.config), **kw)
+            for t, (sb, sa) in enumerate(zip(both.scores, one.scores, strict=True)):
+                d = float((sb[r] - sa[0]).abs().max())
+                assert d <= 1e-2, (name, r, t, d)
+                if int(both.sequences[r, 12 + t]) != int(one.sequences[0, p.shape[1] + t]):
+                    top2 = sa[0].topk(2).values
+                    assert float(top2[0] - top2[1]) <= 2 * d, (name, r, t)
+                    break
     # grouped keys with a window: runs, stays in vocabulary, fills the cache as expected
     plan = make_plan("kivi4", sinks=1, window=32)
     cache = QuantizedKVCache(plan, model.config, max_cache_len=64)
