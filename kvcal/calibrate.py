@@ -62,7 +62,10 @@ class CalibrateConfig:
     ``k4v2``); ``bits``: an average budget in bits per cached element *including* every scale,
     zero point, 16-bit sink and per-layer metadata at ``budget_context`` tokens — per-layer K/V
     formats are then allocated from measured sensitivity (overrides ``preset``).
-    ``probe_tokens`` (integer paths): tokens of held-out samples (in order; the last one cut to fit;
+    ``skip_layers`` (``--engine vllm``): ``"auto"`` or the layer indices vLLM keeps at 16 bits; ``auto``
+    chooses them under ``max_skip`` / ``max_bytes_per_token`` by a per-layer probe on the ``probe_tokens``
+    held-out tokens (:mod:`kvcal.vllm_skip`); recorded in the ``vllm`` metadata section.
+    ``probe_tokens`` (integer paths, ``--skip-layers auto``): tokens of held-out samples (in order; the last one cut to fit;
     calibration samples when there is no held-out split) on which, with ``bits``, each layer's K and
     V are quantized alone to measure the model-level KL that weights the allocation
     (:func:`kvcal.evaluate.side_sensitivity`; ``1 + 2·L`` forward passes over them), and the whole
@@ -114,6 +117,9 @@ class CalibrateConfig:
     split: str | None = None  # dataset split of a save_to_disk / hub corpus
     engine: str | None = None  # "vllm": calibrate what vLLM serves for ``kv_cache_dtype`` (kvcal.search.vllm_fp8)
     kv_cache_dtype: str | None = None  # vLLM --kv-cache-dtype (fp8 / fp8_e4m3: k/v/q scales)
+    skip_layers: str | tuple[int, ...] | None = None  # --skip-layers: "auto" or 16-bit layer indices (kvcal.vllm_skip)
+    max_skip: int | None = None  # --skip-layers auto: most layers at 16 bits
+    max_bytes_per_token: int | None = None  # --skip-layers auto: KV bytes per token, all layers, as vLLM allocates
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -122,6 +128,12 @@ class CalibrateConfig:
             from kvcal.search.vllm_fp8 import check_engine_options
 
             check_engine_options(self.engine, self.kv_cache_dtype, self.preset, self.bits, self.format, self.granularity)
+        if self.skip_layers is not None or self.max_skip is not None or self.max_bytes_per_token is not None:
+            from kvcal.search.skip_layers import parse_skip_layers
+            from kvcal.vllm_skip import check_skip_config
+
+            object.__setattr__(self, "skip_layers", parse_skip_layers(self.skip_layers))  # frozen dataclass
+            check_skip_config(self.engine, self.kv_cache_dtype, self.skip_layers, self.max_skip, self.max_bytes_per_token)
         # options given explicitly (not None) are never dropped silently, even when equal to their defaults
         if self.bits is not None and self.preset is not None:
             raise KvcalError(f"--bits {self.bits:g} allocates formats per layer and replaces --preset; give one of them")
@@ -238,6 +250,12 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     if cfg.bits is not None:  # an infeasible budget is known from the config alone
         bits_precheck(cfg.bits, model.config if model is not None else load_model_config(cfg.model),
                       cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
+    if cfg.skip_layers is not None:  # layer range and byte budget are known from the config alone
+        from kvcal.vllm_skip import check_skip_model
+
+        check_skip_model(cfg.skip_layers, cfg.kv_cache_dtype,
+                         model.config if model is not None else load_model_config(cfg.model), cfg.max_skip,
+                         cfg.max_bytes_per_token)
     torch.manual_seed(cfg.seed)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
@@ -385,6 +403,14 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
         from kvcal.search.vllm_fp8 import add_to_artifact
 
         add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"])
+        if cfg.skip_layers is not None:  # --skip-layers: the 16-bit layers, recorded in meta["vllm"]
+            from kvcal.vllm_skip import choose_skip_layers_for_artifact
+
+            pr = (_held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
+                  if cfg.skip_layers == "auto" else None)
+            choose_skip_layers_for_artifact(model, pr.samples if pr else [], pr.meta if pr else {}, tensors, meta,
+                                            cfg.skip_layers, cfg.max_skip, cfg.max_bytes_per_token,
+                                            progress=progress, log=log)
     report = render_calibration_report(meta)
     path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite,
                           inputs=_out_inputs(cfg))
@@ -463,6 +489,7 @@ def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, 
         return plans_kl(model, picked, plans, progress=progress)
 
     probe.meta = {"source": source, "samples": len(picked), "tokens": n, "probe_tokens": probe_tokens}
+    probe.samples = picked  # --skip-layers auto probes these too (kvcal.vllm_skip)
     sink_probe.meta = {"probe": dict(probe.meta)}
     probe.plans_kl = sink_probe
     return probe

@@ -120,7 +120,7 @@ def main():
 @click.option("--budget-context", default=4096, show_default=True, type=count(1),
               help="Context (tokens) at which --bits amortizes per-layer metadata and sink tokens.")
 @click.option("--probe-tokens", default=1024, show_default=True, type=count(0),
-              help="Integer paths (ignored by fp8): tokens of held-out samples (calibration samples when nothing is "
+              help="Integer paths and --skip-layers auto (ignored by plain fp8): tokens of held-out samples (calibration samples when nothing is "
                    "held out; the last sample cut to fit) on which the sink count is chosen by model-level KL (4 "
                    "forward passes; without --sinks) and, with --bits, each layer's K and V are quantized alone to "
                    "measure the model-level KL that weights the allocation — 1 + 2·layers more passes "
@@ -144,10 +144,18 @@ def main():
               help="With --engine vllm: the --kv-cache-dtype it will run (fp8/fp8_e4m3: k/v scales and a q_scale for "
                    "vLLM's FP8 queries, the key search seeing the quantized queries; nvfp4: per-layer NVFP4 outer "
                    "scales (vLLM's k_scale/v_scale) and q_scale).")
+@click.option("--skip-layers", "skip_layers", default=None,
+              help="With --engine vllm: layers vLLM keeps in the model dtype (--kv-cache-dtype-skip-layers), recorded "
+                   "in the artifact and printed by kvcal export: 'auto' (chosen by a per-layer KL probe on "
+                   "--probe-tokens held-out tokens under --max-skip / --max-bytes-per-token) or indices, e.g. 0,1,29.")
+@click.option("--max-skip", default=None, type=count(0), help="With --skip-layers auto: most layers kept at 16 bits.")
+@click.option("--max-bytes-per-token", default=None, type=count(1),
+              help="With --skip-layers auto: KV bytes per token (all layers, K and V, as vLLM allocates pages).")
 @user_errors
 def calibrate(corpus, text_field, messages_field, split, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
               key_centering, budget_context, probe_tokens, device, seed, batch_size, search_tokens, strict, overwrite,
-              device_map, checkpoint_every, resume, quiet, engine=None, kv_cache_dtype=None):
+              device_map, checkpoint_every, resume, quiet, engine=None, kv_cache_dtype=None, skip_layers=None,
+              max_skip=None, max_bytes_per_token=None):
     """Calibrate K/V quantization on a deployment corpus and write an artifact.
 
     Data-parallel: ``torchrun --nproc-per-node N -m kvcal calibrate ...`` shards the batches over
@@ -167,7 +175,8 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
                           residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
                           probe_tokens=probe_tokens, device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
                           search_tokens=search_tokens, text_field=text_field, messages_field=messages_field, split=split,
-                          engine=engine, kv_cache_dtype=kv_cache_dtype)
+                          engine=engine, kv_cache_dtype=kv_cache_dtype, skip_layers=skip_layers, max_skip=max_skip,
+                          max_bytes_per_token=max_bytes_per_token)
     if quiet:
         quiet_libraries()
     try:

@@ -8,6 +8,8 @@ them in the form vLLM parses."""
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,8 @@ from kvcal.search.skip_layers import (
     parse_skip_layers,
     serve_skip_arg,
 )
+
+CHAT = Path(__file__).resolve().parents[1] / "calibration_sets" / "chat.jsonl"
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster single-threaded
 
@@ -104,3 +108,117 @@ def test_serve_argument_is_space_separated():
     """vLLM 0.33 parses --kv-cache-dtype-skip-layers with nargs='+' and compares items with str(index)."""
     assert serve_skip_arg([0, 7, 29]) == " --kv-cache-dtype-skip-layers 0 7 29"
     assert serve_skip_arg([]) == ""
+
+
+# ---- kvcal calibrate --engine vllm --skip-layers on a tiny random Llama -----------------------------------
+L4 = 4  # layers of the tiny model; fp8 pages by hand: H_kv 2 x D 16 x (K + V) = 64 bytes per layer, 16-bit 128
+FP8_LAYER, B16_LAYER = 2 * 16 * 2, 2 * 16 * 2 * 2
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory, smollm_tokenizer):
+    from conftest import TINY_LLAMA_16, save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-llama-skip", vocab_size=49152,
+                           **{**TINY_LLAMA_16, "num_hidden_layers": L4})
+
+
+def _calibrate(model_dir, out, **kw):
+    from kvcal.calibrate import CalibrateConfig, calibrate
+
+    cfg = CalibrateConfig(corpus=str(CHAT), out=str(out), model=str(model_dir), max_samples=12, max_seq_len=96,
+                          batch_size=2, reservoir=3, heldout_reservoir=2, max_queries=16, probe_tokens=160,
+                          engine="vllm", kv_cache_dtype="fp8", **kw)
+    calibrate(cfg, log=lambda s: None, progress=False)
+    from kvcal.artifact import load_artifact
+
+    return load_artifact(out)
+
+
+@pytest.fixture(scope="module")
+def auto_artifact(tiny4, tmp_path_factory):
+    out = tmp_path_factory.mktemp("skip") / "auto"
+    return out, _calibrate(tiny4, out, skip_layers="auto", max_bytes_per_token=L4 * FP8_LAYER + 2 * (B16_LAYER - FP8_LAYER))
+
+
+def test_recorded_layers_are_the_knapsacks_choice(auto_artifact):
+    """--max-bytes-per-token 384 on the 4-layer model (all fp8: 4 x 64 = 256 bytes, each 16-bit layer +64)
+    fits two 16-bit layers: the recorded set is the best subset by brute force over the recorded per-layer
+    probe KL, and its bytes are counted by hand."""
+    out, art = auto_artifact
+    vm = art.metadata["vllm"]
+    ch = vm["skip_layers_choice"]
+    sens = ch["sensitivity"]
+    assert ch["method"] == "auto" and len(sens) == L4 and all(s >= 0 for s in sens) and len(set(sens)) == L4
+    fits = [s for r in range(L4 + 1) for s in itertools.combinations(range(L4), r)
+            if L4 * FP8_LAYER + len(s) * (B16_LAYER - FP8_LAYER) <= 384]
+    best = max(fits, key=lambda s: (sum(sens[i] for i in s), -len(s)))
+    assert vm["skip_layers"] == sorted(best) and len(best) == 2
+    assert ch["bytes_per_token"] == 2 * FP8_LAYER + 2 * B16_LAYER and ch["bytes_per_token_16bit"] == L4 * B16_LAYER
+    assert ch["max_bytes_per_token"] == 384 and ch["max_skip"] is None
+    assert ch["probe"]["source"] == "held-out" and 0 < ch["probe"]["tokens"] <= 160
+
+
+def test_report_and_export_state_the_layers(auto_artifact, tmp_path):
+    """The disclosure report names the layers and how they were chosen; `kvcal export --target vllm`
+    prints the serve line with --kv-cache-dtype-skip-layers (space-separated) and records them in its manifest."""
+    from click.testing import CliRunner
+
+    from kvcal.cli import main
+    from kvcal.report.disclosure import build_report, to_markdown
+
+    out, art = auto_artifact
+    skip = art.metadata["vllm"]["skip_layers"]
+    rep = to_markdown(build_report(art.metadata, figures=False), figure_dir=None)
+    assert f"Layers kept in the model dtype (`--kv-cache-dtype-skip-layers`): {', '.join(map(str, skip))}." in rep
+    assert "chosen by `--skip-layers auto` under --max-bytes-per-token 384" in rep
+    assert f"serve with `--kv-cache-dtype-skip-layers {' '.join(map(str, skip))}`" in rep
+    r = CliRunner().invoke(main, ["export", "--artifact", str(out), "--target", "vllm", "--out", str(tmp_path / "e")])
+    assert r.exit_code == 0, r.output
+    assert f"--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" in r.output
+    man = json.loads((tmp_path / "e" / "kvcal-export.json").read_text())
+    assert man["kv_cache_dtype_skip_layers"] == skip
+
+
+def test_given_layers_are_recorded_as_given(tiny4, tmp_path):
+    """--skip-layers 3: recorded as given (no probe), bytes 3 x 64 + 128."""
+    art = _calibrate(tiny4, tmp_path / "given", skip_layers=(3,))
+    vm = art.metadata["vllm"]
+    assert vm["skip_layers"] == [3] and vm["skip_layers_choice"]["method"] == "given"
+    assert "sensitivity" not in vm["skip_layers_choice"]
+    assert vm["skip_layers_choice"]["bytes_per_token"] == 3 * FP8_LAYER + B16_LAYER
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--skip-layers", "0,9"], "--skip-layers: layer 9 out of range: the model has 4 layers (0..3)"),
+    (["--skip-layers", "1,,2"], "empty item"),
+    (["--skip-layers", "auto"], "--skip-layers auto needs a budget"),
+    (["--max-skip", "2"], "--max-skip bounds the choice of --skip-layers auto"),
+    (["--skip-layers", "auto", "--max-bytes-per-token", "255"], "--max-bytes-per-token 255: --kv-cache-dtype fp8 needs 256"),
+])
+def test_cli_refuses_before_the_model_loads(tiny4, tmp_path, monkeypatch, extra, words):
+    """Bad --skip-layers / budget options: exit 2, one `error:` line, nothing written, no weights loaded."""
+    from click.testing import CliRunner
+
+    import kvcal.models
+    from kvcal.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvcal.models, "load_model", no_load)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(CHAT), "--model", str(tiny4), "--out", str(out),
+                                  "--engine", "vllm", "--kv-cache-dtype", "fp8", "--quiet", *extra])
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.output
+    assert not out.exists()
+
+
+def test_skip_options_need_the_engine():
+    """--skip-layers without --engine vllm would be dropped silently: refused in one line."""
+    from kvcal.calibrate import CalibrateConfig
+
+    with pytest.raises(KvcalError, match="--skip-layers applies with --engine vllm"):
+        CalibrateConfig(corpus="x.jsonl", skip_layers="0")

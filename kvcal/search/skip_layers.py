@@ -114,16 +114,20 @@ def choose_skip_layers(sensitivity: list[float], costs: list[int], *, max_skip: 
     return list(top[1])
 
 
-def parse_skip_layers(text: str | None) -> str | tuple[int, ...] | None:
+def parse_skip_layers(text) -> str | tuple[int, ...] | None:
     """``--skip-layers`` as given: ``None`` (not given), ``"auto"`` (choose by the probe), or a tuple of
-    layer indices from a comma-separated list (``"0,1,29"``; spaces allowed; order kept as sorted). The
-    range is checked later against the model (:func:`check_skip_layers`). Raises
-    :class:`~kvcal.errors.KvcalError` with a one-line fix for an empty list, an empty item, a non-integer
-    or negative item, or a repeated layer."""
+    layer indices from a comma-separated list (``"0,1,29"``; spaces allowed; returned sorted) or from a
+    list/tuple of integers (the Python API). The range is checked later against the model
+    (:func:`check_skip_layers`). Raises :class:`~kvcal.errors.KvcalError` with a one-line fix for an empty
+    list, an empty item, a non-integer or negative item, or a repeated layer."""
     from kvcal.errors import KvcalError
 
     if text is None:
         return None
+    if isinstance(text, (list, tuple)):
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in text):
+            raise KvcalError(f"skip_layers {list(text)!r}: give 'auto' or a list of layer indices (integers >= 0)")
+        text = ",".join(map(str, text))
     t = str(text).strip()
     if t.lower() == "auto":
         return "auto"
