@@ -394,7 +394,7 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     }
     if nvfp4:
         vllm_nvfp4.add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype)
-        if getattr(cfg, "skip_layers", None) is not None:  # a given list (auto probes fp8 scales: refused earlier)
+        if cfg.skip_layers is not None:  # a given list (--skip-layers auto probes fp8 scales only: refused earlier)
             from kvcal.vllm_skip import choose_skip_layers_for_artifact
 
             choose_skip_layers_for_artifact(model, [], {}, tensors, meta, cfg.skip_layers, cfg.max_skip,

@@ -378,3 +378,22 @@ def test_evaluate_vllm_nvfp4_row_uses_the_outer_scales(nvfp4_artifact, tiny_dir,
     ev = json.loads(j.read_text())
     assert any("the artifact's NVFP4 outer scales" in n for n in ev["notes"])
 
+
+def test_given_skip_layers_are_recorded_for_nvfp4(tiny_dir, tmp_path):
+    """Claim: calibrate --engine vllm --kv-cache-dtype nvfp4 --skip-layers 1 records layer 1 as 16-bit in the
+    vllm section (not silently dropped) and export prints it in the vllm serve line; --skip-layers auto (whose
+    probe reads fp8 scales) is refused in one line before any model work."""
+    from kvcal.artifact import load_artifact
+    from kvcal.calibrate import CalibrateConfig, calibrate
+    from kvcal.export import export
+
+    with pytest.raises(KvcalError, match="--skip-layers auto with --kv-cache-dtype nvfp4") as e:
+        CalibrateConfig(corpus=str(CHAT), engine="vllm", kv_cache_dtype="nvfp4", skip_layers="auto", max_skip=1)
+    assert "\n" not in str(e.value)
+    out = tmp_path / "a"
+    calibrate(CalibrateConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), max_samples=6, max_seq_len=64,
+                              batch_size=2, reservoir=2, heldout_reservoir=1, max_queries=8, engine="vllm",
+                              kv_cache_dtype="nvfp4", skip_layers="1"), log=lambda s: None, progress=False)
+    assert load_artifact(out).metadata["vllm"]["skip_layers"] == [1]
+    res = export(out, "vllm", tmp_path / "x")
+    assert res.serve.endswith("--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 1")
