@@ -44,6 +44,9 @@ GRANS = [PerToken(), PerTokenGroup(16), PerChannelTokenGroup(8)]
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("gran", GRANS, ids=lambda g: g.name)
 def test_parity_bits_symmetry_granularity(bits, sym, gran):
+    """The Triton kernel (interpreted on CPU) quantizes bit-identically to the torch reference (codes, scales,
+    zero points) for int8/4/3/2, symmetric and asymmetric, three granularities with a partial token group, and
+    dequantizes identically."""
     x = _x((1, 3, 11, 32))  # S=11: a partial token group of 8
     spec = TensorQuantSpec(f"int{bits}", gran, symmetric=sym)
     clip = torch.tensor([1.0, 0.9, 0.6])
@@ -56,6 +59,8 @@ def test_parity_bits_symmetry_granularity(bits, sym, gran):
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16, torch.float16])
 def test_parity_dtypes(scale_dtype, out):
+    """Triton quantize/dequantize equal the torch reference exactly for fp16/bf16/fp32 scale dtypes and
+    fp32/bf16/fp16 inputs, and the dequantized output keeps the input dtype."""
     x = _x((2, 3, 5, 32), seed=1).to(out)
     for gran in (PerTokenGroup(32), PerChannelTokenGroup(4)):
         spec = TensorQuantSpec("int4", gran, symmetric=False, scale_dtype=scale_dtype)
@@ -68,6 +73,9 @@ def test_parity_dtypes(scale_dtype, out):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_dispatch_fallbacks_and_errors():
+    """Specs the kernel does not support (D=24 channel-token groups, static int8, fp8, nvfp4) fall back to the
+    torch reference with equal results; a NaN input, backend="cuda" and a value that overflows int8 scales are
+    refused with ValueError; auto on CPU resolves to torch."""
     x = _x((1, 3, 4, 24))
     # D=24 is not a power of two for channel_token_group; static and fp8 specs: torch reference
     for spec in (TensorQuantSpec("int4", PerChannelTokenGroup(8)), TensorQuantSpec("int8", PerChannel()),

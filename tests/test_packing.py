@@ -11,6 +11,8 @@ from kvcal.formats.packing import pack, packed_size, unpack
 
 
 def test_golden_layouts():
+    """Packed bytes equal hand-worked little-endian layouts (element 0 in the low bits) for 2, 3, 4, 5, 6 and
+    8 bits, the int5 40-bit and int6 24-bit words re-stated with Python integer shifts."""
     assert pack(torch.tensor([1, 2]), 4).tolist() == [0x21]  # element 0 in the low nibble
     assert pack(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
     codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])
@@ -31,6 +33,8 @@ def test_golden_layouts():
 @given(bits=st.sampled_from([8, 6, 5, 4, 3, 2]), units=st.integers(0, 12), lead=st.integers(1, 3),
        seed=st.integers(0, 2**16))
 def test_round_trip_exact(bits, units, lead, seed):
+    """unpack(pack(codes)) returns the random codes exactly for every width, and the packed length is n*bits/8
+    bytes (hypothesis over widths, lengths and seeds)."""
     n = units * {8: 1, 6: 4, 5: 8, 4: 2, 3: 8, 2: 4}[bits]
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (lead, 2, n), generator=g, dtype=torch.uint8)
@@ -40,6 +44,8 @@ def test_round_trip_exact(bits, units, lead, seed):
 
 
 def test_errors():
+    """Bad input raises ValueError naming the fault: a length not a multiple of the width's unit, a code
+    outside [0, 2^bits - 1], bits=7, non-uint8 packed data, a packed length not a multiple of 3."""
     with pytest.raises(ValueError, match="multiple of 2"):
         pack(torch.tensor([1, 2, 3]), 4)
     with pytest.raises(ValueError, match=r"\[0, 3\]"):
