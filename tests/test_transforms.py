@@ -46,6 +46,8 @@ def transform_plan(model, sinks=1, k_tr="pre_rope", v_tr="hadamard", clip=0.9, k
 
 
 def test_hadamard_matches_scipy_and_is_orthogonal():
+    """hadamard_matrix(d) equals scipy.linalg.hadamard(d)/√d exactly and H·H = I within d·eps64; d=96
+    (not a power of two) is refused."""
     from scipy.linalg import hadamard
 
     for d in (1, 2, 16, 64, 128):
@@ -78,6 +80,8 @@ def test_fwht_is_the_hadamard_product_and_row_independent():
 
 
 def test_rope_table_matches_transformers(model):
+    """rope_table's post-RoPE rotation equals transformers' apply_rotary_pos_emb exactly; the inverse
+    restores x within 8·eps32·max|x| only at the right positions; attention scaling is divided out."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     rope = rope_table(model)
@@ -102,6 +106,7 @@ def test_rope_table_matches_transformers(model):
 
 
 def test_rope_table_refuses_partial_rotary():
+    """A GPT-NeoX model with rotary_pct=0.25 is refused with 'partial rotary'."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     cfg = GPTNeoXConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -111,6 +116,8 @@ def test_rope_table_refuses_partial_rotary():
 
 
 def test_side_plan_pre_rope_is_quantization_of_the_unrotated_key(model):
+    """The pre-RoPE key plan equals the hand re-statement (bf16 sinks, un-rotate, group int4, re-rotate)
+    exactly; the Hadamard value plan equals fwht∘fake_quant∘fwht exactly; neither is post-RoPE quantization."""
     plan = transform_plan(model, sinks=2)
     rope = rope_table(model)
     k = torch.randn(1, H, 30, D) * 2
@@ -149,6 +156,8 @@ def test_pre_rope_helps_keys_with_an_offset_channel(model):
 
 
 def test_transform_errors():
+    """Refusals: pre_rope without a RoPE table, an unknown transform name, centering with hadamard, and
+    a non-power-of-two Hadamard size."""
     with pytest.raises(ValueError, match="RoPE table"):
         SidePlan(K_SPEC, transform="pre_rope").fake_quant(torch.randn(1, H, 4, D))
     with pytest.raises(ValueError, match="unknown transform"):
@@ -210,6 +219,8 @@ def decode_and_protocol_a(model, plan, ids, prefill: int, end: int) -> tuple[tor
 
 
 def test_runtime_prefill_and_decode_equal_protocol_a(model):
+    """Runtime cache with pre-RoPE/Hadamard plans: prefill logits equal Protocol A exactly, per-token
+    decode within 5e-5 (fp32 reassociation); the transforms change the logits by more than 1e-3."""
     ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
     prefill_matches_protocol_a(model, transform_plan(model, sinks=1), ids)
     with torch.no_grad():
@@ -225,6 +236,8 @@ def test_runtime_prefill_and_decode_equal_protocol_a(model):
 
 
 def test_runtime_refuses_left_padding_for_pre_rope(model):
+    """Left-padded generate with a pre-RoPE plan is refused ('position'); a Hadamard-only plan
+    generates under left padding."""
     plan = transform_plan(model)
     ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 10, dtype=torch.long)
@@ -240,6 +253,8 @@ def test_runtime_refuses_left_padding_for_pre_rope(model):
 
 
 def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
+    """A transform plan survives write_artifact/load_artifact with identical fake_quant; missing
+    rotary.inv_freq is refused; vllm export of a Hadamard-rotated FP8 artifact raises ExportError."""
     from kvcal.artifact import load_artifact, write_artifact
     from kvcal.export import export
     from kvcal.export.base import ExportError
@@ -271,6 +286,8 @@ def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
 # ---- query-aware rounding -------------------------------------------------------------------------
 
 def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
+    """Identity rounding matrix gives nearest rounding; rounding_matrix is the damped Cholesky factor
+    (float32 bound); feedback cuts float64 score error below 0.7× nearest; fp8 and a wrong shape are refused."""
     from kvcal.formats.quant import dequantize, quantize, rounding_matrix
 
     g = torch.Generator().manual_seed(0)
@@ -335,6 +352,8 @@ def test_unit_rounding_keeps_the_ratios_rounding_uses():
 
 
 def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
+    """Runtime cache with key rounding matrices: prefill logits equal Protocol A exactly, and the cache
+    holds exactly L·H·D(D−1)/2 more bytes (float8 strict triangle). (Prefill only; no decode check.)"""
     from kvcal.formats.quant import rounding_matrix
 
     plan = transform_plan(model, sinks=1)
@@ -353,6 +372,8 @@ def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
 
 
 def test_calibrate_refuses_pre_rope_preset_on_partial_rotary(tmp_path, smollm_tokenizer):
+    """calibrate --preset int4 on a partial-rotary GPT-NeoX raises KvcalError 'pre-RoPE' and writes no
+    artifact directory."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from kvcal.calibrate import CalibrateConfig, calibrate

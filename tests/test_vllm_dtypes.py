@@ -93,6 +93,8 @@ def ref_fp8_static(x, scale, grid=E4M3):
 
 @pytest.mark.parametrize("scale", [torch.tensor(0.01), torch.tensor([0.5, 0.02, 1.0])], ids=["tensor", "head"])
 def test_fp8_static_matches_reference(scale):
+    """fp8 static fake-quant (per-tensor and per-KV-head scale) equals the float64 re-statement bit for bit,
+    and every |x| > 448·scale saturates to exactly ±448·scale."""
     x = gaussian_outlier((2, 3, 16, 64)) * 3
     s4 = scale.reshape(1, -1, 1, 1)
     got = V.fp8_static_fake_quant(x, scale)
@@ -104,12 +106,15 @@ def test_fp8_static_matches_reference(scale):
 
 
 def test_fp8_e5m2_matches_reference():
+    """fp8_e5m2 key fake-quant at k_scale 0.003 equals the float64 re-statement on the e5m2 grid bit for bit."""
     x = gaussian_outlier((1, 3, 8, 64), seed=1)
     got = V.fake_quant_kv("fp8_e5m2", x, x, k_scale=0.003)[0]
     assert torch.equal(got.double(), ref_fp8_static(x, torch.tensor(0.003), E5M2))
 
 
 def test_query_fp8_per_tensor_and_per_group():
+    """Query fp8: no q_scale rounds q itself to e4m3; per-KV-head q_scale is shared by each GQA group and
+    matches x·(1/scale) rounded; non-fp8 dtypes leave q untouched; a q_scale/num_kv_heads mismatch is refused."""
     q = gaussian_outlier((1, 6, 8, 64), seed=2) * 4
     # missing q_scale = 1.0: the code is the e4m3 rounding of q itself
     assert torch.equal(V.fake_quant_query("fp8", q).double(), fp8_round(q.double()))
@@ -143,6 +148,8 @@ def ref_per_token_head(x, kind):
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_per_token_head_matches_reference(kind):
+    """fp8/int8 per-token-head fake-quant equals the float64 re-statement bit for bit; an all-zero row
+    reads back as zeros."""
     x = gaussian_outlier((2, 3, 16, 64), seed=3)
     x[0, 1, 5] = 0.0  # all-zero row: scale 1e-6, codes 0, reads back 0
     got = V.per_token_head_fake_quant(x, kind)
@@ -151,6 +158,8 @@ def test_per_token_head_matches_reference(kind):
 
 
 def test_int8_per_token_head_rounds_half_away_from_zero():
+    """Hand-worked: at scale 1.0 the values 2.5, -2.5, 0.5 get codes 3, -3, 1 (round half away from zero,
+    not to even)."""
     x = torch.zeros(1, 1, 1, 64)
     x[..., :4] = torch.tensor([127.0, 2.5, -2.5, 0.5])  # amax 127 -> scale 1.0 exactly
     codes, scale = V.per_token_head_quantize(x, "int8")
@@ -178,6 +187,7 @@ def _bits_f32(b: int) -> float:
 
 
 def test_rht_signs_are_vllms():
+    """The 64 Hadamard-transform signs equal the published vLLM sign string (torch seed 0x9E3779B9)."""
     assert "".join("+" if s > 0 else "-" for s in V.rht_signs(64).tolist()) == RHT_SIGNS_64
 
 
@@ -239,6 +249,8 @@ def ref_nvfp4(x, outer, e2m1_max=6.0):
 
 
 def test_nvfp4_matches_reference():
+    """nvfp4 block scales and fake-quant values equal the float64 re-statement bit for bit at three
+    outer scales."""
     x = gaussian_outlier((2, 3, 8, 64), seed=5)
     for outer in (1.0, 20.0 / (448 * 6), 0.37):
         want, s8 = ref_nvfp4(x, outer)
@@ -248,6 +260,8 @@ def test_nvfp4_matches_reference():
 
 
 def test_nvfp4_subnormal_and_zero_block_scales():
+    """Hand-worked: block amax 0.01 gets the e4m3 subnormal scale 2^-9 (top value saturates at 6·2^-9);
+    block amax 0.004 gets scale 0 and reads back 0; the rest matches the float64 re-statement."""
     x = torch.zeros(1, 1, 1, 32)
     x[..., :16] = torch.linspace(-0.01, 0.01, 16)  # amax 0.01: scale 0.01/6 = 0.00167 -> e4m3 subnormal 2^-9
     x[..., 16:] = torch.linspace(-0.004, 0.004, 16)  # 0.004/6 = 0.00067 < 2^-10: scale 0, block reads back 0
@@ -260,6 +274,8 @@ def test_nvfp4_subnormal_and_zero_block_scales():
 
 
 def test_nvfp4_saturates_at_448_block_scale():
+    """At outer scale 1e-4 the block scale clamps to 448, so 6.0 reads back as 6·448·1e-4 (within 2 fp32
+    ulps); the whole block equals the float64 re-statement."""
     x = torch.full((1, 1, 1, 16), 6.0)
     x[..., 0] = 3.0
     # outer 1e-4: block scale 1e4 -> clamped to 448; values saturate at 6·448·1e-4 = 0.2688
@@ -284,6 +300,8 @@ def test_nvfp4_4over6_picks_max4_when_it_is_better():
 
 
 def test_nvfp4_4over6_matches_reference_choice():
+    """4-over-6 nvfp4 picks per block the float64 reference's lower-error of max/6 and max/4 wherever the
+    two errors differ by more than the fp32 summation bound, and its SQNR is no worse than plain max/6."""
     x = gaussian_outlier((1, 3, 16, 64), seed=6)
     d6, _ = ref_nvfp4(x, 0.5)
     d4, _ = ref_nvfp4(x, 0.5, e2m1_max=4.0)
@@ -300,6 +318,7 @@ def test_nvfp4_4over6_matches_reference_choice():
 
 
 def test_e2m1_ties_go_to_even():
+    """Hand-worked: e2m1 rounding sends each midpoint (0.25, 0.75, ..., 7.0) to the even neighbour."""
     y = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, -5.0])
     assert V.e2m1_round(y).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, -4.0]
 
@@ -321,6 +340,7 @@ def _centroids(bits):
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_lloyd_max_centroids_are_vllms(bits):
+    """3- and 4-bit Lloyd-Max centroids for d=64 equal vLLM 0.33's get_centroids values (float.hex constants)."""
     assert torch.equal(V.lloyd_max_centroids(64, bits).double(), _centroids(bits))
 
 
@@ -337,6 +357,8 @@ def ref_tq_value(v, bits):
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_turboquant_values_match_reference(bits):
+    """TurboQuant value quantize/dequantize equals the float64 re-statement bit for bit; a constant row
+    (scale -> fp16 0) reads back fp16(0.3)."""
     v = gaussian_outlier((2, 3, 16, 64), seed=7)
     v[0, 0, 2] = 0.3  # constant row: scale 1e-8 -> fp16 0; reads back fp16(0.3)
     got = V.turboquant_value_dequantize(*V.turboquant_value_quantize(v, bits))
@@ -376,6 +398,8 @@ def test_turboquant_keys_match_reference(name):
 
 
 def test_turboquant_k8v4_keys_are_raw_saturating_e4m3():
+    """turboquant_k8v4 keys are the unscaled e4m3 rounding of k (float64 grid re-statement), so a 500
+    outlier saturates to 448."""
     k = gaussian_outlier((1, 3, 8, 64), seed=9, outlier=500.0)
     kh, _ = V.fake_quant_kv("turboquant_k8v4", k, k)
     assert torch.equal(kh.double(), fp8_round(k.double()))
@@ -383,6 +407,8 @@ def test_turboquant_k8v4_keys_are_raw_saturating_e4m3():
 
 
 def test_turboquant_edge_cases():
+    """TurboQuant keys: a zero row stores norm 0 and reads back zeros, a norm beyond fp16 stores inf, and
+    head_dim 96 is refused with a one-line 'power-of-two' error."""
     k = torch.zeros(1, 1, 2, 64)
     k[0, 0, 1, 0] = 70000.0  # norm beyond fp16: vLLM stores inf
     codes, norm16 = V.turboquant_key_quantize(k, 3)
@@ -394,6 +420,8 @@ def test_turboquant_edge_cases():
 
 # ---- registry, errors, SQNR floors ---------------------------------------------------------------
 def test_errors_are_one_line_and_name_the_fix():
+    """Bad input refused with VllmDTypeError: unknown dtype 'fp4' (names the choices), a checkpoint scale
+    for int8_per_token_head, scale 0, wrong per-head scale count, nvfp4 head_dim 40 (not a multiple of 16)."""
     x = torch.zeros(1, 1, 1, 64)
     with pytest.raises(V.VllmDTypeError, match="unknown or unemulated.*turboquant_4bit_nc"):
         V.fake_quant_kv("fp4", x, x)
@@ -417,6 +445,8 @@ FLOORS = {"fp8": 30, "fp8_per_token_head": 30, "int8_per_token_head": 38, "int4_
 
 @pytest.mark.parametrize("name", sorted(FLOORS))
 def test_sqnr_floors(name):
+    """Each emulated dtype reaches its SQNR floor on N(0,1) keys (values 4 dB lower), floors derived from
+    each format's step in the comment above FLOORS."""
     g = torch.Generator().manual_seed(10)
     k = torch.randn(1, 3, 64, 64, generator=g)
     kh, vh = V.fake_quant_kv(name, k, k)
@@ -444,10 +474,13 @@ HAND = {
 
 @pytest.mark.parametrize("name", sorted(HAND))
 def test_vllm_bytes_per_token_smollm2(name):
+    """vLLM bytes per token for SmolLM2-135M equals the hand-worked figure per dtype (HAND)."""
     assert vllm_bytes_per_token(SMOL, name) == HAND[name]
 
 
 def test_vllm_memory_skip_layers_and_blocks():
+    """Hand-worked bytes with/without boundary layers and with skipped layers at 16 bits; 100 tokens take
+    7 blocks of 16; an out-of-range skip layer is refused."""
     assert vllm_bytes_per_token(SMOL, "turboquant_3bit_nc", add_boundary=False) == 30 * 3 * 54  # 4860
     assert vllm_bytes_per_token(SMOL, "fp8", [0, 29]) == 28 * 384 + 2 * B16_LAYER
     assert vllm_bytes_per_token(SMOL, "turboquant_3bit_nc", [0, 5]) == 25 * 162 + 5 * B16_LAYER
@@ -458,6 +491,8 @@ def test_vllm_memory_skip_layers_and_blocks():
 
 
 def test_memory_cli_vllm_format(tmp_path):
+    """`kvcal memory --format vllm:turboquant_3bit_nc` prints the hand-worked 7284 bytes/token, boundary
+    layers and cache bytes; vllm:fp4 and --skip-layers with a non-vllm format get one-line errors (exit 2)."""
     from kvcal.cli import main
 
     cfg = tmp_path / "config.json"
@@ -525,6 +560,8 @@ def test_vllm_plan_runs_fp8_with_query_quantization_in_protocol_a():
 
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "nvfp4", "int4_per_token_head", "int8_per_token_head"])
 def test_vllm_plan_layers_and_sides(name):
+    """VllmKVPlan skips turboquant's boundary layers only and applies fake_quant_kv / fake_quant_query on
+    the others; a checkpoint scale for int8_per_token_head and a wrong scale count are refused."""
     from kvcal.vllm_plan import VllmKVPlan
 
     plan = VllmKVPlan(name, 6)
@@ -599,6 +636,8 @@ def test_each_token_is_quantized_on_its_own(name):
 
 
 def test_evaluate_cli_refuses_an_unknown_vllm_dtype_before_loading(tmp_path):
+    """`kvcal evaluate --vllm-dtype fp8,turboquant_2bit` exits 2 with one line naming 'turboquant_2bit',
+    before the (missing) artifact is loaded."""
     from kvcal.cli import main
 
     corpus = tmp_path / "c.txt"
