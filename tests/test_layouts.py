@@ -57,6 +57,9 @@ GOLDEN = {
 
 @pytest.mark.parametrize(("fam", "name"), list(GOLDEN))
 def test_engine_param_golden(fam, name):
+    """engine_param maps each checkpoint scale name to the vLLM / SGLang / transformers parameter of the
+    hand-written GOLDEN table (from the loaders' released source), gives a reason exactly when a name is
+    ignored, and marks vLLM kv_scale names as filling both sides."""
     want = dict(zip(("vLLM", "SGLang", "transformers"), GOLDEN[(fam, name)], strict=True))
     for engine, param in want.items():
         got = engine_param(engine, FAMILIES[fam], name)
@@ -101,6 +104,10 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("mt", list(FAMILIES))
 def test_vllm_export_names_and_inspect_per_layer(tmp_path, checkpoints, mt):
+    """For each of six families, a vLLM export into a tiny checkpoint writes exactly the family's {k,v}_scale
+    names per layer, inspect reports every one loaded by vLLM (SGLang only for Llama and Phi-3, with one
+    warning for Qwen2 / Mixtral / Qwen3-MoE; transformers except GPT-NeoX), and the rendered text names the
+    family's attention path."""
     fam = family(mt)
     nkv = 4 if mt == "gpt_neox" else 2
     art, _ = make_artifact(tmp_path / "art", model_type=mt, num_kv_heads=nkv, num_layers=NL)

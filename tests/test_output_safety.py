@@ -243,6 +243,9 @@ def test_refusals_never_suggest_overwrite_on_committed_or_foreign_files(tracked_
 
 
 def test_export_records_its_files_and_overwrite_keeps_a_stray_file(tmp_path):
+    """The export's kvcal-export.json lists exactly the files export wrote, and export --overwrite over a
+    directory holding a stray user file (README.txt) is refused with an ExportError naming it, the file left
+    unchanged."""
     from export_helpers import make_artifact
 
     from kvcal.export import export
