@@ -20,6 +20,8 @@ K4 = TensorQuantSpec("int4", PerChannelTokenGroup(16), symmetric=False)
 # ---- packing --------------------------------------------------------------------------------------
 
 def test_pack_channels_hand_worked_bytes():
+    """Hand-worked: widths [4,4,4,4] pack codes 1,2,3,4 into bytes 33, 67; widths [1,3,8,4] pack 1,5,200,9
+    into 40075 (little-endian bytes); unpack_channels restores the codes."""
     w = torch.tensor([[4, 4, 4, 4], [1, 3, 8, 4]])
     codes = torch.tensor([[[[1, 2, 3, 4]], [[1, 5, 200, 9]]]])
     p = pack_channels(codes, w)
@@ -30,6 +32,7 @@ def test_pack_channels_hand_worked_bytes():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_pack_channels_with_equal_widths_is_the_plain_layout(bits):
+    """pack_channels with every width = b is byte-identical to the plain pack(codes, b) for b = 2, 3, 4."""
     g = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 2**bits, (2, 3, 5, 16), generator=g)
     w = torch.full((3, 16), bits)
@@ -37,6 +40,7 @@ def test_pack_channels_with_equal_widths_is_the_plain_layout(bits):
 
 
 def test_pack_channels_round_trip_random_widths():
+    """Mixed widths summing to 32 bits per row pack into 4 bytes per row and unpack to the same codes."""
     g = torch.Generator().manual_seed(0)
     w = torch.tensor([[8, 1, 1, 6, 4, 4, 3, 5], [4] * 8, [2, 2, 7, 5, 4, 4, 4, 4]])
     codes = torch.randint(0, 256, (2, 3, 9, 8), generator=g) % (2 ** w)[None, :, None, :]
@@ -46,6 +50,8 @@ def test_pack_channels_round_trip_random_widths():
 
 
 def test_pack_channels_refuses_bad_tables():
+    """pack_channels refuses widths outside 1..8, heads with unequal total bits, a code that does not fit
+    its width, non-integer widths or codes, and a table of the wrong shape."""
     c = torch.zeros(1, 2, 1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="1..8"):
         pack_channels(c, torch.tensor([[0, 4, 6, 6], [4, 4, 4, 4]]))
@@ -82,6 +88,8 @@ def test_channel_bits_hand_worked_codes():
 
 
 def test_channel_bits_against_float64_reference_and_round_trip():
+    """Channel-width fake-quant equals dequantize(quantize) and stays within half a float64 step
+    (max−min)/(2^w−1) (+fp16 slack); uniform widths equal plain fake-quant; also with query-aware rounding."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, 8, generator=g) * torch.tensor([5.0, 1, 0.1, 2, 3, 0.5, 1, 1]) + 3
     w = torch.tensor([[8, 6, 1, 4, 4, 3, 3, 3], [4] * 8, [2, 2, 2, 2, 6, 6, 6, 6]])
@@ -116,6 +124,8 @@ def test_channel_bits_refused_for_static_ranges():
 
 
 def test_channel_bits_refused_where_undefined():
+    """channel_bits refused for symmetric or per-token specs, non-integer/boolean/string widths, widths
+    not summing to 4·D, widths outside 1..8, and a table of the wrong head count."""
     x = torch.randn(1, 2, 8, 4)
     w = torch.full((2, 4), 4)
     with pytest.raises(ValueError, match="asymmetric int"):
@@ -145,6 +155,8 @@ def _objective(weight, widths):
 
 
 def test_water_fill_bits_hand_worked_and_exhaustive():
+    """water_fill_bits: hand-worked allocations (dominant channel gets the bits, ties stay uniform) and the
+    objective of brute force over all width vectors summing to 15; negative weights or min_bits > 8 are refused."""
     # channel 0's next-bit gains (1e6·(1/(2^b-1)^2 - 1/(2^(b+1)-1)^2)) all beat channel 1's first (0.889)
     assert water_fill_bits(torch.tensor([[1e6, 1.0, 1.0, 1e-6]]), 2).tolist() == [[5, 1, 1, 1]]
     assert water_fill_bits(torch.ones(2, 4), 4).tolist() == [[4] * 4] * 2
@@ -185,6 +197,8 @@ def test_channel_bit_allocation_follows_query_weight_times_range():
 # ---- plan, artifact, runtime -----------------------------------------------------------------------------
 
 def test_plan_artifact_round_trip_and_validation(tmp_path):
+    """Key channel widths survive KVPlan -> tensors -> from_artifact (same fake_quant); widths not summing
+    to 4·D, or widths on the symmetric per-token value side, are refused naming the tensor."""
     from kvcal.plan import KVPlan, LayerPlan, SidePlan
 
     H, D = 2, 8
@@ -210,6 +224,8 @@ def test_plan_artifact_round_trip_and_validation(tmp_path):
 
 
 def test_runtime_with_channel_bits_equals_protocol_a_and_accounting():
+    """Runtime cache with key channel widths and rounding: prefill logits equal Protocol A exactly, and the
+    cache holds exactly L·H·D more bytes (uint8 widths table), as cache_bytes says. (Prefill only.)"""
     from test_transforms import D as TD
     from test_transforms import H as TH
     from test_transforms import L as TL

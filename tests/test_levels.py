@@ -18,6 +18,8 @@ EXACT = torch.tensor([-1, -0.75, -0.5, -0.375, -0.25, -0.125, -0.0625, 0, 0.0625
 
 
 def test_levels_hand_worked_codes_bytes_and_values():
+    """Hand-worked: [1, -0.3, 0.1, -0.03125] with the EXACT levels gives codes 15, 4, 9, 6 (a midpoint
+    goes to the lower level), packed bytes [79, 105], scale 1 and values [1, -0.25, 0.125, -0.0625]."""
     x = torch.tensor([1.0, -0.3, 0.1, -0.03125]).reshape(1, 1, 1, 4)
     qt = quantize(x, V4, levels=EXACT)
     # scale = absmax = 1; -0.3 lies above the -0.3125 midpoint -> -0.25 (code 4); 0.1 above 0.09375 -> 0.125
@@ -34,6 +36,8 @@ def test_levels_hand_worked_codes_bytes_and_values():
                                   TensorQuantSpec("int5", PerToken(), symmetric=True),
                                   TensorQuantSpec("int6", PerTokenGroup(8), symmetric=True)])
 def test_levels_against_float64_reference_and_round_trip(spec):
+    """Level quantization equals the float64 reference (fp16-rounded-up clip·absmax scale, nearest level)
+    except within float32 rounding of a midpoint, where it is the neighbouring level; fake_quant == dequantize."""
     g = torch.Generator().manual_seed(spec.bits)
     H, D = 3, 16
     n = 2**spec.bits
@@ -66,6 +70,8 @@ def test_levels_against_float64_reference_and_round_trip(spec):
 
 
 def test_uniform_levels_row_is_plain_symmetric_quantization():
+    """uniform_levels(4) reproduces plain symmetric int4 fake-quant exactly (values kept away from
+    midpoints), and its first entries are -1, -1, -6/7 within float32 rounding."""
     # absmax 7 -> plain scale 1 and levels scale 7 are exact; values sit 0.2 / 0.3 away from midpoints
     g = torch.Generator().manual_seed(0)
     k = torch.randint(-7, 7, (1, 2, 5, 16), generator=g).float()
@@ -77,6 +83,8 @@ def test_uniform_levels_row_is_plain_symmetric_quantization():
 
 
 def test_levels_refused_where_undefined():
+    """Levels refused with a one-line ValueError for asymmetric/int8 specs, per-channel groups, wrong
+    shape, entries outside [-1, 1], decreasing, NaN or integer tables, an explicit scale, a rounding matrix, quant_step."""
     x = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="symmetric int2–int6"):
         fake_quant(x, TensorQuantSpec("int4", PerToken(), symmetric=False), levels=EXACT)
@@ -111,6 +119,8 @@ def _value_cache(v: torch.Tensor, G: int = 2, seed: int = 0) -> SequenceCache:
 
 
 def test_fit_levels_recovers_a_discrete_grid():
+    """Rows drawn from 16 known levels (times a per-token scale): fit_levels returns those levels within
+    1e-6 and quantizing with them is lossless within one fp16 scale ulp (1e-3)."""
     # every value row holds the 16 target levels (times a per-token scale): the weighted Lloyd fit must
     # return exactly those levels, and quantizing with them is then lossless
     g = torch.Generator().manual_seed(1)
@@ -131,6 +141,8 @@ def test_fit_levels_recovers_a_discrete_grid():
 
 
 def test_fit_levels_beats_uniform_grid_on_gaussian_rows():
+    """On fresh Gaussian rows the uniform int4 MSE lies in 0.0116 ± 0.0006 (float64 simulation) and fitted
+    Lloyd levels cut it below 0.75× (statistical bound in the comment)."""
     # Gaussian rows of 64 scaled by their absmax: Lloyd levels cut the MSE of the plain symmetric grid
     # by about a third (0.0116 -> 0.0080 sigma^2 in a float64 simulation of 2e5 rows)
     g = torch.Generator().manual_seed(2)
@@ -146,6 +158,8 @@ def test_fit_levels_beats_uniform_grid_on_gaussian_rows():
 
 
 def test_search_side_levels_guard_and_fallback_rows():
+    """search_side(levels=True) keeps per head either the fitted levels or uniform levels (label 'minmax'),
+    never worse held-out than min-max; levels for keys or asymmetric values are refused."""
     g = torch.Generator().manual_seed(3)
     calib = [_value_cache(torch.randn(3, 96, 64, generator=g), seed=i) for i in range(2)]
     held = [_value_cache(torch.randn(3, 96, 64, generator=g), seed=5)]
@@ -163,6 +177,8 @@ def test_search_side_levels_guard_and_fallback_rows():
 
 
 def test_plan_artifact_round_trip_and_validation():
+    """Value levels survive KVPlan -> tensors -> from_artifact (same fake_quant); decreasing levels, a wrong
+    shape, or levels on the asymmetric key side are refused naming the tensor."""
     from kvcal.plan import KVPlan, LayerPlan, SidePlan
 
     H, D = 2, 8
@@ -190,6 +206,8 @@ def test_plan_artifact_round_trip_and_validation():
 
 
 def test_runtime_with_levels_equals_protocol_a_and_accounting():
+    """Runtime cache with value levels: prefill logits equal Protocol A exactly, decode within 1e-5, and the
+    cache holds exactly L·H·16·4 bytes more (float32 tables), as cache_bytes says."""
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import (
@@ -222,6 +240,8 @@ def test_runtime_with_levels_equals_protocol_a_and_accounting():
 
 
 def test_search_side_refuses_undefined_combinations():
+    """search_side refuses rounding or channel_bits for values, channel_bits for static per-channel keys,
+    and empty calibration sets, each with a one-line ValueError."""
     from kvcal.formats.granularity import PerChannel
 
     g = torch.Generator().manual_seed(7)
