@@ -120,6 +120,9 @@ def test_the_good_artifact_passes_every_command_entry(good, tmp_path):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_command_refuses_each_class_in_one_line(good, tmp_path, case):
+    """Each hand-edit class of CASES is refused by load_artifact with the expected message, and export (vllm,
+    sglang-json), evaluate, plan --kv-config, inspect and report each exit 2 with exactly one error line
+    matching it, no traceback and no output directory written."""
     edit, resign, raw, expected = CASES[case]
     path, d = good
     bad = _edited(path, tmp_path / "bad", edit, resign=resign, raw_meta=raw)
@@ -214,6 +217,8 @@ def test_per_channel_scales_far_below_their_head_absmax_load(tmp_path):
 
 @pytest.mark.parametrize("doc, kind", [("[1, 2]", "list"), ('"text"', "string"), ("3", "number"), ("null", "null")])
 def test_inspect_of_a_json_file_that_is_not_an_object(tmp_path, doc, kind):
+    """kvcal inspect on a JSON file holding a list, string, number or null exits 2 with exactly the one line
+    naming the file and the JSON kind and showing the expected object shape."""
     f = tmp_path / "kv_cache_scales.json"
     f.write_text(doc)
     res = CliRunner().invoke(main, ["inspect", str(f)])

@@ -33,6 +33,10 @@ def _check(meta: dict, tensors: dict, granularity: str):
 
 
 def test_calibrate_mt_bench_chat_template(tmp_path, shared_data, smollm_model, smollm_tokenizer):
+    """FP8 per-tensor calibration of SmolLM2 on 12 MT-Bench prompts writes 30 layers of positive finite
+    float32 scales whose held-out KL is no worse than absmax and unity, records format turns, 3 held-out
+    samples and the candidate set searched, and its report names the weight and KV precisions and the
+    corpus. That the chat template was applied is not asserted (only the turns format)."""
     out = tmp_path / "art"
     cfg = CalibrateConfig(corpus=str(shared_data / "mt_bench_questions.jsonl"), out=str(out), max_samples=12,
                           max_seq_len=160, reservoir=4, heldout_reservoir=3, max_queries=48, seed=0)
@@ -53,6 +57,8 @@ def test_calibrate_mt_bench_chat_template(tmp_path, shared_data, smollm_model, s
 
 
 def test_calibrate_wikitext_per_head(tmp_path, shared_data, smollm_model, smollm_tokenizer):
+    """FP8 per-head calibration of SmolLM2 on WikiText-2 text writes a [3, 1, 1] positive finite float32 scale
+    per layer and side (held-out KL no worse than absmax and unity) and records the txt corpus format."""
     out = tmp_path / "art_head"
     cfg = CalibrateConfig(corpus=str(shared_data / "wikitext2_valid.txt"), out=str(out), max_samples=10,
                           max_seq_len=192, granularity="head", reservoir=4, heldout_reservoir=3, max_queries=48)
@@ -63,6 +69,8 @@ def test_calibrate_wikitext_per_head(tmp_path, shared_data, smollm_model, smollm
 
 
 def test_cli_calibrate_bad_corpus_is_one_line_and_writes_nothing(tmp_path):
+    """A corpus with invalid JSON on line 2 gives exit 2 and one error line naming bad.jsonl:2, no traceback,
+    and leaves neither the output directory nor a staging directory."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine sample"}\n{"text": oops}\n')
     out = tmp_path / "never"
@@ -75,6 +83,8 @@ def test_cli_calibrate_bad_corpus_is_one_line_and_writes_nothing(tmp_path):
 
 
 def test_cli_refuses_existing_output(tmp_path):
+    """calibrate --out into an existing directory without --overwrite exits 2 with a message suggesting
+    --overwrite."""
     corpus = tmp_path / "c.jsonl.gz"
     with gzip.open(corpus, "wt") as f:
         f.write(json.dumps({"text": "hello there"}) + "\n")
@@ -104,6 +114,8 @@ def test_cli_refuses_existing_output(tmp_path):
     (["--device", "cuda:7"], "--device cuda:7"),
 ])
 def test_cli_refuses_conflicting_or_invalid_options(tmp_path, args, match):
+    """Each conflicting or invalid calibrate option set exits 2 with the expected message in its output (no
+    traceback) and writes no output directory."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"text": "hello there"}) + "\n")
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(tmp_path / "o"), "--quiet", *args])
@@ -131,6 +143,8 @@ def test_cli_overwrite_never_destroys_inputs_or_foreign_dirs(tmp_path):
 
 
 def test_cli_out_is_an_existing_file(tmp_path):
+    """calibrate --out pointing at an existing file exits 2 saying it exists and is not a directory, even with
+    --overwrite."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"text": "hello there"}) + "\n")
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(corpus), "--overwrite", "--quiet"])

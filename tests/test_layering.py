@@ -90,11 +90,15 @@ def test_parser_sees_every_kind_of_import():
 
 
 def test_every_module_is_placed():
+    """Every module of the kvcal package (read from the source tree) has a layer in kvcal/_layers.py
+    LAYERS."""
     unplaced = [m for m in all_modules() if layer_of(m) is None]
     assert not unplaced, f"add these modules to kvcal/_layers.py LAYERS: {unplaced}"
 
 
 def test_no_wrong_way_import():
+    """No kvcal module imports (per the AST, anywhere in the file) a kvcal module of a higher layer of the
+    LAYERS map; each offending import is listed with file and line."""
     names = [n for n, _ in LAYERS]
     bad = []
     for mod, path in all_modules().items():
@@ -135,11 +139,15 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_cycle_finder_finds_a_cycle():
+    """The cycle finder used below returns the hand-worked cycle a -> b -> c -> a of a three-node ring and
+    None for a chain."""
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_no_import_cycle_between_units():
+    """The graph of imports between units (kvcal.<subpackage or module>, the kvcal root excluded) read from
+    the AST has no cycle."""
     graph: dict[str, set[str]] = {}
     for mod, path in all_modules().items():
         u = unit_of(mod)

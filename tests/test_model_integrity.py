@@ -97,6 +97,9 @@ def test_checkpoint_missing_layers_is_refused_naming_them(tmp_path):
 
 
 def test_checkpoint_unexpected_weights_are_refused_but_kv_scales_and_tied_head_are_not(tmp_path):
+    """A clean tiny checkpoint with a tied lm_head loads (head shares the embedding), an extra KV-scale tensor
+    is accepted, and an unknown weight (model.layers.7.mlp.up_proj.weight) is refused with ModelLoadError
+    naming it as unexpected."""
     from kvcal.models import load_model
 
     d = save_tiny(tmp_path / "m")  # tie_word_embeddings: lm_head.weight is not in the file and not "missing"
@@ -318,6 +321,8 @@ def test_one_sample_report_does_not_call_calibration_data_held_out(tmp_path):
 
 
 def test_one_sample_int_report_and_disclosure_are_labelled(tmp_path):
+    """An int8 calibration on one sample calls nothing held-out in report.md, the summary table or the
+    disclosure Markdown, and the disclosure states no held-out split: 1 sample."""
     from kvcal.report.disclosure import build_report, to_markdown
 
     d = save_tiny(tmp_path / "m", num_hidden_layers=2)
@@ -333,6 +338,9 @@ def test_one_sample_int_report_and_disclosure_are_labelled(tmp_path):
 # ---- --max-seq-len past the model's positions ----------------------------------------------------
 
 def test_calibrate_refuses_max_seq_len_above_max_positions(tmp_path):
+    """--max-seq-len 129 on a model with max_position_embeddings 128 exits 2 with the one line naming both
+    numbers and writes no output; the API (max_seq_len=512) raises KvcalError the same way, nothing
+    written."""
     d = save_tiny(tmp_path / "m")  # max_position_embeddings 128
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(_corpus(tmp_path / "c.jsonl")), "--model", str(d),
                                   "--out", str(tmp_path / "o"), "--quiet", "--max-seq-len", "129"])
