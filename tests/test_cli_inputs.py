@@ -125,6 +125,8 @@ def bad_cases(f, tiny_dir, tmp):
 
 
 def test_bad_inputs_fail_before_the_model_loads(no_model, files, tiny_dir, tmp_path):
+    """Each of >= 15 bad CLI inputs exits 2 with its one-line message, before the (stubbed) model loader is
+    called and without creating --out; valid inputs do reach the stub."""
     import re
 
     cases = bad_cases(files, tiny_dir, tmp_path)
@@ -173,6 +175,8 @@ def base_args(files, tiny_dir, out: Path) -> dict[str, list[str]]:
 
 
 def test_every_integer_option_at_its_extremes(no_model, files, tiny_dir, tmp_path, monkeypatch, smollm_tokenizer):
+    """Every integer option of every command at -2^63, -1, 0, 1, 2^63, 10^100: exit 0 or 2, never a
+    traceback, huge values refused by a range/error line, and no output left on failure."""
     import kvcal.models
 
     monkeypatch.setattr(kvcal.models, "load_tokenizer", lambda model: smollm_tokenizer)  # the same files, loaded once
@@ -213,6 +217,8 @@ def test_sizes_with_units_at_extremes(tiny_dir):
 @pytest.mark.parametrize("flag,value,lo,hi", [("--seed", "4294967296", 0, 2**32 - 1), ("--max-seq-len", "1", 2, 2**31 - 1),
                                               ("--batch-size", "0", 1, 2**31 - 1)])
 def test_range_message_names_the_option_and_range(files, tiny_dir, tmp_path, flag, value, lo, hi):
+    """An out-of-range --seed / --max-seq-len / --batch-size exits 2 with click's message naming the option
+    and its range."""
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(files["corpus"]), "--model", str(tiny_dir), flag, value])
     assert r.exit_code == 2
     assert f"Invalid value for '{flag}': {value} is not in the range {lo}<=x<={hi}" in r.output
@@ -274,11 +280,15 @@ def _fuzz_calibrate(tiny_dir, fuzz_env, smollm_tokenizer, strategy, settings_, s
 
 
 def test_fuzz_corpus_lines(tiny_dir, fuzz_env, smollm_tokenizer):
+    """Hypothesis: a text corpus of arbitrary lines (surrogates included) makes calibrate exit 0 or 2
+    without a traceback and leave no output."""
     _fuzz_calibrate(tiny_dir, fuzz_env, smollm_tokenizer, st.lists(lines, max_size=6), FUZZ, "f",
                     lambda p, body: p.write_text("\n".join(body) + "\n", encoding="utf-8", errors="surrogatepass"))
 
 
 def test_fuzz_json_array_corpus_through_datasets(tiny_dir, fuzz_env, smollm_tokenizer):
+    """Hypothesis: a JSON-array corpus of arbitrary records (read through datasets) makes calibrate exit 0
+    or 2 without a traceback and leave no output."""
     _fuzz_calibrate(tiny_dir, fuzz_env, smollm_tokenizer, st.lists(records, max_size=4),
                     settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True),
                     "a", lambda p, rows: p.write_text(json.dumps(rows), encoding="utf-8"))
@@ -299,6 +309,8 @@ def _edit(meta, path: list, value, drop: bool):
 
 
 def test_fuzz_artifact_metadata_through_inspect_and_export(files, fuzz_env):
+    """Hypothesis: artifact metadata with a field edited or dropped (rehashed or not) makes inspect and
+    export exit 0 or 2 without a traceback; a failed export leaves no output."""
     from safetensors.torch import load_file, save_file
 
     from kvcal.artifact import CONTENT_HASH_KEY, content_sha256
@@ -336,6 +348,8 @@ def test_fuzz_artifact_metadata_through_inspect_and_export(files, fuzz_env):
 
 
 def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
+    """The GGUF conversion cache key is stable for the same file and changes with its mtime or bytes; HF
+    directories get no cache entry."""
     import os
 
     from kvcal.models import ModelSource, gguf_cache_dir

@@ -14,6 +14,8 @@ from kvcal.formats.spec import TensorQuantSpec
 @pytest.mark.parametrize("bits", [5, 6])
 @pytest.mark.parametrize("sym", [True, False])
 def test_uniform_int56_against_float64_reference(bits, sym):
+    """int5/int6 group quantization (sym and asym) packs 10/12 bytes per 16 codes and equals the float64
+    reference up to float32 ties; fake_quant == dequantize; worst error below int4's / 1.5."""
     spec = TensorQuantSpec(f"int{bits}", PerTokenGroup(8), symmetric=sym, scale_dtype=torch.float32)
     g = torch.Generator().manual_seed(bits + 10 * sym)
     x = torch.randn(2, 3, 5, 16, generator=g, dtype=torch.float64).float()
@@ -47,6 +49,8 @@ def test_uniform_int56_against_float64_reference(bits, sym):
 
 
 def test_int56_memory_accounting_and_levels_tables():
+    """Hand-worked cache_bytes: int5/int6 per-token values cost 40/48 payload + 2 scale bytes per token and
+    head (less 128 fp16 bytes) plus float32 clip ratios; levels add H·2^b·4 bytes per layer."""
     from kvcal.formats.memory import cache_bytes
     from kvcal.formats.spec import KVCacheConfig
 
@@ -63,6 +67,8 @@ def test_int56_memory_accounting_and_levels_tables():
 
 
 def test_int56_levels_plan_artifact_and_runtime_equal_protocol_a():
+    """int5/int6 log8 values with levels: runtime prefill equals Protocol A exactly, decode within 1e-5;
+    the plan survives to_tensors/from_artifact; an int4-sized levels table is refused naming its shape."""
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import decode_and_protocol_a, prefill_matches_protocol_a, tiny_model, transform_plan
@@ -96,6 +102,8 @@ def test_int56_levels_plan_artifact_and_runtime_equal_protocol_a():
 
 
 def test_int56_kernels_fall_back_to_the_reference():
+    """int5 is reported as running on the torch reference, and kernels quantize/dequantize equal fake_quant
+    exactly."""
     from kvcal import kernels
 
     spec = TensorQuantSpec("int5", PerChannelTokenGroup(4), symmetric=False)
@@ -107,6 +115,7 @@ def test_int56_kernels_fall_back_to_the_reference():
 
 
 def test_bits_menu_offers_int56_values_with_levels():
+    """The --bits allocation menu offers int5 and int6 per-token Hadamard values with levels."""
     from kvcal.search.presets import ALLOC_MENU, spec_label
 
     labels = [spec_label(c) for c in ALLOC_MENU["v"]]
@@ -115,6 +124,7 @@ def test_bits_menu_offers_int56_values_with_levels():
 
 
 def test_triton_entry_points_refuse_int56():
+    """The Triton quantize/dequantize entry points refuse int5 with 'int5 runs on the torch reference'."""
     pytest.importorskip("triton")
     from kvcal.kernels.triton_quant import dequantize_triton, quantize_triton
 

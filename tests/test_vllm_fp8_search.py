@@ -83,6 +83,8 @@ def _case(seed, Hq=4, Hkv=2, T=24, D=8):
 
 
 def test_joint_kl_matches_float64_restatement():
+    """joint_key_kl with FP8 queries and/or keys (per-KV-head scales, unity, or one side exact) equals the
+    float64 re-statement _kl64 within the derived float32 bound _bound."""
     q, k, v = _case(0)
     c = SequenceCache(q, k, v, 0.35, None)
     for qs, ks in ((torch.tensor([0.013, 0.02]), torch.tensor([0.009, 0.011])), (torch.ones(2), torch.ones(2)),
@@ -105,6 +107,8 @@ def test_query_codes_are_the_emulation_codes():
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_query_scale_search_is_the_float64_argmin(per_head):
+    """choose_query_scale (per tensor and per KV head) picks a float64 minimizer of the summed KL over the
+    candidate scales, up to both candidates' float32 bounds, and beats the unity scale."""
     seqs = [_case(s) for s in (2, 3)]
     caches = [SequenceCache(q, k, v, 0.35, None) for q, k, v in seqs]
     qa = V.group_absmax(torch.stack([q.abs().amax(dim=(1, 2)) for q, _, _ in seqs]).amax(0), 2)
@@ -154,6 +158,8 @@ def _constructed():
 
 
 def test_key_search_changes_its_choice_when_queries_are_fp8():
+    """On a constructed case the key-scale choice is the float64 argmin both with exact and with FP8
+    queries (q_scale 1), the two choices differ, and the query-blind one has a larger float64 KL under FP8 queries."""
     q, k, v = _constructed()
     assert float(_codes(q, torch.ones(1), True)[..., 4:].abs().max()) == 0.0  # the premise
     c = SequenceCache(q, k, v, 1.0, None)
@@ -185,6 +191,8 @@ def test_key_search_changes_its_choice_when_queries_are_fp8():
     (dict(engine="vllm", kv_cache_dtype="fp8", format="fp8_e5m2"), "--format conflicts"),
 ])
 def test_engine_options_are_checked_in_one_line(kw, msg):
+    """CalibrateConfig refuses each bad --engine/--kv-cache-dtype combination (missing dtype, no engine,
+    sglang, fp9, int4_per_token_head, --preset/--format beside it) with a one-line KvcalError."""
     from kvcal.calibrate import CalibrateConfig
 
     with pytest.raises(KvcalError, match=msg) as e:
@@ -211,6 +219,8 @@ def vllm_artifact(request, tiny_dir, tmp_path_factory):
 
 
 def test_artifact_records_q_scale(vllm_artifact):
+    """The vllm fp8 artifact holds a float32 q_scale per layer ([1] or [H_kv, 1, 1]) equal to the metadata,
+    each one of the candidate scales on the recorded query absmax, and the vllm section names engine and dtype."""
     from kvcal.artifact import load_artifact
 
     out, gran = vllm_artifact
@@ -232,6 +242,8 @@ def test_artifact_records_q_scale(vllm_artifact):
 
 
 def test_artifact_validator_refuses_bad_q_scale(vllm_artifact, tmp_path):
+    """An artifact whose q_scale tensor has shape [3] is refused by load_artifact with an ArtifactError
+    naming the shape."""
     from safetensors.torch import load_file, save_file
 
     from kvcal.artifact import ArtifactError, load_artifact
@@ -254,6 +266,8 @@ def test_artifact_validator_refuses_bad_q_scale(vllm_artifact, tmp_path):
 
 
 def test_export_vllm_writes_q_scale_and_inspect_shows_it(vllm_artifact, tiny_dir, tmp_path):
+    """vllm export writes q_scale (per tensor, or per query head whose group max is the artifact's) with the
+    matching kv_cache_scheme strategy; inspect shows the same Q scales for the export and the artifact."""
     from safetensors.torch import load_file
 
     from kvcal.artifact import load_artifact
@@ -290,6 +304,8 @@ def test_export_vllm_writes_q_scale_and_inspect_shows_it(vllm_artifact, tiny_dir
 
 
 def test_disclosure_report_states_engine_and_q_scale(vllm_artifact):
+    """The disclosure report states the engine, dtype, no skipped layers, the static fp8 query scale and
+    its max, and drops the 'queries stay unquantized' sentence."""
     from kvcal.artifact import load_artifact
     from kvcal.report.disclosure import build_report, to_markdown
 
@@ -305,6 +321,8 @@ def test_disclosure_report_states_engine_and_q_scale(vllm_artifact):
 
 
 def test_evaluate_vllm_row_uses_the_artifacts_q_scale(vllm_artifact, tiny_dir, tmp_path):
+    """`kvcal evaluate --vllm-dtype fp8` on a vllm artifact records in its JSON notes that the vLLM row uses
+    the artifact's q_scale (the note only; the figure is not recomputed here)."""
     from click.testing import CliRunner
 
     from kvcal.cli import main
