@@ -40,13 +40,14 @@ def test_objectives_match_float64_reference():
     v_hat = v + 0.05 * torch.randn(v.shape, generator=g)
     c = SequenceCache(q, k, v, 8**-0.5, max_queries=None)
     kl_ref, num_ref, den_ref = brute(q, k, v, k_hat, v_hat, 8**-0.5)
-    # float32 library vs float64 reference: the argument (and the measured margin) of
-    # test_search_objectives.test_objectives_match_float64_brute_force — √(D + T)·eps32 typical errors
-    # times the cancellation in the differences; a reverse KL or missing mask is ≥ 1e-2 off
-    torch.testing.assert_close(c.key_kl(k_hat), kl_ref, rtol=1e-4, atol=1e-7)
+    # float32 library vs float64 reference within the worst-case float32 bounds computed from the data
+    # (test_search_objectives._fp32_bounds; rtol 1e-4 / 1e-5 stood here without an argument)
+    from test_search_objectives import _fp32_bounds
+
+    bound = _fp32_bounds(q, k, v, k_hat, v_hat, 8**-0.5)
     num, den = c.value_error(v_hat)
-    torch.testing.assert_close(num, num_ref, rtol=1e-4, atol=1e-8)
-    torch.testing.assert_close(den, den_ref, rtol=1e-5, atol=1e-6)  # no cancellation in Σ‖P·V‖²: tighter
+    assert bool(((c.key_kl(k_hat) - kl_ref).abs() <= bound[0]).all())
+    assert bool(((num - num_ref).abs() <= bound[3]).all()) and bool(((den - den_ref).abs() <= bound[4]).all())
     assert c.num_queries == 12 * 3
 
 
