@@ -270,3 +270,18 @@ def test_integer_report_states_transforms_and_rounding():
     plain = to_markdown(build_report(make_int_meta(), make_eval(), tensors))
     assert "after a transform" not in plain and "query-aware rounding" not in plain and "bit widths" not in plain
     assert "non-uniform levels" not in plain and "log8" not in plain
+
+
+def test_calibration_report_states_vllm_query_quantization():
+    """report.md of an artifact calibrated for vLLM (a ``vllm`` metadata section) says the queries are quantized
+    as that engine serves them, with the recorded query_quantization; without the section it says the queries
+    stay in the model's precision (before: it said so for vLLM fp8 artifacts too, whose q_scale vLLM applies)."""
+    from kvcal.report.markdown import render_calibration_report
+
+    meta = make_meta()
+    assert "queries stay in the model's precision." in render_calibration_report(meta)
+    meta["vllm"] = {"vllm_version": "0.33.0", "kv_cache_dtype": "fp8",
+                    "query_quantization": "fp8_e4m3 static q_scale per tensor"}
+    text = render_calibration_report(meta)
+    assert "queries stay in the model's precision" not in text
+    assert "--kv-cache-dtype fp8: fp8_e4m3 static q_scale per tensor (q_scale calibrated with the keys)" in text

@@ -56,6 +56,18 @@ def corpus_section(meta: dict, concurrency: str) -> str:
 """
 
 
+def _query_line(meta: dict) -> str:
+    """What the report says about the queries: the model's precision, or for an artifact calibrated for vLLM
+    (``kvcal calibrate --engine vllm``: a ``vllm`` section) how that engine quantizes them."""
+    eng = meta.get("vllm")
+    if not eng:
+        return "queries stay in the model's precision"
+    qq = eng.get("query_quantization") or "none"
+    return (f"queries as vLLM {eng.get('vllm_version', '')} serves --kv-cache-dtype {eng.get('kv_cache_dtype')}: "
+            f"{qq} (q_scale calibrated with the keys)" if qq != "none" else
+            f"queries stay in the model's precision under vLLM --kv-cache-dtype {eng.get('kv_cache_dtype')}")
+
+
 def render_calibration_report(meta: dict) -> str:
     """``report.md`` text: what was quantized, how, on which data, and the held-out errors (labelled as
     calibration-data errors when there was no held-out split)."""
@@ -78,7 +90,7 @@ def render_calibration_report(meta: dict) -> str:
 
 ## What is quantized
 - **Tensors:** {", ".join("keys" if t == "k" else "values" for t in kv["quantized_tensors"])} of every attention layer
-  ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); queries stay in the model's precision.
+  ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); {_query_line(meta)}.
 - **Keys:** {k["format"]}, {k["granularity"]} granularity, {"symmetric" if k["symmetric"] else "asymmetric"}, {"dynamic" if k["dynamic"] else "static scales from calibration"}; quantized **{kv["key_position"].replace("_", "-")}** (what the cache stores).
 - **Values:** {v["format"]}, {v["granularity"]} granularity, {"symmetric" if v["symmetric"] else "asymmetric"}, {"dynamic" if v["dynamic"] else "static scales from calibration"}.
 - **Residual window / sink tokens kept in 16 bits:** {kv["residual_window"]} / {kv["sink_tokens"]}.
