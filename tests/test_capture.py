@@ -32,6 +32,9 @@ def tiny(model_type: str, **kw):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_capture_fires_every_layer_with_config_shapes_and_identical_logits(arch):
+    """On a tiny model of each architecture, capture fires once per layer with q [B, H_q, S, D] and k, v [B,
+    H_kv, S, D] from the config, leaves the logits bit-identical during and after capture, and restores
+    sdpa."""
     m = tiny(arch, **ARCHS[arch])
     cfg = m.config
     ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -80,6 +83,8 @@ def test_capture_sees_post_rope_keys():
 
 
 def test_hook_replacement_changes_attention_and_is_removed_on_error():
+    """An attention hook that zeroes K changes the logits, and a hook that raises propagates its error and is
+    removed (logits bit-identical to the unhooked model afterwards)."""
     m = tiny("llama")
     ids = torch.randint(3, 128, (1, 8))
     with torch.no_grad():
@@ -93,6 +98,7 @@ def test_hook_replacement_changes_attention_and_is_removed_on_error():
 
 
 def test_nan_activation_names_the_layer():
+    """A NaN in layer 1's k_proj weight makes capture raise FloatingPointError naming layer 1."""
     m = tiny("llama")
     with torch.no_grad():
         m.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
@@ -107,6 +113,9 @@ def _ref_stats(x: torch.Tensor, mask: torch.Tensor):
 
 
 def test_stats_chunked_merge_equals_one_pass_and_matches_float64():
+    """TensorStats merged from three chunks equals one pass exactly for absmax/min/max/count/histogram and
+    within a float64 summation-order bound (Higham) for sums; all match a float64 re-statement (mean, std
+    within derived bounds, histogram by bucketize on HIST_EDGES) and survive a state_dict round trip."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 3, 20, 8, generator=g) * torch.logspace(-3, 2, 8)
     mask = torch.rand(6, 20, generator=g) > 0.2
@@ -144,6 +153,7 @@ def test_stats_chunked_merge_equals_one_pass_and_matches_float64():
 
 
 def test_padding_is_excluded_from_statistics():
+    """A masked (padded) position of value 1000 does not reach absmax (stays 1.0) or the token count (3)."""
     x = torch.ones(1, 2, 4, 3)
     x[0, :, 3] = 1000.0  # a padded position
     s = TensorStats(2, 3)
@@ -152,6 +162,7 @@ def test_padding_is_excluded_from_statistics():
 
 
 def test_layer_stats_state_dict_round_trip():
+    """LayerStats restored from its state_dict keeps which layers fired and layer 1's K absmax exactly."""
     ls = LayerStats(2, 2, 4, 8)
     ls.update(1, torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
     rt = LayerStats.from_state_dict(ls.state_dict())
@@ -160,6 +171,9 @@ def test_layer_stats_state_dict_round_trip():
 
 
 def test_reservoir_is_bounded_order_independent_and_mergeable():
+    """The sequence reservoir keeps exactly the cap lowest-priority samples (brute-force sorted by priority)
+    whatever the arrival order, two merged shards equal one pass, another seed picks another set, and the mean
+    of 10,000 priorities is within 0.01 (3.5 sd) of 0.5."""
     from kvcal.capture.reservoir import priority
 
     def run(order, seed=0, cap=4):

@@ -21,6 +21,9 @@ def plain_ckpt(tmp_path_factory):
 
 
 def test_inspect_artifact(tmp_path):
+    """inspect on a per-tensor FP8 artifact reports its kind, format, granularity and layer count, layer 1's K
+    scale equal to the one written, every export target possible, and renders the corpus, a written V scale
+    and vLLM loading all 4 layers."""
     path, truth = make_artifact(tmp_path / "art")
     ins = inspect_path(path)
     assert (ins.kind, ins.format, ins.granularity, ins.num_layers) == ("artifact", "fp8_e4m3", "tensor", L)
@@ -33,6 +36,8 @@ def test_inspect_artifact(tmp_path):
 
 
 def test_inspect_per_channel_int4_artifact(tmp_path):
+    """A per-channel int4 artifact is reported as exportable to no target, a vLLM startup error on every
+    layer, and its scales rendered as [32 head x channel]."""
     path, _ = make_artifact(tmp_path / "art", fmt="int4", granularity="channel")
     ins = inspect_path(path)
     assert all(reason is not None for reason in ins.exportable.values())
@@ -42,6 +47,8 @@ def test_inspect_per_channel_int4_artifact(tmp_path):
 
 
 def test_inspect_plain_checkpoint_says_engines_fall_back(plain_ckpt):
+    """A checkpoint without KV scales or quantization_config has no layer scale, and vLLM is reported NOT
+    LOADED with every layer falling back, naming the missing quantization_config."""
     ins = inspect_path(plain_ckpt)
     assert ins.kind == "checkpoint" and all(r["k"] is None for r in ins.layers)
     vl = ins.engines["vLLM"]
@@ -51,6 +58,8 @@ def test_inspect_plain_checkpoint_says_engines_fall_back(plain_ckpt):
 
 
 def test_inspect_checkpoint_with_misnamed_scales(tmp_path, plain_ckpt):
+    """In a compressed-tensors checkpoint, a K-only scale in layer 0 is reported copied to V by vLLM and an
+    unrecognised name in layer 1 leaves layers 1-3 falling back to 1.0."""
     d = tmp_path / "ck"
     d.mkdir()
     w = load_file(plain_ckpt / "model.safetensors")
@@ -68,6 +77,8 @@ def test_inspect_checkpoint_with_misnamed_scales(tmp_path, plain_ckpt):
 
 
 def test_inspect_json_tp_mismatch(tmp_path):
+    """An SGLang scales JSON exported for TP=2 loads in SGLang at its own TP, is reported with a TP=4 problem
+    when inspected for TP=4, and vLLM (which removed the JSON path) reports a problem."""
     path, _ = make_artifact(tmp_path / "art")
     export(path, "sglang-json", tmp_path / "out", tp=2)
     f = tmp_path / "out" / "kv_cache_scales.json"
@@ -78,6 +89,8 @@ def test_inspect_json_tp_mismatch(tmp_path):
 
 
 def test_inspect_cli(tmp_path):
+    """kvcal inspect exits 0 on an artifact listing its export targets, exits 2 with output starting
+    error: (no traceback) on a missing path, and inspect_path raises InspectError on an empty directory."""
     path, _ = make_artifact(tmp_path / "art")
     r = CliRunner().invoke(main, ["inspect", str(path)])
     assert r.exit_code == 0 and "kvcal export targets:" in r.output
@@ -89,6 +102,9 @@ def test_inspect_cli(tmp_path):
 
 
 def test_inspect_hand_written_json_with_bad_values(tmp_path):
+    """In a SGLang scales JSON, a zero, negative or NaN scale makes the SGLang verdict a finite-and-positive
+    problem with no layer loaded; a non-numeric value exits 2 naming scaling_factor['0']['2'], and a rank that
+    is a list raises InspectError (must map layer index)."""
     path, _ = make_artifact(tmp_path / "art")
     export(path, "sglang-json", tmp_path / "out", tp=1)
     f = tmp_path / "out" / "kv_cache_scales.json"

@@ -33,16 +33,22 @@ GiB = 2**30
     ("2TB", 2 * 10**12), ("1000", 1000), (4096, 4096), (" 16 gib ", 16 * GiB),
 ])
 def test_parse_size(text, want):
+    """parse_size reads binary (GiB, G, MiB) and decimal (GB, TB) units, fractions, plain integers and padded
+    lowercase text to the hand-computed byte counts."""
     assert parse_size(text) == want
 
 
 @pytest.mark.parametrize("bad", ["80 GiBs", "abc", "-1G", "", "G", "1e3GB"])
 def test_parse_size_rejects(bad):
+    """Unreadable sizes (a misspelt unit, words, negative, empty, a bare unit, exponent notation) raise
+    KvcalError whose message shows the 80GiB form."""
     with pytest.raises(KvcalError, match="80GiB"):
         parse_size(bad)
 
 
 def test_parse_reserve():
+    """parse_reserve reads a percentage of GPU memory or a fixed size with its description; 150% and x% raise
+    KvcalError naming the reserve."""
     assert parse_reserve("10%", 1000) == (100, "10% of GPU memory")
     assert parse_reserve("4GiB", 10) == (4 * GiB, "fixed 4GiB")
     for bad in ("150%", "x%"):
@@ -51,6 +57,9 @@ def test_parse_reserve():
 
 
 def test_param_count_smollm2():
+    """param_count of SmolLM2-135M gives the hand-computed split and the 134,515,008 total; an
+    untied head, attention/MLP biases, Qwen2's QKV biases and a nested text_config change it by hand-computed
+    amounts; MoE configs and a missing intermediate_size raise KvcalError."""
     p = param_count(SMOL)
     assert SMOL_PARAMS == 134_515_008
     assert p == {"embeddings": 28_311_552, "attention": 26_542_080, "mlp": 79_626_240, "norms": 35_136,
@@ -68,6 +77,9 @@ def test_param_count_smollm2():
 
 
 def test_plan_smollm2_1gib_hand_computed():
+    """The 1 GiB capacity plan for SmolLM2 matches hand-worked figures: weights, reserve and KV budget,
+    bytes/token per option, max context per batch (including kivi2's whole 32-token key groups and raw
+    min/max), max concurrency per context, and the rendered text."""
     plan = plan_capacity(SMOL, PlanConfig("1GiB", kv_configs="fp8,kivi2"), "smollm2-135m")
     weights = SMOL_PARAMS * 2  # bf16
     reserve = int(GiB * 0.10)  # 107,374,182
@@ -103,6 +115,8 @@ def test_plan_smollm2_1gib_hand_computed():
 
 
 def test_search_is_exact_against_cache_bytes():
+    """max_context and max_batch are the exact boundary of cache_bytes for four presets and two budgets: the
+    answer fits and one more token (or sequence) does not."""
     from kvcal.formats.memory import cache_bytes, model_shape
     from kvcal.formats.spec import preset
 
@@ -118,6 +132,8 @@ def test_search_is_exact_against_cache_bytes():
 
 
 def test_plan_errors(tmp_path):
+    """A GPU smaller than the weights (no room for a KV cache), an unknown KV config (fp9) and an unknown
+    weights dtype (int3) raise KvcalError with those messages."""
     with pytest.raises(KvcalError, match="no room for a KV cache"):
         plan_capacity(SMOL, PlanConfig("256MiB"))
     with pytest.raises(KvcalError, match="neither a preset"):
@@ -127,6 +143,9 @@ def test_plan_errors(tmp_path):
 
 
 def test_plan_with_artifact_kv_config(tmp_path):
+    """An artifact as --kv-config is planned with 11,520 bytes/token plus its 720 bytes of per-head fp32
+    scales (hand-computed concurrency 7 at 8192 tokens), and an artifact of another model (4 layers) raises
+    KvcalError naming num_layers=4."""
     from test_report_fixtures import make_artifact
 
     art = make_artifact(tmp_path / "a", num_layers=30, num_kv_heads=3, head_dim=64, per_head=True)
@@ -170,6 +189,9 @@ def test_plan_options_sharing_a_name_keep_their_own_numbers(tmp_path, monkeypatc
 
 
 def test_cli_plan(tmp_path):
+    """kvcal plan --json reports the hand-computed GPU memory, reserve, fp32 weights and KV budget and the
+    options asked for; the text output lists max concurrency and kivi2; an unreadable --gpu-mem exits 2 with
+    output starting error: cannot read size."""
     from kvcal.cli import main
 
     cfg = tmp_path / "config.json"
