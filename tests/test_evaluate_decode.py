@@ -40,6 +40,8 @@ class CharTok:
 
 
 def test_parse_accept_table():
+    """parse_accept reads 'kl_mean<=2e-3,delta_ppl<=0.05' and ' top1_agree >= 0.9 ' into (metric, op, value)
+    tuples; an unknown metric, a missing operator, empty text and a non-number are refused with KvcalError."""
     assert parse_accept("kl_mean<=2e-3,delta_ppl<=0.05") == [("kl_mean", "<=", 2e-3), ("delta_ppl", "<=", 0.05)]
     assert parse_accept(" top1_agree >= 0.9 ") == [("top1_agree", ">=", 0.9)]
     for bad, msg in [("kl<=1", "unknown"), ("kl_mean=1", "METRIC<=VALUE"), ("", "empty"),
@@ -49,6 +51,8 @@ def test_parse_accept_table():
 
 
 def test_judge_and_defaults():
+    """judge reports a failed bound with its values, PASS when all hold, FAIL on NaN or a missing metric;
+    default_accept picks the bar of a plan's mean payload bits (hand-worked for k4v2 and a mixed plan)."""
     row = {"kl_mean": 3e-3, "delta_ppl": 0.01, "top1_agree": 0.95}
     assert judge(row, parse_accept("kl_mean<=2e-3,delta_ppl<=0.05")) == ("FAIL", ["kl_mean=0.003 not <= 0.002"])
     assert judge(row, parse_accept("kl_mean<=5e-3,top1_agree>=0.9"))[0] == "PASS"
@@ -81,6 +85,8 @@ def tiny():
 
 
 def test_evaluate_json_document(tmp_path, tiny):
+    """evaluate's JSON document: schema, artifact sha256 (recomputed here), every method × mode row with its
+    token count, 16-bit reference zeros, per-layer KL, bytes per token and measured == expected bytes."""
     art = write_tiny_artifact(tmp_path, tiny, make_plan("int8", sinks=1))
     corpus = tmp_path / "c.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 12)
@@ -140,6 +146,8 @@ def _cli_artifact(tmp_path, tiny_dir, name="fp8"):
 
 
 def test_cli_exit_codes(tmp_path, tiny_dir):
+    """`kvcal evaluate` exits 0 on PASS (stage lines under --quiet), 1 on FAIL, 2 on a bad --accept, a context
+    past max_position_embeddings (also before loading, from metadata) and an unwritable --json."""
     from kvcal.cli import main
 
     art = _cli_artifact(tmp_path, tiny_dir)
@@ -172,6 +180,7 @@ def test_cli_exit_codes(tmp_path, tiny_dir):
 
 
 def test_cli_refuses_other_model(tmp_path, tiny_dir):
+    """`kvcal evaluate` with an artifact made for 3 KV heads exits 2 naming num_kv_heads."""
     from transformers import AutoModelForCausalLM
 
     from kvcal.cli import main

@@ -22,6 +22,8 @@ def _cache(v, seed=0):
 
 
 def test_levels_all_zero_group_dequantizes_to_zero():
+    """An all-zero row reads back as exact zeros with the uniform grid, with a levels table lacking 0
+    (linspace(-1, 1, 16)), and with fitted levels plus calibrated log8 scales."""
     # A zero group gets the fallback scale 1 and then the level nearest 0 — a table without an exact 0
     # (linspace(-1, 1, 16), or any even-count Lloyd fit) turns an all-zero row into +-L*1 regardless of the
     # data's magnitude. The uniform grid returns exact zeros.
@@ -41,6 +43,8 @@ def test_levels_all_zero_group_dequantizes_to_zero():
 
 @pytest.mark.parametrize("g,D", [(12, 16), (32, 80)])
 def test_fit_levels_and_search_with_group_not_dividing_head_dim(g, D):
+    """With a group size that does not divide head_dim (12 | 16, 32 | 80), fake_quant, fit_levels and
+    search_side(levels=True) run (no raw torch error) and search stays no worse than min-max held-out."""
     # quantize / fake_quant pad the last channel group (replicate); fit_levels reshapes [H,T,-1,g] and dies
     # with a raw torch RuntimeError (search_side(levels=True) too). The shipped menu pairs these entries with
     # Hadamard, which already refuses non-power-of-two head_dim, so only direct API use reaches this.
@@ -53,6 +57,8 @@ def test_fit_levels_and_search_with_group_not_dividing_head_dim(g, D):
 
 
 def test_log8_encode_is_the_smallest_covering_code_on_code_values():
+    """log8_encode(log8_decode(c)) == c for all 256 codes at base 1e-2 (a code's own value is covered by
+    that code, not the next)."""
     # documented: "the smallest code whose log8_decode is >= s". For a scale equal to a code's own
     # decoded value the double-precision ceil lands one code too high (95 of 254 codes at base 1e-2):
     # encode(decode(c)) != c, a 4.4% larger step than needed.
@@ -62,6 +68,8 @@ def test_log8_encode_is_the_smallest_covering_code_on_code_values():
 
 
 def test_kernels_quantize_keeps_the_reference_contract_for_levels_and_log8():
+    """kernels.quantize accepts levels= and scale_base= and, dequantized, equals formats.quant.fake_quant
+    exactly for a log8 spec with levels."""
     # kernels.quantize claims "same contract as kvcal.formats.quant.quantize" but has no levels= /
     # scale_base= parameters: log8 specs cannot be quantized through the dispatcher at all.
     from kvcal import kernels
@@ -74,6 +82,8 @@ def test_kernels_quantize_keeps_the_reference_contract_for_levels_and_log8():
 
 
 def test_log8_plan_without_base_is_refused_when_written(tmp_path):
+    """Writing an artifact from a log8 plan without scale_base is refused with a ValueError naming
+    scale_base, instead of writing a file the loader would refuse."""
     # KVPlan.to_tensors / write_artifact accept a log8 side without scale_base and write an artifact
     # that KVPlan.from_artifact (and the runtime) then refuse.
     from kvcal.artifact import write_artifact

@@ -13,6 +13,8 @@ V8 = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
 
 
 def test_log8_codes_hand_worked():
+    """Hand-worked log8 codes at base 1: 1.5 -> 10, 2^(1/16) -> 1, 0.25 -> 1, 16 -> 64, 1e6 -> 255 (top), 0 -> 0;
+    decoded values equal 2^(c/16) in float64; log8_base puts the top code 16x above the largest scale."""
     base = torch.tensor(1.0)
     # 16·log2(1.5) = 9.36 -> code 10, 2^(10/16) = 1.54221; exactly 2^(1/16) -> 1 (code 0 is reserved for
     # scale 0); below the base -> 1; 2^4 -> 64; 2^(255/16) = 62 757 is the top code, larger is clipped to it
@@ -28,6 +30,8 @@ def test_log8_codes_hand_worked():
 
 
 def test_log8_codes_are_the_smallest_that_cover_the_scale():
+    """For 20,000 log-uniform scales, each code decodes to >= the scale and the code below decodes to less
+    (or the code is 0)."""
     g = torch.Generator().manual_seed(0)
     base = torch.tensor(1e-2)  # codes span [0.01, 627.6]
     s = torch.exp(torch.rand(20000, generator=g, dtype=torch.float64) * 10 - 4).float()  # [e^-4, e^6]
@@ -38,6 +42,8 @@ def test_log8_codes_are_the_smallest_that_cover_the_scale():
 
 @pytest.mark.parametrize("spec", [V8, TensorQuantSpec("int2", PerTokenGroup(16), symmetric=True, scale_dtype="log8")])
 def test_log8_quantization_against_float64_reference(spec):
+    """log8-scaled int8/int2 quantization: each scale is within one log8 step above clip·absmax/qmax, and
+    the values equal the float64 reference up to float32 ties; fake_quant == dequantize."""
     g = torch.Generator().manual_seed(1)
     H, D = 3, 32
     x = torch.randn(2, H, 9, D, generator=g) * torch.tensor([0.01, 1.0, 50.0]).reshape(1, H, 1, 1)
@@ -63,6 +69,8 @@ def test_log8_quantization_against_float64_reference(spec):
 
 
 def test_log8_refusals_and_spec_round_trip():
+    """log8 specs round-trip through to_dict/from_dict; log8 is refused for asymmetric or per-channel specs,
+    and a missing, misplaced, wrong-length, non-positive, non-numeric or overflowing scale_base is refused."""
     assert V8.to_dict()["scale_dtype"] == "log8" and TensorQuantSpec.from_dict(V8.to_dict()) == V8
     with pytest.raises(ValueError, match="log8 scales"):
         TensorQuantSpec("int4", PerToken(), symmetric=False, scale_dtype="log8")
@@ -84,6 +92,8 @@ def test_log8_refusals_and_spec_round_trip():
 
 
 def test_log8_memory_accounting():
+    """Hand-worked cache_bytes: log8 value scales save one byte per token, head and layer against fp16
+    scales, and cost a float32 base per head and layer."""
     from kvcal.formats.memory import cache_bytes
     from kvcal.formats.spec import KVCacheConfig
 
@@ -96,6 +106,8 @@ def test_log8_memory_accounting():
 
 
 def test_log8_plan_artifact_and_runtime_equal_protocol_a():
+    """log8 values with levels: runtime prefill equals Protocol A exactly; hand-worked byte difference vs fp16
+    scales; the plan survives from_artifact; a missing, misplaced (key) or negative scale_base is refused by name."""
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import prefill_matches_protocol_a, tiny_model, transform_plan

@@ -58,6 +58,8 @@ def _cli(args, env_extra=None, torchrun=None):
 
 
 def test_two_gloo_ranks_give_the_same_artifact_as_one_process(tiny_dir, tmp_path):
+    """torchrun with 2 gloo ranks writes (from rank 0 only) an artifact whose tensors, held-out errors,
+    channel absmax and corpus record equal the single-process run's exactly."""
     args = ["calibrate", "--corpus", str(CHAT), "--model", str(tiny_dir), "--max-samples", "12",
             "--max-seq-len", "96", "--batch-size", "2", "--quiet"]
     one = _cli([*args, "--out", str(tmp_path / "one")])
@@ -70,6 +72,8 @@ def test_two_gloo_ranks_give_the_same_artifact_as_one_process(tiny_dir, tmp_path
 
 
 def test_interrupted_run_resumes_to_an_identical_artifact(tiny_dir, tmp_path, monkeypatch):
+    """A calibration interrupted at batch 4 leaves no artifact and a checkpoint at batch 3; --resume
+    produces the uninterrupted run's artifact exactly and removes the checkpoint; a foreign or missing checkpoint is refused."""
     from kvcal.models import load_model, load_tokenizer
 
     tok = load_tokenizer(str(tiny_dir))
@@ -110,6 +114,8 @@ def test_interrupted_run_resumes_to_an_identical_artifact(tiny_dir, tmp_path, mo
 
 
 def test_ctrl_c_message_says_how_to_resume(tmp_path, monkeypatch):
+    """Ctrl-C during `kvcal calibrate --checkpoint-every` exits 130 saying no artifact was written and
+    naming --resume; no output directory is left."""
     import kvcal.calibrate as cal
     from kvcal.cli import main
 
@@ -127,6 +133,8 @@ def test_ctrl_c_message_says_how_to_resume(tmp_path, monkeypatch):
 
 
 def test_device_map_auto_captures_the_same_statistics(tiny_dir, tmp_path):
+    """device_map='auto' gives the same artifact (tensors, held-out errors, channel absmax, corpus) as the
+    plain load, exactly."""
     from kvcal.models import load_tokenizer
 
     tok = load_tokenizer(str(tiny_dir))
@@ -136,6 +144,8 @@ def test_device_map_auto_captures_the_same_statistics(tiny_dir, tmp_path):
 
 
 def test_architecture_without_kv_cache_is_refused(tmp_path):
+    """A Mamba config (no attention layers) is refused with ModelLoadError 'no attention layers and
+    therefore no KV cache'."""
     from transformers import MambaConfig
 
     from kvcal.models import model_metadata
@@ -145,6 +155,7 @@ def test_architecture_without_kv_cache_is_refused(tmp_path):
 
 
 def test_metadata_json_is_valid(tiny_dir, tmp_path):
+    """Artifact metadata serializes as strict JSON (no NaN/inf), with channel_absmax as [H_kv][D] = [2][16]."""
     from kvcal.models import load_tokenizer
 
     calibrate(_cfg(tiny_dir, tmp_path / "m"), log=lambda s: None, progress=False,
