@@ -42,6 +42,8 @@ BASE = ["--corpus", CHAT, "--context", 64, "--windows", 2, "--probe-tokens", 128
 
 
 def test_recommend_end_to_end(tiny_dir, tmp_path):
+    """`kvcal recommend`: every candidate's bytes/token equal vLLM's page bytes by hand, auto skip sets are
+    the probe's top-n layers, the chosen one is the cheapest deployable PASS, and its KL equals Protocol A's exactly."""
     out = tmp_path / "rec"
     accept = "kl_mean<=5e-4"
     r = run([*BASE, "--model", tiny_dir, "--out", out, "--dtypes", "int4_per_token_head,turboquant_4bit_nc",
@@ -96,6 +98,8 @@ def test_recommend_end_to_end(tiny_dir, tmp_path):
 
 
 def test_nothing_passes_exits_1_with_the_table(tiny_dir, tmp_path):
+    """With an unreachable bar (kl_mean<=0) recommend exits 1, every candidate FAILs, nothing is chosen,
+    and deploy.md says no configuration passes."""
     out = tmp_path / "rec"
     r = run([*BASE, "--model", tiny_dir, "--out", out, "--dtypes", "int4_per_token_head", "--max-skip", 1,
              "--accept", "kl_mean<=0"])  # KL is 0 only with every layer at 16 bits; at most 1 here
@@ -107,6 +111,8 @@ def test_nothing_passes_exits_1_with_the_table(tiny_dir, tmp_path):
 
 
 def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp_path):
+    """Choosing fp8, recommend writes a calibrated artifact with a q_scale per layer and the exact export
+    and `vllm serve` command lines."""
     from kvcal.artifact import load_artifact
     from kvcal.recommend import RecommendConfig, recommend
 
@@ -133,6 +139,8 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
     (["--context", 512, "--probe-tokens", 100000], "196 probe window(s) of 512 tokens and at least one evaluation window"),
 ])
 def test_refusals_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, args, msg):
+    """Each bad option (unknown dtype, unknown metric, byte bound below the cheapest dtype, context past
+    max_position_embeddings, too many probe tokens) exits 2 with one error line before the model loads; no --out."""
     import kvcal.models
 
     def boom(*a, **k):
@@ -148,6 +156,8 @@ def test_refusals_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, args, 
 
 
 def test_existing_out_and_bad_corpus_are_refused(tiny_dir, tmp_path):
+    """A non-empty --out is refused and its file left untouched; a JSONL corpus with a bad line is refused
+    with one error line naming the file."""
     out = tmp_path / "rec"
     out.mkdir()
     (out / "x.txt").write_text("mine")

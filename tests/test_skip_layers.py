@@ -34,6 +34,8 @@ def brute_force(sens, costs, max_skip, max_bytes, forced=()):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_choice_is_the_exact_optimum(seed):
+    """choose_skip_layers equals brute force over every subset (best value, fewest layers, smallest
+    indices) on 40 random cases with ties, zeros, layer/byte budgets and forced layers; over-budget forced sets are refused."""
     rng = random.Random(seed)
     L = rng.randint(1, 8)
     sens = [rng.choice([0.0, rng.random(), round(rng.random(), 1)]) for _ in range(L)]  # ties and zeros
@@ -53,6 +55,8 @@ def test_choice_is_the_exact_optimum(seed):
 
 
 def test_bad_bounds_are_refused():
+    """choose_skip_layers refuses mismatched sensitivity/cost lengths, a negative max_skip and an
+    out-of-range forced layer."""
     with pytest.raises(ValueError, match="2 sensitivities but 1 costs"):
         choose_skip_layers([0.1, 0.2], [1])
     with pytest.raises(ValueError, match=">= 0"):
@@ -62,6 +66,8 @@ def test_bad_bounds_are_refused():
 
 
 def test_rule_is_vllms_boundary_rule():
+    """rule_skip_layers(L, 4) equals vllm_dtypes.boundary_skip_layers for turboquant; hand-worked sets for 0, 3
+    and 5 layers of 30; a rule larger than the model is refused."""
     from kvcal.formats.vllm_dtypes import boundary_skip_layers
 
     for L in (4, 5, 30):
@@ -72,6 +78,8 @@ def test_rule_is_vllms_boundary_rule():
 
 
 def test_skip_costs_by_hand():
+    """Hand-worked extra bytes per token of skipping a layer: fp8 (1 byte vs 2) and int8_per_token_head
+    (plus a 4-byte scale per token, head and side) for H_kv=3, D=64."""
     # 16-bit slot: H_kv * D * 2 bytes * (K and V); fp8: 1 byte each; int8_per_token_head adds a float32 scale
     # per token and head on each side (vLLM's inline scale: 4 bytes); SmolLM2 shape H_kv=3, D=64.
     assert skip_costs("fp8", 30, 3, 64) == [3 * 64 * 2 * 2 - 3 * 64 * 2] * 30
@@ -79,6 +87,8 @@ def test_skip_costs_by_hand():
 
 
 def test_probe_plans_quantize_one_layer_each():
+    """Each probe plan quantizes exactly one layer and keeps the others at 16 bits; turboquant probes do
+    not add the boundary rule."""
     plans = probe_plans("int4_per_token_head", 3)
     for layer, p in plans.items():
         assert set(p.skipped) == {0, 1, 2} - {layer}

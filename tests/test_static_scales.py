@@ -34,6 +34,8 @@ def brute(q, k, v, k_hat, v_hat, scaling):
 
 
 def test_objectives_match_float64_reference():
+    """SequenceCache key KL and value error sums equal the float64 brute-force restatement within the
+    derived worst-case float32 bounds; 12 tokens × 3 query heads per KV head are counted."""
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(6, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g)
     k_hat = k + 0.05 * torch.randn(k.shape, generator=g)
@@ -72,12 +74,15 @@ def test_key_error_invariant_to_per_channel_shift():
 
 
 def test_query_positions():
+    """Hand-worked: query_positions(5, None) is all positions; (100, 10) gives 10 positions from 0 to 99."""
     assert query_positions(5, None).tolist() == [0, 1, 2, 3, 4]
     p = query_positions(100, 10)
     assert p[0] == 0 and p[-1] == 99 and len(p) == 10
 
 
 def test_candidates_include_baselines():
+    """The first candidate scales are absmax (amax/448), unity (1) and otf (amax/200), by hand for amax
+    448 and 224."""
     labels, s = candidate_scales(torch.tensor([448.0, 224.0]), FP8_E4M3, "k")
     assert labels[:3] == ["absmax", "unity", "otf"]
     assert torch.equal(s[0], torch.tensor([1.0, 0.5]))
@@ -99,6 +104,8 @@ def _seqs(seed, n, outlier=0.0, T=24):
 
 
 def test_choice_never_worse_than_absmax_or_unity_on_heldout():
+    """The chosen static FP8 scale (per tensor and per head) is never worse held-out than absmax or unity,
+    finite and positive; unity loses by > 10x on keys ~1e-3 (below e4m3's smallest subnormal)."""
     calib, held = _seqs(0, 4), _seqs(1, 2)
     amax = torch.stack([torch.stack([c.k[h].abs().max() for c in calib]).max() for h in range(2)])
     for per_head in (False, True):
@@ -112,6 +119,8 @@ def test_choice_never_worse_than_absmax_or_unity_on_heldout():
 
 
 def test_heldout_figures_are_recomputable():
+    """The recorded held-out error of the chosen value scale equals the error recomputed from
+    value_error sums within rel 1e-6 (float64 summation order plus one float32 rounding)."""
     calib, held = _seqs(2, 3), _seqs(3, 2)
     amax = torch.tensor([float(max(c.v.abs().max() for c in calib))] * 2)
     ch = choose_static_fp8(calib, held, amax, "v", FP8_E4M3, per_head=False)
