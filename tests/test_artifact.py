@@ -21,6 +21,8 @@ def tensors(v=0.01):
 
 
 def test_round_trip_and_schema(tmp_path):
+    """A written artifact loads with schema_version 1, the V scale written for layer 1 and its extra file,
+    leaves no temporary directory, and gets the umask's ordinary directory and file permissions."""
     out = write_artifact(tmp_path / "a", tensors(), META, extra_files={"report.md": "hi"})
     art = load_artifact(out)
     assert art.metadata["schema_version"] == 1
@@ -35,6 +37,8 @@ def test_round_trip_and_schema(tmp_path):
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
 def test_bad_scales_refused_naming_layer_and_side(tmp_path, bad):
+    """A zero, negative, NaN or infinite scale is refused by write_artifact with an ArtifactError naming
+    model.layers.1.self_attn.v_scale, and nothing is written."""
     t = tensors()
     t[tensor_name(1, "v")] = torch.tensor([bad])
     with pytest.raises(ArtifactError, match=r"model\.layers\.1\.self_attn\.v_scale"):
@@ -43,6 +47,8 @@ def test_bad_scales_refused_naming_layer_and_side(tmp_path, bad):
 
 
 def test_existing_dir_needs_overwrite(tmp_path):
+    """Writing into an existing artifact raises an ArtifactError suggesting --overwrite; with overwrite=True
+    the new scale (0.02 as float32, compared exactly) replaces the old and no temporary directory is left."""
     write_artifact(tmp_path / "a", tensors(), META)
     with pytest.raises(ArtifactError, match="--overwrite"):
         write_artifact(tmp_path / "a", tensors(0.02), META)
@@ -101,6 +107,8 @@ def test_overwrite_replaces_only_kvcal_outputs_and_never_an_input(tmp_path):
 
 
 def test_truncated_and_foreign_files_refused(tmp_path):
+    """load_artifact refuses a truncated scales file (corrupted or truncated), a safetensors file without
+    kvcal metadata, and a missing directory, each with an ArtifactError."""
     out = write_artifact(tmp_path / "a", tensors(), META)
     f = out / SCALES_FILE
     data = f.read_bytes()
@@ -117,6 +125,8 @@ def test_truncated_and_foreign_files_refused(tmp_path):
 
 
 def test_missing_layer_refused(tmp_path):
+    """An artifact without layer 1's K scale is refused at load with an ArtifactError naming missing k_scale
+    for layers [1]."""
     t = tensors()
     del t[tensor_name(1, "k")]
     out = write_artifact(tmp_path / "a", t, META)
@@ -138,12 +148,15 @@ def test_mixed_per_layer_specs_check_each_layer(tmp_path):
 
 
 def test_model_mismatch_names_the_field():
+    """check_model_match on a model with 4 KV heads for an artifact of 3 raises an ArtifactError naming
+    num_kv_heads and both values."""
     other = dict(META["model"], num_kv_heads=4)
     with pytest.raises(ArtifactError, match="num_kv_heads is 3 in the artifact but 4"):
         check_model_match(META, other)
 
 
 def test_non_finite_metadata_refused(tmp_path):
+    """A NaN anywhere in the metadata is refused by write_artifact (non-finite) and nothing is written."""
     meta = json.loads(json.dumps(META))
     meta["layers"] = [{"x": float("nan")}]
     with pytest.raises(ArtifactError, match="non-finite"):
@@ -165,6 +178,8 @@ def test_read_only_location(tmp_path, monkeypatch):
 
 
 def test_disk_full_during_write_leaves_nothing(tmp_path, monkeypatch):
+    """ENOSPC while saving the scales raises an ArtifactError ending nothing was written, and leaves no file
+    or directory."""
     import errno
 
     import safetensors.torch as st
@@ -179,6 +194,8 @@ def test_disk_full_during_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_disk_full_on_overwrite_keeps_the_old_artifact(tmp_path, monkeypatch):
+    """ENOSPC during an overwrite raises ArtifactError and leaves the previous artifact (scale 0.5) loadable
+    and alone in the directory."""
     import errno
 
     write_artifact(tmp_path / "a", tensors(0.5), META)
@@ -202,6 +219,8 @@ def test_disk_full_on_overwrite_keeps_the_old_artifact(tmp_path, monkeypatch):
     (lambda m: m["model"].__setitem__("num_layers", 1), "is for layer 1 but the metadata says 1 layers"),
 ])
 def test_hand_edited_metadata_gets_one_line_errors(tmp_path, edit, match):
+    """A hand-edited metadata (num_layers missing or a string, kv a string, fewer layers than tensors) is
+    refused at load with an ArtifactError naming the field."""
     meta = json.loads(json.dumps(META))
     edit(meta)
     out = write_artifact(tmp_path / "a", tensors(), meta)
@@ -210,6 +229,8 @@ def test_hand_edited_metadata_gets_one_line_errors(tmp_path, edit, match):
 
 
 def test_scale_shape_must_match_granularity(tmp_path):
+    """A [5] K scale in a per-tensor artifact is refused at load with an ArtifactError naming the shape found
+    and the [1] expected."""
     t = tensors()
     t[tensor_name(0, "k")] = torch.full((5,), 0.01)
     with pytest.raises(ArtifactError, match=r"k_scale has shape \[5\], expected \[1\] for tensor granularity"):

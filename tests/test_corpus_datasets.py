@@ -77,6 +77,9 @@ KINDS = ["parquet", "csv", "json_lines", "json_array", "arrow", "save_to_disk"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_dataset_files_equal_jsonl(tok, tmp_path, kind):
+    """Each dataset file kind (Parquet, Arrow, CSV, JSON lines, JSON array, save_to_disk) gives exactly
+    the token ids of the same records written as JSONL, with format text, 3 rows, its source named in
+    check_corpus and the shape line."""
     p = _write(kind, tmp_path, ROWS)
     c = load_corpus(p, tok, max_seq_len=256)
     assert ids(c) == reference(tok, tmp_path, ROWS)
@@ -89,11 +92,16 @@ def test_dataset_files_equal_jsonl(tok, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["parquet", "json_array", "save_to_disk"])
 def test_chat_datasets_equal_jsonl(tok, tmp_path, kind):
+    """Chat rows stored as Parquet, a JSON array or a save_to_disk directory give exactly the token ids of the
+    same chats written as JSONL."""
     p = _write(kind, tmp_path, CHAT_ROWS)
     assert ids(load_corpus(p, tok, max_seq_len=256)) == reference(tok, tmp_path, CHAT_ROWS)
 
 
 def test_dataset_dict_splits(tok, tmp_path):
+    """A saved DatasetDict reads its train split by default and --split test on request (ids equal the JSONL
+    reference of those rows); an unknown split and an ambiguous dict without train raise CorpusError naming
+    the splits and --split."""
     d = datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS[:2]), test=datasets.Dataset.from_list(ROWS[2:]))
     d.save_to_disk(str(tmp_path / "dd"))
     c = load_corpus(tmp_path / "dd", tok, max_seq_len=256)  # default: train
@@ -109,6 +117,8 @@ def test_dataset_dict_splits(tok, tmp_path):
 
 
 def test_split_refused_for_single_files(tok, tmp_path):
+    """--split on a single Parquet file or on a save_to_disk directory without splits raises CorpusError
+    saying the split does not apply."""
     p = _write("parquet", tmp_path, ROWS)
     with pytest.raises(CorpusError, match=r"--split 'test' applies to datasets with splits.*drop --split"):
         load_corpus(p, tok, max_seq_len=64, split="test")
@@ -128,6 +138,9 @@ def _hub_snapshot(cache: Path, repo: str, rows) -> None:
 
 
 def test_hub_dataset_from_local_cache_only(tok, tmp_path, monkeypatch):
+    """A dataset name found in the local Hugging Face cache loads as source hub, split train, with the JSONL
+    reference ids, even with offline mode off; an uncached name raises a one-line CorpusError saying kvcal
+    never downloads, and HF_HUB_OFFLINE is left as it was."""
     from huggingface_hub import constants
 
     cache = tmp_path / "hub"
@@ -145,6 +158,9 @@ def test_hub_dataset_from_local_cache_only(tok, tmp_path, monkeypatch):
 
 
 def test_text_and_messages_field_mapping(tok, tmp_path):
+    """--text-field and --messages-field select another column (Parquet and JSONL) with the JSONL reference
+    ids; a missing field, both flags together, and a field flag on a .txt corpus raise CorpusError naming the
+    row, keys or fix."""
     rows = [{"body": r["text"], "text": "ignored when --text-field names another column"} for r in ROWS]
     p = _write("parquet", tmp_path, rows)
     assert ids(load_corpus(p, tok, max_seq_len=256, text_field="body")) == reference(tok, tmp_path, ROWS)
@@ -165,6 +181,7 @@ def _txt(tmp_path: Path) -> Path:
 
 
 def test_null_field_in_a_row_is_named(tmp_path):
+    """A JSON array whose second row has text null raises CorpusError naming n.json:row 2 and the fix."""
     p = tmp_path / "n.json"
     p.write_text(json.dumps([{"text": "fine"}, {"text": None}]), encoding="utf-8")
     with pytest.raises(CorpusError, match=r'n\.json:row 2: "text" is null; fill it or leave the row out'):
@@ -172,6 +189,8 @@ def test_null_field_in_a_row_is_named(tmp_path):
 
 
 def test_unreadable_dataset_files_are_one_line(tmp_path):
+    """A garbage Parquet file and a ragged CSV raise one-line CorpusErrors naming the reader's error (line 3
+    of the CSV), and a directory with no dataset or data files is refused."""
     (tmp_path / "bad.parquet").write_bytes(b"garbage")
     (tmp_path / "bad.csv").write_text('a,b\n1,2\n1,2,3\n', encoding="utf-8")
     for name, pattern in (("bad.parquet", r"cannot read as parquet \(ArrowInvalid: "),
@@ -214,6 +233,9 @@ FLAT = [
 
 @pytest.mark.parametrize("kind", ["jsonl", "json_array", "parquet"])
 def test_openai_content_parts_and_tool_calls(tok, tmp_path, kind):
+    """OpenAI-format chats (content parts, an image and an audio part, an assistant tool call) from JSONL, a
+    JSON array or Parquet give the ids of the hand-flattened reference chats, count the dropped parts and the
+    tool-call turn, and report that SmolLM2's template does not render tool_calls."""
     rows = OPENAI
     if kind == "parquet":  # a Parquet column has one type: every content is a list of parts there
         rows = json.loads(json.dumps(OPENAI).replace('"content": "a cat"', '"content": [{"type": "text", "text": "a cat"}]'))
@@ -228,6 +250,8 @@ def test_openai_content_parts_and_tool_calls(tok, tmp_path, kind):
 
 
 def test_tool_calls_rendered_by_a_template_that_knows_them(tok, tmp_path):
+    """With a chat template that renders tool_calls, the corpus records them as rendered and the decoded
+    sample shows the call."""
     import copy
 
     t = copy.deepcopy(tok)

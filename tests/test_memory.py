@@ -52,11 +52,15 @@ HAND = {
 
 
 def test_hand_worked_16bit_example():
+    """A 16-bit SmolLM2 cache costs 2 sides x 30 layers x 3 KV heads x 64 dims x 2 bytes = 23,040 bytes per
+    token."""
     assert bytes_per_token(SMOL, preset("fp16")) == 2 * 30 * 3 * 64 * 2 == 23040
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_smollm2_bytes_per_token_every_preset(name):
+    """bytes_per_token for every preset equals its hand-worked SmolLM2 figure in HAND (a new preset without
+    one fails)."""
     assert name in HAND, "add the hand-worked number for a new preset"
     assert bytes_per_token(SMOL, PRESETS[name]) == HAND[name]
 
@@ -72,6 +76,9 @@ def test_every_format_per_token_group(fmt, payload):
 
 
 def test_int4_group_sizes_and_fp32_scales():
+    """int4 value groups of 32/64/128 (128 acting as D=64), asymmetric int8 with fp32 per-token scales and
+    amortized per-channel-token-group key scales (a fractional figure, exact Fraction) give the hand-worked
+    bytes per token."""
     # the README table rows: int4 preset with value groups 32/64/128 (g128 > D acts as D)
     assert bytes_per_token(SMOL, preset("int4_static").with_group_size(32)) == L * H * (32 + 32 + 2 * 4)
     assert bytes_per_token(SMOL, preset("int4_static").with_group_size(64)) == L * H * (32 + 32 + 1 * 4) == 6120
@@ -85,6 +92,9 @@ def test_int4_group_sizes_and_fp32_scales():
 
 
 def test_cache_bytes_hand_worked_window_sinks_partial_groups():
+    """cache_bytes for kivi4 with a 32-token window and 4 sinks equals the hand-worked sum of dense, payload,
+    key/value scale and static bytes at 100 tokens; one more token costs a whole key group; short contexts are
+    dense; batch multiplies all but per-layer metadata."""
     cfg = preset("kivi4", residual_window=32, sink_tokens=4)
     T = 100  # 4 sinks + 32 window + 64 quantized = exactly 2 key groups
     dense = 2 * L * H * (4 + 32) * D * 2
@@ -104,6 +114,9 @@ def test_cache_bytes_hand_worked_window_sinks_partial_groups():
 
 
 def test_fp8_static_metadata_per_layer():
+    """FP8 per-tensor and per-head caches at 8192 tokens add exactly their fp32 scales (2L and 2LH of 4
+    bytes), and the int4 preset's static bytes are its per-channel key scale and zero point plus a clip ratio
+    per head, by hand."""
     assert cache_bytes(SMOL, preset("fp8"), 8192) == 11520 * 8192 + 2 * L * 4
     assert cache_bytes(SMOL, preset("fp8_head"), 8192) == 11520 * 8192 + 2 * L * H * 4
     # int4 preset keys: per-channel scale + zero point [1,H,1,D] fp32
@@ -135,6 +148,9 @@ def test_contract_matches_quantized_tensor_bytes(name, n_q):
 
 
 def test_model_shape_sources_and_errors():
+    """model_shape reads a config dict and a nested text_config to SmolLM2's shape and an attribute object to
+    its head_dim shape; a missing num_hidden_layers, a zero dimension, a negative context, batch 0 and a
+    per-layer list of the wrong length raise ValueError naming what is wrong."""
     cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "max_position_embeddings": 8192}
     assert model_shape(cfg) == SMOL
@@ -158,6 +174,8 @@ def test_model_shape_sources_and_errors():
 
 
 def test_per_layer_configs():
+    """Per-layer configs (10 kivi4 layers, 20 kivi2) average to the hand-computed bytes per token, and the
+    memory report records a per-head key granularity."""
     mixed = [preset("kivi4")] * 10 + [preset("kivi2")] * 20
     assert bytes_per_token(SMOL, mixed) == (10 * 7200 + 20 * 4320) / 30
     k = TensorQuantSpec("fp8_e4m3", PerHead())
@@ -175,6 +193,9 @@ def config_json(tmp_path):
 
 
 def test_cli_memory(config_json):
+    """kvcal memory prints the hand-worked 16-bit bytes per token and total, its --json total equals
+    cache_bytes for the same options; a key group longer than --context, --group-size 0 and --granularity with
+    nvfp4 exit 2 with their messages; asymmetric per-token int3 gives the hand-worked bytes per token."""
     from kvcal.cli import main
 
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "fp16"])
@@ -202,6 +223,8 @@ def test_cli_memory(config_json):
 
 
 def test_cli_memory_errors(config_json, tmp_path):
+    """kvcal memory exits 2 with a message for an unknown KV format (int7), --sinks -1, and a --model file
+    that is not JSON (an error: line, no traceback)."""
     from kvcal.cli import main
 
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int7"])
@@ -215,6 +238,8 @@ def test_cli_memory_errors(config_json, tmp_path):
 
 
 def test_cli_memory_refuses_context_above_model_maximum(config_json):
+    """--context 16384 on a model with max_position_embeddings 8192 exits 2 naming both (no traceback);
+    --context 8192 is accepted and its JSON total equals cache_bytes."""
     from kvcal.cli import main
 
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "fp8", "--context", "16384"])
