@@ -45,6 +45,8 @@ def _laplace_seqs(n, seed, Hq=4, Hk=2, T=48, D=64):
 
 @pytest.mark.parametrize("fmt,gain", [("int4", 0.97), ("int2", 0.6)])
 def test_clip_search_beats_minmax_on_heavy_tails(fmt, gain):
+    """On seeded Laplace values the clip search learns clips < 0.95 and beats min-max held-out by the
+    margins in the comment (int4 < 0.97x, int2 < 0.6x; ACIQ's MSE-optimal clipping)."""
     cal, held = _laplace_seqs(4, 0), _laplace_seqs(2, 1)
     r = search_side(cal, held, "v", TensorQuantSpec(fmt, PerToken(), symmetric=True))
     # seeded Laplace rows (the same up to ulps on any CPU): MSE-optimal clipping of Laplace data at 4 / 2 bits
@@ -56,6 +58,8 @@ def test_clip_search_beats_minmax_on_heavy_tails(fmt, gain):
 
 
 def test_clip_search_never_worse_than_minmax_when_outliers_matter():
+    """When rare value spikes carry the attention output, the held-out guard keeps the search no worse
+    than min-max."""
     # rare huge value spikes carry attention output: clipping them hurts, the guard keeps min/max
     cal, held = _outlier_seqs(4, 0), _outlier_seqs(2, 1)
     r = search_side(cal, held, "v", TensorQuantSpec("int4", PerToken(), symmetric=True))
@@ -63,6 +67,8 @@ def test_clip_search_never_worse_than_minmax_when_outliers_matter():
 
 
 def test_centering_and_static_ranges_guarded_on_heldout():
+    """Dynamic group keys with offsets get centering and static per-channel int2 keys get [1, H, 1, D]
+    scale/zero point, both no worse than min-max held-out; an fp8 spec is refused ('integer')."""
     cal, held = _outlier_seqs(2, 2, T=32), _outlier_seqs(1, 3, T=32)
     dyn = search_side(cal, held, "k", TensorQuantSpec("int4", PerTokenGroup(64), symmetric=False),
                       stats=_stats(cal, "k"))
@@ -76,6 +82,8 @@ def test_centering_and_static_ranges_guarded_on_heldout():
 
 
 def test_allocation_respects_budget_exactly():
+    """For several --bits budgets the allocation's bytes equal cache_bytes of the chosen specs, fit the
+    budget, and leave no single error-lowering upgrade that fits; 2.0 bits is refused."""
     L, H, D, ctx, sinks = 5, 2, 64, 512, 1
     g = torch.Generator().manual_seed(0)
     items = []
