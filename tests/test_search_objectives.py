@@ -132,20 +132,25 @@ def test_key_centering_is_exact_under_softmax():
     assert torch.equal((k + mu[:, None]) - mu[:, None], k)
     c = SequenceCache(q, k, v, 0.25, None)
     c_shift = SequenceCache(q, k + mu[:, None], v, 0.25, None)
-    # exact keys with a per-channel mean added: attention is unchanged (KL 0 between the two)
-    # float32 scores of k and k + μ differ only by rounding (q·μ is a per-row constant that softmax removes):
-    # KL ≈ Σ p·(δs)² ≲ (γ_D·Σ|q·k|)² ≈ 1e-10 per row; 1e-5 is the float32 log-softmax floor 8·eps32·(|s|+log T)
-    assert float(c.key_kl(k + mu[:, None]).abs().max()) < 1e-5
+    # exact keys with a per-channel mean added: attention is unchanged (KL 0 in exact arithmetic: q·μ is a
+    # per-row constant that softmax removes), so the float32 figure is within its computed rounding bound
+    # (was: < 1e-5, no argument; the bound is ~9e-3 here). Comparing raw scores instead of log-probabilities
+    # (no softmax normalisation) would give Σ p·q·μ ~ O(1)
+    assert bool((c.key_kl(k + mu[:, None]).abs() <= _fp32_bounds(q, k, v, k + mu[:, None], v, 0.25)[0]).all())
     # quantizing (k + mu) with centering mu gives the same attention KL as quantizing k uncentered
     spec = TensorQuantSpec("int4", PerTokenGroup(64), symmetric=False, scale_dtype=torch.float32)
     plain = make_plan(spec, torch.ones(2))
     centered = make_plan(spec, torch.ones(2), mean=mu)
     kl_plain = side_error([c], "k", plain, "kl")[0]
     kl_centered = side_error([c_shift], "k", centered, "kl")[0]
-    # the same codes (dyadic data above); what differs is the float32 rounding of the shifted scores q·(k̂ + μ)
-    # (|q·μ| ≲ 20: γ_D·20 ≈ 4e-5 absolute per score, cancelling in the KL's log-prob differences to ~1e-4
-    # relative at worst); a centering that is not removed after quantizing changes the KL by O(1)
-    torch.testing.assert_close(kl_centered, kl_plain, rtol=1e-3, atol=1e-7)
+    # the same codes (dyadic data above): in exact arithmetic both KLs are KL(q·k, q·k̂) — the centered one
+    # up to the float32 rounding of k̂ + μ (≤ eps32/2 per element, a score error below _fp32_bounds' Δ). So
+    # they differ by at most the two float32 bounds, the centered one counted twice for that rounding (was:
+    # rtol 1e-3, no argument). Here ≤ 0.067 against KL sums 0.20 / 0.12; a centering ignored (quantizing
+    # k + μ directly, as `plain` does below) gives 0.70 / 0.75 — far outside
+    b_plain = _fp32_bounds(q, k, v, quantize_seq(plain, k), v, 0.25)[0]
+    b_cent = _fp32_bounds(q, k + mu[:, None], v, quantize_seq(centered, k + mu[:, None]), v, 0.25)[0]
+    assert bool(((kl_centered - kl_plain).abs() <= b_plain + 2 * b_cent).all())
     # and centering beats quantizing the offset keys directly
     assert float(side_error([c_shift], "k", plain, "kl")[0].sum()) > 2 * float(kl_centered.sum())
 
