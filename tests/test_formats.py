@@ -62,6 +62,10 @@ def _x(shape=(2, 3, 19, 32), seed=0, dtype=torch.float32):
 # ---- configs -------------------------------------------------------------------------------------
 
 def test_spec_validation_and_defaults():
+    """Specs get the hand-known code ranges (int8 sym -127..127, asym 0..255, int4/int5/int6/int2 limits) and
+    default scale dtypes (fp16 dynamic, fp32 static, nvfp4 blocks of 16); unknown formats, asymmetric fp8,
+    nvfp4 blocks of 32, float64 scales, a negative residual window, a 32-bit dtype16, an unknown preset or
+    granularity raise ValueError."""
     s = TensorQuantSpec("int8", "token_group", symmetric=False)
     assert s.format is QFormat.INT8 and s.qmin == 0 and s.qmax == 255 and s.scale_dtype == torch.float16
     assert TensorQuantSpec("int8").qmax == 127 and TensorQuantSpec("int8").qmin == -127
@@ -89,12 +93,16 @@ def test_spec_validation_and_defaults():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_round_trip_through_dict(name):
+    """Every preset survives to_dict / from_dict unchanged, and preset() applies a residual_window
+    override."""
     cfg = PRESETS[name]
     assert KVCacheConfig.from_dict(cfg.to_dict()) == cfg
     assert preset(name, residual_window=128).residual_window == 128
 
 
 def test_kivi_preset_layout():
+    """kivi4 keys are asymmetric, dynamic, per-channel in 32-token groups (KIVI's layout); int4_static keys
+    are static per-channel."""
     k = PRESETS["kivi4"].key
     assert k.granularity == PerChannelTokenGroup(32) and not k.symmetric and k.dynamic
     assert PRESETS["int4_static"].key.granularity == PerChannel() and not PRESETS["int4_static"].key.dynamic
@@ -126,6 +134,9 @@ def _fp8_reference(y: torch.Tensor, dtype, fmax):
 
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
 def test_fp8_exact_against_float64_reference(fmt):
+    """FP8 quantize/dequantize at power-of-two scales equals a float64 brute-force nearest-value reference
+    (ties to even, saturating) exactly, including subnormals, zeros and out-of-range values, and its codes
+    equal torch's native saturating cast bit for bit."""
     f = FP8_FORMATS[fmt]
     g = torch.Generator().manual_seed(1)
     x = torch.cat([
@@ -145,6 +156,8 @@ def test_fp8_exact_against_float64_reference(fmt):
 
 
 def test_fp8_saturation_subnormals_and_zeros():
+    """Hand-worked e4m3 values: saturation at +-448, subnormal ties to even (2^-10 -> 0, 1.5 x 2^-9 -> 2^-8);
+    e4m3fnuz saturates at 240 and e5m2 at -57344; all-zero input gets scale 1 and exact zeros."""
     e4 = TensorQuantSpec("fp8_e4m3")
     one = torch.tensor(1.0)
     x = torch.tensor([1e6, -1e6, 449.0, 2.0**-9, 3 * 2.0**-9, 2.0**-10, 1.5 * 2.0**-9, 0.0]).reshape(1, 1, 1, -1)
@@ -162,6 +175,8 @@ def test_fp8_saturation_subnormals_and_zeros():
 
 
 def test_fp8_oracle_scale_is_amax_over_448():
+    """The dynamic per-head e4m3 scale equals amax/448 exactly, and the dequantized maximum is amax within two
+    float32 roundings."""
     x = _x()
     qt = quantize(x, TensorQuantSpec("fp8_e4m3", PerHead()))
     amax = x.abs().amax(dim=(0, 2, 3), keepdim=True)
@@ -188,6 +203,9 @@ def _assert_half_step(x, spec, **kw):
 @pytest.mark.parametrize("gran", GRANS, ids=lambda g: g.name)
 @pytest.mark.parametrize("sym", [True, False])
 def test_int_half_step_and_packed_equals_fake_quant(fmt, gran, sym):
+    """For every integer width, granularity and symmetry (one head offset to one sign), the float64 error of
+    each element is at most half a quantization step (plus fp32 slack), dequantize of the packed codes equals
+    fake_quant exactly, and scale shapes and code dtypes are as documented."""
     x = _x()
     x[:, 1] += 3.0  # a head whose values are all offset (keys with one-signed channels)
     spec = TensorQuantSpec(fmt, gran, symmetric=sym)
@@ -220,6 +238,8 @@ def test_int_codes_against_float64_reference():
 
 
 def test_static_given_parameters_hand_example():
+    """Given scales and zero points quantize a hand-worked int4 example (rounding half to even) and int8
+    saturates at -127 with ties to even."""
     spec = TensorQuantSpec("int4", PerChannel(), symmetric=False)
     x = torch.tensor([[-1.5, 0.0], [0.25, 9.0]]).reshape(1, 1, 2, 2)
     scale = torch.tensor([0.5, 1.0]).reshape(1, 1, 1, 2)
@@ -233,6 +253,9 @@ def test_static_given_parameters_hand_example():
 
 
 def test_clip_ratio_saturates_outside_range():
+    """With clip_ratio 0.5 int8 values inside the clip are within half a step and the output saturates at
+    +-0.5 (within half a step), symmetric and asymmetric; a per-head clip ratio bounds each head's output by c
+    x amax within one fp16 scale ulp."""
     x = torch.linspace(-1, 1, 64).reshape(1, 1, 1, 64)
     for sym in (True, False):
         spec = TensorQuantSpec("int8", PerToken(), symmetric=sym, scale_dtype=torch.float32)
@@ -253,6 +276,9 @@ def test_clip_ratio_saturates_outside_range():
 
 
 def test_constant_and_offset_groups():
+    """Constant groups reconstruct within the fp16 scale rounding (rtol 2e-3 for a 2^-10 bound), all-zero
+    groups exactly; a tiny range far from zero (1000 + 1e-3 U) stays within half a step with fp16 and bf16
+    zero points."""
     # constant groups reconstruct exactly; all-zero groups give scale 1
     x = torch.full((1, 2, 3, 8), 5.25)
     for sym in (True, False):
@@ -270,6 +296,8 @@ def test_constant_and_offset_groups():
 
 
 def test_asymmetric_beats_symmetric_on_one_signed_channels():
+    """On values >= 1 asymmetric int4 token groups give under a quarter of the symmetric MSE (step ratio >= 2
+    argued in the test); an ignored zero point would give a ratio >= 1."""
     x = _x().abs() + 1.0
     e_sym = (fake_quant(x, TensorQuantSpec("int4", PerTokenGroup(16))) - x).pow(2).mean()
     e_asym = (fake_quant(x, TensorQuantSpec("int4", PerTokenGroup(16), symmetric=False)) - x).pow(2).mean()
@@ -280,6 +308,8 @@ def test_asymmetric_beats_symmetric_on_one_signed_channels():
 
 
 def test_params_from_range_matches_quantize():
+    """params_from_range on the per-channel amax/amin gives exactly the scale and zero point quantize
+    computes, and fake_quant with them equals dequantize."""
     x = _x()
     spec = TensorQuantSpec("int8", PerChannel(), symmetric=False)
     s, zp = params_from_range(spec, amax=x.amax(dim=(0, 2), keepdim=True), amin=x.amin(dim=(0, 2), keepdim=True))
@@ -312,6 +342,9 @@ def _nvfp4_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_nvfp4_against_float64_reference_and_layout():
+    """NVFP4 equals a float64 re-statement of NVIDIA's recipe (global scale amax/2688, e4m3 block scales, e2m1
+    ties to even) except within fp32 division slack of an e2m1 midpoint, and there by one grid gap; a zero
+    block dequantizes to zeros; the packed layout puts element 0 in the low nibble (hand-worked byte)."""
     x = _x((2, 3, 7, 64), seed=5)
     x[0, 0, 0, :16] *= 1e-4  # a tiny block (small fp8 block scale)
     x[0, 0, 1, :16] = 0.0  # a zero block
@@ -341,6 +374,8 @@ def test_nvfp4_against_float64_reference_and_layout():
 
 
 def test_nvfp4_rounding_ties_to_even():
+    """With block scale pinned to 1.0, each e2m1 midpoint (0.25 .. 7.0) rounds to the even neighbour of the
+    hand-written table."""
     vals = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0]
     expect = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
     x = torch.zeros(1, 1, 1, 16)
@@ -363,6 +398,8 @@ ALL_SPECS = [
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: f"{s.format.value}-{s.granularity.name}")
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_inputs_raise(spec, bad):
+    """A NaN, +Inf or -Inf anywhere in the input makes quantize and fake_quant raise ValueError naming
+    NaN/Inf, for every format family."""
     x = _x((1, 2, 4, 32))
     x[0, 1, 2, 3] = bad
     with pytest.raises(ValueError, match="NaN|Inf"):
@@ -372,6 +409,9 @@ def test_non_finite_inputs_raise(spec, bad):
 
 
 def test_bad_arguments():
+    """quantize raises ValueError for a 3-D input, integer dtype, a scale without zero point, a scale of the
+    wrong shape, parameters together with clip_ratio, a zero scale, a clip_ratio of wrong length or NaN,
+    values that overflow the scale dtype, and an empty sequence for a per-head spec."""
     x = _x((1, 2, 4, 32))
     spec = TensorQuantSpec("int8", PerHead(), symmetric=False)
     with pytest.raises(ValueError, match=r"\[B, H_kv, S, D\]"):
@@ -397,6 +437,8 @@ def test_bad_arguments():
 
 
 def test_empty_sequence_dynamic_and_dtypes():
+    """Dynamic specs accept an empty sequence (shape kept), bfloat16 input comes back as bfloat16, and the
+    bf16 format is the identity on bf16 input."""
     for spec in (TensorQuantSpec("int4", PerChannelTokenGroup(8), symmetric=False), TensorQuantSpec("int8", PerToken())):
         qt = quantize(torch.zeros(1, 2, 0, 32), spec)
         assert dequantize(qt).shape == (1, 2, 0, 32)
@@ -407,6 +449,8 @@ def test_empty_sequence_dynamic_and_dtypes():
 
 
 def test_padding_of_partial_groups():
+    """Sequences and head dims that are not multiples of the group or packing unit are padded to the
+    documented sizes and still quantize within half a step, packed dequantize equal to fake_quant."""
     x = _x((1, 2, 37, 40))  # S not a multiple of 8, D not a multiple of 16 (nor of 8 for int3)
     for spec in (TensorQuantSpec("int3", PerChannelTokenGroup(8), symmetric=False),
                  TensorQuantSpec("int3", PerTokenGroup(16), symmetric=False),
@@ -428,6 +472,8 @@ def test_padding_of_partial_groups():
     mag=st.floats(1e-3, 1e3), offset=st.floats(-50, 50), seed=st.integers(0, 2**16),
 )
 def test_property_int_half_step(fmt, gran, sym, scale_dtype, B, H, S, D, mag, offset, seed):
+    """Property (hypothesis): any integer width, granularity, symmetry, scale dtype, shape, magnitude and
+    offset quantizes within half a step per element, packed dequantize equal to fake_quant."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, H, S, D, generator=g) * mag + offset
     _assert_half_step(x, TensorQuantSpec(fmt, gran, symmetric=sym, scale_dtype=scale_dtype))
@@ -440,6 +486,8 @@ def test_property_int_half_step(fmt, gran, sym, scale_dtype, B, H, S, D, mag, of
     S=st.integers(1, 12), D=st.sampled_from([8, 16, 24]), mag=st.floats(1e-4, 1e4), seed=st.integers(0, 2**16),
 )
 def test_property_fp8_relative_error(fmt, gran, S, D, mag, seed):
+    """Property (hypothesis): FP8 dequantize equals fake_quant, and the error is at most 2^-(mantissa bits +
+    1) relative in the normal range and half a subnormal step below it, for each format and granularity."""
     f = FP8_FORMATS[fmt]
     mant = 2 if fmt == "fp8_e5m2" else 3
     g = torch.Generator().manual_seed(seed)

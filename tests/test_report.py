@@ -24,6 +24,10 @@ def full_report():
 
 
 def test_report_states_the_disclosure_items(full_report):
+    """The disclosure Markdown of a synthetic per-head FP8 artifact and evaluation states each required item
+    with hand-worked figures: quantized tensors and their formats, the weight precision apart, both corpora
+    (window percentiles by nearest rank), regimes, bytes per token (128 vs 256) and cache bytes, the quality
+    table with baselines and PASS/FAIL, runtime vs accounting, device; all five figures drawn."""
     md = to_markdown(full_report)
     # which tensors, format and granularity of each
     assert "**Quantized tensors: K and V**" in md
@@ -60,6 +64,8 @@ def test_report_states_the_disclosure_items(full_report):
 
 
 def test_figures_are_pngs_and_html_is_self_contained(full_report):
+    """Every figure is a PNG over 5 kB; the HTML report embeds all five as base64 data URIs (no figures/
+    links, no script), shows FAIL and the weights section; inline Markdown embeds all five too."""
     for f in full_report.figures.values():
         assert f.png.startswith(b"\x89PNG\r\n\x1a\n") and len(f.png) > 5000
     html = to_html(full_report)
@@ -74,6 +80,9 @@ def test_figures_are_pngs_and_html_is_self_contained(full_report):
 
 
 def test_ranges_and_outliers():
+    """layer_ranges finds the hand-placed outlier channel 5 of head 1 in every layer from per-channel absmax,
+    none in V, the clip of 0.8 x absmax per head, layer 3 as the per-tensor outlier, and a channel outlier
+    placed in layer 2's artifact tensor."""
     r = D.layer_ranges(make_meta(per_head=True, channel_absmax=True))
     assert r["k"]["outlier_level"] == "channel" and r["k"]["outliers"] == [(i, 1, 5) for i in range(4)]
     assert r["v"]["outliers"] == []
@@ -90,6 +99,8 @@ def test_ranges_and_outliers():
 
 
 def test_report_without_evaluation_says_so():
+    """A report without an evaluation JSON says no evaluation was given and quality is not established, gives
+    no verdict, and still states the fp8_e4m3 tensor format."""
     md = to_markdown(build_report(make_meta(), figures=False))
     assert "No evaluation JSON given" in md and "not evaluated" in md
     assert "quality at serving contexts/concurrency is **not** established" in md
@@ -97,6 +108,9 @@ def test_report_without_evaluation_says_so():
 
 
 def test_failing_artifact_is_reported_as_failure():
+    """An evaluation whose decode ctx 4096 row fails makes the verdict FAIL naming that row and criterion, the
+    acceptance line FAIL and the HTML row red, and a weight precision differing from calibration's is
+    noted."""
     ev = make_eval()
     for r in ev["results"]:
         if r["method"] == "artifact" and r["mode"] == "decode" and r["context"] == 4096:
@@ -111,6 +125,9 @@ def test_failing_artifact_is_reported_as_failure():
 
 
 def test_window_percentiles():
+    """Window percentiles by nearest rank of 8 x 1024 + 2 x 4096 are p50 1024 and p90/p99/max 4096
+    (hand-worked), a single window gives its length throughout, and the tested method is read from results,
+    artifact or methods roles."""
     assert D._window_percentiles({"1024": 8, "4096": 2}) == {"p50": 1024, "p90": 4096, "p99": 4096, "max": 4096}
     assert D._window_percentiles({"512": 1}) == {"p50": 512, "p90": 512, "p99": 512, "max": 512}
     assert D.tested_method({"results": [{"method": "artifact"}]}) == "artifact"
@@ -119,6 +136,8 @@ def test_window_percentiles():
 
 
 def test_k_only_and_same_corpus():
+    """A K-only artifact is reported as K only with V unquantized in 16 bits, an evaluation on the calibration
+    file as the same file, and the hand-worked 1.33x saving (256 vs 64 + 128 bytes)."""
     meta = make_meta()
     meta["kv"]["quantized_tensors"] = ["k"]
     meta["kv"]["v"] = {"format": "bf16", "granularity": "tensor", "symmetric": True, "dynamic": False, "bits": 16}
@@ -137,6 +156,8 @@ def test_k_only_and_same_corpus():
                   "criteria": "kl_mean<=1e-3"}], "regimes": [{"context": 512}], "per_layer": {"a": {}}},
 ])
 def test_tolerates_missing_optional_keys(ev):
+    """Partial evaluation JSON and metadata (missing optional keys, empty objects) still render a report
+    starting with its title, and the quality and per-layer plots accept the partial inputs."""
     for meta in (make_meta(), {"model": {"id": "m"}, "kv": {}}, {}):
         md = to_markdown(build_report(meta, ev, figures=False))
         assert md.startswith("# KV-cache disclosure report")
@@ -147,6 +168,10 @@ def test_tolerates_missing_optional_keys(ev):
 
 
 def test_write_report_and_cli(tmp_path):
+    """write_report writes report.md and figures into the artifact (quality plot listed as not drawn without
+    evaluation); kvcal report --eval --out writes 5 figures and an HTML with 5 embedded PNGs; invalid JSON, a
+    foreign schema, missing fields and a missing artifact exit 2 with their message, no traceback, nothing
+    written."""
     from kvcal.cli import main
 
     art = make_artifact(tmp_path / "art")
@@ -208,6 +233,8 @@ def test_report_refuses_an_evaluation_of_another_artifact(tmp_path):
 
 
 def test_calibration_report_still_renders():
+    """The calibration report Markdown still names the weight precision, and the per-layer table has a header
+    line and one row for each of the fixture's 4 layers."""
     from kvcal.report.markdown import layer_table, render_calibration_report
 
     meta = make_meta(per_head=True)
@@ -225,6 +252,9 @@ def test_artifact_without_calibration_records():
 
 
 def test_integer_artifact_report():
+    """An int4 artifact (per-channel static K, token-group dynamic V, 4 sinks) is reported with its formats,
+    scale dtypes, sinks and average bits, per-layer chosen vs min/max held-out errors from the metadata, V
+    clip ratios, and the range plot listed as not drawn while clip and layer-error plots are."""
     from test_report_fixtures import make_int_meta, make_int_tensors
 
     meta, tensors = make_int_meta(), make_int_tensors()
@@ -245,6 +275,9 @@ def test_integer_artifact_report():
 
 
 def test_integer_report_states_transforms_and_rounding():
+    """The report states pre-rope keys, K and V transforms, query-aware rounding, per-channel bit widths,
+    non-uniform V levels and log8 V scales with the number of layers each applies to, and a plain int4 report
+    mentions none of them."""
     from test_report_fixtures import make_int_meta, make_int_tensors
 
     meta, tensors = make_int_meta(), make_int_tensors()
