@@ -58,6 +58,9 @@ def ids(c: Corpus) -> list[list[int]]:
 
 
 def test_each_jsonl_format_gives_independent_token_ids(tok, tmp_path):
+    """Each JSONL record kind (text, prompt, prompt/completion, prompt/response, messages ending with a user
+    or assistant turn, turns) gives exactly the ids of an independent encode or apply_chat_template call
+    (generation prompt only after a user turn), and the mixed file's counts are recorded."""
     recs = [
         {"text": "The quick brown fox jumps over the lazy dog.", "id": 7},
         {"prompt": "def add(a, b):\n", "task_id": "x/1"},
@@ -93,6 +96,7 @@ def test_each_jsonl_format_gives_independent_token_ids(tok, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["text", "prompt", "prompt_completion", "messages", "turns"])
 def test_single_format_files_report_their_format(tok, tmp_path, fmt):
+    """A file whose records are all of one kind reports that format and its 2 samples."""
     rec = {
         "text": {"text": "hello there world"},
         "prompt": {"prompt": "hello there world"},
@@ -105,12 +109,17 @@ def test_single_format_files_report_their_format(tok, tmp_path, fmt):
 
 
 def test_prompt_completion_without_chat_template_concatenates(plain_tok, tmp_path):
+    """With a tokenizer without a chat template, prompt/completion records encode as the plain concatenation
+    of the two strings."""
     c = load_corpus(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "def f(x):\n", "completion": "    return x\n"}]),
                     plain_tok, max_seq_len=512)
     assert ids(c) == [enc(plain_tok, "def f(x):\n    return x\n")]
 
 
 def test_mt_bench_turns_chat_template(tok, shared_data):
+    """The 80 MT-Bench questions load as turns without truncation; the first sample starts with <|im_start|>
+    and equals apply_chat_template of its two turns with an empty assistant reply between, and the corpus hash
+    is the file's known sha256."""
     c = load_corpus(shared_data / "mt_bench_questions.jsonl", tok, max_seq_len=2048)
     assert len(c) == 80 and c.format == "turns" and c.truncated == 0
     first = json.loads((shared_data / "mt_bench_questions.jsonl").read_text().splitlines()[0])
@@ -122,6 +131,8 @@ def test_mt_bench_turns_chat_template(tok, shared_data):
 
 
 def test_humaneval_gz_prompts(tok, shared_data):
+    """The gzipped HumanEval file loads as 164 prompt samples, the first equal to an independent encode of its
+    prompt."""
     c = load_corpus(shared_data / "humaneval.jsonl.gz", tok, max_seq_len=2048)
     assert len(c) == 164 and c.format == "prompt"
     first = json.loads(gzip.open(shared_data / "humaneval.jsonl.gz", "rt").readline())
@@ -132,6 +143,8 @@ def test_humaneval_gz_prompts(tok, shared_data):
 
 
 def test_txt_articles_and_windows(tok, tmp_path):
+    """A .txt corpus splits at level-1 = Title = headings (subheadings stay inside) and cuts each article into
+    128-token windows equal to slices of an independent encode, with line count recorded."""
     body1 = " ".join(f"word{i}" for i in range(300))
     text = (" = Alpha = \n \n First paragraph of alpha . \n \n = = Part = = \n \n " + body1 + " \n \n"
             " = Beta = \n \n Beta is short . \n")
@@ -149,6 +162,8 @@ def test_txt_articles_and_windows(tok, tmp_path):
 
 
 def test_txt_without_headings_splits_on_blank_lines(tok, tmp_path):
+    """A .txt without headings splits at blank (or whitespace-only) lines into paragraphs encoded
+    independently, and a one-token paragraph is dropped and counted below min_tokens=2."""
     p = tmp_path / "plain.txt"
     p.write_text("Para one line a.\nline b.\n\n\nPara two.\n   \nx\n", encoding="utf-8")
     c = load_corpus(p, tok, max_seq_len=64, min_tokens=2)
@@ -157,6 +172,8 @@ def test_txt_without_headings_splits_on_blank_lines(tok, tmp_path):
 
 
 def test_txt_document_split_at_size_limit(tok, tmp_path, monkeypatch):
+    """A document over MAX_DOCUMENT_CHARS (patched to 30) is split at a line boundary into pieces encoded
+    independently."""
     import kvcal.corpus as corpus
 
     monkeypatch.setattr(corpus, "MAX_DOCUMENT_CHARS", 30)
@@ -167,6 +184,8 @@ def test_txt_document_split_at_size_limit(tok, tmp_path, monkeypatch):
 
 
 def test_format_shape_tolerates_partial_dict():
+    """format_shape renders a shape dict with only counts and percentiles, and an old shape without a source
+    shows the [txt] format and line count without inventing a source."""
     text = format_shape({"samples": 3, "tokens": 30, "p50": 10.0, "p90": 12.0, "p99": 12.0, "max": 12})
     assert "samples    3" in text and "p90 12" in text
     # a shape recorded before datasets sources (no "source"): no source is made up for it
@@ -175,6 +194,8 @@ def test_format_shape_tolerates_partial_dict():
 
 
 def test_txt_remainder_window_below_min_tokens_is_dropped_and_counted(tok, tmp_path):
+    """A document one token longer than max_seq_len yields one window, and its one-token remainder is dropped
+    and counted, not truncated."""
     doc = " ".join(["alpha"] * 50)
     n = len(enc(tok, doc))
     p = tmp_path / "r.txt"
@@ -184,6 +205,9 @@ def test_txt_remainder_window_below_min_tokens_is_dropped_and_counted(tok, tmp_p
 
 
 def test_wikitext_windows(tok, shared_data):
+    """WikiText-2 validation loads as the window count recomputed from its title lines and an independent
+    encode of each article (ceil(n/512) per article, at least 500), no token lost or truncated, max window
+    512, and the file's line count."""
     path = shared_data / "wikitext2_valid.txt"
     c = load_corpus(path, tok, max_seq_len=512, min_tokens=1)
     lines = path.read_text(encoding="utf-8").split("\n")
@@ -202,6 +226,8 @@ def test_wikitext_windows(tok, shared_data):
 
 
 def test_shape_percentiles_match_numpy(tok, tmp_path):
+    """The corpus shape's p50/p90/p99 and mean of 57 random lengths equal numpy's, with the sample, token, max
+    and truncated counts recomputed independently, and the rendered shape and JSON are well formed."""
     rng = np.random.default_rng(0)
     recs = [{"text": " ".join(["tok"] * int(k))} for k in rng.integers(2, 300, size=57)]
     c = load_corpus(write_jsonl(tmp_path / "s.jsonl", recs), tok, max_seq_len=200)
@@ -220,6 +246,7 @@ def test_shape_percentiles_match_numpy(tok, tmp_path):
 
 
 def test_sha256_of_raw_bytes(tok, tmp_path):
+    """The corpus sha256 is hashlib's sha256 of the file's raw bytes."""
     import hashlib
 
     p = write_jsonl(tmp_path / "h.jsonl", [{"text": "abc def"}])
@@ -230,6 +257,9 @@ def test_sha256_of_raw_bytes(tok, tmp_path):
 
 
 def test_truncation_counted_and_keeps_first_tokens(tok, tmp_path):
+    """A sample longer than max_seq_len keeps its first 100 ids of an independent encode and is counted;
+    strict mode refuses it with the file:line and its token count, and accepts it at max_seq_len equal to its
+    length."""
     long = " ".join(f"w{i}" for i in range(4000))  # long enough for the prefix shortcut
     p = write_jsonl(tmp_path / "t.jsonl", [{"text": long}, {"text": "short one"}])
     c = load_corpus(p, tok, max_seq_len=100)
@@ -243,6 +273,7 @@ def test_truncation_counted_and_keeps_first_tokens(tok, tmp_path):
 
 
 def test_whitespace_dominated_long_line_still_truncates_exactly(tok, tmp_path):
+    """A long whitespace-dominated line truncates to exactly the first 50 ids of an independent encode."""
     long = (" " * 200 + "x ") * 300
     p = write_jsonl(tmp_path / "ws.jsonl", [{"text": long}])
     c = load_corpus(p, tok, max_seq_len=50)
@@ -250,12 +281,16 @@ def test_whitespace_dominated_long_line_still_truncates_exactly(tok, tmp_path):
 
 
 def test_empty_lines_and_short_samples_are_counted(tok, tmp_path):
+    """Blank and whitespace lines are counted as skipped empty (3), samples below min_tokens as dropped short
+    (2, an empty text included), and all 6 lines as read."""
     p = write_jsonl(tmp_path / "e.jsonl", ["", "   ", {"text": "a"}, {"text": ""}, {"text": "two words here"}, "\t"])
     c = load_corpus(p, tok, max_seq_len=64, min_tokens=2)
     assert (len(c), c.skipped_empty, c.dropped_short, c.lines) == (1, 3, 2, 6)
 
 
 def test_bom_is_stripped(tok, tmp_path):
+    """A UTF-8 byte-order mark is stripped from JSONL (ids equal the plain encode, CRLF accepted) and from
+    .txt (two articles found)."""
     p = tmp_path / "bom.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "hello world"}).encode() + b"\r\n")
     assert ids(load_corpus(p, tok, max_seq_len=64)) == [enc(tok, "hello world")]
@@ -265,6 +300,8 @@ def test_bom_is_stripped(tok, tmp_path):
 
 
 def test_gz_equals_plain(tok, tmp_path):
+    """A gzipped JSONL gives the same ids as the plain file, while the recorded hash is of the compressed
+    bytes (differs)."""
     recs = [{"messages": CHAT}, {"text": "plain text sample"}]
     plain = write_jsonl(tmp_path / "c.jsonl", recs)
     gz = tmp_path / "c.jsonl.gz"
@@ -274,6 +311,8 @@ def test_gz_equals_plain(tok, tmp_path):
 
 
 def test_max_samples_seeded_subset_in_file_order(tok, tmp_path):
+    """max_samples picks a seeded subset (same seed same ids, another seed others) kept in file order and not
+    just the first ones, records 50 available, and a cap above the size keeps everything."""
     recs = [{"text": f"sample number {i} " * 2} for i in range(50)]
     p = write_jsonl(tmp_path / "n.jsonl", recs)
     full = ids(load_corpus(p, tok, max_seq_len=64))
@@ -376,6 +415,8 @@ HOSTILE = [
 
 @pytest.mark.parametrize("case", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_input_one_line_error(tok, tmp_path, case):
+    """Each hostile file in HOSTILE raises a CorpusError within 20 s (a hang check) whose one line starts with the path
+    (and line where known), matches the expected pattern and says what is wrong and how to fix it."""
     _, make, line, pattern = case
     p = make(tmp_path)
     t0 = time.perf_counter()
@@ -393,6 +434,8 @@ def test_hostile_input_one_line_error(tok, tmp_path, case):
 
 
 def test_fifty_megabyte_line_is_refused_fast(tok, tmp_path):
+    """A 50 MiB JSONL line is refused with big.jsonl:1 and the 8 MiB limit, in under 5 s (a hang or quadratic
+    scan would take far longer)."""
     p = tmp_path / "big.jsonl"
     with open(p, "wb") as f:
         f.write(b'{"text": "')
@@ -407,6 +450,8 @@ def test_fifty_megabyte_line_is_refused_fast(tok, tmp_path):
 
 
 def test_missing_file_and_directory(tok, tmp_path):
+    """A missing corpus path and a directory raise CorpusError naming the path (no such file / is a
+    directory)."""
     with pytest.raises(CorpusError, match=r"nope\.jsonl: no such file"):
         load_corpus(tmp_path / "nope.jsonl", tok, max_seq_len=64)
     d = tmp_path / "dir.jsonl"
@@ -417,12 +462,16 @@ def test_missing_file_and_directory(tok, tmp_path):
 
 @pytest.mark.parametrize("rec", [{"messages": CHAT}, {"turns": ["a", "b"]}], ids=["messages", "turns"])
 def test_chat_corpus_without_chat_template(plain_tok, tmp_path, rec):
+    """A messages or turns record with a tokenizer that has no chat template raises CorpusError naming
+    chat.jsonl:2 and the need for a template."""
     p = write_jsonl(tmp_path / "chat.jsonl", [{"text": "fine"}, rec])
     with pytest.raises(CorpusError, match=r"chat\.jsonl:2: a '(messages|turns)' sample needs a chat template"):
         load_corpus(p, plain_tok, max_seq_len=64)
 
 
 def test_chat_template_error_is_a_corpus_error(tmp_path, tok):
+    """An exception raised by the chat template (with a newline in its text) becomes a one-line CorpusError
+    naming tpl.jsonl:1."""
     t = copy.deepcopy(tok)
     t.chat_template = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools\nhere') }}" \
                       "{% endif %}{{ m['content'] }}{% endfor %}"
@@ -435,6 +484,8 @@ def test_chat_template_error_is_a_corpus_error(tmp_path, tok):
 @pytest.mark.parametrize("kw", [dict(max_seq_len=0), dict(max_seq_len=1, min_tokens=2), dict(max_seq_len=8, max_samples=0),
                                 dict(max_seq_len=8, min_tokens=0)])
 def test_bad_arguments(tok, tmp_path, kw):
+    """max_seq_len 0, min_tokens above max_seq_len, max_samples 0 and min_tokens 0 raise CorpusError prefixed
+    with the corpus path."""
     p = write_jsonl(tmp_path / "ok.jsonl", [{"text": "fine"}])
     with pytest.raises(CorpusError, match=r"ok\.jsonl: "):
         load_corpus(p, tok, **kw)
