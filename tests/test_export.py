@@ -62,6 +62,10 @@ def vllm_names(i):
 
 
 def test_vllm_golden_names_and_kv_cache_scheme(tmp_path, art):
+    """The vLLM export writes exactly the golden {k,v}_scale names per layer as float32 [1] tensors equal to
+    the artifact's scales, a kv_cache_scheme that compressed-tensors' own QuantizationArgs /
+    QuantizationConfig parse as 8-bit float static symmetric per tensor, a vllm serve command, and
+    compressed-tensors is an alias of vllm."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 
     path, truth = art
@@ -82,6 +86,9 @@ def test_vllm_golden_names_and_kv_cache_scheme(tmp_path, art):
 
 
 def test_vllm_per_head_attn_head(tmp_path):
+    """A per-head artifact exports [H_kv, 1, 1] scales equal to the artifact's with strategy attn_head; the
+    vLLM loader simulator loads every layer and the SGLang one reports an error on every layer (scalars only)
+    instead of passing silently."""
     from compressed_tensors.quantization import QuantizationArgs
 
     path, truth = make_artifact(tmp_path / "art", granularity="head")
@@ -99,6 +106,8 @@ def test_vllm_per_head_attn_head(tmp_path):
 
 
 def test_modelopt_golden_names(tmp_path, art):
+    """The ModelOpt export writes exactly k_proj.k_scale / v_proj.v_scale per layer with the artifact's
+    values, and an hf_quant_config.json naming modelopt and FP8 KV."""
     path, truth = art
     export(path, "modelopt", tmp_path / "out")
     t = tensors_in(tmp_path / "out" / SCALES_SHARD)
@@ -110,6 +119,9 @@ def test_modelopt_golden_names(tmp_path, art):
 
 
 def test_trtllm_legacy_golden_names(tmp_path, art):
+    """The TensorRT-LLM legacy export writes per layer kv_cache_scaling_factor = max(k, v) of the artifact
+    exactly (float32 [1]) and its reciprocal within one rounding, an FP8 quantization.json, and the
+    TensorRT-LLM simulator loads every layer."""
     path, truth = art
     export(path, "trtllm-legacy", tmp_path / "out")
     t = tensors_in(tmp_path / "out" / "kv_cache_scales.safetensors")
@@ -126,6 +138,9 @@ def test_trtllm_legacy_golden_names(tmp_path, art):
 
 
 def test_sglang_json_tp2(tmp_path, art):
+    """The SGLang JSON for TP=2 holds, for ranks 0 and 1 and every layer, max(k, v) of the artifact exactly,
+    model_type llama and dtype float8_e4m3fn; the SGLang simulator loads it at TP=2 and reports problems at
+    TP=1 or for another model type; the serve command passes --tp 2 and the file."""
     path, truth = art
     res = export(path, "sglang-json", tmp_path / "out", tp=2)
     doc = json.loads((tmp_path / "out" / "kv_cache_scales.json").read_text())
@@ -166,12 +181,18 @@ CT_QC = {"quant_method": "compressed-tensors", "config_groups": {},
     ],
 )
 def test_vllm_simulator_rules(names, status, k, v):
+    """The vLLM loader simulator follows vLLM's name rules per case: k/v_scale, k_proj/v_proj and qkv_proj
+    names load; kv_scale or a lone k_scale is copied to the other side; no scale or near-miss names fall back
+    to 1.0."""
     tensors = {n: torch.tensor([x]) for n, x in names.items()}
     lay = simulate_vllm(tensors, 1, H_KV, CT_QC).layers[0]
     assert (lay.status, lay.k, lay.v) == (status, [k], [v])
 
 
 def test_vllm_simulator_shapes_and_config():
+    """The vLLM simulator reads the first element of old output_scale tensors, errors on per-head shapes under
+    a per-tensor scheme, falls back without a quantization_config, and reports a problem for another
+    quant_method."""
     old = {"model.layers.0.self_attn.k_proj.output_scale": torch.tensor([0.5, 9.0]),
            "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([0.25])}
     assert simulate_vllm(old, 1, H_KV, CT_QC).layers[0].k == [0.5]  # first element only
@@ -184,6 +205,9 @@ def test_vllm_simulator_shapes_and_config():
 
 @pytest.mark.parametrize("target", ["vllm", "modelopt"])
 def test_merged_checkpoint_engines_find_every_layer(tmp_path, art, sharded_ckpt, target):
+    """A vLLM or ModelOpt export merged into a sharded checkpoint is loaded on every layer by the vLLM and
+    SGLang simulators (and TensorRT-LLM's for ModelOpt) with the artifact's K and V values (max(k, v) for
+    TensorRT-LLM)."""
     path, truth = art
     out = tmp_path / "merged"
     export(path, target, out, model_dir=sharded_ckpt)
@@ -206,6 +230,9 @@ def test_merged_checkpoint_engines_find_every_layer(tmp_path, art, sharded_ckpt,
 
 
 def test_sharded_two_file_merge(tmp_path, art, sharded_ckpt):
+    """Merging into a two-shard checkpoint hard-links the weight shards, keeps every source weight_map entry,
+    maps the new scales to the scales shard, recomputes total_size from the tensors, writes a parseable
+    per-tensor scheme, copies (not links) editable files, and leaves the source untouched."""
     from compressed_tensors.quantization import QuantizationConfig
 
     path, _ = art
@@ -240,6 +267,8 @@ def test_sharded_two_file_merge(tmp_path, art, sharded_ckpt):
 
 
 def test_single_file_checkpoint_gets_an_index(tmp_path, art, single_ckpt):
+    """Merging into a single-file checkpoint removes model.safetensors (hard-linked under a new name instead),
+    writes an index mapping every source weight to it, and notes the index."""
     path, _ = art
     out = tmp_path / "merged"
     res = export(path, "vllm", out, model_dir=single_ckpt)
@@ -252,6 +281,9 @@ def test_single_file_checkpoint_gets_an_index(tmp_path, art, single_ckpt):
 
 
 def test_existing_scales_replaced_and_config_merged(tmp_path, art, single_ckpt):
+    """Merging into an FP8 checkpoint that already has 9 stale KV-scale tensors replaces them (noted), keeps
+    every weight byte-identical, leaves the source untouched, merges the quantization_config (static KV
+    scheme, weight groups and ignore kept), and the vLLM simulator loads the new values."""
     from compressed_tensors.quantization import QuantizationConfig
 
     path, truth = art
@@ -291,6 +323,8 @@ def test_existing_scales_replaced_and_config_merged(tmp_path, art, single_ckpt):
 
 
 def test_checkpoint_mismatch_and_overlap_refused(tmp_path, sharded_ckpt):
+    """Export refuses an artifact with 3 layers into a 4-layer checkpoint (naming both), an --out inside
+    --model-dir (overlaps), and a merge for the standalone-only trtllm-legacy target, writing nothing."""
     path, _ = make_artifact(tmp_path / "art", num_layers=3)
     with pytest.raises(ExportError, match="num_layers is 3 in the artifact but 4 in config.json"):
         export(path, "vllm", tmp_path / "o", model_dir=sharded_ckpt)
@@ -306,6 +340,9 @@ def test_checkpoint_mismatch_and_overlap_refused(tmp_path, sharded_ckpt):
 
 
 def test_fnuz_artifact_exported_in_ocp_convention(tmp_path):
+    """An e4m3fnuz artifact is exported in the OCP convention: scale x 448 equals the calibrated clip
+    (scale_fnuz x 240) within three float32 roundings, the ROCm-doubled scale clips nothing calibrated, and
+    the SGLang JSON holds max(k, v) x 240/448 within float32 rounding."""
     path, truth = make_artifact(tmp_path / "art", fmt="fp8_e4m3fnuz")
     res = export(path, "vllm", tmp_path / "out")
     t = tensors_in(tmp_path / "out" / SCALES_SHARD)
@@ -324,6 +361,9 @@ def test_fnuz_artifact_exported_in_ocp_convention(tmp_path):
 
 
 def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
+    """Exporting clipped scales to SGLang JSON or vLLM warns about saturation and suggests --headroom
+    (TensorRT-LLM, which saturates, does not); --headroom 1.1 gives scales >= amax/448 x 1.1 and no warning;
+    headroom below 1, above 16, inf or NaN is refused and writes nothing; 16 is accepted."""
     path, truth = make_artifact(tmp_path / "art", clip=0.8)  # calibration clipped 20% of the range
     res = export(path, "sglang-json", tmp_path / "a", clipped_scales=True)  # opted into the clipped scales
     warn = [w for w in res.warnings if "without saturating" in w]
@@ -352,6 +392,8 @@ def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
 
 
 def test_refuses_per_channel_int4_for_vllm(tmp_path):
+    """Exporting a per-channel int4 artifact to vLLM raises a one-line ExportError naming the format and
+    target and saying no target can load it, and writes nothing."""
     path, _ = make_artifact(tmp_path / "art", fmt="int4", granularity="channel")
     with pytest.raises(ExportError) as e:
         export(path, "vllm", tmp_path / "out")
@@ -361,6 +403,8 @@ def test_refuses_per_channel_int4_for_vllm(tmp_path):
 
 
 def test_refusal_lists_targets_that_can_load(tmp_path):
+    """An int8 artifact refused by vLLM names trtllm-legacy as the target that can load it, and that export
+    succeeds."""
     path, _ = make_artifact(tmp_path / "art", fmt="int8")
     with pytest.raises(ExportError, match="targets that can load it: trtllm-legacy"):
         export(path, "vllm", tmp_path / "out")
@@ -378,6 +422,8 @@ def test_refusal_lists_targets_that_can_load(tmp_path):
     ],
 )
 def test_can_load_table(tmp_path, kwargs, reason):
+    """The SGLang JSON target refuses pre-RoPE, dynamic, asymmetric, fp8_e5m2 and per-head artifacts with the
+    reason named, and a per-head artifact is loadable by vllm and compressed-tensors only."""
     path, _ = make_artifact(tmp_path / "art", **kwargs)
     from kvcal.artifact import load_artifact
 
@@ -392,6 +438,8 @@ def test_can_load_table(tmp_path, kwargs, reason):
 
 
 def test_out_exists_refused_unless_overwrite(tmp_path, art):
+    """Exporting into an existing export raises ExportError suggesting --overwrite; with overwrite a ModelOpt
+    export replaces the vLLM one entirely (no stale quantization_config.json)."""
     path, _ = art
     export(path, "vllm", tmp_path / "out")
     with pytest.raises(ExportError, match="--overwrite"):
@@ -402,6 +450,8 @@ def test_out_exists_refused_unless_overwrite(tmp_path, art):
 
 
 def test_failed_export_leaves_nothing(tmp_path, art, monkeypatch):
+    """A target that fails with ENOSPC after writing a partial file raises ExportError saying nothing was
+    written, and leaves no output or staging directory."""
     path, _ = art
     tgt = get_target("vllm")
 
@@ -419,6 +469,9 @@ def test_failed_export_leaves_nothing(tmp_path, art, monkeypatch):
 
 
 def test_cli_export_and_refusal(tmp_path, art):
+    """kvcal export prints the SGLang serve command with --tp 2; a per-channel int4 artifact exits 2 with one
+    error: line; an unknown target, --out onto the artifact and --overwrite onto a user directory exit 2 with
+    their messages (the last two leaving the directories as they were); an earlier export is replaced."""
     path, _ = art
     r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "sglang-json",
                                   "--out", str(tmp_path / "o"), "--tp", "2"])
@@ -448,6 +501,7 @@ def test_cli_export_and_refusal(tmp_path, art):
 
 
 def test_export_error_is_kvcal_error():
+    """ExportError is a subclass of KvcalError."""
     assert issubclass(ExportError, KvcalError)
 
 
@@ -457,6 +511,8 @@ def test_export_error_is_kvcal_error():
 @pytest.mark.parametrize("target, combined", [("vllm", False), ("modelopt", False),
                                               ("trtllm-legacy", True), ("sglang-json", True)])
 def test_round_trip_export_inspect(tmp_path, art, target, combined):
+    """Inspecting each target's export gives back the artifact's K and V scales per layer (max(k, v) on both
+    sides for the combined-scale targets)."""
     path, truth = art
     export(path, target, tmp_path / "out", tp=2)
     ins = inspect_path(tmp_path / "out")
@@ -472,6 +528,8 @@ def test_round_trip_export_inspect(tmp_path, art, target, combined):
 
 
 def test_round_trip_merged_checkpoint(tmp_path, sharded_ckpt):
+    """Inspecting a per-head vLLM export merged into a checkpoint gives back the artifact's per-head K scales,
+    loaded by vLLM, with SGLang reporting an error on every layer."""
     path, truth = make_artifact(tmp_path / "art", granularity="head")
     export(path, "vllm", tmp_path / "out", model_dir=sharded_ckpt)
     ins = inspect_path(tmp_path / "out")
@@ -482,6 +540,8 @@ def test_round_trip_merged_checkpoint(tmp_path, sharded_ckpt):
 
 
 def test_q_scale_passed_through_when_artifact_has_query_stats(tmp_path):
+    """An artifact holding q_scale tensors exports them unchanged to vLLM, and the artifact made
+    without them holds none (the control)."""
     from kvcal.artifact import load_artifact, write_artifact
 
     path, _ = make_artifact(tmp_path / "art")
@@ -614,6 +674,8 @@ def test_export_from_a_hub_cache_snapshot_links_the_blobs(tmp_path, art, sharded
 
 
 def test_export_names_a_broken_link_and_follows_linked_dirs(tmp_path, art, sharded_ckpt):
+    """A merge follows a symlinked directory in the checkpoint (its file copied) and refuses a broken symlink
+    with an ExportError naming it, writing nothing."""
     import shutil
 
     path, _ = art
