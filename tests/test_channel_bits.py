@@ -102,7 +102,9 @@ def test_channel_bits_against_float64_reference_and_round_trip():
     step = (xp.amax(3, keepdim=True) - xp.amin(3, keepdim=True)) / (2.0 ** w.double() - 1)[None, :, None, None]
     step = step.expand_as(xp).reshape(2, 3, 48, 8)[:, :, :40]
     err = (y.double() - x.double()).abs() / step
-    assert float(err.max()) <= 0.5 * (1 + 2e-3)  # within half a step (fp16 scale / zero point)
+    # within half a step: the scale is rounded up to fp16 (≤ 2⁻¹⁰ relative), the fp16 zero point only shifts the
+    # grid (and cannot push a group's extreme past the top code while |zp| < 1024), plus float32 rounding ≪ 1e-3
+    assert float(err.max()) <= 0.5 * (1 + 2e-3)
     # uniform widths reproduce the plain quantizer bit for bit
     assert torch.equal(fake_quant(x, K4, channel_bits=torch.full((3, 8), 4)), fake_quant(x, K4))
     # with query-aware rounding: still the packed round trip
