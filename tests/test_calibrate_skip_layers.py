@@ -222,3 +222,29 @@ def test_skip_options_need_the_engine():
 
     with pytest.raises(KvcalError, match="--skip-layers applies with --engine vllm"):
         CalibrateConfig(corpus="x.jsonl", skip_layers="0")
+
+
+def test_artifact_naming_a_layer_past_the_model_is_refused(auto_artifact, tmp_path):
+    """An artifact whose vllm.skip_layers names layer 7 of a 4-layer model would make export print a
+    --kv-cache-dtype-skip-layers that matches no layer: refused on load, naming the field — also when the
+    content hash was recomputed after the edit (a writer other than kvcal)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from kvcal.artifact import CONTENT_HASH_KEY, ArtifactError, content_sha256, load_artifact
+
+    out, _ = auto_artifact
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    f = bad / "kv_scales.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        md = fh.metadata()
+    meta = json.loads(md["kvcal"])
+    meta["vllm"]["skip_layers"] = [0, 7]
+    tensors = load_file(str(f))
+    meta[CONTENT_HASH_KEY] = content_sha256(meta, tensors)
+    save_file(tensors, str(f), metadata={**md, "kvcal": json.dumps(meta)})
+    with pytest.raises(ArtifactError, match=r"vllm.skip_layers names layer\(s\) \[7\] but the model has 4 layers"):
+        load_artifact(bad)
