@@ -18,7 +18,7 @@ Layers, lowest first::
                 kvcal.corpus, kvcal.models, kvcal.weights
     4 products  kvcal.artifact, kvcal.runtime, kvcal.evaluate
     5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity
-                (kvcal.planner: deprecated alias), kvcal.inspect, kvcal.recommend
+                (kvcal.planner: deprecated alias), kvcal.inspect, kvcal.recommend, kvcal.vllm_skip
     6 cli       kvcal.cli, kvcal.__main__
 """
 
@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "kvcal.weights", "kvcal.checkpoint", "kvcal.distributed")),
     ("products", ("kvcal.artifact", "kvcal.runtime", "kvcal.evaluate")),
     ("front", ("kvcal.export", "kvcal.report", "kvcal.api", "kvcal.calibrate", "kvcal.capacity",
-               "kvcal.planner", "kvcal.inspect", "kvcal.recommend")),
+               "kvcal.planner", "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip")),
     ("cli", ("kvcal.cli", "kvcal.__main__")),
 )
 

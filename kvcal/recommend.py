@@ -28,6 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+# the probe and its scale reader live in the evaluate layer (calibrate --skip-layers auto uses them too)
+from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_fp8_scales
+
 #: vLLM 0.33 dtypes kvcal emulates, offered by default (fp8_e4m3 = fp8; fp8_e5m2 and nvfp4_4over6 on request).
 DEFAULT_MENU = ("fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4",
                 "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
@@ -111,19 +114,6 @@ def check_budget(cfg: RecommendConfig, model_config) -> None:
                          f"needs {least[d0]} bytes per token on this model; raise the bound or add a smaller dtype")
 
 
-def layer_sensitivity(model, samples, kv_cache_dtype: str, num_layers: int, progress: bool = True,
-                      **scales) -> list[float]:
-    """``s_l`` for every layer: model-level mean ``KL(P_16bit ‖ P_l)`` (nats, float64) over the
-    predicted positions of ``samples`` (int64 ``[T_i]`` each) when only layer ``l`` goes through vLLM's
-    ``kv_cache_dtype`` (K, V, and the query where vLLM quantizes it) — :func:`kvcal.evaluate.plans_kl`
-    on :func:`kvcal.search.skip_layers.probe_plans`. Cost: ``1 + L`` forward passes per sample."""
-    from kvcal.evaluate.protocol_a import plans_kl
-    from kvcal.search.skip_layers import probe_plans
-
-    kl = plans_kl(model, samples, probe_plans(kv_cache_dtype, num_layers, **scales), progress=progress)
-    return [float(kl[i]) for i in range(num_layers)]
-
-
 def candidate_sets(kv_cache_dtype: str, sensitivity: list[float], costs: list[int], num_layers: int,
                    max_skip: int) -> list[dict]:
     """The skip sets evaluated for one dtype: ``{"choice", "skip", "deployable"}`` with ``choice``
@@ -152,23 +142,6 @@ def candidate_sets(kv_cache_dtype: str, sensitivity: list[float], costs: list[in
     if forced:
         add("auto-free", choose_skip_layers(sensitivity, costs, max_skip=len(forced)), deployable=False)
     return out
-
-
-def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
-    """``{"k_scales", "v_scales", "q_scales"}`` (one float or ``[H_kv]`` tensor per layer, as
-    :class:`~kvcal.vllm_plan.VllmKVPlan` takes them) of a ``kvcal calibrate --engine vllm --kv-cache-dtype
-    fp8`` artifact's ``tensors``/``metadata``: k/v as vLLM loads them, q from ``...self_attn.q_scale``
-    (1.0 where absent). Used by recommend's probe and by calibrate's ``--skip-layers auto``."""
-    from kvcal.plan import KVPlan
-    from kvcal.vllm_plan import VllmKVPlan
-
-    vp, _ = VllmKVPlan.from_kvcal_plan("fp8", KVPlan.from_artifact(tensors, metadata))
-    q = []
-    for i in range(num_layers):
-        t = tensors.get(f"model.layers.{i}.self_attn.q_scale")
-        t = t.float().reshape(-1) if t is not None else None
-        q.append(1.0 if t is None else float(t[0]) if t.numel() == 1 else t)
-    return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q}
 
 
 def _fp8_scales(artifact_dir: Path, num_layers: int) -> dict:

@@ -6,8 +6,8 @@ records them in the artifact's ``vllm`` metadata section (``skip_layers``, and h
 disclosure report states them.
 
 ``--skip-layers auto`` chooses them the way ``kvcal recommend`` does for one dtype — the same code, not a
-second path: :func:`kvcal.recommend.layer_sensitivity` (model-level KL when only layer ``l`` goes through
-the dtype, with the scales just calibrated: :func:`kvcal.recommend.vllm_fp8_scales`) on the calibration
+second path: :func:`kvcal.evaluate.vllm_probe.layer_sensitivity` (model-level KL when only layer ``l`` goes through
+the dtype, with the scales just calibrated: :func:`kvcal.evaluate.vllm_probe.vllm_fp8_scales`) on the calibration
 run's held-out samples, then :func:`kvcal.search.skip_layers.budget_skip_layers` (exact 0/1 knapsack under
 ``--max-skip N`` and/or ``--max-bytes-per-token B``). Only the dtypes whose calibrated scales the probe can
 read (:data:`AUTO_DTYPES`) take ``auto``; an explicit list is recorded for any dtype.
@@ -73,8 +73,8 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
     :func:`kvcal.formats.vllm_dtypes.layer_bytes_per_token` counts vLLM's pages. Mutates ``meta``;
     returns the layers. Raises :class:`~kvcal.errors.KvcalError` when the probe has no samples."""
     from kvcal.errors import KvcalError
+    from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_fp8_scales
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
-    from kvcal.recommend import layer_sensitivity, vllm_fp8_scales
     from kvcal.search.skip_layers import budget_skip_layers
 
     vm = meta["vllm"]

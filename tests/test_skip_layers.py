@@ -106,7 +106,7 @@ def test_probe_finds_a_sensitive_middle_layer_the_rule_misses(smollm_tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvcal.evaluate.protocol_a import plans_kl
-    from kvcal.recommend import layer_sensitivity
+    from kvcal.evaluate.vllm_probe import layer_sensitivity
     from kvcal.vllm_plan import VllmKVPlan
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,

@@ -6,7 +6,7 @@ turboquant presets on dense models, always adds the first 2 and last 2 attention
 the union cannot be switched off from the command line). That rule is fixed; this module chooses the
 layers from a measurement on the user's model and prompts instead.
 
-The measurement (run by :func:`kvcal.recommend.layer_sensitivity`, which calls
+The measurement (run by :func:`kvcal.evaluate.vllm_probe.layer_sensitivity`, which calls
 :func:`kvcal.evaluate.plans_kl` on the plans :func:`probe_plans` builds): ``s_l`` = model-level mean
 ``KL(P_16bit ‖ P_l)`` in nats over held-out tokens when only layer ``l``'s K and V (and query, where vLLM
 quantizes it) go through dtype ``D`` — Protocol A, one plan per layer. Keeping layer ``l`` at 16 bits is
@@ -203,7 +203,7 @@ def budget_skip_layers(sensitivity: list[float], kv_cache_dtype: str, num_layers
     ``max_bytes_per_token`` (KV bytes per token, all layers, as
     :func:`kvcal.formats.memory.vllm_bytes_per_token` counts them) turned into the extra-bytes bound
     ``B - Σ quantized slots``. ``sensitivity``: per-layer KL (nats) of
-    :func:`kvcal.recommend.layer_sensitivity`. Sorted layer indices. Raises ``ValueError`` when the
+    :func:`kvcal.evaluate.vllm_probe.layer_sensitivity`. Sorted layer indices. Raises ``ValueError`` when the
     forced layers alone exceed a bound (:func:`check_skip_layers` refuses that before the model loads)."""
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
 

@@ -1,0 +1,37 @@
+"""The per-layer sensitivity probe for vLLM's 16-bit layers, and the scales it reads from an artifact.
+
+Used by ``kvcal recommend`` (every dtype of its menu) and by ``kvcal calibrate --engine vllm --skip-layers
+auto`` (:mod:`kvcal.vllm_skip`): one probe, one scale reader.
+"""
+
+from __future__ import annotations
+
+
+def layer_sensitivity(model, samples, kv_cache_dtype: str, num_layers: int, progress: bool = True,
+                      **scales) -> list[float]:
+    """``s_l`` for every layer: model-level mean ``KL(P_16bit ‖ P_l)`` (nats, float64) over the
+    predicted positions of ``samples`` (int64 ``[T_i]`` each) when only layer ``l`` goes through vLLM's
+    ``kv_cache_dtype`` (K, V, and the query where vLLM quantizes it) — :func:`kvcal.evaluate.plans_kl`
+    on :func:`kvcal.search.skip_layers.probe_plans`. Cost: ``1 + L`` forward passes per sample."""
+    from kvcal.evaluate.protocol_a import plans_kl
+    from kvcal.search.skip_layers import probe_plans
+
+    kl = plans_kl(model, samples, probe_plans(kv_cache_dtype, num_layers, **scales), progress=progress)
+    return [float(kl[i]) for i in range(num_layers)]
+
+
+def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
+    """``{"k_scales", "v_scales", "q_scales"}`` (one float or ``[H_kv]`` tensor per layer, as
+    :class:`~kvcal.vllm_plan.VllmKVPlan` takes them) of a ``kvcal calibrate --engine vllm --kv-cache-dtype
+    fp8`` artifact's ``tensors``/``metadata``: k/v as vLLM loads them, q from ``...self_attn.q_scale``
+    (1.0 where absent). Used by recommend's probe and by calibrate's ``--skip-layers auto``."""
+    from kvcal.plan import KVPlan
+    from kvcal.vllm_plan import VllmKVPlan
+
+    vp, _ = VllmKVPlan.from_kvcal_plan("fp8", KVPlan.from_artifact(tensors, metadata))
+    q = []
+    for i in range(num_layers):
+        t = tensors.get(f"model.layers.{i}.self_attn.q_scale")
+        t = t.float().reshape(-1) if t is not None else None
+        q.append(1.0 if t is None else float(t[0]) if t.numel() == 1 else t)
+    return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q}
