@@ -129,4 +129,4 @@ def test_probe_finds_a_sensitive_middle_layer_the_rule_misses(smollm_tokenizer):
     assert 3 in auto and 3 not in rule
     kl = plans_kl(model, held, {"auto": VllmKVPlan(d, 6, skip_layers=tuple(auto)),
                                 "rule": VllmKVPlan(d, 6, skip_layers=tuple(rule))}, progress=False)
-    assert kl["auto"] <= kl["rule"]
+    assert kl["auto"] <= kl["rule"]  # seen 6.0e-5 vs 2.4e-4: a 4x margin, not an ulp-level comparison
