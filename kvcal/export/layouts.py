@@ -87,7 +87,7 @@ class FamilyLayout:
         return a
 
 
-#: Families kvcal knows the loaders' layouts for (tiny configs of each are tested in tests/test_layouts.py).
+#: Families kvcal knows the loaders' layouts for (tiny configs of each are tested in tests/export/test_layouts.py).
 FAMILIES: dict[str, FamilyLayout] = {f.model_type: f for f in (
     FamilyLayout("llama", "model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj"),
                  sglang="llama.py", sglang_remaps=True),

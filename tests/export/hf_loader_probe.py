@@ -1,7 +1,7 @@
-"""Subprocess half of ``tests/test_real_loader.py``: load kvcal exports through a *real* transformers +
+"""Subprocess half of ``tests/export/test_real_loader.py``: load kvcal exports through a *real* transformers +
 compressed-tensors stack and report what it did.
 
-Run as ``PYTHONPATH=<dir with transformers 5.23.0> python tests/hf_loader_probe.py SPEC.json OUT.pt``
+Run as ``PYTHONPATH=<dir with transformers 5.23.0> python tests/export/hf_loader_probe.py SPEC.json OUT.pt``
 (the project's own transformers is 5.24, whose attention forward no longer takes ``past_key_values``,
 so compressed-tensors 0.20.1 ignores KV schemes there; 5.23.0 lives in a separate ``pip install
 --target`` directory so the project's venv is untouched). SPEC::

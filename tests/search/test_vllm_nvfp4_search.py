@@ -17,7 +17,7 @@ from kvcal.search import vllm_nvfp4 as N
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.vllm_fp8 import joint_key_kl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "calibration_sets" / "chat.jsonl"
 EPS32 = 2.0 ** -24  # float32 unit roundoff
 

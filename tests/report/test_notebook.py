@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_report_fixtures import make_artifact, make_eval
 
-NB = Path(__file__).resolve().parents[1] / "notebooks" / "calibration_review.ipynb"
+NB = Path(__file__).resolve().parents[2] / "notebooks" / "calibration_review.ipynb"
 
 
 def _kernel_manager(tmp_path):

@@ -17,7 +17,7 @@ from kvcal.search import vllm_fp8 as V
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.static_scales import candidate_scales
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "calibration_sets" / "chat.jsonl"
 EPS32 = 2.0 ** -24  # float32 unit roundoff
 E4M3 = get_fp8_format("fp8_e4m3")

@@ -18,7 +18,7 @@ from kvcal.artifact import load_artifact
 from kvcal.calibrate import CalibrateConfig, calibrate, checkpoint_path
 from kvcal.errors import KvcalError, ModelLoadError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "calibration_sets" / "chat.jsonl"
 
 

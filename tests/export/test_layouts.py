@@ -176,7 +176,7 @@ def test_inspect_ignored_layouts_per_layer(tmp_path, checkpoints):
 
 def test_inspect_warns_declared_scheme_with_a_missing_scale(tmp_path, checkpoints):
     """Reviewer (issue 19): a kv_cache_scheme with a scale missing loads in transformers + compressed-tensors
-    without error and a garbage scale (tests/test_real_loader.py); inspect must say so in one line."""
+    without error and a garbage scale (tests/export/test_real_loader.py); inspect must say so in one line."""
     art, _ = make_artifact(tmp_path / "art", num_layers=NL)
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--model-dir",

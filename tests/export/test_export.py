@@ -562,7 +562,7 @@ def test_tp_that_the_model_heads_cannot_split_is_refused(tmp_path):
 
     from kvcal.cli import main
 
-    art = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-fp8"
+    art = Path(__file__).resolve().parents[2] / "artifacts" / "smollm2-135m-fp8"
     # a huge --tp (it once hung) is now refused by the option's own range, before the export looks at heads
     r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "sglang-json", "--tp", str(10**11),
                                   "--out", str(tmp_path / "huge")])
