@@ -58,15 +58,13 @@ is never worse than either on the held-out check.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvcal.formats.vllm_dtypes import E2M1_MAX, FP8_E4M3_MAX, NVFP4_BLOCK, nvfp4_fake_quant, nvfp4_quantize
 from kvcal.search.guard import guarded_tensor_choice
 from kvcal.search.objectives import SequenceCache, sequence_caches
 from kvcal.search.static_scales import SideChoice
-from kvcal.search.vllm_fp8 import choose_query_scale, group_absmax, joint_key_kl, query_codes
+from kvcal.search.vllm_fp8 import VllmFP8Choice, choose_query_scale, group_absmax, joint_key_kl, query_codes
 
 #: vLLM dtypes whose outer scales this module calibrates.
 SUPPORTED_DTYPES = ("nvfp4",)
@@ -191,18 +189,11 @@ def choose_query_scale_nvfp4(calib: list[SequenceCache], heldout: list[SequenceC
     return _side_choice(labels, rows, pick, q_amax, fmt.max)
 
 
-@dataclass
-class VllmNVFP4Choice:
-    """One layer's choices: ``k``/``v`` (outer scales) and ``q`` (:class:`SideChoice`, per tensor).
-    ``q_only``: held-out KL per query that FP8 queries alone add at the chosen ``q_scale`` (exact keys);
-    ``kv_only``: held-out KL per query of the NVFP4 keys at the chosen outer scale with exact queries (what
-    the SM80/90/120 fa2 path serves)."""
-
-    q: SideChoice
-    k: SideChoice
-    v: SideChoice
-    q_only: float
-    kv_only: float
+#: One layer's choices, the same record as the FP8 search's: ``k``/``v`` (here the NVFP4 outer scales) and
+#: ``q`` (:class:`SideChoice`, per tensor); ``q_only``: held-out KL per query that FP8 queries alone add at the
+#: chosen ``q_scale`` (exact keys); ``kv_only``: the NVFP4 keys at the chosen outer scale with exact queries
+#: (what the SM80/90/120 fa2 path serves).
+VllmNVFP4Choice = VllmFP8Choice
 
 
 def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_head_absmax: torch.Tensor,
