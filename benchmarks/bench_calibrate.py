@@ -53,9 +53,11 @@ def main():
     args = ap.parse_args()
 
     from kvcal.artifact import write_artifact
-    from kvcal.calibrate import CalibrateConfig, plan_from_choices, run_capture, search_scales, split_heldout
+    from kvcal.calibrate import CalibrateConfig
+    from kvcal.capture.run import run_capture, split_heldout
     from kvcal.evaluate.windows import text_windows
     from kvcal.models import load_model, load_tokenizer
+    from kvcal.search.fp8 import plan_from_choices, search_scales
 
     tok, model = load_tokenizer(None), load_model(None)
     ids = text_windows(tok, DATA.read_text(encoding="utf-8"), args.seq_len, args.samples, skip_windows=16)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 CHILD = r"""
 import json, resource, sys, time, torch
-from kvcal.calibrate import CalibrateConfig, run_capture, split_heldout
+from kvcal.calibrate import CalibrateConfig
+from kvcal.capture.run import run_capture, split_heldout
 from kvcal.evaluate.windows import text_windows
 from kvcal.models import load_model, load_tokenizer
 n, T, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

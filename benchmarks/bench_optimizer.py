@@ -66,13 +66,15 @@ def main():
     torch.set_num_threads(a.threads)
     from scipy.stats import spearmanr
 
-    from kvcal.calibrate import plan_from_choices, run_capture, search_int, search_scales, split_heldout
+    from kvcal.capture.run import run_capture, split_heldout
     from kvcal.evaluate.protocol_a import plans_kl, side_only, side_sensitivity, teacher_forced
     from kvcal.evaluate.windows import text_windows
     from kvcal.formats.granularity import PerToken, PerTokenGroup
     from kvcal.formats.spec import TensorQuantSpec, preset
     from kvcal.models import head_dim_of, load_model, load_tokenizer
     from kvcal.plan import KVPlan, LayerPlan, SidePlan
+    from kvcal.search.fp8 import plan_from_choices, search_scales
+    from kvcal.search.integer import search_int
     from kvcal.search.objectives import SequenceCache
     from kvcal.search.optimizer import make_plan, side_error
 

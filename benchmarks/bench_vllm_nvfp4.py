@@ -20,46 +20,23 @@ unused there, so only the outer scales differ).
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
-from pathlib import Path
 
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "wikitext2_valid.txt"
-
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calib", type=int, default=8, help="calibration windows")
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--eval", type=int, default=4, help="held-out evaluation windows")
-    ap.add_argument("--eval-len", type=int, default=512)
-    a = ap.parse_args(argv)
+    from _common import load_and_capture, window_parser
 
-    from kvcal.calibrate import CalibrateConfig
-    from kvcal.capture.run import run_capture, split_heldout
-    from kvcal.evaluate import teacher_forced, text_windows
-    from kvcal.models import load_model, load_tokenizer
+    a = window_parser(__doc__, calib=8).parse_args(argv)
+
+    from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.search.vllm_nvfp4 import NVFP4_AMAX_DIVISOR, search_vllm_nvfp4
     from kvcal.vllm_plan import VllmKVPlan
 
     t0 = time.perf_counter()
-    tok, model = load_tokenizer(None), load_model(None)
-    text = DATA.read_text(encoding="utf-8")
-    ev = text_windows(tok, text, a.eval_len, a.eval)
-    skip = -(-a.eval * a.eval_len // a.seq_len)  # calibration windows start after the evaluation tokens
-    cal = list(text_windows(tok, text, a.seq_len, a.calib, skip_windows=skip))
-    c = model.config
-    L, Hkv, Hq = c.num_hidden_layers, c.num_key_value_heads, c.num_attention_heads
-    d = CalibrateConfig(corpus="-")
-    held = split_heldout(len(cal), d.heldout_fraction, d.seed)
-    cap = run_capture(model, cal, held, num_layers=L, num_kv_heads=Hkv, num_q_heads=Hq,
-                      head_dim=c.hidden_size // Hq, batch_size=d.batch_size, reservoir=d.reservoir,
-                      heldout_reservoir=d.heldout_reservoir, search_tokens=d.search_tokens, progress=False)
+    s = load_and_capture(a)
+    model, ev, cal, held, cap, d, L = s.model, s.ev, s.cal, s.held, s.cap, s.cfg, s.num_layers
     t1 = time.perf_counter()
     rows = search_vllm_nvfp4(cap, d.max_queries, progress=False)
     t_search = time.perf_counter() - t1

@@ -66,7 +66,7 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
 
-    from _probe import load_probe
+    from _probe import load_probe, print_protocol_a
 
     from kvcal.capture.hooks import capture_kv
     from kvcal.evaluate.protocol_a import side_only, teacher_forced
@@ -140,11 +140,7 @@ def main():
         "plan, all": plan, "plan, K only": side_only(plan, "k"), "plan, V only": side_only(plan, "v"),
         "ideal, all": Ideal(), "ideal, K only": side_only(Ideal(), "k"), "ideal, V only": side_only(Ideal(), "v"),
         **{f"ideal + {g:g} dB, all": Ideal(g) for g in gaps}})
-    print(f"\n{a.windows} x 1024-token windows of {DATA.name} (16-bit ppl {res['16-bit']['ppl']:.3f})\n\n"
-          "| coder | mean KL (nats) | ΔPPL | top-1 |\n|---|---|---|---|")
-    for name, r in res.items():
-        if name != "16-bit":
-            print(f"| {name} | {r['kl_mean']:.3e} | {r['delta_ppl']:+.4f} | {r['top1_agree']:.1%} |")
+    print_protocol_a(res, a.windows, DATA.name, "coder", top1=True)
 
 
 if __name__ == "__main__":

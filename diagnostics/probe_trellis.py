@@ -47,7 +47,7 @@ def main():
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
-    from _probe import load_probe
+    from _probe import load_probe, print_protocol_a
     from tqdm.auto import tqdm
 
     from kvcal.capture.hooks import capture_kv
@@ -122,11 +122,7 @@ def main():
     tr = Trellis()
     res = teacher_forced(model, windows, {"levels, all": plan, "levels, V only": side_only(plan, "v"),
                                           "trellis, all": tr, "trellis, V only": side_only(tr, "v")})
-    print(f"\n{len(samples)} x 1024-token windows of {DATA.name} (16-bit ppl {res['16-bit']['ppl']:.3f})\n\n"
-          "| values | mean KL (nats) | ΔPPL |\n|---|---|---|")
-    for name, r in res.items():
-        if name != "16-bit":
-            print(f"| {name} | {r['kl_mean']:.3e} | {r['delta_ppl']:+.4f} |")
+    print_protocol_a(res, len(samples), DATA.name, "values")
 
 
 if __name__ == "__main__":

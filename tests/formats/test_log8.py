@@ -108,6 +108,7 @@ def test_log8_memory_accounting():
 def test_log8_plan_artifact_and_runtime_equal_protocol_a():
     """log8 values with levels: runtime prefill equals Protocol A exactly; hand-worked byte difference vs fp16
     scales; the plan survives from_artifact; a missing, misplaced (key) or negative scale_base is refused by name."""
+    from plan_helpers import artifact_round_trip
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import prefill_matches_protocol_a, tiny_model, transform_plan
@@ -130,11 +131,7 @@ def test_log8_plan_artifact_and_runtime_equal_protocol_a():
         model(ids, cache=c2, use_cache=True)
     # per layer: -1 byte per token (2 sequences × 20 quantized tokens × H heads), +4H base, +64H levels
     assert c2.allocated_bytes() - cache.allocated_bytes() == TL * (2 * 20 * TH - 4 * TH - 64 * TH)
-    meta = {"model": {"num_layers": TL, "num_kv_heads": TH, "head_dim": 16}, "kv": plan.kv_metadata()}
-    t = plan.to_tensors()
-    back = KVPlan.from_artifact(t, meta)
-    x = torch.randn(1, TH, 12, 16)
-    assert torch.equal(back.fake_quant(0, "v", x), plan.fake_quant(0, "v", x))
+    t, meta = artifact_round_trip(plan, TH, 16)
     bad = dict(t)
     del bad["model.layers.1.self_attn.v_scale_base"]
     with pytest.raises(ValueError, match="lacks model.layers.1.self_attn.v_scale_base"):

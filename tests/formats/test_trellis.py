@@ -217,6 +217,8 @@ def test_quant_trellis_refusals():
 def test_plan_artifact_round_trip_and_refusals():
     """A value trellis survives KVPlan -> tensors -> from_artifact (same fake_quant, 256 entries); a table
     off the 1/32 grid, a key trellis, or a clip_ratio beside a trellis is refused naming the tensor."""
+    from plan_helpers import artifact_round_trip
+
     from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
     from kvcal.formats.spec import TensorQuantSpec
     from kvcal.plan import KVPlan, LayerPlan, SidePlan
@@ -226,12 +228,8 @@ def test_plan_artifact_round_trip_and_refusals():
     vspec = TensorQuantSpec("int4", PerToken(), symmetric=True)
     T = _table(4, 4)
     plan = KVPlan([LayerPlan(SidePlan(kspec, clip_ratio=torch.ones(H)), SidePlan(vspec, trellis=T))])
-    meta = {"model": {"num_layers": 1, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
-    t = plan.to_tensors()
+    t, meta = artifact_round_trip(plan, H, D)
     assert t["model.layers.0.self_attn.v_trellis"].shape == (256,)
-    back = KVPlan.from_artifact(t, meta)
-    x = torch.randn(1, H, 12, D)
-    assert torch.equal(back.fake_quant(0, "v", x), plan.fake_quant(0, "v", x))
     assert plan.kv_config(0).value_trellis == 256
     bad = dict(t)
     bad["model.layers.0.self_attn.v_trellis"] = T + 0.01
