@@ -22,3 +22,18 @@ def artifact_round_trip(plan: KVPlan, num_kv_heads: int, head_dim: int) -> tuple
         for side in ("k", "v"):
             assert torch.equal(back.fake_quant(i, side, x), plan.fake_quant(i, side, x)), (i, side)
     return tensors, meta
+
+
+def assert_refused(tensors: dict[str, torch.Tensor], metadata: dict, match: str, name: str,
+                   value: torch.Tensor | None) -> None:
+    """A copy of artifact ``tensors`` with tensor ``name`` set to ``value`` (``None``: removed) is refused by
+    :meth:`KVPlan.from_artifact` with a ``ValueError`` whose message matches the regex ``match``."""
+    import pytest
+
+    bad = dict(tensors)
+    if value is None:
+        del bad[name]
+    else:
+        bad[name] = value
+    with pytest.raises(ValueError, match=match):
+        KVPlan.from_artifact(bad, metadata)

@@ -108,12 +108,11 @@ def test_log8_memory_accounting():
 def test_log8_plan_artifact_and_runtime_equal_protocol_a():
     """log8 values with levels: runtime prefill equals Protocol A exactly; hand-worked byte difference vs fp16
     scales; the plan survives from_artifact; a missing, misplaced (key) or negative scale_base is refused by name."""
-    from plan_helpers import artifact_round_trip
+    from plan_helpers import artifact_round_trip, assert_refused
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import prefill_matches_protocol_a, tiny_model, transform_plan
 
-    from kvcal.plan import KVPlan
     from kvcal.runtime import QuantizedKVCache
 
     model = tiny_model()
@@ -132,15 +131,8 @@ def test_log8_plan_artifact_and_runtime_equal_protocol_a():
     # per layer: -1 byte per token (2 sequences × 20 quantized tokens × H heads), +4H base, +64H levels
     assert c2.allocated_bytes() - cache.allocated_bytes() == TL * (2 * 20 * TH - 4 * TH - 64 * TH)
     t, meta = artifact_round_trip(plan, TH, 16)
-    bad = dict(t)
-    del bad["model.layers.1.self_attn.v_scale_base"]
-    with pytest.raises(ValueError, match="lacks model.layers.1.self_attn.v_scale_base"):
-        KVPlan.from_artifact(bad, meta)
-    bad = dict(t)
-    bad["model.layers.0.self_attn.k_scale_base"] = torch.ones(TH)
-    with pytest.raises(ValueError, match="k_scale_base is only for log8"):
-        KVPlan.from_artifact(bad, meta)
-    bad = dict(t)
-    bad["model.layers.0.self_attn.v_scale_base"] = torch.tensor([1.0, -1.0])
-    with pytest.raises(ValueError, match="v_scale_base: scale_base must be finite and > 0"):
-        KVPlan.from_artifact(bad, meta)
+    assert_refused(t, meta, "lacks model.layers.1.self_attn.v_scale_base",
+                   "model.layers.1.self_attn.v_scale_base", None)
+    assert_refused(t, meta, "k_scale_base is only for log8", "model.layers.0.self_attn.k_scale_base", torch.ones(TH))
+    assert_refused(t, meta, "v_scale_base: scale_base must be finite and > 0",
+                   "model.layers.0.self_attn.v_scale_base", torch.tensor([1.0, -1.0]))

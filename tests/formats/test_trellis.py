@@ -217,7 +217,7 @@ def test_quant_trellis_refusals():
 def test_plan_artifact_round_trip_and_refusals():
     """A value trellis survives KVPlan -> tensors -> from_artifact (same fake_quant, 256 entries); a table
     off the 1/32 grid, a key trellis, or a clip_ratio beside a trellis is refused naming the tensor."""
-    from plan_helpers import artifact_round_trip
+    from plan_helpers import artifact_round_trip, assert_refused
 
     from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
     from kvcal.formats.spec import TensorQuantSpec
@@ -231,18 +231,10 @@ def test_plan_artifact_round_trip_and_refusals():
     t, meta = artifact_round_trip(plan, H, D)
     assert t["model.layers.0.self_attn.v_trellis"].shape == (256,)
     assert plan.kv_config(0).value_trellis == 256
-    bad = dict(t)
-    bad["model.layers.0.self_attn.v_trellis"] = T + 0.01
-    with pytest.raises(ValueError, match=r"v_trellis \(int4 token sym side\): trellis entries must be multiples"):
-        KVPlan.from_artifact(bad, meta)
-    bad = dict(t)
-    bad["model.layers.0.self_attn.k_trellis"] = T
-    with pytest.raises(ValueError, match="k_trellis: trellis tables are for values only"):
-        KVPlan.from_artifact(bad, meta)
-    bad = dict(t)
-    bad["model.layers.0.self_attn.v_clip_ratio"] = torch.ones(H)
-    with pytest.raises(ValueError, match="takes no clip_ratio"):
-        KVPlan.from_artifact(bad, meta)
+    assert_refused(t, meta, r"v_trellis \(int4 token sym side\): trellis entries must be multiples",
+                   "model.layers.0.self_attn.v_trellis", T + 0.01)
+    assert_refused(t, meta, "k_trellis: trellis tables are for values only", "model.layers.0.self_attn.k_trellis", T)
+    assert_refused(t, meta, "takes no clip_ratio", "model.layers.0.self_attn.v_clip_ratio", torch.ones(H))
 
 
 def test_runtime_with_trellis_equals_protocol_a_and_accounting():
