@@ -261,14 +261,88 @@ def test_generate_batch2_left_padding(model):
     assert cache.get_seq_length() == 51 and cache.allocated_bytes() == cache.expected_bytes()
 
 
+BATCH_BUFFERS = ("sink", "win", "data", "scale", "zp", "open_rng")  # _Side's per-sequence tensors (dim 0 = batch)
+
+
+def _cache_state(cache: QuantizedKVCache) -> dict:
+    """Copies of every per-sequence buffer of every layer's K and V side, and the region counters."""
+    state = {}
+    for i, layer in enumerate(cache.layers):
+        for s in ("k", "v"):
+            side = getattr(layer, s)
+            for name in BATCH_BUFFERS:
+                t = getattr(side, name)
+                state[i, s, name] = None if t is None else t.clone()
+            state[i, s, "counts"] = (side.n_sink, side.n_q, side.n_win, side.B)
+    return state
+
+
+def _assert_rows_taken_from(after: dict, before: dict, beam_idx: torch.Tensor) -> None:
+    """``after`` holds, for every beam ``b``, exactly the rows ``before`` held for beam ``beam_idx[b]``
+    (index_select semantics, checked row by row), with the same region counters and the new batch size."""
+    src = beam_idx.tolist()
+    for key, old in before.items():
+        new = after[key]
+        if key[2] == "counts":
+            assert new == old[:3] + (len(src),), key
+        elif old is None:
+            assert new is None, key
+        else:
+            assert new.shape == (len(src),) + old.shape[1:], key
+            for b, j in enumerate(src):
+                assert torch.equal(new[b], old[j]), (key, b, j)
+
+
+@pytest.mark.parametrize("name, window", [("int8", 4), ("kivi4", 0)])
+def test_beam_reorder_takes_each_beams_stored_codes_from_its_source(model, name, window):
+    """cache.reorder_cache(beam_idx) (what transformers' beam search calls): afterwards every beam's stored
+    codes, scales, zero points, sinks, 16-bit window and open-group ranges equal those of its source beam
+    exactly (index_select semantics, compared row by row with a copy taken before), and the dequantized
+    keys/values attention reads equal the source beam's. Three prompts of different tokens; beam_idx
+    [2, 0, 0] both permutes and duplicates. int8 with a 4-token window (sinks / codes / window) and kivi4 with
+    none (open token groups keep their raw range: open_rng)."""
+    plan = make_plan(name, sinks=1, window=window)
+    ids = torch.randint(1, 128, (3, 12), generator=torch.Generator().manual_seed(6))
+    cache = QuantizedKVCache(plan, model.config)
+    with torch.no_grad():
+        model(ids[:, :9], cache=cache, use_cache=True)
+        for t in range(9, 12):  # decode steps, so that codes come from both prefill and decode
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+    before = _cache_state(cache)
+    reads = [(layer.k.read(), layer.v.read()) for layer in cache.layers]
+    assert not torch.equal(before[0, "k", "data"][0], before[0, "k", "data"][2])  # beams differ: a no-op would fail
+    if window == 0:
+        assert before[0, "k", "open_rng"] is not None  # 11 quantized keys: an open group (g = 32)
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    _assert_rows_taken_from(_cache_state(cache), before, beam_idx)
+    for layer, (k, v) in zip(cache.layers, reads, strict=True):
+        for b, j in enumerate(beam_idx.tolist()):
+            assert torch.equal(layer.k.read()[b], k[j]) and torch.equal(layer.v.read()[b], v[j])
+
+
 def test_beam_search_reorders(model):
-    """Beam search (3 beams) through the quantized cache runs and returns 6 new tokens. Only the output
-    shape is checked, not the reordered cache contents."""
+    """Beam search (3 beams, 6 new tokens) through the quantized cache: every reorder transformers' beam
+    search makes leaves each beam with exactly its source beam's stored codes, scales, sinks and window
+    (rows compared with copies taken before each call), at least one reorder is not the identity, and
+    generate returns 6 new tokens."""
     plan = make_plan("int8", sinks=1, window=4)
     ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(6))
-    out = model.generate(ids, cache=QuantizedKVCache(plan, model.config), num_beams=3, max_new_tokens=6,
-                         do_sample=False)
+    cache = QuantizedKVCache(plan, model.config)
+    calls = []
+    reorder = cache.reorder_cache
+
+    def spy(beam_idx):
+        before = _cache_state(cache)
+        reorder(beam_idx)
+        calls.append((beam_idx.clone(), before, _cache_state(cache)))
+
+    cache.reorder_cache = spy
+    out = model.generate(ids, cache=cache, num_beams=3, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 15)
+    assert calls and any(not torch.equal(idx, torch.arange(len(idx))) for idx, _, _ in calls)
+    for beam_idx, before, after in calls:
+        _assert_rows_taken_from(after, before, beam_idx)
 
 
 def test_capacity_and_shape_errors(model):
