@@ -226,8 +226,12 @@ def test_plan_artifact_round_trip_and_validation(tmp_path):
 
 
 def test_runtime_with_channel_bits_equals_protocol_a_and_accounting():
-    """Runtime cache with key channel widths and rounding: prefill logits equal Protocol A exactly, and the
-    cache holds exactly L·H·D more bytes (uint8 widths table), as cache_bytes says. (Prefill only.)"""
+    """Runtime cache with key channel widths and rounding: prefill logits equal Protocol A exactly; the cache
+    holds exactly L·H·D more bytes (uint8 widths table), as cache_bytes says; and every one of 28 decode steps
+    stores exactly quantize() of the keys/values it handed the cache (plan_helpers.decode_stores_quantize_of_inputs:
+    the new token's packed codes and its token group's scale / zero point). Decode logits are not compared with
+    Protocol A here: the keys are per-channel token groups, whose open group is re-quantized as it fills."""
+    from plan_helpers import decode_stores_quantize_of_inputs
     from test_transforms import D as TD
     from test_transforms import H as TH
     from test_transforms import L as TL
@@ -256,3 +260,4 @@ def test_runtime_with_channel_bits_equals_protocol_a_and_accounting():
     assert cache.allocated_bytes() - c2.allocated_bytes() == TL * TH * TD  # the uint8 widths table
     mc = {"num_hidden_layers": TL, "num_key_value_heads": TH, "head_dim": TD, "num_attention_heads": TH}
     assert cache_bytes(mc, plan.kv_config(0), 64) - cache_bytes(mc, plain.kv_config(0), 64) == TL * TH * TD
+    assert decode_stores_quantize_of_inputs(model, plan, ids, 5, 33) == 28 * TL * 2  # steps x layers x sides

@@ -206,8 +206,11 @@ def test_plan_artifact_round_trip_and_validation():
 
 
 def test_runtime_with_levels_equals_protocol_a_and_accounting():
-    """Runtime cache with value levels: prefill logits equal Protocol A exactly, decode within 1e-5, and the
-    cache holds exactly L·H·16·4 bytes more (float32 tables), as cache_bytes says."""
+    """Runtime cache with value levels: prefill logits equal Protocol A exactly, decode within 1e-5, every
+    decode step stores exactly quantize() of the keys/values it handed the cache (codes and scales;
+    plan_helpers.decode_stores_quantize_of_inputs), and the cache holds exactly L·H·16·4 bytes more (float32
+    tables), as cache_bytes says."""
+    from plan_helpers import decode_stores_quantize_of_inputs
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import (
@@ -237,6 +240,7 @@ def test_runtime_with_levels_equals_protocol_a_and_accounting():
     # decode token by token (per-token values and keys): every step reads what Protocol A reads
     got, ref = decode_and_protocol_a(model, plan, ids, 5, 20)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert decode_stores_quantize_of_inputs(model, plan, ids, 5, 20) == 15 * TL * 2  # steps x layers x sides
 
 
 def test_search_side_refuses_undefined_combinations():

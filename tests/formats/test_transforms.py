@@ -352,8 +352,13 @@ def test_unit_rounding_keeps_the_ratios_rounding_uses():
 
 
 def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
-    """Runtime cache with key rounding matrices: prefill logits equal Protocol A exactly, and the cache
-    holds exactly L·H·D(D−1)/2 more bytes (float8 strict triangle). (Prefill only; no decode check.)"""
+    """Runtime cache with key rounding matrices: prefill logits equal Protocol A exactly; the cache holds
+    exactly L·H·D(D−1)/2 more bytes (float8 strict triangle); and every one of 28 decode steps stores
+    exactly quantize() of the keys/values it handed the cache (plan_helpers.decode_stores_quantize_of_inputs:
+    the new token's codes and its token group's scale / zero point). Decode logits are not compared with
+    Protocol A here: the keys are per-channel token groups, whose open group is re-quantized as it fills."""
+    from plan_helpers import decode_stores_quantize_of_inputs
+
     from kvcal.formats.quant import rounding_matrix
 
     plan = transform_plan(model, sinks=1)
@@ -369,6 +374,7 @@ def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
     with torch.no_grad():
         model(ids, cache=c2, use_cache=True)
     assert cache.allocated_bytes() - c2.allocated_bytes() == L * H * (D * (D - 1) // 2)  # float8 strict triangle
+    assert decode_stores_quantize_of_inputs(model, plan, ids, 5, 33) == 28 * L * 2  # steps x layers x sides
 
 
 def test_calibrate_refuses_pre_rope_preset_on_partial_rotary(tmp_path, smollm_tokenizer):

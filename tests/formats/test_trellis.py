@@ -239,7 +239,10 @@ def test_plan_artifact_round_trip_and_refusals():
 
 def test_runtime_with_trellis_equals_protocol_a_and_accounting():
     """Runtime cache with value trellises: prefill logits equal Protocol A exactly, decode within 1e-5,
-    and the cache holds exactly L·256 bytes more (int8 tables) than the plain plan, as cache_bytes says."""
+    every decode step stores exactly quantize() of the keys/values it handed the cache (trellis codes and
+    scales; plan_helpers.decode_stores_quantize_of_inputs), and the cache holds exactly L·256 bytes more
+    (int8 tables) than the plain plan, as cache_bytes says."""
+    from plan_helpers import decode_stores_quantize_of_inputs
     from test_transforms import H as TH
     from test_transforms import L as TL
     from test_transforms import decode_and_protocol_a, prefill_matches_protocol_a, tiny_model, transform_plan
@@ -265,6 +268,7 @@ def test_runtime_with_trellis_equals_protocol_a_and_accounting():
     assert cache_bytes(mc, plan.kv_config(0), 64) - cache_bytes(mc, plain.kv_config(0), 64) == TL * 256
     got, ref = decode_and_protocol_a(model, plan, ids, 5, 20)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert decode_stores_quantize_of_inputs(model, plan, ids, 5, 20) == 15 * TL * 2  # steps x layers x sides
 
 
 def test_kernel_dispatch_dequantizes_trellis_on_the_torch_reference():
