@@ -32,11 +32,58 @@ def _check(meta: dict, tensors: dict, granularity: str):
     assert len(meta["layers"]) == 30
 
 
+def _mt_bench_renderings(path, tokenizer, max_seq_len: int) -> list[list[int]]:
+    """Independent reference, one per line of MT-Bench's questions file: the tokenizer's own
+    ``apply_chat_template(..., tokenize=True, add_generation_prompt=True)`` of the user turns with an empty
+    assistant reply between them (what kvcal's ``turns`` format documents), cut to ``max_seq_len`` tokens."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        conv: list[dict] = []
+        for i, turn in enumerate(json.loads(line)["turns"]):
+            if i:
+                conv.append({"role": "assistant", "content": ""})
+            conv.append({"role": "user", "content": turn})
+        ids = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"]
+        out.append(list(ids)[:max_seq_len])
+    return out
+
+
+def _assert_chat_template_applied(corp: dict, cfg, tokenizer) -> None:
+    """The samples kvcal calibrated on (the same seeded subset, reloaded) equal, in file order, the chat-template
+    renderings of distinct MT-Bench lines, each starting with <|im_start|>; the artifact's recorded token
+    count is the sum of those renderings' lengths and differs from the plain-text tokenization's."""
+    from pathlib import Path
+
+    from kvcal.corpus import load_corpus
+
+    path = Path(cfg.corpus)
+    want = _mt_bench_renderings(path, tokenizer, cfg.max_seq_len)
+    got = load_corpus(cfg.corpus, tokenizer, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
+                      seed=cfg.seed).samples
+    assert len(got) == corp["samples"]
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    lines, j = [], 0
+    for sample in got:
+        while j < len(want) and want[j] != sample.tolist():
+            j += 1
+        assert j < len(want), "a calibration sample is no chat-template rendering of an MT-Bench line"
+        assert want[j][0] == start
+        lines.append(j)
+        j += 1
+    assert corp["tokens"] == sum(len(want[i]) for i in lines)
+    rows = path.read_text(encoding="utf-8").splitlines()
+    plain = sum(min(len(tokenizer("\n".join(json.loads(rows[i])["turns"]))["input_ids"]), cfg.max_seq_len)
+                for i in lines)
+    assert plain != corp["tokens"]  # the check tells a templated corpus from a plain one
+
+
 def test_calibrate_mt_bench_chat_template(tmp_path, shared_data, smollm_model, smollm_tokenizer):
     """FP8 per-tensor calibration of SmolLM2 on 12 MT-Bench prompts writes 30 layers of positive finite
     float32 scales whose held-out KL is no worse than absmax and unity, records format turns, 3 held-out
     samples and the candidate set searched, and its report names the weight and KV precisions and the
-    corpus. That the chat template was applied is not asserted (only the turns format)."""
+    corpus. The chat template was applied: every calibration sample is, token for token, the tokenizer's
+    own apply_chat_template rendering of one MT-Bench line (see _mt_bench_renderings), and the recorded
+    token count is the sum of those renderings' lengths (plain text of the turns would give another)."""
     out = tmp_path / "art"
     cfg = CalibrateConfig(corpus=str(shared_data / "mt_bench_questions.jsonl"), out=str(out), max_samples=12,
                           max_seq_len=160, reservoir=4, heldout_reservoir=3, max_queries=48, seed=0)
@@ -45,7 +92,7 @@ def test_calibrate_mt_bench_chat_template(tmp_path, shared_data, smollm_model, s
     _check(art.metadata, art.tensors, "tensor")
     corp = art.metadata["corpus"]
     assert corp["format"] == "turns" and corp["samples"] == 12
-    # chat template applied: every MT-Bench sample starts with <|im_start|> (id 1)
+    _assert_chat_template_applied(corp, cfg, smollm_tokenizer)
     assert art.metadata["calibration"]["heldout_samples"] == 3
     # the metadata names the candidate set that was actually searched (not a stale literal)
     assert art.metadata["calibration"]["candidates"] == ("absmax, unity, otf (amax/200 K, amax/100 V), clip 0.95, 0.9, "
