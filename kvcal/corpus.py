@@ -263,6 +263,46 @@ def _err(path: str, line: int | None, msg: str) -> CorpusError:
     return CorpusError(f"{path}:{line}: {msg}" if line is not None else f"{path}: {msg}")
 
 
+def vocab_limit(tokenizer, vocab_size: int | None = None) -> int | None:
+    """The model vocabulary size token ids are checked against: ``vocab_size`` when given, else the
+    ``kvcal_vocab_size`` that :func:`kvcal.models.load_tokenizer` sets (the model config's ``vocab_size``);
+    ``None``: not checked."""
+    return vocab_size if vocab_size is not None else getattr(tokenizer, "kvcal_vocab_size", None)
+
+
+def out_of_vocab_error(path: str, where, token_id: int, vocab_size: int) -> CorpusError:
+    """The one-line :class:`CorpusError` for a token id the model's embedding has no row for (``where``: the
+    line or ``"row N"``; ``None``: the file as a whole)."""
+    return _err(path, where, f"token id {token_id} is outside the model's vocabulary (vocab_size "
+                             f"{vocab_size}): the tokenizer is not this model's; use the model's own tokenizer "
+                             "(copy its tokenizer.json and tokenizer_config.json into the model directory)")
+
+
+def check_text_ids(path: str, first_line: int, text: str, ids, tokenizer, limit: int | None,
+                   special: bool) -> None:
+    """Refuse token ids ``ids`` (a list or int64 tensor ``[n]``: ``text`` tokenized with
+    ``add_special_tokens=special``; ``text`` starts at line ``first_line`` of ``path``) at or above ``limit``,
+    naming the line where the first such token starts (from the tokenizer's character offsets; the text's
+    first line without them). Raises :func:`out_of_vocab_error`; nothing when ``limit`` is ``None``."""
+    if limit is None:
+        return
+    if hasattr(ids, "numel"):  # an int64 tensor [n]
+        if ids.numel() == 0 or int(ids.max()) < limit:
+            return
+        i = int((ids >= limit).nonzero()[0, 0])
+    else:  # a list of ids
+        if not ids or max(ids) < limit:
+            return
+        i = next(j for j, t in enumerate(ids) if t >= limit)
+    line = first_line
+    try:
+        start = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)["offset_mapping"][i][0]
+        line += text.count("\n", 0, start)
+    except Exception:  # a slow tokenizer has no offsets: the text's first line
+        pass
+    raise out_of_vocab_error(path, line, int(ids[i]), limit)
+
+
 def _one_line(text: str, limit: int = 160) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -991,6 +1031,7 @@ def load_corpus(
     text_field: str | None = None,
     messages_field: str | None = None,
     split: str | None = None,
+    vocab_size: int | None = None,
 ) -> Corpus:
     """Read a corpus into token-id samples (see the module docstring for formats and rules).
 
@@ -1008,6 +1049,8 @@ def load_corpus(
         text_field / messages_field: the record field holding the raw text / the conversation
             (default: detected from ``text``, ``prompt``, ``messages``, ``turns``).
         split: dataset split (datasets with several; default ``train`` or the only one).
+        vocab_size: the model's vocabulary size; a sample holding a token id at or above it is refused
+            (default: the tokenizer's ``kvcal_vocab_size``, see :func:`vocab_limit`).
 
     Returns:
         :class:`Corpus` with ``min_tokens <= len(sample) <= max_seq_len`` for every sample.
@@ -1018,7 +1061,8 @@ def load_corpus(
             unreadable/corrupt data, a line over :data:`MAX_LINE_BYTES`, non-UTF-8 bytes, invalid
             JSON, a non-object record, no known (or mapped) field, wrongly typed fields, a chat
             sample without a chat template, a rejected chat conversation, an over-long sample
-            under ``strict``, bad arguments, or no samples left at all.
+            under ``strict``, a token id outside the model's vocabulary (the tokenizer is not the
+            model's), bad arguments, or no samples left at all.
     """
     spath = str(path)
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
@@ -1045,10 +1089,14 @@ def load_corpus(
 
     import torch
 
+    limit = vocab_limit(tokenizer, vocab_size)
+
     def offer(lineno, ids: list[int], truncated: bool, fmt: str) -> None:
         if len(ids) < min_tokens:
             counts["short"] += 1
             return
+        if limit is not None and max(ids) >= limit:  # would index past the model's embedding
+            raise out_of_vocab_error(spath, lineno, next(t for t in ids if t >= limit), limit)
         keep.add((keep.seen, torch.tensor(ids, dtype=torch.int64), truncated, fmt))
         seen_formats.add(fmt)
 
@@ -1068,6 +1116,7 @@ def load_corpus(
             except Exception as e:
                 raise _err(spath, start, f"cannot tokenize the document starting here "
                                          f"({type(e).__name__}: {_one_line(e)})") from None
+            check_text_ids(spath, start, doc, ids, tokenizer, limit, True)  # the document keeps its line breaks
             for w in range(0, len(ids), max_seq_len):
                 offer(start, ids[w: w + max_seq_len], False, "txt")
     else:

@@ -199,9 +199,33 @@ def max_positions(model: str | None) -> int | None:
     return int(v) if v else None
 
 
+def model_vocab_size(model: str | None) -> int | None:
+    """Rows of ``model``'s token embedding (its text config's ``vocab_size``) without loading weights;
+    ``None`` when the config does not record it. A GGUF is read from its header (``{arch}.vocab_size``).
+    Token ids at or above it index past the embedding. Raises :class:`ModelLoadError`."""
+    src = resolve_model(model)
+    if src.gguf_file:
+        fields, _ = gguf_header(Path(src.path) / src.gguf_file)
+        v = fields.get(f"{fields.get('general.architecture')}.vocab_size")
+    else:
+        cfg = load_model_config(model)
+        v = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "vocab_size", None)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
 def load_tokenizer(model: str | None):
     """Load the tokenizer of ``model`` offline (a GGUF's from its conversion cache,
-    :func:`gguf_cache_dir`: the same files ``save_pretrained`` writes). Raises :class:`ModelLoadError`."""
+    :func:`gguf_cache_dir`: the same files ``save_pretrained`` writes). Raises :class:`ModelLoadError`.
+
+    The tokenizer carries ``kvcal_vocab_size``, the model's :func:`model_vocab_size` (``None`` if unknown):
+    :func:`kvcal.corpus.load_corpus` and :func:`kvcal.evaluate.windows.corpus_stream` refuse token ids at
+    or above it (a tokenizer that is not the model's) before any model loads."""
+    tok = _load_tokenizer(model)
+    tok.kvcal_vocab_size = model_vocab_size(model)
+    return tok
+
+
+def _load_tokenizer(model: str | None):
     from transformers import AutoTokenizer
 
     src = resolve_model(model)

@@ -41,19 +41,21 @@ def text_windows(tokenizer, text: str, window: int, n_windows: int, skip_windows
 
 
 def corpus_stream(path: str, tokenizer, text_field: str | None = None, messages_field: str | None = None,
-                  split: str | None = None) -> tuple[torch.Tensor, dict]:
+                  split: str | None = None, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
     """The evaluation token stream: a ``.txt`` file tokenized at once (no BOS; the prior-art
     protocol), or any other corpus :func:`kvcal.corpus.load_corpus` reads (JSONL, datasets; chat
     template applied; ``text_field``/``messages_field``/``split`` as there), its samples
     concatenated in file order. Returns ``(ids int64 [n], info)`` with ``info = {"path", "sha256",
     "kind", "tokens"}``; ``info["kind"]`` is ``txt`` or the corpus source (``jsonl``, ``parquet``,
     ...); ``sha256`` of the file's bytes (``.txt``) or as the corpus loader records it. Invalid
-    UTF-8 in a ``.txt`` is decoded with ``errors="replace"``. Raises :class:`~kvcal.errors.KvcalError`."""
+    UTF-8 in a ``.txt`` is decoded with ``errors="replace"``. ``vocab_size``: the model's vocabulary
+    size (default: the tokenizer's ``kvcal_vocab_size``, :func:`kvcal.corpus.vocab_limit`); a token id at or
+    above it is refused naming its line. Raises :class:`~kvcal.errors.KvcalError`."""
     import gzip
     import hashlib
     from pathlib import Path
 
-    from kvcal.corpus import check_corpus, load_corpus
+    from kvcal.corpus import check_corpus, check_text_ids, load_corpus, vocab_limit
 
     p = Path(path)
     name = p.name.lower()
@@ -63,10 +65,11 @@ def corpus_stream(path: str, tokenizer, text_field: str | None = None, messages_
         sha = hashlib.sha256(raw).hexdigest()
         text = (gzip.decompress(raw) if name.endswith(".gz") else raw).decode("utf-8", errors="replace")
         ids = tokenize_text(tokenizer, text)
+        check_text_ids(str(path), 1, text, ids, tokenizer, vocab_limit(tokenizer, vocab_size), False)
         kind = "txt"
     else:
         c = load_corpus(str(path), tokenizer, max_seq_len=1 << 20, text_field=text_field,
-                        messages_field=messages_field, split=split)
+                        messages_field=messages_field, split=split, vocab_size=vocab_size)
         ids = torch.cat(c.samples) if c.samples else torch.zeros(0, dtype=torch.long)
         kind, sha = c.source, c.sha256
     return ids.long(), {"path": str(path), "sha256": sha, "kind": kind, "tokens": int(ids.numel())}
