@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcal.errors import ModelLoadError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,6 +22,26 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not present")
     return SHARED_DATA
+
+
+class LoaderCalled(ModelLoadError):
+    """Raised by the :func:`no_model` stub: a user-facing error, so the CLI exits 2 with ``error: ...``."""
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """``kvcal.models.load_model`` records its calls and raises (exit 2): nothing expensive runs, and a test
+    can assert that a command refused its input before the model loads (the list of calls stays empty)."""
+    import kvcal.models
+
+    calls = []
+
+    def stub(model, *a, **kw):
+        calls.append(model)
+        raise LoaderCalled("model loader reached (stub)")
+
+    monkeypatch.setattr(kvcal.models, "load_model", stub)
+    return calls
 
 
 @pytest.fixture(scope="session")

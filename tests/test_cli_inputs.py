@@ -12,31 +12,11 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_8, save_tiny_llama
+from conftest import TINY_LLAMA_8, LoaderCalled, save_tiny_llama
 
 from kvcal.cli import main
-from kvcal.errors import ModelLoadError
 
 VALUES = (-(2**63), -1, 0, 1, 2**63, 10**100)
-
-
-class LoaderCalled(ModelLoadError):
-    pass
-
-
-@pytest.fixture()
-def no_model(monkeypatch):
-    """``kvcal.models.load_model`` records its calls and raises (exit 2): nothing expensive runs."""
-    import kvcal.models
-
-    calls = []
-
-    def stub(model, *a, **kw):
-        calls.append(model)
-        raise LoaderCalled("model loader reached (stub)")
-
-    monkeypatch.setattr(kvcal.models, "load_model", stub)
-    return calls
 
 
 @pytest.fixture(scope="module")

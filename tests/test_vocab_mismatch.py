@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from conftest import TINY_LLAMA_8, save_tiny_llama
 
 from kvcal.cli import main
-from kvcal.errors import ModelLoadError
 
 VOCAB = 49000  # the embedded SmolLM2 tokenizer has 49152 tokens: ids 49000.. have no embedding row here
 
@@ -38,21 +37,6 @@ def setup(tmp_path_factory, smollm_tokenizer):
                                 + "Filler text that goes on. " * 40 + "\n", encoding="utf-8")
     return {"model": d, "token_id": tid, "art": _artifact(data, d), "jsonl": (data / "c.jsonl", 3),
             "txt": (data / "c.txt", 2)}
-
-
-@pytest.fixture()
-def no_model(monkeypatch):
-    """``kvcal.models.load_model`` raises if reached: the refusal must come before the model loads."""
-    import kvcal.models
-
-    calls = []
-
-    def stub(model, *a, **kw):
-        calls.append(model)
-        raise ModelLoadError("model loader reached (stub)")
-
-    monkeypatch.setattr(kvcal.models, "load_model", stub)
-    return calls
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "txt"])
