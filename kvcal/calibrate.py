@@ -11,8 +11,10 @@ and assembles the artifact metadata. The stages live in their own modules:
    (data parallel: :mod:`kvcal.capture.distributed`; resumable: :mod:`kvcal.capture.checkpoint`);
 4. the search: :mod:`kvcal.search.fp8` (static FP8 scales, K by attention KL, V by attention-output
    error, guarded on held-out), :mod:`kvcal.search.vllm_fp8` (``--engine vllm``: k/v/q scales) or
-   :mod:`kvcal.search.integer` (integer presets and ``--bits`` allocation);
-5. the artifact, written atomically (``kv_scales.safetensors`` + ``report.md``, :mod:`kvcal.artifact`).
+   :mod:`kvcal.search.integer` (integer presets and ``--bits`` allocation) — every one returns a
+   :class:`~kvcal.search.result.SearchResult`;
+5. the artifact, written atomically (``kv_scales.safetensors`` + ``report.md`` from
+   :func:`kvcal.report.markdown.render_report`, :mod:`kvcal.artifact`).
 
 Nothing is written unless the whole run succeeds. Raises :class:`kvcal.errors.KvcalError` (one line)
 for bad options, inputs or output locations.
@@ -36,13 +38,14 @@ from kvcal.errors import KvcalError
 from kvcal.report.markdown import render_int_report
 from kvcal.search.fp8 import plan_from_choices, search_scales
 from kvcal.search.integer import SINK_CANDIDATES, IntSearchResult, bits_precheck, search_int
+from kvcal.search.result import SearchResult
 
 # The stages live in their own modules; these names stay importable from here (deprecated: import them from
 # kvcal.capture.run / checkpoint, kvcal.search.fp8 / integer and kvcal.report.markdown).
 __all__ = ["CalibrateConfig", "calibrate", "output_dir", "checkpoint_path", "save_checkpoint", "FORMATS",
            "GRANULARITIES", "PRESET_NAMES", "CaptureResult", "Checkpointing", "run_capture", "split_heldout",
            "search_scales", "plan_from_choices", "search_int", "IntSearchResult", "SINK_CANDIDATES", "bits_precheck",
-           "render_int_report"]
+           "render_int_report", "SearchResult"]
 
 FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
 GRANULARITIES = ("tensor", "head")
@@ -349,73 +352,82 @@ def _channel_ranges(cap: CaptureResult, layers_meta: list[dict]) -> None:
             lm[side]["channel_absmax"] = getattr(cap.stats, side)[i].finalize()["absmax"].float().tolist()
 
 
-def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path, model=None) -> dict:
-    from kvcal.artifact import write_artifact
-    from kvcal.report.markdown import layer_table, render_calibration_report
-    from kvcal.search.static_scales import DEFAULT_CLIP_RATIOS, DEFAULT_HEADROOM
+def _search(cfg, cap, mmeta, progress, log, probe) -> SearchResult:
+    """Run the search the options name: integer presets / ``--bits`` (:func:`search_int`), vLLM NVFP4
+    outer scales, vLLM FP8 k/v/q scales, or kvcal's static FP8 scales — one
+    :class:`~kvcal.search.result.SearchResult` whichever it is."""
+    from kvcal.search.fp8 import static_result
 
-    if int_path:
-        return _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model)
+    if cfg.bits is not None or cfg.preset != "fp8":
+        return search_int(cap, preset=None if cfg.bits is not None else cfg.preset, bits=cfg.bits,
+                          sinks=cfg.sink_tokens, residual_window=cfg.residual_window,
+                          key_centering=cfg.key_centering, objective_k=cfg.objective_k,
+                          max_queries=cfg.max_queries, budget_context=cfg.budget_context, progress=progress,
+                          log=log, probe=probe if cfg.bits is not None else None,
+                          sink_probe=probe.plans_kl if probe is not None and cfg.sink_tokens is None else None)
     t1 = time.perf_counter()
-    nvfp4 = cfg.engine == "vllm" and cfg.kv_cache_dtype.startswith("nvfp4")  # outer scales (kvcal.search.vllm_nvfp4)
-    if nvfp4:
+    if cfg.engine == "vllm" and cfg.kv_cache_dtype.startswith("nvfp4"):  # outer scales (kvcal.search.vllm_nvfp4)
         from kvcal.search import vllm_nvfp4
 
         rows = vllm_nvfp4.search_vllm_nvfp4(cap, cfg.max_queries, progress)
-    elif cfg.engine == "vllm":  # k/v/q scales for vLLM's FP8 queries (kvcal.search.vllm_fp8)
-        from kvcal.search.vllm_fp8 import search_vllm_fp8
-
-        rows = search_vllm_fp8(cap, cfg.granularity == "head", cfg.max_queries, progress)
+        plan, layers_meta = vllm_nvfp4.plan_from_rows(rows)
     else:
-        rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
-    search_s = time.perf_counter() - t1
+        if cfg.engine == "vllm":  # k/v/q scales for vLLM's FP8 queries (kvcal.search.vllm_fp8)
+            from kvcal.search.vllm_fp8 import search_vllm_fp8
 
-    plan, layers_meta = (vllm_nvfp4.plan_from_rows(rows) if nvfp4 else
-                         plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"]))
-    _channel_ranges(cap, layers_meta)
-    tensors = plan.to_tensors()
+            rows = search_vllm_fp8(cap, cfg.granularity == "head", cfg.max_queries, progress)
+        else:
+            rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
+        plan, layers_meta = plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"])
+    return static_result(rows, plan, layers_meta, time.perf_counter() - t1)
+
+
+def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, int_path, model=None) -> dict:
+    """Search (:func:`_search`), assemble the artifact's metadata, add the engine's sections (vLLM
+    q_scale / NVFP4 outer scales / 16-bit layers), render ``report.md`` and write the artifact."""
+    from kvcal.artifact import write_artifact
+    from kvcal.report.markdown import console_summary, render_report
+
+    probe = None
+    if int_path and cfg.probe_tokens > 0 and (cfg.bits is not None or cfg.sink_tokens is None):
+        probe = _held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
+    res = _search(cfg, cap, mmeta, progress, log, probe)
+    _channel_ranges(cap, res.layers_meta)
+    tensors = res.plan.to_tensors()
     meta = {
-        **_meta_head(mmeta, plan),
-        "calibration": {
-            "method": "attention-aware static scale search",
-            "objective_k": "attention KL (nats per query, causal, real captured queries of every GQA head)",
-            "objective_v": "relative attention-output error sum|P(V^-V)|^2 / sum|PV|^2",
-            "candidates": "absmax, unity, otf (amax/200 K, amax/100 V), clip "
-                          + ", ".join(f"{r:g}" for r in DEFAULT_CLIP_RATIOS) + ", headroom "
-                          + ", ".join(f"{m:g}" for m in DEFAULT_HEADROOM),
-            "selection": "best on calibration split, then lowest "
-                         + ("held-out error" if held_idx else "error on the calibration data (no held-out split)")
-                         + " among {best, absmax, unity}",
-            **_calibration_common(cfg, cap, corpus, held_idx),
-            "search_seconds": round(search_s, 2),
-        },
+        **_meta_head(mmeta, res.plan),
+        "calibration": res.calibration_meta(_calibration_common(cfg, cap, corpus, held_idx), bool(held_idx)),
         "corpus": _corpus_meta(corpus, shape),
-        "layers": layers_meta,
+        "layers": res.layers_meta,
     }
-    if nvfp4:
-        vllm_nvfp4.add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype)
-        if cfg.skip_layers is not None:  # a given list (--skip-layers auto probes fp8 scales only: refused earlier)
-            from kvcal.vllm_skip import choose_skip_layers_for_artifact
+    if cfg.engine == "vllm":
+        _add_vllm_sections(cfg, res.rows, tensors, meta, model, corpus, held_idx, mmeta, progress, log)
+    path = write_artifact(out, tensors, meta, extra_files={"report.md": render_report(meta)},
+                          overwrite=cfg.overwrite, inputs=_out_inputs(cfg))
+    return {"out": str(path), "metadata": meta, "table": console_summary(meta), "config": asdict(cfg),
+            "plan": res.plan}
 
-            choose_skip_layers_for_artifact(model, [], {}, tensors, meta, cfg.skip_layers, cfg.max_skip,
-                                            cfg.max_bytes_per_token, progress=progress, log=log)
-    elif cfg.engine == "vllm":
+
+def _add_vllm_sections(cfg, rows, tensors, meta, model, corpus, held_idx, mmeta, progress, log) -> None:
+    """``--engine vllm``: the ``vllm`` metadata section and q_scale / NVFP4 outer-scale tensors
+    (:func:`kvcal.search.vllm_fp8.add_to_artifact`, :func:`kvcal.search.vllm_nvfp4.add_to_artifact`), then
+    the 16-bit layers of ``--skip-layers`` (:func:`kvcal.vllm_skip.choose_skip_layers_for_artifact`)."""
+    from kvcal.vllm_skip import choose_skip_layers_for_artifact
+
+    if cfg.kv_cache_dtype.startswith("nvfp4"):
+        from kvcal.search import vllm_nvfp4
+
+        vllm_nvfp4.add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype)
+    else:
         from kvcal.search.vllm_fp8 import add_to_artifact
 
         add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"])
-        if cfg.skip_layers is not None:  # --skip-layers: the 16-bit layers, recorded in meta["vllm"]
-            from kvcal.vllm_skip import choose_skip_layers_for_artifact
-
-            pr = (_held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
-                  if cfg.skip_layers == "auto" else None)
-            choose_skip_layers_for_artifact(model, pr.samples if pr else [], pr.meta if pr else {}, tensors, meta,
-                                            cfg.skip_layers, cfg.max_skip, cfg.max_bytes_per_token,
-                                            progress=progress, log=log)
-    report = render_calibration_report(meta)
-    path = write_artifact(out, tensors, meta, extra_files={"report.md": report}, overwrite=cfg.overwrite,
-                          inputs=_out_inputs(cfg))
-    table = layer_table(meta)
-    return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg)}
+    pr = (_held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
+          if cfg.skip_layers == "auto" else None)  # the probe reads the scales just calibrated (kvcal.vllm_skip)
+    if cfg.skip_layers is not None:  # --skip-layers: the 16-bit layers, recorded in meta["vllm"]
+        choose_skip_layers_for_artifact(model, pr.samples if pr else [], pr.meta if pr else {}, tensors, meta,
+                                        cfg.skip_layers, cfg.max_skip, cfg.max_bytes_per_token,
+                                        progress=progress, log=log)
 
 
 def _meta_head(mmeta: dict, plan) -> dict:
@@ -500,47 +512,3 @@ def _out_inputs(cfg) -> dict:
     from pathlib import Path
 
     return {"--corpus": cfg.corpus, "--model": cfg.model if cfg.model and Path(cfg.model).exists() else None}
-
-
-def _calibrate_int(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progress, model=None) -> dict:
-    """Integer preset / ``--bits`` branch of :func:`calibrate` (after capture)."""
-    from kvcal.artifact import write_artifact
-
-    probe = None
-    if cfg.probe_tokens > 0 and (cfg.bits is not None or cfg.sink_tokens is None):
-        probe = _held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
-    res = search_int(cap, preset=None if cfg.bits is not None else cfg.preset, bits=cfg.bits,
-                     sinks=cfg.sink_tokens, residual_window=cfg.residual_window, key_centering=cfg.key_centering,
-                     objective_k=cfg.objective_k, max_queries=cfg.max_queries, budget_context=cfg.budget_context,
-                     progress=progress, log=log, probe=probe if cfg.bits is not None else None,
-                     sink_probe=probe.plans_kl if probe is not None and cfg.sink_tokens is None else None)
-    plan = res.plan
-    _channel_ranges(cap, res.layers_meta)
-    meta = {
-        **_meta_head(mmeta, plan),
-        "calibration": {
-            "method": "attention-aware integer search (clip ratios, static per-channel ranges, key centering, "
-                      "sinks, pre-RoPE / Hadamard transforms" + (", bit allocation" if cfg.bits is not None else "")
-                      + ")",
-            **res.summary,
-            "selection": "coarse grid + scipy bounded refinement per KV head on the calibration split (errors "
-                         "summed over all sequences), then the lower "
-                         + ("held-out error" if held_idx else "error on the calibration data (no held-out split)")
-                         + " of {chosen, plain min/max}",
-            **_calibration_common(cfg, cap, corpus, held_idx),
-        },
-        "corpus": _corpus_meta(corpus, shape),
-        "layers": res.layers_meta,
-    }
-    report = render_int_report(meta)
-    path = write_artifact(out, plan.to_tensors(), meta, extra_files={"report.md": report}, overwrite=cfg.overwrite,
-                          inputs=_out_inputs(cfg))
-    s = res.summary
-    head = f"preset {s['preset']}" if s["bits_budget"] is None else f"per-layer allocation under {s['bits_budget']} bits"
-    table = (f"{head}: average {s['average_bits']:.4f} bits/element incl. "
-             f"metadata at {s['average_bits_context']} tokens; K bits {s['key_bits_mean']:.2f}, V bits "
-             f"{s['value_bits_mean']:.2f}; sinks {plan.sink_tokens}; {'held-out' if held_idx else 'calibration-data (no held-out split)'} "
-             f"K {s['heldout']['k']['chosen']:.3e} "
-             f"(min/max {s['heldout']['k']['minmax']:.3e}), V {s['heldout']['v']['chosen']:.3e} "
-             f"(min/max {s['heldout']['v']['minmax']:.3e})")
-    return {"out": str(path), "metadata": meta, "table": table, "config": asdict(cfg), "plan": plan}

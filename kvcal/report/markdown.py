@@ -205,3 +205,37 @@ def render_int_report(meta: dict) -> str:
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 """
+
+
+def is_integer_artifact(meta: dict) -> bool:
+    """True for an artifact of the integer search (presets ``int8``/``int4``/``int2``/``k4v2`` or
+    ``--bits``): its ``calibration`` records ``average_bits``; the static FP8 searches' do not."""
+    return "average_bits" in (meta.get("calibration") or {})
+
+
+def render_report(meta: dict) -> str:
+    """``report.md`` of any calibration artifact, from its metadata alone: the integer layout
+    (:func:`render_int_report`: specs, picks and errors per layer, average bits) for an integer
+    artifact (:func:`is_integer_artifact`), else the static-scale layout
+    (:func:`render_calibration_report`: scales, candidates and errors per layer)."""
+    return render_int_report(meta) if is_integer_artifact(meta) else render_calibration_report(meta)
+
+
+def console_summary(meta: dict) -> str:
+    """What ``kvcal calibrate`` prints after writing an artifact: the per-layer scale table
+    (:func:`layer_table`) of a static-scale artifact, or one line for an integer artifact (preset or bit
+    budget, average bits per element with metadata, mean K/V bits, sinks, mean K/V errors against
+    plain min/max on held-out data — or on the calibration data when there was no held-out split)."""
+    from kvcal.report.data import has_heldout
+
+    if not is_integer_artifact(meta):
+        return layer_table(meta)
+    s, kv = meta["calibration"], meta["kv"]
+    head = f"preset {s['preset']}" if s["bits_budget"] is None else f"per-layer allocation under {s['bits_budget']} bits"
+    return (f"{head}: average {s['average_bits']:.4f} bits/element incl. "
+            f"metadata at {s['average_bits_context']} tokens; K bits {s['key_bits_mean']:.2f}, V bits "
+            f"{s['value_bits_mean']:.2f}; sinks {kv['sink_tokens']}; "
+            f"{'held-out' if has_heldout(meta) else 'calibration-data (no held-out split)'} "
+            f"K {s['heldout']['k']['chosen']:.3e} "
+            f"(min/max {s['heldout']['k']['minmax']:.3e}), V {s['heldout']['v']['chosen']:.3e} "
+            f"(min/max {s['heldout']['v']['minmax']:.3e})")

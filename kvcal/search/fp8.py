@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvcal.capture.run import CaptureResult
 from kvcal.search.objectives import sequence_caches
+from kvcal.search.result import ERROR_DATA, SearchResult
 
 
 def search_scales(cap: CaptureResult, fmt_name: str, per_head: bool, max_queries: int = 128,
@@ -50,3 +51,24 @@ def plan_from_choices(rows: list[dict], fmt: str, granularity: str, num_kv_heads
         layers.append(LayerPlan(sides["k"], sides["v"]))
         layers_meta.append(lm)
     return KVPlan(layers), layers_meta
+
+
+def static_result(rows: list[dict], plan, layers_meta: list[dict], search_seconds: float) -> SearchResult:
+    """The :class:`~kvcal.search.result.SearchResult` of a static-scale search (this module's
+    :func:`search_scales`, :func:`kvcal.search.vllm_fp8.search_vllm_fp8`,
+    :func:`kvcal.search.vllm_nvfp4.search_vllm_nvfp4`): ``rows`` as the search returned them, the plan
+    and per-layer metadata built from them, and the search's wall time (seconds)."""
+    from kvcal.search.static_scales import DEFAULT_CLIP_RATIOS, DEFAULT_HEADROOM
+
+    return SearchResult(
+        plan=plan, layers_meta=layers_meta, rows=rows,
+        method="attention-aware static scale search",
+        summary={
+            "objective_k": "attention KL (nats per query, causal, real captured queries of every GQA head)",
+            "objective_v": "relative attention-output error sum|P(V^-V)|^2 / sum|PV|^2",
+            "candidates": "absmax, unity, otf (amax/200 K, amax/100 V), clip "
+                          + ", ".join(f"{r:g}" for r in DEFAULT_CLIP_RATIOS) + ", headroom "
+                          + ", ".join(f"{m:g}" for m in DEFAULT_HEADROOM),
+        },
+        selection=f"best on calibration split, then lowest {ERROR_DATA} among {{best, absmax, unity}}",
+        timing={"search_seconds": round(search_seconds, 2)})

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvcal.capture.run import CaptureResult
 from kvcal.errors import KvcalError
 from kvcal.formats.variants import ChannelWidths, Codebook, Rounding
 from kvcal.search.objectives import sequence_caches
+from kvcal.search.result import ERROR_DATA, SearchResult
 
 #: Sink-token counts ``search_int`` chooses from when ``sinks`` is not given: none, the first token
 #: (the BOS / attention-sink position), or StreamingLLM's four initial tokens (Xiao et al., "Efficient
@@ -25,13 +25,8 @@ from kvcal.search.objectives import sequence_caches
 SINK_CANDIDATES = (0, 1, 4)
 
 
-@dataclass
-class IntSearchResult:
-    """What :func:`search_int` chose: the plan, per-layer metadata and a summary for the artifact."""
-
-    plan: object
-    layers_meta: list[dict]
-    summary: dict
+#: The integer search's result is the one result type of every search (deprecated alias).
+IntSearchResult = SearchResult
 
 
 def _reference_index(menu: tuple, side: str) -> tuple[int, bool]:
@@ -83,7 +78,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                residual_window: int = 0, key_centering: str = "auto", objective_k: str = "kl",
                max_queries: int = 128, budget_context: int = 4096, progress: bool = True,
                cache: dict | None = None, log: Callable[[str], None] = lambda s: None,
-               rope=None, probe: Callable | None = None, sink_probe: Callable | None = None) -> IntSearchResult:
+               rope=None, probe: Callable | None = None, sink_probe: Callable | None = None) -> SearchResult:
     """Integer KV plan from a capture: fixed ``preset`` specs, or per-layer specs under ``bits``.
 
     Per layer and side the parameters come from :func:`kvcal.search.optimizer.search_side`
@@ -259,7 +254,11 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     }
     if alloc_meta is not None:
         summary["allocation"] = alloc_meta
-    return IntSearchResult(plan, layers_meta, summary)
+    method = ("attention-aware integer search (clip ratios, static per-channel ranges, key centering, sinks, "
+              "pre-RoPE / Hadamard transforms" + (", bit allocation" if bits is not None else "") + ")")
+    selection = ("coarse grid + scipy bounded refinement per KV head on the calibration split (errors summed over "
+                 f"all sequences), then the lower {ERROR_DATA} of {{chosen, plain min/max}}")
+    return SearchResult(plan, layers_meta, summary, method=method, selection=selection)
 
 
 def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, context: int, sinks: int) -> None:
