@@ -7,7 +7,7 @@ disclosure report states them.
 
 ``--skip-layers auto`` chooses them the way ``kvcal recommend`` does for one dtype — the same code, not a
 second path: :func:`kvcal.evaluate.vllm_probe.layer_sensitivity` (model-level KL when only layer ``l`` goes through
-the dtype, with the scales just calibrated: :func:`kvcal.evaluate.vllm_probe.vllm_fp8_scales`) on the calibration
+the dtype, with the scales just calibrated: :func:`kvcal.evaluate.vllm_probe.vllm_scales`) on the calibration
 run's held-out samples, then :func:`kvcal.search.skip_layers.budget_skip_layers` (exact 0/1 knapsack under
 ``--max-skip N`` and/or ``--max-bytes-per-token B``). Only the dtypes whose calibrated scales the probe can
 read (:data:`AUTO_DTYPES`) take ``auto``; an explicit list is recorded for any dtype.
@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-#: dtypes whose calibrated static scales :func:`choose_skip_layers_for_artifact` reads for the probe.
-AUTO_DTYPES = ("fp8", "fp8_e4m3")
+#: dtypes whose calibrated static scales :func:`choose_skip_layers_for_artifact` reads for the probe
+#: (:func:`kvcal.evaluate.vllm_probe.vllm_scales`): FP8 k/v/q scales, NVFP4 outer scales and q_scale.
+AUTO_DTYPES = ("fp8", "fp8_e4m3", "nvfp4")
 
 
 def check_skip_config(engine: str | None, kv_cache_dtype: str | None, skip_layers, max_skip: int | None,
@@ -73,7 +74,7 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
     :func:`kvcal.formats.vllm_dtypes.layer_bytes_per_token` counts vLLM's pages. Mutates ``meta``;
     returns the layers. Raises :class:`~kvcal.errors.KvcalError` when the probe has no samples."""
     from kvcal.errors import KvcalError
-    from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_fp8_scales
+    from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_scales
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
     from kvcal.search.skip_layers import budget_skip_layers
 
@@ -89,7 +90,7 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
                              "tokens fits --probe-tokens; raise --probe-tokens or name the layers")
         log(f"16-bit layers: per-layer sensitivity probe for {dtype} on {probe_meta.get('samples')} "
             f"{probe_meta.get('source')} samples ({probe_meta.get('tokens')} tokens; {1 + L} forward passes over each)")
-        sens = layer_sensitivity(model, samples, dtype, L, progress=progress, **vllm_fp8_scales(tensors, meta, L))
+        sens = layer_sensitivity(model, samples, dtype, L, progress=progress, **vllm_scales(dtype, tensors, meta, L))
         skip = budget_skip_layers(sens, dtype, L, H, D, max_skip=max_skip, max_bytes_per_token=max_bytes_per_token)
         choice.update(sensitivity=sens, probe=dict(probe_meta),
                       selection="exact 0/1 knapsack: the most summed per-layer KL under the budget "

@@ -1,7 +1,7 @@
 """The per-layer sensitivity probe for vLLM's 16-bit layers, and the scales it reads from an artifact.
 
 Used by ``kvcal recommend`` (every dtype of its menu) and by ``kvcal calibrate --engine vllm --skip-layers
-auto`` (:mod:`kvcal.vllm_skip`): one probe, one scale reader.
+auto`` (:mod:`kvcal.vllm_skip`): one probe, one scale reader per calibrated dtype (fp8, nvfp4).
 """
 
 from __future__ import annotations
@@ -35,3 +35,32 @@ def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
         t = t.float().reshape(-1) if t is not None else None
         q.append(1.0 if t is None else float(t[0]) if t.numel() == 1 else t)
     return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q}
+
+
+def vllm_nvfp4_scales(tensors: dict, num_layers: int) -> dict:
+    """``{"k_scales", "v_scales", "q_scales"}`` (one float per layer) of a ``kvcal calibrate --engine vllm
+    --kv-cache-dtype nvfp4`` artifact's ``tensors``: the NVFP4 outer scales
+    (``model.layers.{i}.self_attn.{k,v}_outer_scale``, exported as vLLM's ``k_scale``/``v_scale``) and the
+    FP8 ``q_scale``, as :class:`~kvcal.vllm_plan.VllmKVPlan` takes them. Raises ``KeyError`` naming the
+    first missing tensor."""
+    from kvcal.search.vllm_nvfp4 import outer_tensor_name
+
+    def one(name):
+        if name not in tensors:
+            raise KeyError(f"the artifact has no tensor {name}")
+        return float(tensors[name].float().reshape(-1)[0])
+
+    return {"k_scales": [one(outer_tensor_name(i, "k")) for i in range(num_layers)],
+            "v_scales": [one(outer_tensor_name(i, "v")) for i in range(num_layers)],
+            "q_scales": [one(f"model.layers.{i}.self_attn.q_scale") for i in range(num_layers)]}
+
+
+def vllm_scales(kv_cache_dtype: str, tensors: dict, metadata: dict, num_layers: int) -> dict:
+    """The calibrated static scales of a ``kvcal calibrate --engine vllm`` artifact for the probe:
+    :func:`vllm_nvfp4_scales` for ``nvfp4*``, :func:`vllm_fp8_scales` for ``fp8``/``fp8_e4m3``. Raises
+    ``ValueError`` for a dtype with no calibrated scales."""
+    if kv_cache_dtype.startswith("nvfp4"):
+        return vllm_nvfp4_scales(tensors, num_layers)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return vllm_fp8_scales(tensors, metadata, num_layers)
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} has no calibrated scales")

@@ -383,15 +383,11 @@ def test_evaluate_vllm_nvfp4_row_uses_the_outer_scales(nvfp4_artifact, tiny_dir,
 
 def test_given_skip_layers_are_recorded_for_nvfp4(tiny_dir, tmp_path):
     """Claim: calibrate --engine vllm --kv-cache-dtype nvfp4 --skip-layers 1 records layer 1 as 16-bit in the
-    vllm section (not silently dropped) and export prints it in the vllm serve line; --skip-layers auto (whose
-    probe reads fp8 scales) is refused in one line before any model work."""
+    vllm section (not silently dropped) and export prints it in the vllm serve line."""
     from kvcal.artifact import load_artifact
     from kvcal.calibrate import CalibrateConfig, calibrate
     from kvcal.export import export
 
-    with pytest.raises(KvcalError, match="--skip-layers auto with --kv-cache-dtype nvfp4") as e:
-        CalibrateConfig(corpus=str(CHAT), engine="vllm", kv_cache_dtype="nvfp4", skip_layers="auto", max_skip=1)
-    assert "\n" not in str(e.value)
     out = tmp_path / "a"
     calibrate(CalibrateConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), max_samples=6, max_seq_len=64,
                               batch_size=2, reservoir=2, heldout_reservoir=1, max_queries=8, engine="vllm",
@@ -399,3 +395,38 @@ def test_given_skip_layers_are_recorded_for_nvfp4(tiny_dir, tmp_path):
     assert load_artifact(out).metadata["vllm"]["skip_layers"] == [1]
     res = export(out, "vllm", tmp_path / "x")
     assert res.serve.endswith("--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 1")
+
+
+def test_auto_skip_layers_probe_the_calibrated_outer_scales(tiny_dir, tmp_path, monkeypatch):
+    """Claim: calibrate --engine vllm --kv-cache-dtype nvfp4 --skip-layers auto --max-skip 1 probes each layer
+    with the outer scales and q_scale it just calibrated (the values passed to the probe equal the artifact's
+    k/v_outer_scale and q_scale tensors, not vLLM's default 1.0), and keeps the layer with the largest recorded
+    probe KL at 16 bits (uniform layer costs: the knapsack with one slot is the argmax)."""
+    import kvcal.evaluate.vllm_probe as vp
+    from kvcal.artifact import load_artifact
+    from kvcal.calibrate import CalibrateConfig, calibrate
+
+    seen = {}
+    real = vp.layer_sensitivity
+
+    def spy(model, samples, dtype, num_layers, progress=True, **scales):
+        seen.update(dtype=dtype, **scales)
+        return real(model, samples, dtype, num_layers, progress=progress, **scales)
+
+    monkeypatch.setattr(vp, "layer_sensitivity", spy)
+    out = tmp_path / "auto"
+    calibrate(CalibrateConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), max_samples=8, max_seq_len=64,
+                              batch_size=2, reservoir=2, heldout_reservoir=2, max_queries=8, probe_tokens=96,
+                              engine="vllm", kv_cache_dtype="nvfp4", skip_layers="auto", max_skip=1),
+              log=lambda s: None, progress=False)
+    art = load_artifact(out)
+    L = art.metadata["model"]["num_layers"]
+    t = art.tensors
+    assert seen["dtype"] == "nvfp4"
+    for key, name in (("k_scales", "k_outer_scale"), ("v_scales", "v_outer_scale"), ("q_scales", "q_scale")):
+        assert seen[key] == [float(t[f"model.layers.{i}.self_attn.{name}"][0]) for i in range(L)], key
+    assert any(x != 1.0 for x in seen["k_scales"] + seen["v_scales"])
+    vm = art.metadata["vllm"]
+    sens = vm["skip_layers_choice"]["sensitivity"]
+    assert len(sens) == L and vm["skip_layers_choice"]["method"] == "auto"
+    assert vm["skip_layers"] == [max(range(L), key=lambda i: sens[i])]
