@@ -12,13 +12,18 @@ next ``--windows`` windows (disjoint) for
 
 Every row at equal count has equal bytes per token (uniform layers). Prints one markdown table per dtype.
 
+Each evaluation window is its own Protocol-A run, so the benchmark also gives the paired standard error of
+the ΔNLL (nats/token) between auto (4) and the rule across windows — how far a ΔPPL ratio is from noise —
+and ``ΔPPL ≈ PPL_16 · ΔNLL`` for the ratio's spread.
+
     .venv/bin/python benchmarks/bench_vllm_skip.py [--dtypes turboquant_4bit_nc,int4_per_token_head]
-        [--tokens 512] [--probe-windows 2] [--windows 4] [--max-skip 6]
+        [--tokens 512] [--probe-windows 2] [--windows 8] [--max-skip 6] [--no-curve]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -31,8 +36,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="turboquant_4bit_nc")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--probe-windows", type=int, default=2)
-    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--max-skip", type=int, default=6)
+    ap.add_argument("--no-curve", action="store_true", help="only the rule and auto at 4 layers (no 0..max-skip curve)")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     if a.threads:
@@ -62,10 +68,11 @@ def main(argv=None):
         sens = layer_sensitivity(model, list(probe), d, L, progress=False)
         costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
         plans = {"rule (4)": tuple(rule_skip_layers(L, 4))}
-        for n in range(a.max_skip + 1):
+        for n in ((4,) if a.no_curve else range(a.max_skip + 1)):
             plans[f"auto ({n})"] = tuple(choose_skip_layers(sens, costs, max_skip=n))
-        res = teacher_forced(model, ev, {k: VllmKVPlan(d, L, skip_layers=s, add_boundary=False)
-                                         for k, s in plans.items()}, progress=False)
+        vplans = {k: VllmKVPlan(d, L, skip_layers=s, add_boundary=False) for k, s in plans.items()}
+        per = [teacher_forced(model, ev[w:w + 1], vplans, progress=False) for w in range(len(ev))]
+        res = _pool(per)
         order = sorted(range(L), key=lambda i: -sens[i])
         print(f"\n### {d}  ({time.perf_counter() - t0:.0f} s)\n")
         print("most sensitive layers (probe KL, nats): "
@@ -79,8 +86,29 @@ def main(argv=None):
             print(f"| {','.join(map(str, s)) or '-'} | {k} | {nb} | {nb / b16:.3f} | {r['kl_mean']:.3e} | "
                   f"{r['delta_ppl']:+.4f} | {r['top1_agree']:.4f} |")
         rd, ad = res["rule (4)"]["delta_ppl"], res["auto (4)"]["delta_ppl"]
+        # paired difference of per-window mean NLL (equal tokens per window): auto (4) minus rule
+        diff = [math.log(p["auto (4)"]["ppl"]) - math.log(p["rule (4)"]["ppl"]) for p in per]
+        m = sum(diff) / len(diff)
+        se = (sum((x - m) ** 2 for x in diff) / (len(diff) - 1)) ** 0.5 / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
         print(f"\nauto vs rule at 4 layers: ΔPPL {ad:+.4f} vs {rd:+.4f} (ratio {ad / rd if rd else float('nan'):.2f}); "
-              f"KL {res['auto (4)']['kl_mean']:.3e} vs {res['rule (4)']['kl_mean']:.3e}")
+              f"KL {res['auto (4)']['kl_mean']:.3e} vs {res['rule (4)']['kl_mean']:.3e} "
+              f"(ratio {res['auto (4)']['kl_mean'] / res['rule (4)']['kl_mean']:.2f}); ΔNLL(auto - rule) {m:+.2e} "
+              f"± {se:.1e} nats/token (paired s.e. over {len(diff)} windows; ≈ ±{res['16-bit']['ppl'] * se:.3f} PPL)")
+
+
+def _pool(per: list[dict]) -> dict:
+    """Pool per-window :func:`kvcal.evaluate.protocol_a.teacher_forced` results (equal window lengths):
+    PPL from the mean NLL, KL and top-1 as token-weighted means, ΔPPL against the pooled 16-bit PPL."""
+    out = {}
+    for k in per[0]:
+        n = sum(p[k]["tokens"] for p in per)
+        nll = sum(math.log(p[k]["ppl"]) * p[k]["tokens"] for p in per) / n
+        out[k] = {"ppl": math.exp(nll), "tokens": n,
+                  "kl_mean": sum(p[k]["kl_mean"] * p[k]["tokens"] for p in per) / n,
+                  "top1_agree": sum(p[k]["top1_agree"] * p[k]["tokens"] for p in per) / n}
+    for k in out:
+        out[k]["delta_ppl"] = out[k]["ppl"] - out["16-bit"]["ppl"]
+    return out
 
 
 if __name__ == "__main__":
