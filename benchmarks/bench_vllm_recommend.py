@@ -102,7 +102,7 @@ def recheck(doc: dict, a, out: Path) -> None:
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
-    from kvcal.recommend import _fp8_scales
+    from kvcal.recommend import _artifact_scales
     from kvcal.vllm_plan import VllmKVPlan
 
     torch.set_num_threads(1)
@@ -112,7 +112,8 @@ def recheck(doc: dict, a, out: Path) -> None:
     L = model.config.num_hidden_layers
     ids, _ = corpus_stream(str(REPO / a.eval_corpus), tok)
     ev = cut_windows(ids, a.context, a.recheck_windows, skip=a.windows)
-    sc = _fp8_scales(REPO / out / "artifact", L) if ch["dtype"] in ("fp8", "fp8_e4m3") else {}
+    art = (doc.get("calibrated") or {}).get(ch["dtype"])  # the chosen dtype's calibrated artifact (fp8, nvfp4)
+    sc = _artifact_scales(ch["dtype"], REPO / out / art, L) if art else {}
     plan = VllmKVPlan(ch["dtype"], L, skip_layers=tuple(ch["skip_layers"]), **sc)
     t0 = time.perf_counter()
     r = teacher_forced(model, ev, {"chosen": plan}, progress=False)["chosen"]

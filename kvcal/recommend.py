@@ -9,16 +9,22 @@ quantization where vLLM applies it) on evaluation windows disjoint from the prob
 the acceptance bar (``--accept`` or :data:`kvcal.evaluate.DEFAULT_ACCEPT` by precision), and the
 cheapest deployable PASS within ``--max-bytes-per-token`` wins (ties: lower KL).
 
-fp8 is calibrated first through ``kvcal calibrate --engine vllm --kv-cache-dtype fp8``
-(:func:`kvcal.calibrate.calibrate`: k/v scales and q_scale), and evaluated with those scales.
+The dtypes whose static scales vLLM reads from the checkpoint and kvcal calibrate calibrates
+(:data:`CALIBRATIONS`) are calibrated first, each into its own artifact, and probed and evaluated with
+those scales: fp8 / fp8_e4m3 through ``kvcal calibrate --engine vllm --kv-cache-dtype fp8`` (k/v scales and
+q_scale, artifact ``artifact/``), nvfp4 through ``kvcal calibrate --engine vllm --kv-cache-dtype nvfp4``
+(NVFP4 outer scales and q_scale, :mod:`kvcal.search.vllm_nvfp4`, artifact ``artifact-nvfp4/``). The other
+static dtypes (nvfp4_4over6, fp8_e5m2) run at vLLM's default scales (1.0); the rest compute their scales at
+write time (:func:`scales_source` says which, per dtype, in the notes).
 
 Data split (one token stream, :func:`kvcal.evaluate.corpus_stream`, cut into ``context``-token windows):
 the first ``ceil(probe_tokens / context)`` windows are the probe; the next ``windows`` windows (or the first
-ones of ``eval_corpus`` when given) are the evaluation. kvcal calibrate's fp8 sample subset is drawn from
-the whole corpus and may overlap the evaluation windows unless ``eval_corpus`` is a different file.
+ones of ``eval_corpus`` when given) are the evaluation. kvcal calibrate's sample subset (fp8, nvfp4) is drawn
+from the whole corpus and may overlap the evaluation windows unless ``eval_corpus`` is a different file.
 
 Output directory (written atomically): ``deploy.json`` (schema ``kvcal-recommend/1``), ``deploy.md``, and
-``artifact/`` (the calibrated fp8 artifact) when fp8 is chosen.
+the chosen dtype's calibrated artifact when it has one: ``artifact/`` (fp8, fp8_e4m3) or ``artifact-nvfp4/``
+(nvfp4), which the deployment's ``kvcal export --target vllm`` line reads.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ DEFAULT_MENU = ("fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_to
 #: The number of layers vLLM's turboquant rule keeps at 16 bits on a dense model (first 2 + last 2).
 RULE_COUNT = 4
 SCHEMA = "kvcal-recommend/1"
+#: What recommend calibrates before probing: ``(kvcal calibrate --kv-cache-dtype, the menu dtypes that use its
+#: scales, the artifact directory in the staging/output directory, what is calibrated)``, in calibration order.
+#: fp8 keeps the directory name ``artifact`` of earlier releases.
+CALIBRATIONS = (("fp8", ("fp8", "fp8_e4m3"), "artifact", "k_scale, v_scale and q_scale per layer"),
+                ("nvfp4", ("nvfp4",), "artifact-nvfp4", "NVFP4 outer scales (k_scale/v_scale) and q_scale per layer"))
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,9 @@ class RecommendConfig:
     V, as vLLM allocates pages) a configuration may use (``None``: no bound). ``max_skip``: most layers
     kept at 16 bits (vLLM's turboquant boundary layers count). ``context``/``windows``: evaluation
     window length (tokens) and count; ``probe_tokens``: tokens of the sensitivity probe.
-    ``fp8_samples``/``fp8_seq_len``: kvcal calibrate's --max-samples/--max-seq-len for fp8."""
+    ``fp8_samples``/``fp8_seq_len``: kvcal calibrate's --max-samples/--max-seq-len for every calibrated dtype
+    (fp8 and nvfp4, :data:`CALIBRATIONS`); ``fp8_kwargs``/``nvfp4_kwargs``: further
+    :class:`~kvcal.calibrate.CalibrateConfig` options for the fp8 / nvfp4 calibration."""
 
     corpus: str
     out: str
@@ -66,6 +79,7 @@ class RecommendConfig:
     messages_field: str | None = None
     split: str | None = None
     fp8_kwargs: dict | None = None  # further CalibrateConfig options for the fp8 calibration (tests: reservoir, ...)
+    nvfp4_kwargs: dict | None = None  # the same for the nvfp4 calibration
 
 
 def check_options(cfg: RecommendConfig) -> None:
@@ -144,12 +158,43 @@ def candidate_sets(kv_cache_dtype: str, sensitivity: list[float], costs: list[in
     return out
 
 
-def _fp8_scales(artifact_dir: Path, num_layers: int) -> dict:
-    """:func:`vllm_fp8_scales` of the artifact in ``artifact_dir``."""
+def calibrations(dtypes) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """The rows of :data:`CALIBRATIONS` a menu ``dtypes`` needs (one of their dtypes is in it), in order."""
+    return [c for c in CALIBRATIONS if any(d in dtypes for d in c[1])]
+
+
+#: :func:`scales_source` of a dtype whose scales vLLM computes when it writes the cache.
+WRITE_TIME = "scales computed by vLLM at write time (nothing to calibrate)"
+
+
+def scales_source(kv_cache_dtype: str, calibrated: bool) -> str:
+    """The scales the ``kv_cache_dtype`` rows of recommend run with, as one phrase: calibrated
+    (:data:`CALIBRATIONS`, ``calibrated`` True), vLLM's defaults (1.0) for a static-scale dtype kvcal does
+    not calibrate (nvfp4_4over6, fp8_e5m2), or :data:`WRITE_TIME`. Raises ``ValueError`` for a dtype
+    marked ``calibrated`` that :data:`CALIBRATIONS` does not name."""
+    from kvcal.formats.vllm_dtypes import vllm_dtype
+
+    spec = vllm_dtype(kv_cache_dtype)
+    if calibrated:
+        row = next((c for c in CALIBRATIONS if kv_cache_dtype in c[1]), None)
+        if row is None:
+            raise ValueError(f"kvcal recommend does not calibrate {kv_cache_dtype}")
+        cd, _, name, what = row
+        return f"{what} calibrated on the corpus (kvcal calibrate --engine vllm --kv-cache-dtype {cd}, {name}/)"
+    if spec.static_scales:
+        kv = "outer scales" if kv_cache_dtype.startswith("nvfp4") else "k_scale/v_scale"
+        return (f"vLLM's defaults: {kv} 1.0{' and q_scale 1.0' if spec.quantizes_query else ''}, not calibrated "
+                f"(kvcal calibrate --engine vllm calibrates {', '.join(d for c in CALIBRATIONS for d in c[1])} only)")
+    return WRITE_TIME
+
+
+def _artifact_scales(kv_cache_dtype: str, artifact_dir: Path, num_layers: int) -> dict:
+    """:func:`kvcal.evaluate.vllm_probe.vllm_scales` of the artifact in ``artifact_dir``."""
     from kvcal.artifact import load_artifact
+    from kvcal.evaluate.vllm_probe import vllm_scales
 
     art = load_artifact(artifact_dir)
-    return vllm_fp8_scales(art.tensors, art.metadata, num_layers)
+    return vllm_scales(kv_cache_dtype, art.tensors, art.metadata, num_layers)
 
 
 def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress: bool = True,
@@ -158,7 +203,11 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     document: ``{"schema", "chosen": candidate | None, "candidates": [{"dtype", "choice", "skip_layers",
     "deployable", "bytes_per_token", "vs_16bit", "kl_mean", "delta_ppl", "ppl", "top1_agree", "status",
     "criteria", "failed"}], "sensitivity": {dtype: [KL per layer]}, "bytes_per_token_16bit",
-    "commands": {"export": str | None, "serve": str} | None, "data": {...}, "notes": [str], "passed"}``.
+    "commands": {"export": str | None, "serve": str} | None, "calibrated": {dtype: artifact directory name},
+    "scales": {dtype: str}, "data": {...}, "notes": [str], "passed"}``. ``calibrated``: the menu dtypes
+    probed and evaluated with scales kvcal calibrated, each with its artifact's directory
+    (:data:`CALIBRATIONS`; only the chosen dtype's is kept in ``cfg.out``); ``scales``:
+    :func:`scales_source` of every menu dtype.
     ``status`` is PASS/FAIL, or OVER-BUDGET (not evaluated). ``model``/``tokenizer``: loaded objects for
     ``cfg.model`` (tests). Raises :class:`~kvcal.errors.KvcalError` for bad input, before the model loads."""
     import json
@@ -170,6 +219,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token
+    from kvcal.formats.vllm_dtypes import vllm_dtype
     from kvcal.models import check_max_positions, load_model, load_model_config, load_tokenizer, resolve_model
     from kvcal.search.skip_layers import serve_skip_arg, skip_costs
     from kvcal.vllm_plan import VllmKVPlan
@@ -210,19 +260,25 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 
     def fill(staging: Path):
         notes = []
-        scales = {}
-        if "fp8" in cfg.dtypes or "fp8_e4m3" in cfg.dtypes:
+        scales, artifact_of = {}, {}  # menu dtype -> vllm_scales of its calibrated artifact / its directory name
+        calib = calibrations(cfg.dtypes)
+        for cd, uses, name, _ in calib:  # fp8 first, as before nvfp4 was calibrated (its figures unchanged)
             from kvcal.calibrate import CalibrateConfig, calibrate
 
-            log("fp8: calibrating k/v scales and q_scale (kvcal calibrate --engine vllm --kv-cache-dtype fp8)")
-            calibrate(CalibrateConfig(corpus=cfg.corpus, out=str(staging / "artifact"), model=cfg.model,
+            log(f"{cd}: calibrating {'k/v scales' if cd == 'fp8' else 'NVFP4 outer scales'} and q_scale "
+                f"(kvcal calibrate --engine vllm --kv-cache-dtype {cd})")
+            extra = cfg.fp8_kwargs if cd == "fp8" else cfg.nvfp4_kwargs
+            calibrate(CalibrateConfig(corpus=cfg.corpus, out=str(staging / name), model=cfg.model,
                                       max_samples=cfg.fp8_samples, max_seq_len=cfg.fp8_seq_len, device=cfg.device,
-                                      engine="vllm", kv_cache_dtype="fp8", **opts, **(cfg.fp8_kwargs or {})),
+                                      engine="vllm", kv_cache_dtype=cd, **opts, **(extra or {})),
                       log=lambda s: None, progress=progress, model=model, tokenizer=tok)
-            scales = _fp8_scales(staging / "artifact", L)
+            sc = _artifact_scales(cd, staging / name, L)
+            for d in uses:
+                if d in cfg.dtypes:
+                    scales[d], artifact_of[d] = sc, name
         sens, cands = {}, []
         for d in dict.fromkeys(cfg.dtypes):
-            sc = scales if d in ("fp8", "fp8_e4m3") else {}
+            sc = scales.get(d, {})
             log(f"{d}: per-layer sensitivity probe on {len(probe)} x {T} tokens")
             sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **sc)
             costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
@@ -250,31 +306,45 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         commands = None
         if chosen is not None:
             skip_arg = serve_skip_arg(chosen["skip_layers"])
-            if chosen["dtype"] in ("fp8", "fp8_e4m3"):
+            if chosen["dtype"] in artifact_of:  # calibrated: export its artifact's scales into the checkpoint
                 ck = Path(cfg.out) / "checkpoint"
                 if src.gguf_file:
                     notes.append(f"{src.model_id} is a GGUF model: kvcal export --model-dir needs its HF safetensors "
                                  "checkpoint; replace the --model-dir path with that one")
-                commands = {"export": f"kvcal export --artifact {Path(cfg.out) / 'artifact'} --target vllm "
-                                      f"--model-dir {model_dir} --out {ck}",
+                commands = {"export": f"kvcal export --artifact {Path(cfg.out) / artifact_of[chosen['dtype']]} "
+                                      f"--target vllm --model-dir {model_dir} --out {ck}",
                             "serve": f"vllm serve {ck} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
             else:
                 commands = {"export": None, "serve": f"vllm serve {serve_model} --kv-cache-dtype {chosen['dtype']}"
                                                      f"{skip_arg}"}
-                notes.append(f"{chosen['dtype']} computes its scales at write time: no checkpoint scales to "
-                             "export, the vllm serve line is the whole deployment")
-        if (staging / "artifact").exists() and (chosen is None or chosen["dtype"] not in ("fp8", "fp8_e4m3")):
-            shutil.rmtree(staging / "artifact")
+                if vllm_dtype(chosen["dtype"]).static_scales:
+                    notes.append(f"{chosen['dtype']} runs at vLLM's default scales (1.0; kvcal calibrate does not "
+                                 "calibrate it): no checkpoint scales to export, the vllm serve line is the whole "
+                                 "deployment")
+                else:
+                    notes.append(f"{chosen['dtype']} computes its scales at write time: no checkpoint scales to "
+                                 "export, the vllm serve line is the whole deployment")
+        keep = artifact_of.get(chosen["dtype"]) if chosen is not None else None
+        for _, _, name, _ in calib:  # only the chosen dtype's artifact stays in the output
+            if name != keep and (staging / name).exists():
+                shutil.rmtree(staging / name)
         if any(not c["deployable"] for c in cands):
             notes.append("auto-free rows: the probe's choice for turboquant at vLLM's 4 layers without the forced "
                          "first-2/last-2 layers; vLLM 0.33 always adds those (engine/arg_utils.py), so these rows "
                          "show what the rule costs and are never chosen")
         if cfg.eval_corpus is None and scales:
-            notes.append("fp8 scales come from kvcal calibrate's sample subset of the whole corpus, which may "
-                         "overlap the evaluation windows; pass --eval-corpus for a disjoint evaluation file")
+            notes.append(f"{' and '.join(c[0] for c in calib)} scales come from kvcal calibrate's sample subset of "
+                         "the whole corpus, which may overlap the evaluation windows; pass --eval-corpus for a "
+                         "disjoint evaluation file")
+        source = {d: scales_source(d, d in scales) for d in dict.fromkeys(cfg.dtypes)}
+        notes += [f"{d} rows: {s}" for d, s in source.items() if s != WRITE_TIME]  # calibrated, or vLLM's defaults
+        at_write = [d for d, s in source.items() if s == WRITE_TIME]
+        if at_write:
+            notes.append(f"{', '.join(at_write)} rows: {WRITE_TIME}")
         doc.update({
             "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": serve_model,
             "passed": chosen is not None, "chosen": chosen, "commands": commands,
+            "calibrated": artifact_of, "scales": source,
             "max_bytes_per_token": cfg.max_bytes_per_token, "max_skip": cfg.max_skip,
             "bytes_per_token_16bit": b16, "accept": cfg.accept or "kvcal evaluate defaults by precision",
             "data": {"probe": {"corpus": info["path"], "windows": len(probe), "context": T},
@@ -317,6 +387,9 @@ def render_markdown(doc: dict) -> str:
         if doc["commands"]["export"]:
             out.append(doc["commands"]["export"])
         out += [doc["commands"]["serve"], "```", ""]
+    cal = doc.get("calibrated") or {}
+    out += [f"Scales calibrated on the corpus (kvcal calibrate --engine vllm) for: "
+            f"{', '.join(cal) if cal else 'none of the menu'}; the notes say what each dtype's scales are.", ""]
     d = doc["data"]
     out += [f"Evaluated on {d['evaluation']['windows']} windows x {d['evaluation']['context']} tokens of "
             f"{d['evaluation']['corpus']} (16-bit PPL {d['reference_ppl']:.4f}); 16-bit layers chosen by a per-layer "
@@ -326,5 +399,6 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["RecommendConfig", "DEFAULT_MENU", "check_options", "check_budget", "layer_sensitivity", "vllm_fp8_scales",
+__all__ = ["RecommendConfig", "DEFAULT_MENU", "CALIBRATIONS", "calibrations", "scales_source", "check_options",
+           "check_budget", "layer_sensitivity", "vllm_fp8_scales",
            "candidate_sets", "recommend", "render_table", "render_markdown"]

@@ -131,6 +131,110 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
     assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype fp8"
 
 
+NVFP4_CAL = {"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2, "max_queries": 16}  # small, fast calibration
+
+
+def _outer_scales(tensors: dict) -> dict:
+    """The k/v/q scales of an nvfp4 artifact's tensors read by name (``model.layers.{i}.self_attn.{k,v}_outer_scale``
+    and ``.q_scale``, one float per layer), as VllmKVPlan takes them."""
+    name = {"k": "k_outer_scale", "v": "v_outer_scale", "q": "q_scale"}
+    return {f"{s}_scales": [float(tensors[f"model.layers.{i}.self_attn.{n}"].reshape(-1)[0]) for i in range(L)]
+            for s, n in name.items()}
+
+
+def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp_path, monkeypatch):
+    """With nvfp4 in the menu, recommend calibrates the NVFP4 outer scales and q_scale (kvcal calibrate --engine
+    vllm --kv-cache-dtype nvfp4) and evaluates the nvfp4 row with them: its KL equals Protocol A's for a VllmKVPlan
+    built from the calibrated artifact's tensors (exact: same arithmetic) and differs from the KL at vLLM's default
+    scales 1.0; nvfp4_4over6 is not calibrated and its KL equals the default-scale plan's. Nothing passes here
+    (kl_mean<=0), so no artifact is kept in OUT, and deploy.json/notes say which dtype was calibrated."""
+    import kvcal.recommend as R
+    from kvcal.artifact import load_artifact
+    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.windows import corpus_stream, cut_windows
+    from kvcal.models import load_model, load_tokenizer
+    from kvcal.vllm_plan import VllmKVPlan
+
+    seen = {}
+    orig = R._artifact_scales
+
+    def spy(dtype, artifact_dir, num_layers):  # keep the calibrated artifact's tensors before staging is cleaned
+        seen[dtype] = {k: v.clone() for k, v in load_artifact(artifact_dir).tensors.items()}
+        seen[dtype + "_dir"] = Path(artifact_dir).name
+        return orig(dtype, artifact_dir, num_layers)
+
+    monkeypatch.setattr(R, "_artifact_scales", spy)
+    out = tmp_path / "rec"
+    doc = R.recommend(R.RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir),
+                                        dtypes=("nvfp4", "nvfp4_4over6"), max_skip=0, context=64, windows=2,
+                                        probe_tokens=128, accept="kl_mean<=0", fp8_samples=8, fp8_seq_len=64,
+                                        nvfp4_kwargs=NVFP4_CAL), log=lambda s: None, progress=False)
+    assert list(seen) == ["nvfp4", "nvfp4_dir"] and seen["nvfp4_dir"] == "artifact-nvfp4"
+    assert doc["calibrated"] == {"nvfp4": "artifact-nvfp4"} and doc["chosen"] is None
+    assert sorted(p.name for p in out.iterdir()) == ["deploy.json", "deploy.md"]
+    sc = _outer_scales(seen["nvfp4"])
+    assert any(x != 1.0 for x in sc["k_scales"] + sc["v_scales"])  # calibrated, not vLLM's default
+    rows = {c["dtype"]: c for c in doc["candidates"]}
+    assert [c["skip_layers"] for c in doc["candidates"]] == [[], []]
+    tok = load_tokenizer(str(tiny_dir))
+    ids, _ = corpus_stream(str(CHAT), tok)
+    ev = cut_windows(ids, 64, 2, skip=2)
+    res = teacher_forced(load_model(str(tiny_dir)), ev, {"cal": VllmKVPlan("nvfp4", L, **sc),
+                                                         "one": VllmKVPlan("nvfp4", L),
+                                                         "4over6": VllmKVPlan("nvfp4_4over6", L)}, progress=False)
+    assert rows["nvfp4"]["kl_mean"] == res["cal"]["kl_mean"]  # same arithmetic: exact
+    assert res["cal"]["kl_mean"] != res["one"]["kl_mean"]
+    assert rows["nvfp4_4over6"]["kl_mean"] == res["4over6"]["kl_mean"]
+    assert doc["scales"]["nvfp4"].startswith("NVFP4 outer scales (k_scale/v_scale) and q_scale per layer calibrated")
+    assert doc["scales"]["nvfp4_4over6"].startswith("vLLM's defaults: outer scales 1.0 and q_scale 1.0, not calibrated")
+    assert any(n.startswith("nvfp4_4over6 rows: vLLM's defaults") for n in doc["notes"])
+    assert "Scales calibrated on the corpus (kvcal calibrate --engine vllm) for: nvfp4;" in (out / "deploy.md").read_text()
+
+
+def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tiny_dir, tmp_path):
+    """Choosing nvfp4 (the only dtype of the menu, a permissive bar), recommend keeps its calibrated artifact in
+    OUT/artifact-nvfp4 and writes the export line naming it; running that line (kvcal.export.export with its
+    arguments) gives a checkpoint whose k_scale/v_scale/q_scale equal the artifact's outer scales and q_scale
+    exactly, and whose serve line is recommend's."""
+    import shlex
+
+    from safetensors.torch import load_file
+
+    from kvcal.artifact import load_artifact
+    from kvcal.export import export
+    from kvcal.recommend import RecommendConfig, recommend
+
+    out = tmp_path / "rec"
+    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), dtypes=("nvfp4",),
+                                    max_skip=0, context=64, windows=2, probe_tokens=128, accept="kl_mean<=1",
+                                    fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
+                    log=lambda s: None, progress=False)
+    assert doc["chosen"]["dtype"] == "nvfp4" and doc["chosen"]["skip_layers"] == []
+    assert sorted(p.name for p in out.iterdir()) == ["artifact-nvfp4", "deploy.json", "deploy.md"]
+    art = load_artifact(out / "artifact-nvfp4")
+    assert art.metadata["vllm"]["kv_cache_dtype"] == "nvfp4"
+    cmd = doc["commands"]["export"]
+    assert cmd == (f"kvcal export --artifact {out / 'artifact-nvfp4'} --target vllm --model-dir {tiny_dir} "
+                   f"--out {out / 'checkpoint'}")
+    assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype nvfp4"
+    args = shlex.split(cmd)
+    assert args[:2] == ["kvcal", "export"] and len(args) == 10
+    o = dict(zip(args[2::2], args[3::2], strict=True))
+    res = export(o["--artifact"], o["--target"], o["--out"], model_dir=o["--model-dir"])
+    assert res.serve == doc["commands"]["serve"]
+    ck = {}
+    for f in Path(o["--out"]).glob("*.safetensors"):
+        ck.update(load_file(f))
+    for i in range(L):
+        a = f"model.layers.{i}.self_attn."
+        for side, src in (("k", "k_outer_scale"), ("v", "v_outer_scale"), ("q", "q_scale")):
+            t = ck[a + f"{side}_scale"]
+            assert t.dtype == torch.float32 and t.shape == (1,)
+            assert torch.equal(t, art.tensors[a + src].float().reshape(1))
+    cfg = json.loads((Path(o["--out"]) / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--dtypes", "fp9"], "--dtypes: "),
     (["--accept", "kl<=1"], "--accept metric 'kl' is unknown"),
