@@ -473,7 +473,8 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
 
     cfg = RecommendConfig(corpus=corpus, out=out, model=model, engine=engine, accept=accept,
                           max_bytes_per_token=max_bytes_per_token, max_skip=max_skip,
-                          dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes else DEFAULT_MENU,
+                          dtypes=(tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None
+                                  else DEFAULT_MENU),  # --dtypes "" is refused (check_options), not the default
                           context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
                           device=device, text_field=text_field, messages_field=messages_field, split=split)
     if quiet:

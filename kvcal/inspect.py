@@ -422,6 +422,15 @@ def _add_manifest_notes(d: Path, ins: Inspection) -> None:
         ins.notes.append(f"exported by kvcal {m.get('kvcal_version')} for target {m.get('target')} from "
                          f"{m.get('source_format')} per-{m.get('granularity')} artifact {m.get('artifact')}")
         ins.notes += [f"export warning: {w}" for w in m.get("warnings", [])]
+        skip = m.get("kv_cache_dtype_skip_layers")
+        if isinstance(skip, list) and skip:  # recorded by export --target vllm from the artifact's vllm.skip_layers
+            ins.notes.append(f"serve with --kv-cache-dtype {m.get('kv_cache_dtype')} --kv-cache-dtype-skip-layers "
+                             f"{' '.join(map(str, skip))}: the artifact keeps these layers in the model dtype (their "
+                             "scales are written but vLLM does not use them)")
+        if m.get("source_format") == "nvfp4":  # calibrate --engine vllm --kv-cache-dtype nvfp4
+            ins.notes.append("the K/V scales are NVFP4 outer scales for vLLM --kv-cache-dtype nvfp4 (about observed "
+                             "max / 2688); an engine row above that loads them as FP8 scales (SGLang, vLLM without "
+                             "the flag) would saturate or overflow at 448 x them")
 
 
 # ---- text ---------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from the whole corpus and may overlap the evaluation windows unless ``eval_corpu
 
 Output directory (written atomically): ``deploy.json`` (schema ``kvcal-recommend/1``), ``deploy.md``, and
 the chosen dtype's calibrated artifact when it has one: ``artifact/`` (fp8, fp8_e4m3) or ``artifact-nvfp4/``
-(nvfp4), which the deployment's ``kvcal export --target vllm`` line reads.
+(nvfp4), which the deployment's ``kvcal export --target vllm`` line reads; the chosen 16-bit layers are recorded
+in it (:func:`record_skip_layers`), so that export prints the same ``--kv-cache-dtype-skip-layers`` as deploy.md.
 """
 
 from __future__ import annotations
@@ -197,6 +198,32 @@ def _artifact_scales(kv_cache_dtype: str, artifact_dir: Path, num_layers: int) -
     return vllm_scales(kv_cache_dtype, art.tensors, art.metadata, num_layers)
 
 
+def record_skip_layers(artifact_dir: Path, chosen: dict, cfg: RecommendConfig, sensitivity: list[float],
+                       probe: dict, bytes_per_token_16bit: int) -> None:
+    """Record the chosen configuration's 16-bit layers in its calibrated artifact (rewritten in place,
+    tensors unchanged): ``vllm.skip_layers`` = ``chosen["skip_layers"]`` and ``vllm.skip_layers_choice`` =
+    ``{"method": "recommend", "choice", "max_skip", "max_bytes_per_token", "bytes_per_token",
+    "bytes_per_token_16bit", "sensitivity" (KL per layer, nats), "probe"}``, the fields ``kvcal calibrate
+    --skip-layers`` writes (:func:`kvcal.vllm_skip.choose_skip_layers_for_artifact`), so that ``kvcal export``
+    prints and records the same ``--kv-cache-dtype-skip-layers`` as deploy.md, and ``inspect``/``report``
+    state them. ``report.md`` is re-rendered. Nothing is rewritten when no layer is kept at 16 bits."""
+    from kvcal.artifact import load_artifact, write_artifact
+    from kvcal.report.markdown import render_report
+
+    if not chosen["skip_layers"]:
+        return
+    art = load_artifact(artifact_dir)
+    meta = dict(art.metadata)
+    vm = meta["vllm"] = dict(meta["vllm"])
+    vm["skip_layers"] = [int(i) for i in chosen["skip_layers"]]
+    vm["skip_layers_choice"] = {"method": "recommend", "choice": chosen["choice"], "max_skip": cfg.max_skip,
+                                "max_bytes_per_token": cfg.max_bytes_per_token,
+                                "bytes_per_token": int(chosen["bytes_per_token"]),
+                                "bytes_per_token_16bit": int(bytes_per_token_16bit),
+                                "sensitivity": [float(x) for x in sensitivity], "probe": dict(probe)}
+    write_artifact(artifact_dir, art.tensors, meta, extra_files={"report.md": render_report(meta)}, overwrite=True)
+
+
 def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress: bool = True,
               model=None, tokenizer=None) -> dict:
     """Run ``kvcal recommend`` and write ``cfg.out`` atomically; returns the ``kvcal-recommend/1``
@@ -242,6 +269,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     else:
         eids, eval_info = corpus_stream(cfg.eval_corpus, tok, **opts)
         ev = cut_windows(eids, T, cfg.windows)
+    if cfg.eval_corpus is not None and len(ev) == 0 and len(probe) == n_probe:  # name the file that is short
+        raise KvcalError(f"--eval-corpus {cfg.eval_corpus} has {eids.numel()} tokens; one evaluation window of "
+                         f"{T} tokens needs {T} (lower --context, or give a longer --eval-corpus)")
     if len(probe) < n_probe or len(ev) == 0:
         need = (n_probe + 1) * T if cfg.eval_corpus is None else n_probe * T
         raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens; {n_probe} probe window(s) of {T} tokens"
@@ -325,6 +355,10 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                     notes.append(f"{chosen['dtype']} computes its scales at write time: no checkpoint scales to "
                                  "export, the vllm serve line is the whole deployment")
         keep = artifact_of.get(chosen["dtype"]) if chosen is not None else None
+        if keep is not None:  # its export prints and records the chosen 16-bit layers, as deploy.md does
+            record_skip_layers(staging / keep, chosen, cfg, sens[chosen["dtype"]],
+                               {"source": "recommend probe windows", "samples": len(probe), "tokens": len(probe) * T},
+                               b16)
         for _, _, name, _ in calib:  # only the chosen dtype's artifact stays in the output
             if name != keep and (staging / name).exists():
                 shutil.rmtree(staging / name)
@@ -401,4 +435,4 @@ def render_markdown(doc: dict) -> str:
 
 __all__ = ["RecommendConfig", "DEFAULT_MENU", "CALIBRATIONS", "calibrations", "scales_source", "check_options",
            "check_budget", "layer_sensitivity", "vllm_fp8_scales",
-           "candidate_sets", "recommend", "render_table", "render_markdown"]
+           "candidate_sets", "record_skip_layers", "recommend", "render_table", "render_markdown"]

@@ -190,10 +190,22 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
             kw = {f"{s}_scales": [float(art.tensors[f"model.layers.{i}.self_attn.{s}_outer_scale"].reshape(-1)[0])
                                   for i in range(L)] for s in "kv"}
             kw["q_scales"] = [float(t.reshape(-1)[0]) for t in qt]
+        art_skip = _artifact_skip_layers(art.metadata, d)
+        if art_skip:  # calibrate --skip-layers / recommend: the 16-bit layers its export serves with
+            kw["skip_layers"] = art_skip
         plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, **kw)
         roles[f"vllm:{d}"] = "vllm"
         vllm_names.add(f"vllm:{d}")
-        notes.append(note)
+        notes.append(note + (f"; layers {', '.join(map(str, art_skip))} in the model dtype (the artifact's "
+                             "--kv-cache-dtype-skip-layers)" if art_skip else ""))
+    skip_all = (art.metadata.get("vllm") or {}).get("skip_layers") if isinstance(art.metadata.get("vllm"), dict) else None
+    if skip_all:
+        dt = art.metadata["vllm"].get("kv_cache_dtype")
+        notes.append(f"artifact rows: kvcal's runtime cache quantizes every layer; vLLM serves this artifact's export "
+                     f"with layers {', '.join(map(str, skip_all))} in the model dtype (--kv-cache-dtype-skip-layers), "
+                     + ("measured in the vllm:* row of its dtype" if any(_artifact_skip_layers(art.metadata, d)
+                                                                        for d in cfg.vllm_dtypes)
+                        else f"which --vllm-dtype {dt} measures"))
     if vllm_names and "decode" in cfg.modes:
         notes.append("vllm:* rows are teacher-forced only: every vLLM dtype quantizes each token's K/V on its own "
                      "(static or per-token scales), so a decode step reads exactly what Protocol A reads at that "
@@ -301,6 +313,18 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                      + ", ".join(f"{T - 1} tokens decoded at context {T}" for T in short))
         doc["description"]["decode_tokens_by_context"] = {str(T): min(cfg.decode_tokens, T - 1) for T in contexts}
     return doc
+
+
+def _artifact_skip_layers(meta: dict, kv_cache_dtype: str) -> tuple[int, ...]:
+    """The 16-bit layers an artifact records for vLLM (``vllm.skip_layers``: ``kvcal calibrate --skip-layers``,
+    ``kvcal recommend``) when ``kv_cache_dtype`` is the dtype it was calibrated for (fp8 = fp8_e4m3); ``()``
+    otherwise."""
+    vm = meta.get("vllm")
+    if not isinstance(vm, dict) or not vm.get("skip_layers"):
+        return ()
+    fp8 = ("fp8", "fp8_e4m3")
+    same = vm.get("kv_cache_dtype") == kv_cache_dtype or (vm.get("kv_cache_dtype") in fp8 and kv_cache_dtype in fp8)
+    return tuple(int(i) for i in vm["skip_layers"]) if same else ()
 
 
 def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts: list[int], batches: list[int],

@@ -173,7 +173,8 @@ class VllmTarget(Target):
             how = (vm.get("skip_layers_choice") or {}).get("method")
             cmd = f"vllm serve {{out}} --kv-cache-dtype {vm['kv_cache_dtype']}{serve_skip_arg(skip)}"
             ctx.notes.append(f"layers kept in the model dtype (--kv-cache-dtype-skip-layers): {', '.join(map(str, skip))}"
-                             + (" (chosen by kvcal's per-layer probe under the budget)" if how == "auto" else "")
+                             + (" (chosen by kvcal's per-layer probe under the budget)" if how == "auto" else
+                                " (chosen by kvcal recommend)" if how == "recommend" else "")
                              + "; their k/v/q scales are written but vLLM does not use them")
             ctx.manifest["kv_cache_dtype"] = vm["kv_cache_dtype"]
             ctx.manifest["kv_cache_dtype_skip_layers"] = skip

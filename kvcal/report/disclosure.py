@@ -125,8 +125,11 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
     kv = meta.get("kv") or {}
     m = meta.get("model") or {}
     rep.add(Heading("What is quantized (KV cache)"))
+    skip = (meta.get("vllm") or {}).get("skip_layers") if isinstance(meta.get("vllm"), dict) else None
     rep.add(Para(f"**Quantized tensors: {D.quantized_label(meta)}** of every attention layer "
-                 f"({_num(m.get('num_layers'))} layers × {_num(m.get('num_kv_heads'))} KV heads × head_dim "
+                 + (f"but layers {', '.join(map(str, skip))}, which vLLM keeps in the model dtype (section below) "
+                    if skip else "")
+                 + f"({_num(m.get('num_layers'))} layers × {_num(m.get('num_kv_heads'))} KV heads × head_dim "
                  f"{_num(m.get('head_dim'))}). "
                  + ("Queries are FP8 too on the serving engine (section below); all other activations stay in the model's "
                     "compute precision." if (meta.get("vllm") or {}).get("q_scale") else
@@ -250,6 +253,9 @@ def _skip_choice(vm: dict) -> list[str]:
         how = (f"chosen by `--skip-layers auto` under {budget}: exact 0/1 knapsack of each layer's model-level KL "
                f"when only it goes through `{vm.get('kv_cache_dtype')}` (probe on {_num(pr.get('samples'))} "
                f"{pr.get('source', '?')} samples, {_num(pr.get('tokens'))} tokens)")
+    elif ch.get("method") == "recommend":  # kvcal recommend's chosen configuration (kvcal.recommend.record_skip_layers)
+        how = (f"chosen by `kvcal recommend` (its {ch.get('choice', '?')} set: the cheapest configuration that "
+               f"passed its acceptance bar, --max-skip {ch.get('max_skip')})")
     else:
         how = "given with `--skip-layers`"
     return [f"16-bit layers {how}; {_num(ch.get('bytes_per_token'))} KV bytes per token as vLLM allocates pages "
@@ -330,6 +336,20 @@ def _regimes(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
     rep.add(Bullets(items))
 
 
+def _skip_memory(meta: dict) -> list[str]:
+    """A memory bullet for an artifact whose ``vllm.skip_layers`` keeps layers in the model dtype: vLLM's
+    bytes per token with them (``vllm.skip_layers_choice``) beside the every-layer figures of this section."""
+    vm = meta.get("vllm")
+    skip = vm.get("skip_layers") if isinstance(vm, dict) else None
+    if not skip:
+        return []
+    ch = vm.get("skip_layers_choice") if isinstance(vm.get("skip_layers_choice"), dict) else {}
+    nb = (f": {_num(ch.get('bytes_per_token'))} bytes per token as vLLM allocates pages "
+          f"({_num(ch.get('bytes_per_token_16bit'))} at 16 bits)" if ch.get("bytes_per_token") else "")
+    return [f"**Served by vLLM with layers {', '.join(map(str, skip))} in the model dtype** "
+            f"(`--kv-cache-dtype-skip-layers`){nb}; the figures in this section count every layer quantized."]
+
+
 def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict, tensors: dict | None = None) -> dict | None:
     rep.add(Heading("Memory: cache bytes per token and capacity"))
     mem = D.memory_summary(meta, batches=reg["batches"] or None, tensors=tensors)
@@ -341,6 +361,7 @@ def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict, tensors: dict |
         f"**{mem['ratio']:.2f}× smaller**, i.e. {mem['capacity_gain_pct']:.0f}% more tokens in the same memory.",
         "Exact accounting (`kvcal.formats.memory.cache_bytes`): payload, scales/zero points, 16-bit window and "
         "sinks, per-layer metadata. Weights and activations are not included (see `kvcal plan`).",
+        *_skip_memory(meta),
     ]))
     rows = []
     show_ctx = reg["contexts"] or [c for c in mem["contexts"] if c >= 1024]

@@ -68,6 +68,44 @@ def _query_line(meta: dict) -> str:
             f"queries stay in the model's precision under vLLM --kv-cache-dtype {eng.get('kv_cache_dtype')}")
 
 
+def _granularity(side: dict) -> str:
+    """``kv.k``/``kv.v`` granularity, with its group size (elements) when it has one, e.g. ``token_group (16)``."""
+    g = side.get("group_size")
+    return f"{side['granularity']} ({g})" if g else side["granularity"]
+
+
+def _scales_kind(meta: dict, side: str) -> str:
+    """How ``side``'s scales are set: dynamic, static from calibration, or (``--kv-cache-dtype nvfp4``:
+    ``vllm.{side}_outer_scale``) dynamic e4m3 block scales under the calibrated static outer scale."""
+    s = meta["kv"][side]
+    if (meta.get("vllm") or {}).get(f"{side}_outer_scale"):
+        return (f"dynamic {s.get('scale_dtype')} block scales under a static per-layer outer scale from calibration "
+                f"(the {side}_scale column)")
+    return "dynamic" if s["dynamic"] else "static scales from calibration"
+
+
+def _skip_line(meta: dict) -> str:
+    """The report's bullet on the layers vLLM keeps in the model dtype (``vllm.skip_layers``, written by
+    ``kvcal calibrate --skip-layers`` and ``kvcal recommend``): the layers, how they were chosen and the KV
+    bytes per token as vLLM allocates pages; ``""`` for an artifact that records none."""
+    vm = meta.get("vllm") or {}
+    ch = vm.get("skip_layers_choice") if isinstance(vm.get("skip_layers_choice"), dict) else {}
+    skip = vm.get("skip_layers") or []
+    if not skip and not ch:
+        return ""
+    how = {"auto": "chosen by `--skip-layers auto` (per-layer KL probe under "
+                   + ", ".join(f"{o} {ch[k]}" for o, k in (("--max-skip", "max_skip"),
+                                                          ("--max-bytes-per-token", "max_bytes_per_token"))
+                               if ch.get(k) is not None) + ")",
+           "given": "given with `--skip-layers`", "recommend": "chosen by `kvcal recommend`"}.get(ch.get("method"), "")
+    nb = (f"; {ch['bytes_per_token']} KV bytes per token as vLLM allocates pages ({ch['bytes_per_token_16bit']} "
+          "at 16 bits)" if "bytes_per_token" in ch and "bytes_per_token_16bit" in ch else "")
+    layers = (f"{', '.join(map(str, skip))} (their scales are written but vLLM does not use them)" if skip
+              else "none (every layer quantized)")
+    return (f"- **Layers vLLM keeps in the model dtype (`--kv-cache-dtype-skip-layers`):** {layers}"
+            f"{'; ' + how if how else ''}{nb}.\n")
+
+
 def render_calibration_report(meta: dict) -> str:
     """``report.md`` text: what was quantized, how, on which data, and the held-out errors (labelled as
     calibration-data errors when there was no held-out split)."""
@@ -89,12 +127,12 @@ def render_calibration_report(meta: dict) -> str:
     return f"""# KV-cache calibration report
 
 ## What is quantized
-- **Tensors:** {", ".join("keys" if t == "k" else "values" for t in kv["quantized_tensors"])} of every attention layer
+- **Tensors:** {", ".join("keys" if t == "k" else "values" for t in kv["quantized_tensors"])} of every attention layer{" but the 16-bit layers below" if (meta.get("vllm") or {}).get("skip_layers") else ""}
   ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); {_query_line(meta)}.
-- **Keys:** {k["format"]}, {k["granularity"]} granularity, {"symmetric" if k["symmetric"] else "asymmetric"}, {"dynamic" if k["dynamic"] else "static scales from calibration"}; quantized **{kv["key_position"].replace("_", "-")}** (what the cache stores).
-- **Values:** {v["format"]}, {v["granularity"]} granularity, {"symmetric" if v["symmetric"] else "asymmetric"}, {"dynamic" if v["dynamic"] else "static scales from calibration"}.
+- **Keys:** {k["format"]}, {_granularity(k)} granularity, {"symmetric" if k["symmetric"] else "asymmetric"}, {_scales_kind(meta, "k")}; quantized **{kv["key_position"].replace("_", "-")}** (what the cache stores).
+- **Values:** {v["format"]}, {_granularity(v)} granularity, {"symmetric" if v["symmetric"] else "asymmetric"}, {_scales_kind(meta, "v")}.
 - **Residual window / sink tokens kept in 16 bits:** {kv["residual_window"]} / {kv["sink_tokens"]}.
-- `scale` is the dequantization multiplier: x ≈ q · scale (FP8 e4m3: scale = clip_amax / 448).
+{_skip_line(meta)}- `scale` is the dequantization multiplier: x ≈ q · scale (FP8 e4m3: scale = clip_amax / 448).
 
 ## Model (weights are NOT the KV precision)
 - Model: `{m["id"]}` ({m["architecture"]}, model_type {m["model_type"]}), config sha256 `{m["config_sha256"][:16]}…`.
@@ -190,6 +228,7 @@ def render_int_report(meta: dict) -> str:
     return f"""# KV-cache calibration report (integer)
 
 - Model `{m["id"]}` ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); weights {m["weight_precision"]}.
+- Tensors quantized: {", ".join("keys" if t == "k" else "values" for t in kv["quantized_tensors"])} of every attention layer (formats and granularity per layer in the K / V spec columns); {_query_line(meta)}.
 - Preset: {cal.get("preset")}; bit budget: {budget}; average bits per cached element including all
   metadata at {cal["average_bits_context"]} tokens: **{cal["average_bits"]:.4f}**.
 - Keys quantized {kv["key_position"].replace("_", "-")}; sink tokens in 16 bits: {kv["sink_tokens"]}{_sink_note(cal)}; residual window (runtime): {kv["residual_window"]}.

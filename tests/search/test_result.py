@@ -59,6 +59,10 @@ def test_report_is_render_report_of_the_metadata(tiny, tmp_path, one_thread, opt
     assert text == render_report(meta)
     assert text.startswith("# KV-cache calibration report (integer)" if integer else
                            "# KV-cache calibration report\n")
+    # both layouts state the tensors quantized and what happens to the queries (the integer one did not)
+    assert ("Tensors quantized: keys, values of every attention layer" if integer else
+            "- **Tensors:** keys, values of every attention layer") in text
+    assert "queries stay in the model's precision" in text
     keys = list(meta["calibration"])
     assert keys[0] == "method" and keys.index("selection") < keys.index("seed")
     assert keys[-1] == ("context_regime" if integer else "search_seconds")

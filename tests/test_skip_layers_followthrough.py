@@ -1,0 +1,189 @@
+"""The 16-bit layers of a vLLM deployment follow the artifact through every later command.
+
+A user's path: ``kvcal calibrate --engine vllm --kv-cache-dtype nvfp4 --skip-layers ...`` or ``kvcal
+recommend`` → ``report.md`` → ``kvcal export --target vllm`` → ``kvcal inspect`` / ``kvcal report`` /
+``kvcal evaluate --vllm-dtype``. Each of these must state (or measure with) the layers vLLM keeps in the
+model dtype; before these tests, recommend's kept artifact lost them (its export printed a serve line
+without ``--kv-cache-dtype-skip-layers``), calibrate's report.md never named them, the disclosure's memory
+section and evaluate's ``vllm:<dtype>`` row counted every layer quantized. Also two recommend inputs:
+``--dtypes ""`` (was: the default menu, silently) and an ``--eval-corpus`` too short for one window (was:
+an error blaming ``--corpus``). Tiny random Llama (4 layers, 2 KV heads x head_dim 16)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvcal.cli import main
+
+CHAT = Path(__file__).resolve().parents[1] / "calibration_sets" / "chat.jsonl"
+L, H, D = 4, 2, 16
+# vLLM pages per token and layer, by hand: NVFP4 K and V = H x (D/2 bytes of e2m1 + D/16 e4m3 block scales);
+# 16-bit K and V = H x D x 2 bytes
+NV_LAYER, B16_LAYER = 2 * H * (D // 2 + D // 16), 2 * H * D * 2  # 36, 128
+NVFP4_CAL = {"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2, "max_queries": 16}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster single-threaded
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm_tokenizer):
+    from conftest import TINY_LLAMA_16, save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-llama-followthrough", vocab_size=49152,
+                           **{**TINY_LLAMA_16, "num_hidden_layers": L})
+
+
+@pytest.fixture(scope="module")
+def given(tiny, tmp_path_factory):
+    """``kvcal calibrate --engine vllm --kv-cache-dtype nvfp4 --skip-layers 1`` (no probe)."""
+    from kvcal.artifact import load_artifact
+    from kvcal.calibrate import CalibrateConfig, calibrate
+
+    out = tmp_path_factory.mktemp("given") / "art"
+    calibrate(CalibrateConfig(corpus=str(CHAT), out=str(out), model=str(tiny), max_samples=12, max_seq_len=96,
+                              engine="vllm", kv_cache_dtype="nvfp4", skip_layers=(1,), **NVFP4_CAL),
+              log=lambda s: None, progress=False)
+    return out, load_artifact(out)
+
+
+def test_calibrate_report_md_states_the_16bit_layers_and_the_outer_scales(given):
+    """report.md names layer 1 as kept in the model dtype with vLLM's bytes per token by hand
+    (3 x 36 + 128 = 236 of 4 x 128 = 512), does not claim every layer is quantized, and says the NVFP4 block
+    scales are dynamic under the static calibrated outer scale (16-element groups)."""
+    out, _ = given
+    text = (out / "report.md").read_text()
+    nb = (L - 1) * NV_LAYER + B16_LAYER
+    assert nb == 236
+    assert ("- **Layers vLLM keeps in the model dtype (`--kv-cache-dtype-skip-layers`):** 1 (their scales are written "
+            f"but vLLM does not use them); given with `--skip-layers`; {nb} KV bytes per token as vLLM allocates pages "
+            f"({L * B16_LAYER} at 16 bits).") in text
+    assert "of every attention layer but the 16-bit layers below" in text
+    assert ("nvfp4, token_group (16) granularity, symmetric, dynamic float8_e4m3fn block scales under a static "
+            "per-layer outer scale from calibration (the k_scale column)") in text
+
+
+def test_disclosure_report_counts_vllm_bytes_with_the_16bit_layers(given):
+    """kvcal report's memory section states vLLM's bytes per token with layer 1 at 16 bits (236) beside its
+    every-layer figures, and the quantized-tensors paragraph excludes layer 1."""
+    from kvcal.report.disclosure import build_report, to_markdown
+
+    _, art = given
+    rep = to_markdown(build_report(art.metadata, figures=False), figure_dir=None)
+    assert ("**Served by vLLM with layers 1 in the model dtype** (`--kv-cache-dtype-skip-layers`): 236 bytes per "
+            "token as vLLM allocates pages (512 at 16 bits); the figures in this section count every layer "
+            "quantized.") in rep
+    assert "of every attention layer but layers 1, which vLLM keeps in the model dtype" in rep
+
+
+def test_evaluate_vllm_row_serves_the_artifacts_16bit_layers(given, tiny, tmp_path):
+    """kvcal evaluate --vllm-dtype nvfp4 on the artifact: the vllm:nvfp4 row keeps layer 1 in the model dtype
+    (236 bytes per token by hand) and its KL equals Protocol A of the same VllmKVPlan built independently
+    from the artifact's outer scales and q_scale with skip_layers=(1,) (exact: same arithmetic); the fp8 row
+    (another dtype) quantizes every layer."""
+    import torch
+
+    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.windows import corpus_stream, cut_windows
+    from kvcal.models import load_model, load_tokenizer
+    from kvcal.vllm_plan import VllmKVPlan
+
+    out, art = given
+    js = tmp_path / "eval.json"
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", str(out), "--model", str(tiny), "--corpus", str(CHAT),
+                                  "--context", "64", "--windows", "1", "--mode", "teacher_forced", "--no-baselines",
+                                  "--vllm-dtype", "nvfp4,fp8", "--accept", "kl_mean<=1", "--json", str(js), "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(js.read_text())
+    assert doc["methods"]["vllm:nvfp4"]["skip_layers"] == [1] and doc["methods"]["vllm:fp8"]["skip_layers"] == []
+    assert doc["memory"]["bytes_per_token"]["vllm:nvfp4"] == 236
+    assert doc["memory"]["bytes_per_token"]["vllm:fp8"] == L * B16_LAYER // 2
+    t = art.tensors
+    plan = VllmKVPlan("nvfp4", L, skip_layers=(1,),
+                      k_scales=[float(t[f"model.layers.{i}.self_attn.k_outer_scale"].reshape(-1)[0]) for i in range(L)],
+                      v_scales=[float(t[f"model.layers.{i}.self_attn.v_outer_scale"].reshape(-1)[0]) for i in range(L)],
+                      q_scales=[float(t[f"model.layers.{i}.self_attn.q_scale"].reshape(-1)[0]) for i in range(L)])
+    tok = load_tokenizer(str(tiny))
+    ids, _ = corpus_stream(str(CHAT), tok)
+    torch.manual_seed(0)
+    ref = teacher_forced(load_model(str(tiny)), cut_windows(ids, 64, 1), {"x": plan}, progress=False)["x"]
+    row = next(x for x in doc["results"] if x["method"] == "vllm:nvfp4")
+    assert row["kl_mean"] == ref["kl_mean"]
+
+
+def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_reads(tiny, tmp_path):
+    """Choosing nvfp4 with 16-bit layers (bar kl_mean<=0: only every layer at 16 bits passes, max-skip 4),
+    recommend's kept artifact records the chosen layers; running its export line gives the same serve line
+    as deploy.md and a manifest naming them; inspect of the artifact and of the checkpoint states them; the
+    artifact's tensors are the calibration's, unchanged."""
+    from kvcal.artifact import load_artifact
+    from kvcal.export import export
+    from kvcal.inspect import inspect_path
+    from kvcal.recommend import RecommendConfig, recommend
+
+    out = tmp_path / "rec"
+    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("nvfp4",), max_skip=L,
+                                    context=64, windows=1, probe_tokens=64, accept="kl_mean<=0",
+                                    fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
+                    log=lambda s: None, progress=False)
+    skip = doc["chosen"]["skip_layers"]
+    assert doc["chosen"]["dtype"] == "nvfp4" and skip == list(range(L))
+    assert doc["commands"]["serve"].endswith("--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 1 2 3")
+    art = load_artifact(out / "artifact-nvfp4")
+    vm = art.metadata["vllm"]
+    assert vm["skip_layers"] == skip and vm["skip_layers_choice"]["method"] == "recommend"
+    assert vm["skip_layers_choice"]["bytes_per_token"] == L * B16_LAYER
+    assert "--kv-cache-dtype-skip-layers`):** 0, 1, 2, 3" in (out / "artifact-nvfp4" / "report.md").read_text()
+    # the tensors are the calibration's: a fresh calibration with the same options gives equal tensors
+    from kvcal.calibrate import CalibrateConfig, calibrate
+
+    calibrate(CalibrateConfig(corpus=str(CHAT), out=str(tmp_path / "again"), model=str(tiny), max_samples=8,
+                              max_seq_len=64, engine="vllm", kv_cache_dtype="nvfp4", **NVFP4_CAL),
+              log=lambda s: None, progress=False)
+    again = load_artifact(tmp_path / "again").tensors
+    assert sorted(again) == sorted(art.tensors) and all(torch_equal(again[k], art.tensors[k]) for k in again)
+    a = shlex.split(doc["commands"]["export"])
+    o = dict(zip(a[2::2], a[3::2], strict=True))
+    res = export(o["--artifact"], o["--target"], o["--out"], model_dir=o["--model-dir"])
+    assert res.serve == doc["commands"]["serve"]
+    man = json.loads((Path(o["--out"]) / "kvcal-export.json").read_text())
+    assert man["kv_cache_dtype_skip_layers"] == skip and man["kv_cache_dtype"] == "nvfp4"
+    assert any("skipped layers [0, 1, 2, 3]" in n for n in inspect_path(out / "artifact-nvfp4").notes)
+    assert any(n.startswith("serve with --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 1 2 3")
+               for n in inspect_path(o["--out"]).notes)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_recommend_refuses_empty_dtypes(tiny, tmp_path, no_model):
+    """--dtypes "" (or only commas) is refused in one line before the model loads; it used to run the default
+    menu of nine dtypes without a word."""
+    for arg in ("", " , "):
+        r = CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--corpus", str(CHAT), "--model", str(tiny),
+                                      "--out", str(tmp_path / "rec"), "--dtypes", arg, "--quiet"])
+        assert r.exit_code == 2, r.output
+        assert r.output.strip() == ("error: --dtypes is empty; name at least one vLLM --kv-cache-dtype "
+                                    "(e.g. fp8,turboquant_4bit_nc)")
+    assert no_model == [] and not (tmp_path / "rec").exists()
+
+
+def test_recommend_names_the_short_eval_corpus(tiny, tmp_path, no_model):
+    """An --eval-corpus shorter than one --context window is named in the error with its token count (the
+    --corpus has plenty); before the fix the error blamed --corpus. Before the model loads; no --out."""
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "too short"}\n')
+    r = CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--corpus", str(CHAT), "--model", str(tiny),
+                                  "--eval-corpus", str(short), "--out", str(tmp_path / "rec"), "--context", "64",
+                                  "--probe-tokens", "64", "--dtypes", "fp8", "--quiet"])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert line.startswith(f"error: --eval-corpus {short} has ") and "one evaluation window of 64 tokens" in line
+    assert "\n" not in line and no_model == [] and not (tmp_path / "rec").exists()
