@@ -238,6 +238,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     ``status`` is PASS/FAIL, or OVER-BUDGET (not evaluated). ``model``/``tokenizer``: loaded objects for
     ``cfg.model`` (tests). Raises :class:`~kvcal.errors.KvcalError` for bad input, before the model loads."""
     import json
+    import shlex
     import shutil
 
     from kvcal.artifact import write_dir_atomically
@@ -341,12 +342,13 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 if src.gguf_file:
                     notes.append(f"{src.model_id} is a GGUF model: kvcal export --model-dir needs its HF safetensors "
                                  "checkpoint; replace the --model-dir path with that one")
-                commands = {"export": f"kvcal export --artifact {Path(cfg.out) / artifact_of[chosen['dtype']]} "
-                                      f"--target vllm --model-dir {model_dir} --out {ck}",
-                            "serve": f"vllm serve {ck} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
+                q = shlex.quote  # shell lines, pasted as they are printed (a path may hold spaces)
+                commands = {"export": f"kvcal export --artifact {q(str(Path(cfg.out) / artifact_of[chosen['dtype']]))} "
+                                      f"--target vllm --model-dir {q(str(model_dir))} --out {q(str(ck))}",
+                            "serve": f"vllm serve {q(str(ck))} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
             else:
-                commands = {"export": None, "serve": f"vllm serve {serve_model} --kv-cache-dtype {chosen['dtype']}"
-                                                     f"{skip_arg}"}
+                commands = {"export": None, "serve": f"vllm serve {shlex.quote(str(serve_model))} --kv-cache-dtype "
+                                                     f"{chosen['dtype']}{skip_arg}"}
                 if vllm_dtype(chosen["dtype"]).static_scales:
                     notes.append(f"{chosen['dtype']} runs at vLLM's default scales (1.0; kvcal calibrate does not "
                                  "calibrate it): no checkpoint scales to export, the vllm serve line is the whole "

@@ -119,13 +119,13 @@ def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_read
     """Choosing nvfp4 with 16-bit layers (bar kl_mean<=0: only every layer at 16 bits passes, max-skip 4),
     recommend's kept artifact records the chosen layers; running its export line gives the same serve line
     as deploy.md and a manifest naming them; inspect of the artifact and of the checkpoint states them; the
-    artifact's tensors are the calibration's, unchanged."""
+    artifact's tensors are the calibration's, unchanged. --out holds a space: the printed lines are shell-quoted
+    and the export line runs as printed (shlex.split, the way a shell reads it)."""
     from kvcal.artifact import load_artifact
-    from kvcal.export import export
     from kvcal.inspect import inspect_path
     from kvcal.recommend import RecommendConfig, recommend
 
-    out = tmp_path / "rec"
+    out = tmp_path / "my rec"
     doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("nvfp4",), max_skip=L,
                                     context=64, windows=1, probe_tokens=64, accept="kl_mean<=0",
                                     fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
@@ -146,10 +146,16 @@ def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_read
               log=lambda s: None, progress=False)
     again = load_artifact(tmp_path / "again").tensors
     assert sorted(again) == sorted(art.tensors) and all(torch_equal(again[k], art.tensors[k]) for k in again)
+    ck = out / "checkpoint"
+    assert doc["commands"]["serve"] == f"vllm serve '{ck}' --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 1 2 3"
     a = shlex.split(doc["commands"]["export"])
+    assert a[:2] == ["kvcal", "export"] and len(a) == 10
     o = dict(zip(a[2::2], a[3::2], strict=True))
-    res = export(o["--artifact"], o["--target"], o["--out"], model_dir=o["--model-dir"])
-    assert res.serve == doc["commands"]["serve"]
+    assert o == {"--artifact": str(out / "artifact-nvfp4"), "--target": "vllm", "--model-dir": str(tiny),
+                 "--out": str(ck)}
+    r = CliRunner().invoke(main, a[1:])
+    assert r.exit_code == 0, r.output
+    assert f"serve: {doc['commands']['serve']}\n" in r.output
     man = json.loads((Path(o["--out"]) / "kvcal-export.json").read_text())
     assert man["kv_cache_dtype_skip_layers"] == skip and man["kv_cache_dtype"] == "nvfp4"
     assert any("skipped layers [0, 1, 2, 3]" in n for n in inspect_path(out / "artifact-nvfp4").notes)

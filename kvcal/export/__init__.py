@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 from kvcal import __version__
@@ -165,4 +166,4 @@ def export(
 
     stage_output(out, overwrite, fill, inputs)
     return ExportResult(out, t.name, result["files"], ctx.tensors, ctx.notes, ctx.warnings,
-                        result["serve"].replace("{out}", str(out)))
+                        result["serve"].replace("{out}", shlex.quote(str(out))))  # a shell line, pasted as is
