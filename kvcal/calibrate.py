@@ -253,6 +253,15 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     if cfg.bits is not None:  # an infeasible budget is known from the config alone
         bits_precheck(cfg.bits, model.config if model is not None else load_model_config(cfg.model),
                       cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
+    if cfg.engine == "vllm":  # a head_dim the dtype cannot store (nvfp4: multiple of 16): before any weight loads
+        from kvcal.formats.memory import model_shape
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
+
+        try:
+            check_head_dim(cfg.kv_cache_dtype, model_shape(model.config if model is not None else
+                                                           load_model_config(cfg.model)).head_dim)
+        except VllmDTypeError as e:
+            raise KvcalError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: {e}; choose fp8") from None
     if cfg.skip_layers is not None:  # layer range and byte budget are known from the config alone
         from kvcal.vllm_skip import check_skip_model
 

@@ -114,6 +114,30 @@ def check_options(cfg: RecommendConfig) -> None:
         check_corpus(cfg.eval_corpus, **opts)
 
 
+def check_head_dims(cfg: RecommendConfig, model_config) -> tuple[tuple[str, ...], list[str]]:
+    """The menu dtypes the model's head_dim can hold (nvfp4: a multiple of 16; turboquant: a power of two;
+    :func:`kvcal.formats.vllm_dtypes.check_head_dim`), checked before the model loads. An explicit ``--dtypes``
+    naming one it cannot hold is refused, naming the ``--dtypes`` without it; the default menu (no
+    ``--dtypes``) drops them, and the returned notes (one per dropped dtype) say so. Returns
+    ``(dtypes, notes)``. Raises :class:`~kvcal.errors.KvcalError`."""
+    from kvcal.errors import KvcalError
+    from kvcal.formats.memory import model_shape
+    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
+
+    D = model_shape(model_config).head_dim
+    bad = []
+    for d in dict.fromkeys(cfg.dtypes):
+        try:
+            check_head_dim(d, D)
+        except VllmDTypeError as e:
+            bad.append((d, e))
+    keep = tuple(d for d in dict.fromkeys(cfg.dtypes) if d not in dict(bad))
+    if bad and (tuple(cfg.dtypes) != DEFAULT_MENU or not keep):
+        raise KvcalError(f"--dtypes {', '.join(d for d, _ in bad)}: {bad[0][1]}; "
+                         + (f"pass --dtypes {','.join(keep)}" if keep else "choose another --dtypes"))
+    return (tuple(cfg.dtypes) if not bad else keep), [f"{d} left out of the default menu: {e}" for d, e in bad]
+
+
 def check_budget(cfg: RecommendConfig, model_config) -> None:
     """Refuse a ``--max-bytes-per-token`` below every dtype of the menu at its fewest 16-bit layers
     (before the model loads). Raises :class:`~kvcal.errors.KvcalError`."""
@@ -254,6 +278,13 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 
     check_options(cfg)
     mconf = model.config if model is not None else load_model_config(cfg.model)
+    menu, menu_notes = check_head_dims(cfg, mconf)
+    if menu != tuple(cfg.dtypes):  # the default menu without the dtypes this head_dim cannot hold (noted)
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, dtypes=menu)
+        for n in menu_notes:
+            log(f"note: {n}")
     check_budget(cfg, mconf)
     check_max_positions(cfg.context, getattr(mconf, "max_position_embeddings", None), "--context")
     shp = model_shape(mconf)
@@ -290,7 +321,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     doc: dict = {}
 
     def fill(staging: Path):
-        notes = []
+        notes = list(menu_notes)
         scales, artifact_of = {}, {}  # menu dtype -> vllm_scales of its calibrated artifact / its directory name
         calib = calibrations(cfg.dtypes)
         for cd, uses, name, _ in calib:  # fp8 first, as before nvfp4 was calibrated (its figures unchanged)
@@ -436,5 +467,5 @@ def render_markdown(doc: dict) -> str:
 
 
 __all__ = ["RecommendConfig", "DEFAULT_MENU", "CALIBRATIONS", "calibrations", "scales_source", "check_options",
-           "check_budget", "layer_sensitivity", "vllm_fp8_scales",
+           "check_head_dims", "check_budget", "layer_sensitivity", "vllm_fp8_scales",
            "candidate_sets", "record_skip_layers", "recommend", "render_table", "render_markdown"]

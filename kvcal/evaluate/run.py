@@ -125,6 +125,15 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         plan = KVPlan.from_artifact(art.tensors, art.metadata)
     except (ValueError, KeyError) as e:
         raise ArtifactError(f"{art.path}: {e}") from None
+    hd = (art.metadata.get("model") or {}).get("head_dim")
+    if isinstance(hd, int) and hd > 0:  # a --vllm-dtype the model's head_dim cannot hold (nvfp4: multiple of 16)
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
+
+        for d in cfg.vllm_dtypes:
+            try:
+                check_head_dim(d, hd)
+            except VllmDTypeError as e:
+                raise KvcalError(f"--vllm-dtype {d}: {e}; drop it from --vllm-dtype") from None
     if model is None:
         from kvcal.models import load_model_config, resolve_model
 

@@ -654,6 +654,18 @@ def fake_quant_query(name: str, q: torch.Tensor, *, q_scale=1.0, num_kv_heads: i
     return q.to(torch.float32)
 
 
+def check_head_dim(name: str, head_dim: int) -> None:
+    """Refuse a ``head_dim`` the dtype ``name`` cannot store, as vLLM 0.33 would: nvfp4* packs blocks of
+    :data:`NVFP4_BLOCK` (16) channels (a multiple of 16); turboquant_* rotates by a Hadamard matrix (a power of
+    two). The emulation would otherwise fail mid-run (:func:`nvfp4_quantize`, :func:`hadamard`) or the page
+    bytes come out wrong (:func:`head_slot_bytes`). Raises :class:`VllmDTypeError` naming the dtype and head_dim."""
+    D = int(head_dim)
+    if name.startswith("nvfp4") and D % NVFP4_BLOCK:
+        raise VllmDTypeError(f"{name} needs head_dim a multiple of {NVFP4_BLOCK} (NVFP4 blocks), this model's is {D}")
+    if name.startswith("turboquant_") and (D < 1 or D & (D - 1)):
+        raise VllmDTypeError(f"{name} needs a power-of-two head_dim (its Hadamard rotation), this model's is {D}")
+
+
 # ---- memory: the page vLLM allocates -------------------------------------------------------------
 def head_slot_bytes(name: str, head_dim: int) -> int:
     """Bytes vLLM 0.33 allocates per token per KV head for K and V together in a layer with
@@ -669,13 +681,15 @@ def head_slot_bytes(name: str, head_dim: int) -> int:
       ``ceil(D·b/8) + 2`` (fp16 norm), value ``ceil(D·b/8) + 4`` (fp16 scale and zero), K+V
       rounded up to even.
 
-    Raises :class:`VllmDTypeError` for an unknown name or a non-positive head_dim."""
+    Raises :class:`VllmDTypeError` for an unknown name, a non-positive head_dim or one the dtype cannot
+    store (:func:`check_head_dim`)."""
     D = int(head_dim)
     if D <= 0:
         raise VllmDTypeError(f"head_dim must be positive, got {head_dim!r}")
     if name in ("auto", "bfloat16", "float16"):
         return 4 * D
     vllm_dtype(name)
+    check_head_dim(name, D)
     if name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         return 2 * D
     if name in ("fp8_per_token_head", "int8_per_token_head"):
@@ -729,5 +743,5 @@ __all__ = [
     "e2m1_round", "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_fake_quant",
     "lloyd_max_centroids", "hadamard", "turboquant_key_quantize", "turboquant_key_dequantize",
     "turboquant_value_quantize", "turboquant_value_dequantize", "turboquant_fake_quant",
-    "fake_quant_kv", "fake_quant_side", "fake_quant_query", "head_slot_bytes", "boundary_skip_layers", "layer_bytes_per_token",
+    "fake_quant_kv", "fake_quant_side", "fake_quant_query", "check_head_dim", "head_slot_bytes", "boundary_skip_layers", "layer_bytes_per_token",
 ]
