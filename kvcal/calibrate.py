@@ -433,6 +433,8 @@ def _add_vllm_sections(cfg, rows, tensors, meta, model, corpus, held_idx, mmeta,
         add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"])
     pr = (_held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
           if cfg.skip_layers == "auto" else None)  # the probe reads the scales just calibrated (kvcal.vllm_skip)
+    if pr is not None and not pr.samples:
+        raise KvcalError(f"--skip-layers auto: {pr.why_empty}, or name the layers (--skip-layers 0,1,...)")
     if cfg.skip_layers is not None:  # --skip-layers: the 16-bit layers, recorded in meta["vllm"]
         choose_skip_layers_for_artifact(model, pr.samples if pr else [], pr.meta if pr else {}, tensors, meta,
                                         cfg.skip_layers, cfg.max_skip, cfg.max_bytes_per_token,
@@ -492,9 +494,17 @@ def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, 
             picked.append(x)
             n += len(x)
 
+    # why nothing was picked: the first sample gets all of probe_tokens, so only a budget under 3 tokens or samples
+    # all under 3 tokens leave the probe empty — and raising --probe-tokens helps only in the first case
+    short = probe_tokens >= 3
+    why = (f"every {source} sample is shorter than 3 tokens (a probe needs a sink, a quantized token and a predicted "
+           "one); give longer samples" if short else
+           f"--probe-tokens {probe_tokens}: no {source} sample of 3 or more tokens fits; raise --probe-tokens")
+
     def probe(plan):
         if not picked:
-            raise KvcalError(f"--probe-tokens {probe_tokens}: no {source} sample of 3 or more tokens fits; raise "
+            raise KvcalError(f"{why} or use --probe-tokens 0 (no probe)" if short else
+                             f"--probe-tokens {probe_tokens}: no {source} sample of 3 or more tokens fits; raise "
                              "--probe-tokens or use 0 (no probe)")
         log(f"sensitivity probe on {len(picked)} {source} samples ({n} tokens; {1 + 2 * plan.num_layers} forward "
             "passes over each)")
@@ -505,12 +515,14 @@ def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, 
 
     def sink_probe(plans):
         if not picked:
-            raise KvcalError(f"--probe-tokens {probe_tokens}: no {source} sample of 3 or more tokens fits to choose the "
+            raise KvcalError(f"{why}, give --sinks N, or use --probe-tokens 0" if short else
+                             f"--probe-tokens {probe_tokens}: no {source} sample of 3 or more tokens fits to choose the "
                              "sink count on; raise --probe-tokens, give --sinks N, or use --probe-tokens 0")
         return plans_kl(model, picked, plans, progress=progress)
 
     probe.meta = {"source": source, "samples": len(picked), "tokens": n, "probe_tokens": probe_tokens}
     probe.samples = picked  # --skip-layers auto probes these too (kvcal.vllm_skip)
+    probe.why_empty = why  # what to fix when picked is empty (not in meta: the artifact records meta)
     sink_probe.meta = {"probe": dict(probe.meta)}
     probe.plans_kl = sink_probe
     return probe

@@ -193,3 +193,27 @@ def test_recommend_names_the_short_eval_corpus(tiny, tmp_path, no_model):
     line = r.output.strip()
     assert line.startswith(f"error: --eval-corpus {short} has ") and "one evaluation window of 64 tokens" in line
     assert "\n" not in line and no_model == [] and not (tmp_path / "rec").exists()
+
+
+@pytest.mark.parametrize("opts, fix", [
+    (["--engine", "vllm", "--kv-cache-dtype", "nvfp4", "--skip-layers", "auto", "--max-skip", "1"],
+     "give longer samples, or name the layers (--skip-layers 0,1,...)"),
+    (["--preset", "int8"], "give longer samples, give --sinks N, or use --probe-tokens 0"),
+])
+def test_probe_on_samples_under_3_tokens_names_the_real_fix(tiny, tmp_path, opts, fix):
+    """Every sample 2 tokens long: the probe (--skip-layers auto, or the integer sink choice) has nothing to run
+    on although --probe-tokens is 1024; the error says the samples are too short (it said "raise --probe-tokens",
+    which cannot help). Exit 2, one line, nothing written."""
+    from kvcal.models import load_tokenizer
+
+    corpus = tmp_path / "two.jsonl"
+    corpus.write_text('{"text": "Hi there"}\n' * 10)
+    assert len(load_tokenizer(str(tiny))("Hi there")["input_ids"]) == 2
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["calibrate", "--model", str(tiny), "--corpus", str(corpus), "--out", str(out),
+                                  "--quiet", *opts])
+    assert r.exit_code == 2, r.output
+    err = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert err == [f"error: {'--skip-layers auto: ' if '--skip-layers' in opts else ''}every held-out sample is "
+                   f"shorter than 3 tokens (a probe needs a sink, a quantized token and a predicted one); {fix}"], r.output
+    assert "Traceback" not in r.output and not out.exists()
