@@ -311,9 +311,15 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                          f"(lower --context or --probe-tokens, or give a longer corpus"
                          f"{'' if cfg.eval_corpus is None else ' / --eval-corpus'})")
     crit_given = cfg.accept
+    src = resolve_model(cfg.model)
+    if calibrations(cfg.dtypes) and not src.gguf_file:  # its export line merges into the model's directory
+        m, o = Path(src.path).resolve(), Path(cfg.out).resolve()
+        if o == m or m in o.parents or o in m.parents:
+            raise KvcalError(f"--out {cfg.out} overlaps the model directory {src.path}: the kvcal export line it would "
+                             f"print (--model-dir {src.path} --out {Path(cfg.out) / 'checkpoint'}) is refused; "
+                             "choose an --out outside the model directory")
     if model is None:
         model = load_model(cfg.model, device=cfg.device)
-    src = resolve_model(cfg.model)
     # what vllm serve takes (the GGUF file, the user's directory or hub id) and what kvcal export merges into
     serve_model = str(Path(src.path) / src.gguf_file) if src.gguf_file else cfg.model
     model_dir = src.path

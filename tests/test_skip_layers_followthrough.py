@@ -217,3 +217,18 @@ def test_probe_on_samples_under_3_tokens_names_the_real_fix(tiny, tmp_path, opts
     assert err == [f"error: {'--skip-layers auto: ' if '--skip-layers' in opts else ''}every held-out sample is "
                    f"shorter than 3 tokens (a probe needs a sink, a quantized token and a predicted one); {fix}"], r.output
     assert "Traceback" not in r.output and not out.exists()
+
+
+def test_recommend_refuses_an_out_inside_the_model_directory(tiny, no_model):
+    """--out inside the model directory: the export line recommend would print (--model-dir MODEL --out
+    OUT/checkpoint) is one kvcal export refuses (overlap), so recommend refuses it first, in one line, before the
+    model loads; it used to run to the end and print that line."""
+    out = tiny / "rec"
+    r = CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--corpus", str(CHAT), "--model", str(tiny),
+                                  "--out", str(out), "--dtypes", "nvfp4", "--context", "64", "--probe-tokens", "64",
+                                  "--quiet"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == (f"error: --out {out} overlaps the model directory {tiny}: the kvcal export line it "
+                                f"would print (--model-dir {tiny} --out {out / 'checkpoint'}) is refused; choose an "
+                                "--out outside the model directory")
+    assert no_model == [] and not out.exists()
