@@ -79,6 +79,12 @@ class VllmKVPlan:
         if self.quantize_query is None:
             self.quantize_query = self.spec.quantizes_query or self.kv_cache_dtype == "int4_per_token_head"
 
+    def first_quantized_layer(self) -> int:
+        """The lowest layer whose K/V (or query) this plan quantizes; ``num_layers`` when every layer is
+        skipped. Layers below it compute what the unquantized model computes (probes reuse them:
+        :func:`kvcal.evaluate.protocol_a.first_quantized_layer`)."""
+        return next((i for i in range(self.num_layers) if i not in self.skipped), self.num_layers)
+
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """What attention reads of ``side`` (``"k"``/``"v"``) of ``layer`` for ``x`` [B, H_kv, S, D];
         same shape and dtype (unchanged for a skipped layer)."""

@@ -58,7 +58,68 @@ def side_only(plan, side: str, layer: int | None = None):
         def fake_quant(self, i, s, x):
             return plan.fake_quant(i, s, x) if s == side and layer in (None, i) else x
 
+        def first_quantized_layer(self) -> int:
+            return 0 if layer is None else int(layer)
+
     return _One()
+
+
+def first_quantized_layer(plan) -> int:
+    """The lowest layer index whose attention ``plan`` changes (K, V or query), from the plan's own
+    ``first_quantized_layer()`` when it has one (:class:`~kvcal.vllm_plan.VllmKVPlan`, :func:`side_only`
+    views); ``0`` otherwise (any layer may be quantized). Every layer below it computes exactly what the
+    unquantized model computes."""
+    f = getattr(plan, "first_quantized_layer", None)
+    return int(f()) if callable(f) else 0
+
+
+def decoder_layers(model) -> list | None:
+    """The model's decoder layers in order (the modules whose ``self_attn.layer_idx`` is ``0..L-1``), or
+    ``None`` when they cannot be identified that way (then no prefix is reused)."""
+    found = {}
+    for m in model.modules():
+        idx = getattr(getattr(m, "self_attn", None), "layer_idx", None)
+        if isinstance(idx, int) and idx not in found:
+            found[idx] = m
+    if not found or sorted(found) != list(range(len(found))):
+        return None
+    return [found[i] for i in range(len(found))]
+
+
+def _clone(out):
+    return out.clone() if isinstance(out, torch.Tensor) else type(out)(_clone(o) for o in out) \
+        if isinstance(out, tuple) else out
+
+
+class _PrefixReuse:
+    """Records each decoder layer's output during the unquantized pass and, for a plan whose first
+    quantized layer is ``f``, makes layers ``0..f-1`` return those outputs instead of recomputing them
+    (they are the same: nothing below ``f`` is quantized), so that pass costs ``L - f`` layers."""
+
+    def __init__(self, layers: list):
+        self.layers, self.out = layers, {}
+
+    def record(self):
+        handles = [layer.register_forward_hook(lambda m, a, o, i=i: self.out.__setitem__(i, _clone(o)))
+                   for i, layer in enumerate(self.layers)]
+        return _Undo(lambda: [h.remove() for h in handles])
+
+    def replay(self, first: int):
+        n = min(first, len(self.layers))
+        for i in range(n):
+            self.layers[i].forward = lambda *a, _o=self.out[i], **k: _clone(_o)
+        return _Undo(lambda: [self.layers[i].__dict__.pop("forward", None) for i in range(n)])
+
+
+class _Undo:
+    def __init__(self, undo):
+        self.undo = undo
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
 
 
 def protocol_a_logits(model, ids: torch.Tensor, plan) -> torch.Tensor:
@@ -153,7 +214,8 @@ def teacher_forced(
     return out
 
 
-def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = True) -> dict[tuple[int, str], float]:
+def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = True,
+                     reuse_prefix: bool = True) -> dict[tuple[int, str], float]:
     """Model-level KL when only one layer's side is quantized, for every (layer, side) of ``plan``.
 
     ``samples``: int64 token ids, each ``[T_i]`` (held-out text; never the evaluation windows).
@@ -170,10 +232,11 @@ def side_sensitivity(model, samples: list[torch.Tensor], plan, progress: bool = 
     keys = [(layer, side) for layer in range(plan.num_layers) for side in ("k", "v")]
     return _mean_kl(model, samples, {key: side_only(plan, key[1], key[0]) for key in keys}, plan.sink_tokens + 2,
                     "sensitivity probe", progress,
-                    f"side_sensitivity needs a sample of at least sink_tokens + 2 = {plan.sink_tokens + 2} tokens")
+                    f"side_sensitivity needs a sample of at least sink_tokens + 2 = {plan.sink_tokens + 2} tokens",
+                    reuse_prefix)
 
 
-def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = True) -> dict:
+def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = True, reuse_prefix: bool = True) -> dict:
     """Model-level mean ``KL(P_16bit ‖ P_plan)`` in nats over every predicted position of
     ``samples``, for each plan of ``plans`` (any keys; values :class:`~kvcal.plan.KVPlan` or
     anything with ``fake_quant(layer, side, x)``), under Protocol A (every key and value attention
@@ -185,19 +248,27 @@ def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = T
     Every plan is scored on the same positions, so the results compare directly. Cost:
     ``1 + len(plans)`` forward passes per sample. Used by ``kvcal calibrate`` to choose the sink
     count on held-out samples."""
-    return _mean_kl(model, samples, plans, 2, "plan probe", progress, "plans_kl needs a sample of at least 2 tokens")
+    return _mean_kl(model, samples, plans, 2, "plan probe", progress, "plans_kl needs a sample of at least 2 tokens",
+                    reuse_prefix)
 
 
 def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc: str, progress: bool,
-             too_short: str) -> dict:
+             too_short: str, reuse_prefix: bool = True) -> dict:
     """Mean ``KL(P_16bit ‖ P_plan)`` (nats, float64) over every predicted position of the samples of
     at least ``min_len`` tokens, for each plan (Protocol A); ``ValueError(too_short)`` when none is.
-    Each sample's KL is one float64 sum over positions and vocabulary (:func:`kl_terms`)."""
+    Each sample's KL is one float64 sum over positions and vocabulary (:func:`kl_terms`).
+
+    ``reuse_prefix``: a plan whose first quantized layer is ``f`` (:func:`first_quantized_layer`) reuses
+    the unquantized pass's outputs of layers ``0..f-1`` (:func:`decoder_layers`) instead of recomputing
+    them — the same tensors the full pass would compute, so the result is unchanged; the per-layer probes
+    (one plan per layer) then cost about half the layer computations."""
     from tqdm.auto import tqdm
 
     kl_sum = dict.fromkeys(plans, 0.0)
     n = 0
     device = next(model.parameters()).device
+    first = {name: first_quantized_layer(plan) for name, plan in plans.items()}
+    layers = decoder_layers(model) if reuse_prefix and any(f > 0 for f in first.values()) else None
     bar = tqdm(total=len(samples) * len(plans), desc=desc, disable=not progress)
     with torch.no_grad():
         for ids in samples:
@@ -205,10 +276,13 @@ def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc
             if ids.shape[1] < min_len:
                 bar.update(len(plans))
                 continue
-            logp_ref = torch.log_softmax(protocol_a_logits(model, ids, None).double(), -1)
+            reuse = _PrefixReuse(layers) if layers else None
+            with reuse.record() if reuse else _Undo(lambda: None):
+                logp_ref = torch.log_softmax(protocol_a_logits(model, ids, None).double(), -1)
             n += ids.shape[1] - 1
             for name, plan in plans.items():
-                logp = torch.log_softmax(protocol_a_logits(model, ids, plan).double(), -1)
+                with reuse.replay(first[name]) if reuse else _Undo(lambda: None):
+                    logp = torch.log_softmax(protocol_a_logits(model, ids, plan).double(), -1)
                 kl_sum[name] += float(kl_terms(logp_ref, logp).sum())  # float64: >= 0 up to rounding
                 bar.update()
     bar.close()
