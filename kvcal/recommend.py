@@ -255,6 +255,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     "deployable", "bytes_per_token", "vs_16bit", "kl_mean", "delta_ppl", "ppl", "top1_agree", "status",
     "criteria", "failed"}], "sensitivity": {dtype: [KL per layer]}, "bytes_per_token_16bit",
     "commands": {"export": str | None, "serve": str} | None, "calibrated": {dtype: artifact directory name},
+    "artifact": the directory kept in ``cfg.out`` (the chosen dtype's calibrated artifact) or None,
     "scales": {dtype: str}, "data": {...}, "notes": [str], "passed"}``. ``calibrated``: the menu dtypes
     probed and evaluated with scales kvcal calibrated, each with its artifact's directory
     (:data:`CALIBRATIONS`; only the chosen dtype's is kept in ``cfg.out``); ``scales``:
@@ -410,6 +411,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                          "the whole corpus, which may overlap the evaluation windows; pass --eval-corpus for a "
                          "disjoint evaluation file")
         source = {d: scales_source(d, d in scales) for d in dict.fromkeys(cfg.dtypes)}
+        for d, name in artifact_of.items():  # the directory a note names is only there for the chosen dtype
+            if name != keep and d in source:
+                source[d] += f"; {name}/ not kept (only the chosen dtype's artifact stays in the output)"
         notes += [f"{d} rows: {s}" for d, s in source.items() if s != WRITE_TIME]  # calibrated, or vLLM's defaults
         at_write = [d for d, s in source.items() if s == WRITE_TIME]
         if at_write:
@@ -417,7 +421,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         doc.update({
             "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": serve_model,
             "passed": chosen is not None, "chosen": chosen, "commands": commands,
-            "calibrated": artifact_of, "scales": source,
+            "calibrated": artifact_of, "artifact": keep, "scales": source,
             "max_bytes_per_token": cfg.max_bytes_per_token, "max_skip": cfg.max_skip,
             "bytes_per_token_16bit": b16, "accept": cfg.accept or "kvcal evaluate defaults by precision",
             "data": {"probe": {"corpus": info["path"], "windows": len(probe), "context": T},

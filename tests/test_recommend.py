@@ -172,6 +172,9 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
     assert list(seen) == ["nvfp4", "nvfp4_dir"] and seen["nvfp4_dir"] == "artifact-nvfp4"
     assert doc["calibrated"] == {"nvfp4": "artifact-nvfp4"} and doc["chosen"] is None
     assert sorted(p.name for p in out.iterdir()) == ["deploy.json", "deploy.md"]
+    # the note naming the calibrated artifact's directory says it was not kept (it is not in OUT)
+    assert doc["artifact"] is None and doc["scales"]["nvfp4"].endswith(
+        "; artifact-nvfp4/ not kept (only the chosen dtype's artifact stays in the output)")
     sc = _outer_scales(seen["nvfp4"])
     assert any(x != 1.0 for x in sc["k_scales"] + sc["v_scales"])  # calibrated, not vLLM's default
     rows = {c["dtype"]: c for c in doc["candidates"]}
@@ -211,6 +214,7 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
                     log=lambda s: None, progress=False)
     assert doc["chosen"]["dtype"] == "nvfp4" and doc["chosen"]["skip_layers"] == []
     assert sorted(p.name for p in out.iterdir()) == ["artifact-nvfp4", "deploy.json", "deploy.md"]
+    assert doc["artifact"] == "artifact-nvfp4" and "not kept" not in doc["scales"]["nvfp4"]
     art = load_artifact(out / "artifact-nvfp4")
     assert art.metadata["vllm"]["kv_cache_dtype"] == "nvfp4"
     cmd = doc["commands"]["export"]

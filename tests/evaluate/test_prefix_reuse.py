@@ -5,7 +5,13 @@ import pytest
 import torch
 from conftest import TINY_LLAMA_16, save_tiny_llama
 
-from kvcal.evaluate.protocol_a import decoder_layers, first_quantized_layer, plans_kl, side_only, side_sensitivity
+from kvcal.evaluate.protocol_a import (
+    decoder_layers,
+    first_quantized_layer,
+    plans_kl,
+    side_only,
+    side_sensitivity,
+)
 
 L = 4
 
