@@ -57,6 +57,11 @@ _MODELOPT_V = re.compile(r"^model\.layers\.(\d+)\.self_attn\.v_proj\.v_scale$")
 #: ``k_scale``/``v_scale`` parameters exist to load into). Source: vLLM
 #: ``layers/quantization/{compressed_tensors,fp8,modelopt,quark}.py`` ``get_quant_method``.
 VLLM_KV_QUANT_METHODS = frozenset({"compressed-tensors", "fp8", "modelopt", "modelopt_fp4", "quark"})
+#: quant_method values under which vLLM 0.33 maps the old ``{k,v}_proj.output_scale`` names to the attention
+#: layer's ``k_scale``/``v_scale``: ``Fp8Config.get_cache_scale_mapper`` (``layers/quantization/fp8.py``) and
+#: ``QuarkConfig.get_cache_scale_mapper`` (``quark/quark.py``); the base mapper (compressed-tensors, ModelOpt)
+#: and ``weight_utils.maybe_remap_kv_scale_name`` do not.
+VLLM_OUTPUT_SCALE_METHODS = frozenset({"fp8", "quark"})
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ def vllm_remap(name: str) -> RemappedName | None:
 
     Returns ``None`` for a name vLLM would not recognise as a KV scale (its value is then never
     loaded). ``...self_attn.kv_scale`` maps to ``k_scale`` (vLLM copies it to ``v_scale`` after
-    loading); ``{k,v}_proj.output_scale`` maps to the side's scale (rule ``output_scale``).
+    loading); ``{k,v}_proj.output_scale`` maps to the side's scale (rule ``output_scale``; vLLM 0.33 applies
+    it only under the quant methods in :data:`VLLM_OUTPUT_SCALE_METHODS`, which the load simulators check).
     """
     for pat, kind in _VLLM_RULES:
         m = pat.match(name)
@@ -162,9 +168,13 @@ def _vllm_like(
         )
     strategy = (qc.get("kv_cache_scheme") or {}).get("strategy", "tensor") if method == "compressed-tensors" else "tensor"
     found: dict[tuple[int, str], list[tuple[str, list[float], str]]] = {}
+    ignored_output_scale = []
     for name, t in tensors.items():
         r = vllm_remap(name)
         if r is None or r.param == "q_scale":
+            continue
+        if r.rule == "output_scale" and engine == "vLLM" and method not in VLLM_OUTPUT_SCALE_METHODS:
+            ignored_output_scale.append(name)
             continue
         vals = _values(t)
         shape = tuple(t.shape)
@@ -172,6 +182,11 @@ def _vllm_like(
             vals = vals[:1]  # vLLM uses only the first element of the old pre-RoPE output_scale
             shape = (1,)
         found.setdefault((r.layer, r.param), []).append((name, vals, "x".join(map(str, shape)) or "scalar"))
+    if ignored_output_scale:
+        rep.notes.append(f"{len(ignored_output_scale)} {{k,v}}_proj.output_scale tensor(s) (e.g. {ignored_output_scale[0]}) "
+                         f"are not KV-cache scales under quant_method={method!r}: vLLM 0.33 maps them to k/v_scale only "
+                         f"for {'/'.join(sorted(VLLM_OUTPUT_SCALE_METHODS))} (Fp8Config / QuarkConfig "
+                         "get_cache_scale_mapper); rename them to ...self_attn.{k,v}_scale")
     for i in range(num_layers):
         got = {}
         errs = []

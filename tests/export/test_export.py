@@ -190,12 +190,16 @@ def test_vllm_simulator_rules(names, status, k, v):
 
 
 def test_vllm_simulator_shapes_and_config():
-    """The vLLM simulator reads the first element of old output_scale tensors, errors on per-head shapes under
-    a per-tensor scheme, falls back without a quantization_config, and reports a problem for another
-    quant_method."""
+    """The vLLM simulator reads the first element of old output_scale tensors under quant_method fp8 (vLLM 0.33
+    maps them only in Fp8Config/QuarkConfig.get_cache_scale_mapper) and, under compressed-tensors, ignores them
+    with a note (the layer falls back to 1.0); it errors on per-head shapes under a per-tensor scheme, falls back
+    without a quantization_config, and reports a problem for another quant_method."""
     old = {"model.layers.0.self_attn.k_proj.output_scale": torch.tensor([0.5, 9.0]),
            "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([0.25])}
-    assert simulate_vllm(old, 1, H_KV, CT_QC).layers[0].k == [0.5]  # first element only
+    assert simulate_vllm(old, 1, H_KV, {"quant_method": "fp8"}).layers[0].k == [0.5]  # first element only
+    ct = simulate_vllm(old, 1, H_KV, CT_QC)
+    assert (ct.layers[0].status, ct.layers[0].k, ct.layers[0].v) == ("fallback", [1.0], [1.0])
+    assert any("output_scale" in n and "compressed-tensors" in n for n in ct.notes)
     per_head = {vllm_names(0)["k"]: torch.ones(H_KV, 1, 1), vllm_names(0)["v"]: torch.ones(H_KV, 1, 1)}
     assert simulate_vllm(per_head, 1, H_KV, CT_QC).layers[0].status == "error"  # needs attn_head
     ok = {n: torch.tensor([0.1]) for n in vllm_names(0).values()}
