@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -87,8 +88,12 @@ def decoder_layers(model) -> list | None:
 
 
 def _clone(out):
-    return out.clone() if isinstance(out, torch.Tensor) else type(out)(_clone(o) for o in out) \
-        if isinstance(out, tuple) else out
+    """A copy of a decoder layer's output (a tensor, or a tuple of them), so later layers cannot alter it."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_clone(o) for o in out)
+    return out
 
 
 class _PrefixReuse:
@@ -99,27 +104,26 @@ class _PrefixReuse:
     def __init__(self, layers: list):
         self.layers, self.out = layers, {}
 
+    @contextmanager
     def record(self):
         handles = [layer.register_forward_hook(lambda m, a, o, i=i: self.out.__setitem__(i, _clone(o)))
                    for i, layer in enumerate(self.layers)]
-        return _Undo(lambda: [h.remove() for h in handles])
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
+    @contextmanager
     def replay(self, first: int):
         n = min(first, len(self.layers))
         for i in range(n):
             self.layers[i].forward = lambda *a, _o=self.out[i], **k: _clone(_o)
-        return _Undo(lambda: [self.layers[i].__dict__.pop("forward", None) for i in range(n)])
-
-
-class _Undo:
-    def __init__(self, undo):
-        self.undo = undo
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.undo()
+        try:
+            yield
+        finally:
+            for i in range(n):
+                self.layers[i].__dict__.pop("forward", None)
 
 
 def protocol_a_logits(model, ids: torch.Tensor, plan) -> torch.Tensor:
@@ -277,11 +281,11 @@ def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc
                 bar.update(len(plans))
                 continue
             reuse = _PrefixReuse(layers) if layers else None
-            with reuse.record() if reuse else _Undo(lambda: None):
+            with reuse.record() if reuse else nullcontext():
                 logp_ref = torch.log_softmax(protocol_a_logits(model, ids, None).double(), -1)
             n += ids.shape[1] - 1
             for name, plan in plans.items():
-                with reuse.replay(first[name]) if reuse else _Undo(lambda: None):
+                with reuse.replay(first[name]) if reuse else nullcontext():
                     logp = torch.log_softmax(protocol_a_logits(model, ids, plan).double(), -1)
                 kl_sum[name] += float(kl_terms(logp_ref, logp).sum())  # float64: >= 0 up to rounding
                 bar.update()
