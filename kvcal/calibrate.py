@@ -361,13 +361,13 @@ def _channel_ranges(cap: CaptureResult, layers_meta: list[dict]) -> None:
             lm[side]["channel_absmax"] = getattr(cap.stats, side)[i].finalize()["absmax"].float().tolist()
 
 
-def _search(cfg, cap, mmeta, progress, log, probe) -> SearchResult:
+def _search(cfg, cap, mmeta, progress, log, probe, int_path: bool) -> SearchResult:
     """Run the search the options name: integer presets / ``--bits`` (:func:`search_int`), vLLM NVFP4
     outer scales, vLLM FP8 k/v/q scales, or kvcal's static FP8 scales — one
     :class:`~kvcal.search.result.SearchResult` whichever it is."""
     from kvcal.search.fp8 import static_result
 
-    if cfg.bits is not None or cfg.preset != "fp8":
+    if int_path:
         return search_int(cap, preset=None if cfg.bits is not None else cfg.preset, bits=cfg.bits,
                           sinks=cfg.sink_tokens, residual_window=cfg.residual_window,
                           key_centering=cfg.key_centering, objective_k=cfg.objective_k,
@@ -400,7 +400,7 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     probe = None
     if int_path and cfg.probe_tokens > 0 and (cfg.bits is not None or cfg.sink_tokens is None):
         probe = _held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
-    res = _search(cfg, cap, mmeta, progress, log, probe)
+    res = _search(cfg, cap, mmeta, progress, log, probe, int_path)
     _channel_ranges(cap, res.layers_meta)
     tensors = res.plan.to_tensors()
     meta = {
