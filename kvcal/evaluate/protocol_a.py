@@ -256,11 +256,27 @@ def plans_kl(model, samples: list[torch.Tensor], plans: dict, progress: bool = T
                     reuse_prefix)
 
 
+def plans_kl_nll(model, samples: list[torch.Tensor], plans: dict, progress: bool = True,
+                 reuse_prefix: bool = True) -> tuple[dict, dict]:
+    """:func:`plans_kl` and, from the same forward passes, the mean NLL of the next token (nats per
+    predicted position, float64) under each plan and under the unquantized model (key ``"16-bit"``).
+
+    Returns ``(kl, nll)``: ``kl[name]`` as :func:`plans_kl`; ``nll[name]`` and ``nll["16-bit"]``, so
+    ``nll[name] − nll["16-bit"]`` is the plan's ΔNLL and ``exp`` of the difference its perplexity
+    ratio. Same samples, cost and errors as :func:`plans_kl`."""
+    nll: dict = {}
+    kl = _mean_kl(model, samples, plans, 2, "plan probe", progress, "plans_kl_nll needs a sample of at least 2 tokens",
+                  reuse_prefix, nll_out=nll)
+    return kl, nll
+
+
 def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc: str, progress: bool,
-             too_short: str, reuse_prefix: bool = True) -> dict:
+             too_short: str, reuse_prefix: bool = True, nll_out: dict | None = None) -> dict:
     """Mean ``KL(P_16bit ‖ P_plan)`` (nats, float64) over every predicted position of the samples of
     at least ``min_len`` tokens, for each plan (Protocol A); ``ValueError(too_short)`` when none is.
     Each sample's KL is one float64 sum over positions and vocabulary (:func:`kl_terms`).
+    ``nll_out``: when given, filled with each plan's (and ``"16-bit"``'s) mean next-token NLL
+    (nats, float64) over the same positions.
 
     ``reuse_prefix``: a plan whose first quantized layer is ``f`` (:func:`first_quantized_layer`) reuses
     the unquantized pass's outputs of layers ``0..f-1`` (:func:`decoder_layers`) instead of recomputing
@@ -269,6 +285,7 @@ def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc
     from tqdm.auto import tqdm
 
     kl_sum = dict.fromkeys(plans, 0.0)
+    nll_sum = dict.fromkeys([*plans, "16-bit"], 0.0)
     n = 0
     device = next(model.parameters()).device
     first = {name: first_quantized_layer(plan) for name, plan in plans.items()}
@@ -284,12 +301,19 @@ def _mean_kl(model, samples: list[torch.Tensor], plans: dict, min_len: int, desc
             with reuse.record() if reuse else nullcontext():
                 logp_ref = torch.log_softmax(protocol_a_logits(model, ids, None).double(), -1)
             n += ids.shape[1] - 1
+            targets = ids[0, 1:, None].to(logp_ref.device)
+            if nll_out is not None:
+                nll_sum["16-bit"] -= float(logp_ref[0].gather(-1, targets).sum())
             for name, plan in plans.items():
                 with reuse.replay(first[name]) if reuse else nullcontext():
                     logp = torch.log_softmax(protocol_a_logits(model, ids, plan).double(), -1)
                 kl_sum[name] += float(kl_terms(logp_ref, logp).sum())  # float64: >= 0 up to rounding
+                if nll_out is not None:
+                    nll_sum[name] -= float(logp[0].gather(-1, targets).sum())
                 bar.update()
     bar.close()
     if n == 0:
         raise ValueError(too_short)
+    if nll_out is not None:
+        nll_out.update({k: v / n for k, v in nll_sum.items()})
     return {k: v / n for k, v in kl_sum.items()}

@@ -73,3 +73,27 @@ def test_side_sensitivity_is_unchanged(tiny, one_thread):
     a = side_sensitivity(tiny, _samples(), plan, progress=False)
     b = side_sensitivity(tiny, _samples(), plan, progress=False, reuse_prefix=False)
     assert a == b and len(a) == 2 * L
+
+
+def test_plans_kl_nll_matches_an_independent_float64_nll(tiny, one_thread):
+    """plans_kl_nll's NLL is the mean of -log p(next token) over every predicted position, computed here
+    independently from the model's logits in float64 (the same logits and log_softmax, so the per-sample sums
+    agree exactly; only the order of the final sum over samples may differ: 2 terms, 1 rounding, so the
+    comparison allows 4 ulp of the mean). Its KLs are plans_kl's, bit for bit, with and without prefix reuse."""
+    from kvcal.evaluate.protocol_a import plans_kl_nll, protocol_a_logits
+    from kvcal.search.skip_layers import probe_plans
+
+    plans = {i: p for i, p in probe_plans("int4_per_token_head", L).items() if i in (0, 2)}
+    kl, nll = plans_kl_nll(tiny, _samples(), plans, progress=False)
+    kl_full, nll_full = plans_kl_nll(tiny, _samples(), plans, progress=False, reuse_prefix=False)
+    assert kl == plans_kl(tiny, _samples(), plans, progress=False) and kl == kl_full and nll == nll_full
+    assert set(nll) == {0, 2, "16-bit"}
+    with torch.no_grad():
+        for name, plan in [("16-bit", None), (0, plans[0]), (2, plans[2])]:
+            tot, n = 0.0, 0
+            for ids in _samples():
+                logp = torch.log_softmax(protocol_a_logits(tiny, ids[None], plan).double(), -1)[0]
+                tot += -float(logp[torch.arange(len(ids) - 1), ids[1:]].sum())
+                n += len(ids) - 1
+            assert nll[name] == pytest.approx(tot / n, rel=4 * 2.0**-52, abs=0)
+    assert nll[0] != nll["16-bit"] and nll[2] != nll["16-bit"]  # the int4 cache moves the NLL
