@@ -1,7 +1,8 @@
 """Exact torch emulations of vLLM 0.33's ``--kv-cache-dtype`` formats (torch only).
 
 Each dtype is re-stated from vLLM 0.33.0's Python/Triton source (read from the released wheel,
-``pip download vllm==0.33.0 --no-deps``); paths below are inside that wheel's ``vllm/`` package.
+``pip download vllm==0.33.0 --no-deps``); paths below are inside that wheel's ``vllm/`` package,
+except ``csrc/...`` (vLLM's CUDA source, compiled into the wheel's ``_C_stable_libtorch.abi3.so``).
 Every function works on post-RoPE keys / values shaped ``[B, H_kv, S, D]`` (vLLM quantizes at the
 cache write, after RoPE: ``Attention.forward`` → ``do_kv_cache_update``) and on queries shaped
 ``[B, H_q, S, D]``. Fake-quant functions return float32 tensors of the input's shape (vLLM's
@@ -20,7 +21,8 @@ kernels dequantize in fp32); cast as needed.
 ``int4_per_token_head``     randomized Hadamard transform (RHT), then asymmetric 4-bit codes
                             with the 4-bit zero point hidden in the fp32 scale's low mantissa
 ``nvfp4`` / ``nvfp4_4over6``  E2M1 in 16-channel blocks with e4m3 block scales computed at write
-                            time, times the static outer scale ``k_scale`` / ``v_scale``
+                            time, times the static outer scale ``k_scale`` / ``v_scale``;
+                            4over6 keeps per block the lower-error of the max/6 and max/4 scales
 ``turboquant_*``            keys: Hadamard-rotated unit vector → Lloyd-Max codes + fp16 norm
                             (or raw e4m3 for k8); values: 3/4-bit min/max codes + fp16 scale/zero
 =========================  ==================================================================
@@ -56,12 +58,16 @@ FP8_CAST_SATURATES = True
 #: int4_per_token_head's RHT: the PyTorch butterfly in float32 (vLLM's CPU tier). On CUDA SM80+
 #: vLLM uses the hadacore kernel, which rounds its input and output to bfloat16 first.
 INT4_RHT_WORK_DTYPE = torch.float32
-#: nvfp4_4over6: vLLM 0.33 documents only "selects between max/6 and max/4 scales per 16 values
-#: by minimizing squared reconstruction error" (``config/cache.py``); the store kernel is
-#: compiled (FlashInfer / csrc), not in the wheel. Emulated: both candidates quantized as
-#: nvfp4, error = sum of squared fp32 dequantization errors over the block, max/4 chosen only
-#: when strictly smaller. UNVERIFIED on a GPU (SM100).
-NVFP4_4OVER6_TIE = "prefer_6"
+#: nvfp4 / nvfp4_4over6 store kernel (SM100: ``reshape_and_cache_nvfp4_kernel``, see
+#: :func:`nvfp4_quantize`): every reciprocal in it is ``reciprocal_approximate_ftz`` =
+#: ``rcp.approx.ftz.f32`` (SASS ``MUFU.RCP`` in the wheel's sm_100 cubin): 1/global scale, the
+#: output scale 1/(s·outer) and, for nvfp4_4over6, the error's dequantization multiplier
+#: 1/output scale. ``"ieee"`` emulates each as the correctly rounded float32 reciprocal; the PTX ISA
+#: bounds rcp.approx to 1 ulp, so the GPU may differ in the last bit (then a value lying on an E2M1
+#: rounding boundary, or a near-tie between the two 4over6 candidates, can go the other way). The
+#: constant 1/6 is not one of them: ptxas folded it to the correctly rounded 0x3E2AAAAB (``FMUL
+#: R, R, 0.16666667``). No other option is emulated; only a GPU run can settle this one.
+NVFP4_RCP = "ieee"
 #: Triton compiles with ``enable_fp_fusion=True`` by default, so ``a*b + c`` in a Triton kernel may
 #: run as one fused multiply-add (one rounding instead of two). Where that pattern appears —
 #: int8 per-token-head rounding (``x·inv ± 0.5``), int4 codes (``r·inv + zp``), turboquant value
@@ -127,9 +133,11 @@ VLLM_DTYPES: dict[str, VllmKVDType] = {d.name: d for d in (
                 "v1/attention/ops/int4_per_token_head.py"),
     VllmKVDType("nvfp4", "NVFP4", True, True, True, False,
                 "v1/attention/backends/flashinfer.py, model_executor/layers/quantization/utils/"
-                "nvfp4_emulation_utils.py (ref_nvfp4_quant)"),
+                "nvfp4_emulation_utils.py (ref_nvfp4_quant); csrc nvfp4_kv_cache_kernels.cu (SM100 store)"),
     VllmKVDType("nvfp4_4over6", "NVFP4", True, True, True, False,
-                "config/cache.py (cache_dtype docstring); layout as nvfp4"),
+                "v1/attention/backends/flashinfer.py; csrc/libtorch_stable/quantization/fp4/"
+                "nvfp4_kv_cache_kernels.cu (NVFP4KVScaleSearch::FOUR_OVER_SIX), checked against the "
+                "wheel's sm_100 SASS; layout as nvfp4"),
     VllmKVDType("turboquant_k8v4", "TURBOQUANT_K8V4", False, False, False, True, _TQ_SRC),
     VllmKVDType("turboquant_4bit_nc", "TURBOQUANT_4BIT_NC", False, False, False, True, _TQ_SRC),
     VllmKVDType("turboquant_k3v4_nc", "TURBOQUANT_K3V4_NC", False, False, False, True, _TQ_SRC),
@@ -397,16 +405,71 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     return _E2M1_GRID.to(a.device)[idx] * torch.sign(y)
 
 
-def _nvfp4_candidate(xb: torch.Tensor, inv_outer: torch.Tensor, e2m1_max: float):
-    """One NVFP4 candidate for blocks ``xb`` [..., nb, 16] (fp32): e4m3 block scale and E2M1 values
-    (``ref_nvfp4_quant`` with ``global_scale = 1/outer``)."""
+def _rcp(x: torch.Tensor) -> torch.Tensor:
+    """``reciprocal_approximate_ftz`` (``rcp.approx.ftz.f32``) as :data:`NVFP4_RCP` says: the
+    correctly rounded float32 ``1/x``. Callers keep ``x`` nonzero."""
+    if NVFP4_RCP != "ieee":
+        raise VllmDTypeError(f"NVFP4_RCP={NVFP4_RCP!r}: only 'ieee' is emulated")
+    return 1.0 / x
+
+
+def _ffma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """SASS ``FFMA``: float32 ``a·b + c`` rounded once (nearest even), exactly, for finite float32
+    inputs whose results stay in range. ``a·b`` is exact in float64 (24+24 bits); the float64 sum
+    ``t`` carries its own rounding error ``r`` (TwoSum: ``a·b + c == t + r`` exactly). Rounding ``t``
+    to float32 equals rounding the exact sum unless ``t`` lies exactly halfway between two float32
+    numbers and ``r != 0``; then the exact sum is on ``r``'s side of that midpoint."""
+    p = a.double() * b.double()
+    c64 = c.double()
+    t = p + c64
+    bp = t - p
+    r = (p - (t - bp)) + (c64 - bp)
+    t32 = t.to(torch.float32)
+    away = torch.where(t > t32.double(), math.inf, -math.inf).to(torch.float32)
+    nb = torch.nextafter(t32, away)  # the float32 neighbour on t's other side
+    mid = (t != t32.double()) & (2.0 * t == t32.double() + nb.double())
+    fix = mid & (r != 0)
+    hi, lo = torch.maximum(t32, nb), torch.minimum(t32, nb)
+    return torch.where(fix, torch.where(r > 0, hi, lo), t32)
+
+
+def _nvfp4_candidate(xb: torch.Tensor, inv_outer: torch.Tensor, divisor: float):
+    """One NVFP4 block-scale candidate for blocks ``xb`` [..., nb, 16] (fp32): ``(e4m3 block scale s
+    fp32 [..., nb, 1], output scale fp32 [..., nb, 1], E2M1 values fp32 [..., nb, 16])``.
+
+    ``s = e4m3_sat(global·(amax·(1/divisor)))`` with ``global = 1/outer`` (``inv_outer``), output
+    scale ``1/(s·(1/global))``, 0 where ``s == 0``; values ``e2m1(x·output scale)``. This is
+    ``cvt_warp_fp16_to_fp4`` (divisor 6) and ``nvfp4_candidate_scale`` (divisor 6 or 4) of vLLM
+    0.33's store kernel (see :func:`nvfp4_quantize`); ``ref_nvfp4_quant`` (the wheel's Python) differs
+    only in its zero guard (output scale 1e-8 instead of 0, the same values unless a zero-scale
+    block holds |x| > 2.5e7, which needs an outer scale > 4e9)."""
     vec_max = xb.abs().amax(dim=-1, keepdim=True)
-    s = inv_outer * (vec_max * (1.0 / e2m1_max))
+    s = inv_outer * (vec_max * (1.0 / divisor))  # 1/6 -> float32 0x3E2AAAAB (folded by ptxas); 1/4 exact
     s8 = _cast_fp8(s, FP8_E4M3_MAX, torch.float8_e4m3fn).to(torch.float32)
-    denom = s8 * (1.0 / inv_outer)
-    out_scale = 1.0 / (denom + (denom == 0).to(torch.float32) * 1e8)  # get_reciprocal's zero guard
+    nz = s8 != 0
+    out_scale = torch.where(nz, _rcp(torch.where(nz, s8 * _rcp(inv_outer), 1.0)), 0.0)
     e = e2m1_round((xb * out_scale).clamp(-E2M1_MAX, E2M1_MAX))
-    return s8, e
+    return s8, out_scale, e
+
+
+def _nvfp4_block_sse(xb: torch.Tensor, e: torch.Tensor, out_scale: torch.Tensor) -> torch.Tensor:
+    """``nvfp4_reconstruction_error`` of vLLM 0.33's store kernel for blocks ``xb`` [..., nb, 16]
+    (fp32), their E2M1 values ``e`` and output scale [..., nb, 1]: fp32 [..., nb, 1].
+
+    Per element ``d = q·dq − x`` with ``dq = 1/output scale`` (0 where the output scale is 0, so
+    ``d = −x``), per pair ``(x, y) = (elements 2k, 2k+1)`` ``p = dx·dx + dy·dy``, summed in order
+    ``((0 + p0) + p1) + … + p7`` in float32 (16 elements per thread, ``CVT_FP4_PACK16``: CUDA 13
+    build, no shuffle). The wheel's sm_100 SASS contracts ``d`` to ``FFMA(q, dq, −x)`` and ``p`` to
+    ``FFMA(dx, dx, FMUL(dy, dy))``; the sum is plain ``FADD``."""
+    nz = out_scale != 0
+    dq = torch.where(nz, _rcp(torch.where(nz, out_scale, 1.0)), 0.0).expand_as(e)
+    d = _ffma(e, dq, -xb)
+    dx, dy = d[..., 0::2], d[..., 1::2]
+    p = _ffma(dx, dx, dy * dy)  # [..., nb, 8]
+    err = p[..., 0:1]  # FADD(0, p0) = p0
+    for k in range(1, p.shape[-1]):
+        err = err + p[..., k:k + 1]
+    return err
 
 
 def nvfp4_quantize(x: torch.Tensor, outer_scale=1.0, *, four_over_six: bool = False
@@ -415,30 +478,51 @@ def nvfp4_quantize(x: torch.Tensor, outer_scale=1.0, *, four_over_six: bool = Fa
 
     ``x`` [B, H_kv, S, D], D a multiple of 16 (blocks of 16 consecutive channels of one token and
     head; vLLM's page holds ``D/2`` data bytes + ``D/16`` scale bytes per head,
-    ``utils/torch_utils.py`` ``nvfp4_kv_cache_full_dim``). ``outer_scale``: the static
-    ``k_scale``/``v_scale`` (a scalar; 1.0 when the checkpoint has none) — a dequantization
-    multiplier, i.e. vLLM's NVFP4 ``global_scale`` is ``1/outer_scale``. Per block, fp32:
-    ``s = (1/outer)·(amax·(1/6))`` cast to e4m3 (saturating, nearest even; small blocks give
-    subnormal or zero scales), values ``e2m1(clamp(x·(1/(s·outer)), ±6))``
-    (``ref_nvfp4_quant``; the FlashInfer store kernel itself is compiled, not in the wheel).
-    ``four_over_six``: see :data:`NVFP4_4OVER6_TIE`. Returns ``(e2m1 values fp32 [B,H,S,D],
-    block scales float8_e4m3fn [B,H,S,D/16])``. Raises :class:`VllmDTypeError` for D % 16 or a
-    non-scalar / non-positive outer scale."""
+    ``utils/torch_utils.py`` ``nvfp4_kv_cache_full_dim``), values as the model dtype holds them
+    (the kernel reads bf16/fp16). ``outer_scale``: the static ``k_scale``/``v_scale`` (a scalar; 1.0
+    when the checkpoint has none), a dequantization multiplier: the kernel's ``global_scale`` is
+    ``1.0f / k_scale``. Per block, fp32: ``s = e4m3_sat(global·(amax·(1/6)))`` (round to nearest
+    even, saturating at 448; small blocks give subnormal or zero scales), values
+    ``e2m1(x·1/(s·(1/global)))`` (:func:`_nvfp4_candidate`).
+
+    ``four_over_six`` (``nvfp4_4over6``): a second candidate with ``amax·(1/4)`` (same global
+    scale, same e4m3 range: no 256 cap as in TransformerEngine's 4over6), each candidate's error
+    computed as :func:`_nvfp4_block_sse` (squared error in the input's units, outer scale included,
+    float32), and max/4 kept only when its error is strictly smaller (``use4 = err4 < err6``:
+    equal errors keep max/6). The stored values are the chosen candidate's.
+
+    Source: vLLM 0.33 writes both through ``torch.ops._C_cache_ops.reshape_and_cache_flash`` with
+    the dtype string (``v1/attention/backends/flashinfer.py`` ``do_kv_cache_update``, SM100 /
+    trtllm-gen path; nvfp4_4over6 runs nowhere else), compiled from vLLM's
+    ``csrc/libtorch_stable/quantization/fp4/nvfp4_kv_cache_kernels.cu`` (the revision whose enum
+    ``NVFP4KVScaleSearch`` is ``{DEFAULT, FOUR_OVER_SIX}`` and whose error reads "Unsupported NVFP4
+    KV cache dtype", as the 0.33 binary's symbols and strings do; line numbers of that revision):
+    ``reshape_and_cache_nvfp4_dispatch`` maps "nvfp4" / "nvfp4_4over6" to
+    ``NVFP4KVScaleSearch::DEFAULT`` / ``FOUR_OVER_SIX``; ``round_to_nearest_e2m1`` (lines 51-73, ties
+    to even as ``cvt.rn.satfinite.e2m1x2``), ``nvfp4_candidate_scale`` (75-89),
+    ``nvfp4_reconstruction_error`` (91-116), ``cvt_warp_fp16_to_fp4_4over6`` (118-161);
+    ``cvt_warp_fp16_to_fp4`` and ``reciprocal_approximate_ftz`` in ``nvfp4_utils.cuh``. Checked
+    against the wheel's compiled kernel (``_C_stable_libtorch.abi3.so``, sm_100 cubin of
+    ``reshape_and_cache_nvfp4_kernel<BFloat16, FOUR_OVER_SIX>``, nvdisasm 13.5): the enum has only
+    the two values, the E2M1 compares are ≤ at 0.25/1.25/2.5/5 and < at 0.75/1.75/3.5, the choice
+    is ``FSETP.GEU err4, err6`` selecting max/6 on ≥. The reciprocals are the one GPU-only detail
+    (:data:`NVFP4_RCP`).
+
+    Returns ``(e2m1 values fp32 [B,H,S,D], block scales float8_e4m3fn [B,H,S,D/16])``. Raises
+    :class:`VllmDTypeError` for D % 16 or a non-scalar / non-positive outer scale."""
     _check_4d(x, "x")
     B, H, S, D = x.shape
     if D % NVFP4_BLOCK:
         raise VllmDTypeError(f"nvfp4 needs head_dim a multiple of {NVFP4_BLOCK}, got {D}")
     o = _static_scale(outer_scale, 1, "nvfp4 outer scale (k_scale/v_scale)").reshape(())
-    inv = 1.0 / o
+    inv = 1.0 / o  # global_scale = 1.0f / k_scale (IEEE division)
     xb = x.to(torch.float32).reshape(B, H, S, D // NVFP4_BLOCK, NVFP4_BLOCK)
-    s8, e = _nvfp4_candidate(xb, inv, E2M1_MAX)
+    s8, out6, e = _nvfp4_candidate(xb, inv, E2M1_MAX)
     if four_over_six:
-        s4, e4 = _nvfp4_candidate(xb, inv, 4.0)
-        err6 = ((e * s8 * o - xb) ** 2).sum(dim=-1, keepdim=True)
-        err4 = ((e4 * s4 * o - xb) ** 2).sum(dim=-1, keepdim=True)
-        take4 = err4 < err6 if NVFP4_4OVER6_TIE == "prefer_6" else err4 <= err6
-        s8 = torch.where(take4, s4, s8)
-        e = torch.where(take4, e4, e)
+        s4, out4, e4 = _nvfp4_candidate(xb, inv, 4.0)
+        use4 = _nvfp4_block_sse(xb, e4, out4) < _nvfp4_block_sse(xb, e, out6)  # ties keep max/6
+        s8 = torch.where(use4, s4, s8)
+        e = torch.where(use4, e4, e)
     return e.reshape(B, H, S, D), s8.reshape(B, H, S, D // NVFP4_BLOCK).to(torch.float8_e4m3fn)
 
 
@@ -734,7 +818,7 @@ def layer_bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_di
 
 __all__ = [
     "VLLM_VERSION", "VLLM_DTYPES", "VllmKVDType", "VllmDTypeError", "vllm_dtype", "TQ_PRESETS",
-    "KV_FP8_STORE_OP", "QUERY_FP8_OP", "FP8_CAST_SATURATES", "INT4_RHT_WORK_DTYPE", "NVFP4_4OVER6_TIE",
+    "KV_FP8_STORE_OP", "QUERY_FP8_OP", "FP8_CAST_SATURATES", "INT4_RHT_WORK_DTYPE", "NVFP4_RCP",
     "TRITON_FP_FUSION",
     "fp8_static_quantize", "fp8_static_fake_quant", "query_fp8_fake_quant",
     "per_token_head_quantize", "per_token_head_fake_quant",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
+from fractions import Fraction
 
 import pytest
 import torch
@@ -285,36 +286,195 @@ def test_nvfp4_saturates_at_448_block_scale():
     assert torch.equal(got.double(), ref_nvfp4(x, 1e-4)[0].reshape(x.shape))
 
 
+# nvfp4_4over6: vLLM 0.33 csrc/libtorch_stable/quantization/fp4/nvfp4_kv_cache_kernels.cu
+# (nvfp4_candidate_scale, nvfp4_reconstruction_error, cvt_warp_fp16_to_fp4_4over6), re-stated below
+# per block in exact rational arithmetic: r32 rounds each float32 operation the kernel does, once per
+# fused multiply-add (the wheel's sm_100 SASS: FFMA(q, dq, -x), FFMA(dx, dx, FMUL(dy, dy)), FADD).
+def r32(v):
+    """Fraction ``v`` rounded to float32 (nearest, ties to even, subnormal quantum 2^-149), from integers."""
+    if v == 0:
+        return Fraction(0)
+    a = abs(v)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1  # 2^e <= a < 2^(e+1)
+    quantum = Fraction(2) ** (max(e, -126) - 23)
+    n = a / quantum
+    f = n.numerator // n.denominator
+    rem = n - f
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and f % 2 == 1):
+        f += 1
+    return f * quantum if v > 0 else -f * quantum
+
+
+_E2M1_FR = [Fraction(v) for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)]
+
+
+def e2m1_fr(v):
+    """round_to_nearest_e2m1 / cvt.rn.satfinite.e2m1x2: nearest E2M1 magnitude, ties to the even code,
+    saturating at 6."""
+    a = min(abs(v), Fraction(6))
+    i = min(range(8), key=lambda k: (abs(a - _E2M1_FR[k]), k % 2))
+    return _E2M1_FR[i] if v >= 0 else -_E2M1_FR[i]
+
+
+def ref_nvfp4_4over6_block(xs, outer):
+    """One 16-value block (float32 values as python floats) and the outer scale (a float32 value):
+    ``(chosen e4m3 block scale, 16 E2M1 values, err6, err4)`` as Fractions."""
+    gs = r32(1 / Fraction(outer))  # global_scale = 1.0f / k_scale
+    vmax = max(abs(Fraction(v)) for v in xs)
+    cand = []
+    for div in (6, 4):
+        sf = r32(gs * r32(vmax * r32(Fraction(1, div))))
+        s = Fraction(float(fp8_round(torch.tensor([float(sf)], dtype=F64))[0]))  # e4m3, saturating
+        out = r32(1 / r32(s * r32(1 / gs))) if s else Fraction(0)
+        dq = r32(1 / out) if out else Fraction(0)
+        q = [e2m1_fr(r32(Fraction(v) * out)) for v in xs]
+        d = [r32(qi * dq - Fraction(v)) for qi, v in zip(q, xs)]
+        err = Fraction(0)
+        for k in range(8):
+            err = r32(err + r32(d[2 * k] * d[2 * k] + r32(d[2 * k + 1] * d[2 * k + 1])))
+        cand.append((err, s, q))
+    (e6, s6, q6), (e4, s4, q4) = cand
+    s, q = (s4, q4) if e4 < e6 else (s6, q6)
+    return s, q, e6, e4
+
+
+def ref_nvfp4_4over6(x, outer):
+    """[B,H,S,D] float32 -> (block scales float64 [B,H,S,D/16], E2M1 values float64 [B,H,S,D])."""
+    B, H, S, D = x.shape
+    xb = x.reshape(-1, 16).tolist()
+    res = [ref_nvfp4_4over6_block(b, outer) for b in xb]
+    scales = torch.tensor([float(r[0]) for r in res], dtype=F64).reshape(B, H, S, D // 16)
+    vals = torch.tensor([[float(v) for v in r[1]] for r in res], dtype=F64).reshape(B, H, S, D)
+    return scales, vals
+
+
+def _one_block(vals):
+    return torch.tensor(vals, dtype=torch.float32).reshape(1, 1, 1, 16)
+
+
+def test_r32_and_ffma_hand_worked():
+    """r32 on hand-worked points; kvcal's FFMA rounds once where float64-then-float32 rounds twice:
+    (1+2^-23)·2^-24·(1-2^-23) + (1+2^-23) = 1 + 2^-23 + 2^-24 - 2^-70 lies just below the midpoint
+    1 + 3·2^-24, so the fused result is 1 + 2^-23; float64 rounds onto the midpoint, which then goes to
+    the even 1 + 2^-22."""
+    assert r32(Fraction(1, 3)) == Fraction(11184811, 2 ** 25)  # 0x3EAAAAAB
+    assert r32(1 + Fraction(3, 2 ** 25)) == 1 + Fraction(2, 2 ** 24)  # tie -> even
+    assert r32(Fraction(2) ** -150 * 3) == Fraction(2) ** -148  # subnormal 1.5 quanta -> 2
+    a = torch.tensor([1 + 2.0 ** -23])
+    b = torch.tensor([2.0 ** -24 * (1 - 2.0 ** -23)])
+    assert float((a.double() * b.double() + a.double()).float()) == 1 + 2.0 ** -22
+    assert float(V._ffma(a, b, a)) == 1 + 2.0 ** -23
+    want = r32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(a)))
+    assert Fraction(float(V._ffma(a, b, a))) == want
+
+
+@pytest.mark.parametrize("outer", [1.0, float(torch.tensor(0.37)), 2.0 ** -3])
+def test_nvfp4_4over6_matches_kernel_restatement(outer):
+    """nvfp4_4over6 block scales and values equal the exact per-block re-statement of vLLM's kernel bit
+    for bit (bf16 inputs, as the kernel reads them), and its SQNR is no worse than plain nvfp4."""
+    x = gaussian_outlier((1, 2, 8, 64), seed=6).to(torch.bfloat16).to(torch.float32)
+    want_s, want_v = ref_nvfp4_4over6(x, outer)
+    vals, scales = V.nvfp4_quantize(x, outer, four_over_six=True)
+    assert torch.equal(scales.to(F64), want_s)
+    assert torch.equal(vals.double(), want_v)
+    assert sqnr_db(x, V.nvfp4_fake_quant(x, outer, four_over_six=True)) >= sqnr_db(x, V.nvfp4_fake_quant(x, outer))
+
+
 def test_nvfp4_4over6_picks_max4_when_it_is_better():
-    """Hand-worked: block [1.0]*15 + [1.25]. max/6: scale e4m3(1.25/6) = 0.203125, 1.0 -> 4 (0.8125,
-    error 0.1875 each). max/4: scale 0.3125, 1.0 -> 3.2 -> 3 (0.9375), 1.25 -> 4 (exact): smaller error."""
+    """Hand-worked: block [1.0]*15 + [1.25]. max/6: scale e4m3(1.25/6) = 0.203125, 1.0 -> 4.92 -> 4
+    (0.8125, error 0.1875 each). max/4: scale 0.3125, 1.0 -> 3.2 -> 3 (0.9375), 1.25 -> 4 (exact):
+    smaller error, so max/4 is stored."""
     x = torch.ones(1, 1, 1, 16)
     x[..., 15] = 1.25
     six = V.nvfp4_fake_quant(x)
     assert six[..., 0].item() == 0.8125
     four = V.nvfp4_fake_quant(x, four_over_six=True)
     assert four[0, 0, 0].tolist() == [0.9375] * 15 + [1.25]
-    # and a block that max/6 represents exactly keeps max/6: [1.0]*15 + [1.5]
+    assert V.nvfp4_quantize(x, four_over_six=True)[1].float().item() == 0.3125
+
+
+def test_nvfp4_4over6_keeps_max6_when_it_is_better():
+    """Hand-worked: [1.0]*15 + [1.5]. max/6: scale 1.5/6 = 0.25 (exact e4m3), every value exact (error
+    0). max/4: scale 0.375, 1.0 -> 2.67 -> 3 (1.125, error 0.125² each): max/6 is stored."""
+    x = torch.ones(1, 1, 1, 16)
     x[..., 15] = 1.5
+    vals, scales = V.nvfp4_quantize(x, four_over_six=True)
+    assert scales.float().item() == 0.25
     assert torch.equal(V.nvfp4_fake_quant(x, four_over_six=True), x)
 
 
-def test_nvfp4_4over6_matches_reference_choice():
-    """4-over-6 nvfp4 picks per block the float64 reference's lower-error of max/6 and max/4 wherever the
-    two errors differ by more than the fp32 summation bound, and its SQNR is no worse than plain max/6."""
-    x = gaussian_outlier((1, 3, 16, 64), seed=6)
-    d6, _ = ref_nvfp4(x, 0.5)
-    d4, _ = ref_nvfp4(x, 0.5, e2m1_max=4.0)
-    xb = x.to(F64).reshape(d6.shape)
-    e6 = (f32(d6 - xb) ** 2).sum(-1, keepdim=True)
-    e4 = (f32(d4 - xb) ** 2).sum(-1, keepdim=True)
-    want = torch.where(e4 < e6, d4, d6).reshape(x.shape)
-    got = V.nvfp4_fake_quant(x, 0.5, four_over_six=True).double()
-    # the choice compares two fp32 error sums: only blocks whose errors differ by more than the
-    # float32 summation bound (16·eps·Σ) are required to agree
-    close = ((e4 - e6).abs() <= 16 * EPS32 * (e4 + e6)).expand_as(d6).reshape(x.shape)
-    assert torch.equal(got[~close], want[~close])
-    assert sqnr_db(x, got) >= sqnr_db(x, d6.reshape(x.shape))
+def test_nvfp4_4over6_exact_tie_keeps_max6():
+    """Hand-worked tie: [1.5] + [0]*15. max/6: scale 0.25, 1.5 -> 6 exactly. max/4: scale 0.375 (e4m3
+    1.5·2^-2), output scale 1/0.375 = 2.6666667f, 1.5·2.6666667f = 4.0000000 -> 4, dequant multiplier
+    1/2.6666667f = 0.375f: 4·0.375 - 1.5 = 0. Both errors are exactly 0; the kernel's ``err4 < err6``
+    keeps max/6, so the stored scale is 0.25, not 0.375."""
+    x = _one_block([1.5] + [0.0] * 15)
+    s, q, e6, e4 = ref_nvfp4_4over6_block(x.flatten().tolist(), 1.0)
+    assert e6 == e4 == 0 and s == Fraction(1, 4)
+    vals, scales = V.nvfp4_quantize(x, four_over_six=True)
+    assert scales.float().item() == 0.25
+    assert vals.flatten().tolist() == [6.0] + [0.0] * 15
+
+
+def test_nvfp4_4over6_all_zero_block():
+    """All-zero block: both candidate scales are e4m3(0) = 0, output scales 0, errors 0: scale byte 0
+    and zero values (no division by zero)."""
+    x = torch.zeros(1, 1, 1, 32)
+    x[..., 16:] = _one_block([1.0] * 15 + [1.25])  # a non-zero neighbour block is unaffected
+    vals, scales = V.nvfp4_quantize(x, four_over_six=True)
+    assert scales.float().flatten().tolist() == [0.0, 0.3125]
+    assert torch.equal(vals[..., :16], torch.zeros(1, 1, 1, 16))
+    assert bool(torch.isfinite(V.nvfp4_fake_quant(x, four_over_six=True)).all())
+
+
+def test_nvfp4_4over6_saturated_max4_scale():
+    """Hand-worked, outer 2^-10 (global scale 1024): block [2.0] + [0.875]*15. max/6: 1024·2/6 =
+    341.3 -> e4m3 352 (multiplier 352/1024 = 0.34375): 0.875 -> 2.55 -> 3 (1.03125, error 0.15625²
+    each), 2.0 -> 5.82 -> 6 (2.0625): err6 = 15·0.0244140625 + 0.00390625. max/4: 1024·2/4 = 512
+    saturates to 448 (0.4375): 0.875 -> 2 (exact), 2.0 -> 4.57 -> 4 (1.75): err4 = 0.0625, up to the
+    error's float32 dequantization multiplier 1/(1/0.4375) (within 2 ulps of 0.4375, so err4 is within
+    2^-20 of 1/16). The saturated max/4 scale 448 is stored (no 256 cap)."""
+    x = _one_block([2.0] + [0.875] * 15)
+    outer = 2.0 ** -10
+    s, q, e6, e4 = ref_nvfp4_4over6_block(x.flatten().tolist(), outer)
+    assert e6 == 15 * Fraction(5, 32) ** 2 + Fraction(1, 16) ** 2
+    assert abs(e4 - Fraction(1, 16)) < Fraction(1, 2 ** 20) and s == 448
+    vals, scales = V.nvfp4_quantize(x, outer, four_over_six=True)
+    assert scales.float().item() == 448.0
+    assert V.nvfp4_fake_quant(x, outer, four_over_six=True).flatten().tolist() == [1.75] + [0.875] * 15
+
+
+def test_nvfp4_4over6_underflowed_max6_scale():
+    """Hand-worked: block [0.005] + [0]*15, outer 1. max/6: 0.005/6 = 0.00083 < 2^-10 -> e4m3 0, so
+    the block would be stored as zeros (err6 = 0.005²). max/4: 0.00125 -> e4m3 2^-9 (nearest of
+    {0, 2^-9}), 0.005·512 = 2.56 -> 3, dequantized 3·2^-9 = 0.005859: err4 = 0.00086² < err6, so
+    max/4 keeps the block."""
+    x = _one_block([0.005] + [0.0] * 15)
+    assert V.nvfp4_quantize(x)[1].float().item() == 0.0
+    vals, scales = V.nvfp4_quantize(x, four_over_six=True)
+    assert scales.float().item() == 2.0 ** -9
+    assert V.nvfp4_fake_quant(x, four_over_six=True).flatten().tolist() == [3 * 2.0 ** -9] + [0.0] * 15
+
+
+def test_nvfp4_4over6_rounding_decides_a_true_tie():
+    """A bf16 block (from seeded data) whose two candidates tie in exact arithmetic (both squared
+    errors 0.22812020778656006...), but the kernel's float32 FFMA/FADD order makes err4 one ulp
+    smaller (0x1.d330aep-3 < 0x1.d330b0p-3): vLLM stores the max/4 scale 0.875, not max/6's 0.625.
+    The previous emulation (exact-looking torch sum, max/4 only when strictly smaller) kept 0.625."""
+    blk = [3.59375, 1.3125, 0.87109375, 1.4453125, 0.2431640625, -0.2373046875, -1.78125, 0.671875,
+           -1.875, -0.8984375, -0.306640625, 3.421875, -0.060302734375, -1.15625, 0.008056640625,
+           -0.11865234375]
+    s, q, e6, e4 = ref_nvfp4_4over6_block(blk, 1.0)
+    q6 = [e2m1_fr(v / Fraction(5, 8)) for v in map(Fraction, blk)]
+    q4 = [e2m1_fr(v / Fraction(7, 8)) for v in map(Fraction, blk)]
+    exact6 = sum((qi * Fraction(5, 8) - Fraction(v)) ** 2 for qi, v in zip(q6, blk))
+    exact4 = sum((qi * Fraction(7, 8) - Fraction(v)) ** 2 for qi, v in zip(q4, blk))
+    assert exact6 == exact4 and e4 < e6 and s == Fraction(7, 8)
+    vals, scales = V.nvfp4_quantize(_one_block(blk), four_over_six=True)
+    assert scales.float().item() == 0.875
+    assert vals.flatten().tolist() == [float(v) for v in q]
 
 
 def test_e2m1_ties_go_to_even():
