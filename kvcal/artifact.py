@@ -843,6 +843,10 @@ def validate_metadata_schema(f: Path, meta) -> None:
         if bad:  # export would print a --kv-cache-dtype-skip-layers naming no layer of the model
             raise ArtifactError(f"{f}: metadata field vllm.skip_layers names layer(s) {bad} but the model has {n} "
                                 "layers (model.num_layers); fix the field or re-run calibration")
+        if n and len(set(meta["vllm"].get("skip_layers") or [])) >= n:  # every layer at 16 bits: nothing in the dtype
+            raise ArtifactError(f"{f}: metadata field vllm.skip_layers keeps all {n} layers at 16 bits, so nothing would "
+                                f"be stored in --kv-cache-dtype {meta['vllm'].get('kv_cache_dtype')} (the 16-bit cache "
+                                "under its name); leave at least one layer out or re-run calibration")
     for j, lm in enumerate(meta.get("layers") or []):
         _check_section(f, f"layers[{j}]", lm, {"layer": ((lambda v: _is_int(v) and 0 <= v < n,
                                                            f"a layer index in 0..{n - 1}"), True)})

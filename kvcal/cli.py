@@ -148,7 +148,8 @@ def main():
               help="With --engine vllm: layers vLLM keeps in the model dtype (--kv-cache-dtype-skip-layers), recorded "
                    "in the artifact and printed by kvcal export: 'auto' (chosen by a per-layer KL probe on "
                    "--probe-tokens held-out tokens under --max-skip / --max-bytes-per-token) or indices, e.g. 0,1,29.")
-@click.option("--max-skip", default=None, type=count(0), help="With --skip-layers auto: most layers kept at 16 bits.")
+@click.option("--max-skip", default=None, type=count(0),
+              help="With --skip-layers auto: most layers kept at 16 bits, 0 to the model's layers - 1.")
 @click.option("--max-bytes-per-token", default=None, type=count(1),
               help="With --skip-layers auto: KV bytes per token (all layers, K and V, as vLLM allocates pages).")
 @user_errors
@@ -449,8 +450,9 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
               help="Acceptance bar, e.g. 'kl_mean<=1e-2' [default: kvcal evaluate's bar for each dtype's precision].")
 @click.option("--max-bytes-per-token", default=None, type=count(1),
               help="KV bytes per token (all layers, K and V, as vLLM allocates pages) a configuration may use.")
-@click.option("--max-skip", default=6, show_default=True, type=count(0),
-              help="Most layers kept in the model dtype (--kv-cache-dtype-skip-layers), chosen by a per-layer KL probe.")
+@click.option("--max-skip", default=None, type=count(0),
+              help="Most layers kept in the model dtype (--kv-cache-dtype-skip-layers), chosen by a per-layer KL probe; "
+                   "0 to the model's layers - 1 (one layer at least stays in the dtype) [default: 6, capped there].")
 @click.option("--dtypes", default=None,
               help="Comma-separated vLLM --kv-cache-dtype menu [default: fp8, the *_per_token_head, nvfp4, turboquant].")
 @click.option("--context", default=512, show_default=True, type=count(2), help="Tokens per window.")

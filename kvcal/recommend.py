@@ -1,7 +1,8 @@
 """``kvcal recommend --engine vllm``: which vLLM 0.33 KV configuration to deploy, measured on the user's corpus.
 
 For every ``--kv-cache-dtype`` of the menu (:data:`DEFAULT_MENU`) and every number of 16-bit layers up to
-``max_skip``, the layers to keep at 16 bits are chosen by a model-level probe
+``max_skip`` (at most the model's layers − 1: a candidate keeps at least one layer in its dtype, see
+:func:`kvcal.search.skip_layers.skip_count_range`), the layers to keep at 16 bits are chosen by a model-level probe
 (:func:`layer_sensitivity` → :func:`kvcal.search.skip_layers.choose_skip_layers`); vLLM's fixed
 first-2/last-2 rule is evaluated beside it at the same count (4), so both are reported at equal memory.
 Each candidate runs under Protocol A (:func:`kvcal.evaluate.teacher_forced`, with vLLM's FP8 query
@@ -43,6 +44,10 @@ DEFAULT_MENU = ("fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_to
                 "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 #: The number of layers vLLM's turboquant rule keeps at 16 bits on a dense model (first 2 + last 2).
 RULE_COUNT = 4
+#: ``--max-skip`` when not given, capped at the model's layers − 1 (:func:`effective_max_skip`).
+DEFAULT_MAX_SKIP = 6
+#: The status of a menu dtype that has no deployment on the model (:func:`kvcal.search.skip_layers.not_applicable`).
+NOT_APPLICABLE = "NOT-APPLICABLE"
 SCHEMA = "kvcal-recommend/1"
 #: What recommend calibrates before probing: ``(kvcal calibrate --kv-cache-dtype, the menu dtypes that use its
 #: scales, the artifact directory in the staging/output directory, what is calibrated)``, in calibration order.
@@ -55,7 +60,9 @@ CALIBRATIONS = (("fp8", ("fp8", "fp8_e4m3"), "artifact", "k_scale, v_scale and q
 class RecommendConfig:
     """Options of ``kvcal recommend``. ``max_bytes_per_token``: KV bytes per token (all layers, K and
     V, as vLLM allocates pages) a configuration may use (``None``: no bound). ``max_skip``: most layers
-    kept at 16 bits (vLLM's turboquant boundary layers count). ``context``/``windows``: evaluation
+    kept at 16 bits (vLLM's turboquant boundary layers count), in ``[0, num_layers - 1]`` (refused otherwise:
+    every layer at 16 bits stores nothing in the dtype); ``None``: :data:`DEFAULT_MAX_SKIP` capped at
+    ``num_layers - 1`` (:func:`effective_max_skip`). ``context``/``windows``: evaluation
     window length (tokens) and count; ``probe_tokens``: tokens of the sensitivity probe.
     ``fp8_samples``/``fp8_seq_len``: kvcal calibrate's --max-samples/--max-seq-len for every calibrated dtype
     (fp8 and nvfp4, :data:`CALIBRATIONS`); ``fp8_kwargs``/``nvfp4_kwargs``: further
@@ -67,7 +74,7 @@ class RecommendConfig:
     engine: str = "vllm"
     accept: str | None = None
     max_bytes_per_token: int | None = None
-    max_skip: int = 6
+    max_skip: int | None = None
     dtypes: tuple[str, ...] = DEFAULT_MENU
     context: int = 512
     windows: int = 4
@@ -101,11 +108,14 @@ def check_options(cfg: RecommendConfig) -> None:
             vllm_dtype(d)
         except VllmDTypeError as e:
             raise KvcalError(f"--dtypes: {e}") from None
+    if {"fp8", "fp8_e4m3"} <= set(cfg.dtypes):  # one dtype under two names: its outputs would mix them
+        raise KvcalError("--dtypes names fp8 and fp8_e4m3, one vLLM dtype under two names (vllm/config/cache.py: "
+                         "fp8 = fp8_e4m3); keep one spelling")
     if cfg.accept is not None:
         parse_accept(cfg.accept)
     if cfg.max_bytes_per_token is not None and cfg.max_bytes_per_token < 1:
         raise KvcalError(f"--max-bytes-per-token must be >= 1, got {cfg.max_bytes_per_token}")
-    if cfg.max_skip < 0:
+    if cfg.max_skip is not None and cfg.max_skip < 0:
         raise KvcalError(f"--max-skip must be >= 0, got {cfg.max_skip}")
     check_output_dir(cfg.out, False, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus})
     opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
@@ -153,30 +163,78 @@ def check_budget(cfg: RecommendConfig, model_config) -> None:
                          f"needs {least[d0]} bytes per token on this model; raise the bound or add a smaller dtype")
 
 
-def candidate_sets(kv_cache_dtype: str, sensitivity: list[float], costs: list[int], num_layers: int,
+def effective_max_skip(max_skip: int | None, num_layers: int) -> tuple[int, str | None]:
+    """``--max-skip`` on a ``num_layers``-layer model: a given value must lie in ``[0, num_layers - 1]`` (every
+    layer at 16 bits would store nothing in the dtype); ``None`` is :data:`DEFAULT_MAX_SKIP` capped at
+    ``num_layers - 1``. Returns ``(max_skip, note)``, the note (or ``None``) saying when the default was capped.
+    Raises :class:`~kvcal.errors.KvcalError` naming the value, the layer count and the range."""
+    from kvcal.errors import KvcalError
+
+    hi = num_layers - 1
+    if max_skip is None:
+        if DEFAULT_MAX_SKIP <= hi:
+            return DEFAULT_MAX_SKIP, None
+        return hi, (f"--max-skip not given: at most {hi} of the model's {num_layers} layers at 16 bits (the default "
+                    f"{DEFAULT_MAX_SKIP} capped at layers - 1, so that every candidate stores a layer in its dtype)")
+    if not 0 <= max_skip <= hi:
+        raise KvcalError(f"--max-skip {max_skip}: the model has {num_layers} layers and every candidate keeps at least "
+                         f"one in its dtype; give --max-skip between 0 and {hi}")
+    return max_skip, None
+
+
+def applicable_dtypes(dtypes, num_layers: int) -> dict[str, str]:
+    """``{dtype: reason}`` for the menu dtypes with no deployment on a ``num_layers``-layer model
+    (:func:`kvcal.search.skip_layers.not_applicable`: vLLM's own turboquant boundary layers cover every layer
+    of a 2- or 4-layer model); their rows are reported :data:`NOT_APPLICABLE`, not evaluated. Raises
+    :class:`~kvcal.errors.KvcalError` (before the model loads) when that leaves nothing to evaluate."""
+    from kvcal.errors import KvcalError
+    from kvcal.search.skip_layers import not_applicable
+
+    na = {d: r for d in dict.fromkeys(dtypes) if (r := not_applicable(d, num_layers))}
+    if na and len(na) == len(dict.fromkeys(dtypes)):
+        raise KvcalError(f"--dtypes {','.join(na)}: {next(iter(na.values()))}; add a dtype that stores this model's "
+                         "layers (e.g. --dtypes fp8)")
+    return na
+
+
+def candidate_sets(kv_cache_dtype: str, sensitivity: list[float] | None, costs: list[int], num_layers: int,
                    max_skip: int) -> list[dict]:
     """The skip sets evaluated for one dtype: ``{"choice", "skip", "deployable"}`` with ``choice``
     ``"auto"`` (probe-chosen, vLLM's forced boundary layers included for turboquant) for every count up to
     ``max_skip``, ``"rule"`` (first 2 + last 2) at :data:`RULE_COUNT` when ``max_skip`` allows it, and
     for turboquant also ``"auto-free"``: the probe's choice at the rule's count *without* the forced
     boundary — the measured alternative to the rule at equal memory, not deployable on stock vLLM 0.33
-    (``engine/arg_utils.py`` always adds the boundary layers). Duplicates are dropped (first kept)."""
+    (``engine/arg_utils.py`` always adds the boundary layers). Duplicates are dropped (first kept), and so is
+    every set that keeps all ``num_layers`` layers at 16 bits (counts above ``num_layers - 1`` are not tried;
+    the rule on a model of 4 layers or fewer is such a set): it stores nothing in the dtype. A dtype whose
+    forced boundary alone covers every layer (:func:`kvcal.search.skip_layers.not_applicable`; ``sensitivity``
+    may then be ``None``) gives one row, ``{"choice": "rule", "skip": every layer, "deployable": False,
+    "not_applicable": reason}``, which is not evaluated."""
     from kvcal.formats.vllm_dtypes import boundary_skip_layers
-    from kvcal.search.skip_layers import choose_skip_layers, rule_skip_layers
+    from kvcal.search.skip_layers import (
+        choose_skip_layers,
+        not_applicable,
+        rule_skip_layers,
+        skip_count_range,
+    )
 
     forced = boundary_skip_layers(kv_cache_dtype, num_layers)
+    na = not_applicable(kv_cache_dtype, num_layers)
+    if na:
+        return [{"choice": "rule", "skip": list(forced), "deployable": False, "not_applicable": na}]
+    hi = min(max_skip, skip_count_range(kv_cache_dtype, num_layers)[1])
     out, seen = [], set()
 
     def add(choice, skip, deployable=True):
         key = (tuple(skip), deployable)
-        if key not in seen:
+        if key not in seen and len(skip) < num_layers:
             seen.add(key)
             out.append({"choice": choice, "skip": list(skip), "deployable": deployable})
 
     rule_n = min(RULE_COUNT, num_layers)
     if rule_n <= max_skip or forced:
         add("rule", rule_skip_layers(num_layers, rule_n) if not forced else forced)
-    for n in range(len(forced), min(max_skip, num_layers) + 1):
+    for n in range(len(forced), hi + 1):
         add("auto", choose_skip_layers(sensitivity, costs, max_skip=n, forced=forced))
     if forced:
         add("auto-free", choose_skip_layers(sensitivity, costs, max_skip=len(forced)), deployable=False)
@@ -184,8 +242,16 @@ def candidate_sets(kv_cache_dtype: str, sensitivity: list[float], costs: list[in
 
 
 def calibrations(dtypes) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """The rows of :data:`CALIBRATIONS` a menu ``dtypes`` needs (one of their dtypes is in it), in order."""
-    return [c for c in CALIBRATIONS if any(d in dtypes for d in c[1])]
+    """The rows of :data:`CALIBRATIONS` a menu ``dtypes`` needs (one of their dtypes is in it), in order, each
+    with the ``kvcal calibrate --kv-cache-dtype`` replaced by the menu's own spelling (``fp8_e4m3`` when the menu
+    names it rather than ``fp8``; :func:`check_options` refuses both), so that the calibrated artifact, its
+    report and its ``kvcal export`` line name the dtype as deploy.md's ``vllm serve`` line does."""
+    out = []
+    for _, uses, name, what in CALIBRATIONS:
+        named = [d for d in uses if d in dtypes]
+        if named:
+            out.append((named[0], uses, name, what))
+    return out
 
 
 #: :func:`scales_source` of a dtype whose scales vLLM computes when it writes the cache.
@@ -204,8 +270,9 @@ def scales_source(kv_cache_dtype: str, calibrated: bool) -> str:
         row = next((c for c in CALIBRATIONS if kv_cache_dtype in c[1]), None)
         if row is None:
             raise ValueError(f"kvcal recommend does not calibrate {kv_cache_dtype}")
-        cd, _, name, what = row
-        return f"{what} calibrated on the corpus (kvcal calibrate --engine vllm --kv-cache-dtype {cd}, {name}/)"
+        _, _, name, what = row  # calibrated under the menu's own spelling (calibrations)
+        return (f"{what} calibrated on the corpus (kvcal calibrate --engine vllm --kv-cache-dtype {kv_cache_dtype}, "
+                f"{name}/)")
     if spec.static_scales:
         kv = "outer scales" if kv_cache_dtype.startswith("nvfp4") else "k_scale/v_scale"
         return (f"vLLM's defaults: {kv} 1.0{' and q_scale 1.0' if spec.quantizes_query else ''}, not calibrated "
@@ -253,15 +320,18 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     """Run ``kvcal recommend`` and write ``cfg.out`` atomically; returns the ``kvcal-recommend/1``
     document: ``{"schema", "chosen": candidate | None, "candidates": [{"dtype", "choice", "skip_layers",
     "deployable", "bytes_per_token", "vs_16bit", "kl_mean", "delta_ppl", "ppl", "top1_agree", "status",
-    "criteria", "failed"}], "sensitivity": {dtype: [KL per layer]}, "bytes_per_token_16bit",
+    "criteria", "failed"}], "sensitivity": {dtype: [KL per layer]} (probed dtypes), "bytes_per_token_16bit",
     "commands": {"export": str | None, "serve": str} | None, "calibrated": {dtype: artifact directory name},
     "artifact": the directory kept in ``cfg.out`` (the chosen dtype's calibrated artifact) or None,
     "scales": {dtype: str}, "data": {...}, "notes": [str], "passed"}``. ``calibrated``: the menu dtypes
     probed and evaluated with scales kvcal calibrated, each with its artifact's directory
     (:data:`CALIBRATIONS`; only the chosen dtype's is kept in ``cfg.out``); ``scales``:
     :func:`scales_source` of every menu dtype.
-    ``status`` is PASS/FAIL, or OVER-BUDGET (not evaluated). ``model``/``tokenizer``: loaded objects for
+    ``status`` is PASS/FAIL, or OVER-BUDGET / :data:`NOT_APPLICABLE` (not evaluated; ``failed`` says why: a
+    dtype whose vLLM boundary layers cover the model has one such row). ``max_skip``: the value used
+    (:func:`effective_max_skip`). ``model``/``tokenizer``: loaded objects for
     ``cfg.model`` (tests). Raises :class:`~kvcal.errors.KvcalError` for bad input, before the model loads."""
+    import dataclasses
     import json
     import shlex
     import shutil
@@ -281,8 +351,6 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     mconf = model.config if model is not None else load_model_config(cfg.model)
     menu, menu_notes = check_head_dims(cfg, mconf)
     if menu != tuple(cfg.dtypes):  # the default menu without the dtypes this head_dim cannot hold (noted)
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, dtypes=menu)
         for n in menu_notes:
             log(f"note: {n}")
@@ -290,6 +358,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     check_max_positions(cfg.context, getattr(mconf, "max_position_embeddings", None), "--context")
     shp = model_shape(mconf)
     L = shp.num_layers
+    max_skip, skip_note = effective_max_skip(cfg.max_skip, L)  # refuses a given value outside [0, L - 1]
+    cfg = dataclasses.replace(cfg, max_skip=max_skip)
+    not_applicable = applicable_dtypes(cfg.dtypes, L)  # {dtype: reason}: vLLM's own 16-bit layers cover the model
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
     ids, info = corpus_stream(cfg.corpus, tok, **opts)
@@ -328,15 +399,16 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     doc: dict = {}
 
     def fill(staging: Path):
-        notes = list(menu_notes)
+        notes = list(menu_notes) + ([skip_note] if skip_note else [])
         scales, artifact_of = {}, {}  # menu dtype -> vllm_scales of its calibrated artifact / its directory name
         calib = calibrations(cfg.dtypes)
         for cd, uses, name, _ in calib:  # fp8 first, as before nvfp4 was calibrated (its figures unchanged)
             from kvcal.calibrate import CalibrateConfig, calibrate
 
-            log(f"{cd}: calibrating {'k/v scales' if cd == 'fp8' else 'NVFP4 outer scales'} and q_scale "
+            fp8 = not cd.startswith("nvfp4")  # fp8 or fp8_e4m3, the menu's spelling (calibrations)
+            log(f"{cd}: calibrating {'k/v scales' if fp8 else 'NVFP4 outer scales'} and q_scale "
                 f"(kvcal calibrate --engine vllm --kv-cache-dtype {cd})")
-            extra = cfg.fp8_kwargs if cd == "fp8" else cfg.nvfp4_kwargs
+            extra = cfg.fp8_kwargs if fp8 else cfg.nvfp4_kwargs
             calibrate(CalibrateConfig(corpus=cfg.corpus, out=str(staging / name), model=cfg.model,
                                       max_samples=cfg.fp8_samples, max_seq_len=cfg.fp8_seq_len, device=cfg.device,
                                       engine="vllm", kv_cache_dtype=cd, **opts, **(extra or {})),
@@ -348,6 +420,14 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         sens, cands = {}, []
         for d in dict.fromkeys(cfg.dtypes):
             sc = scales.get(d, {})
+            if d in not_applicable:  # not probed, not evaluated: one row saying why
+                c = candidate_sets(d, None, [], L, cfg.max_skip)[0]
+                cands.append({"dtype": d, "choice": c["choice"], "skip_layers": c["skip"], "deployable": False,
+                              "bytes_per_token": b16, "vs_16bit": 1.0,
+                              "criteria": crit_given or default_accept(VllmKVPlan(d, L, add_boundary=False)),
+                              "status": NOT_APPLICABLE, "failed": [c["not_applicable"]]})
+                notes.append(f"{d} not applicable on this model: {c['not_applicable']}")
+                continue
             log(f"{d}: per-layer sensitivity probe on {len(probe)} x {T} tokens")
             sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **sc)
             costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
@@ -357,12 +437,13 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 cands.append({"dtype": d, "choice": c["choice"], "skip_layers": list(plan.skipped),
                               "deployable": c["deployable"], "bytes_per_token": nb, "vs_16bit": nb / b16,
                               "criteria": crit_given or default_accept(plan), "_plan": plan})
-        todo = {i: c["_plan"] for i, c in enumerate(cands)
-                if cfg.max_bytes_per_token is None or c["bytes_per_token"] <= cfg.max_bytes_per_token}
+        todo = {i: c["_plan"] for i, c in enumerate(cands) if "_plan" in c
+                and (cfg.max_bytes_per_token is None or c["bytes_per_token"] <= cfg.max_bytes_per_token)}
         log(f"evaluating {len(todo)} of {len(cands)} candidates on {len(ev)} held-out windows x {T} tokens")
         res = teacher_forced(model, ev, todo, progress=progress)
         for i, c in enumerate(cands):
-            c.pop("_plan")
+            if c.pop("_plan", None) is None:  # not applicable: status and reason already set
+                continue
             if i not in todo:
                 c.update(status="OVER-BUDGET", failed=[f"bytes_per_token {c['bytes_per_token']} > "
                                                        f"{cfg.max_bytes_per_token}"])
@@ -476,6 +557,6 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["RecommendConfig", "DEFAULT_MENU", "CALIBRATIONS", "calibrations", "scales_source", "check_options",
-           "check_head_dims", "check_budget", "layer_sensitivity", "vllm_fp8_scales",
-           "candidate_sets", "record_skip_layers", "recommend", "render_table", "render_markdown"]
+__all__ = ["RecommendConfig", "DEFAULT_MENU", "DEFAULT_MAX_SKIP", "NOT_APPLICABLE", "CALIBRATIONS", "calibrations",
+           "scales_source", "check_options", "check_head_dims", "check_budget", "effective_max_skip",
+           "applicable_dtypes", "layer_sensitivity", "vllm_fp8_scales", "candidate_sets", "record_skip_layers", "recommend", "render_table", "render_markdown"]

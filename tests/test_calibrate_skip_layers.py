@@ -18,8 +18,10 @@ from kvcal.search.skip_layers import (
     budget_skip_layers,
     check_skip_layers,
     check_skip_options,
+    not_applicable,
     parse_skip_layers,
     serve_skip_arg,
+    skip_count_range,
 )
 
 CHAT = Path(__file__).resolve().parents[1] / "calibration_sets" / "chat.jsonl"
@@ -79,8 +81,9 @@ def test_model_checks_range_and_budget():
 
 def test_byte_budget_is_every_layer_counted():
     """budget_skip_layers under --max-bytes-per-token B equals the best subset by brute force whose pages,
-    counted by hand (fp8: 2·D bytes per KV head and layer, 16-bit: 4·D), fit in B — for every B from the
-    all-fp8 size to the all-16-bit size, alone and with --max-skip."""
+    counted by hand (fp8: 2·D bytes per KV head and layer, 16-bit: 4·D), fit in B and that leaves at least one
+    layer in fp8 (all six at 16 bits would store nothing in fp8) — for every B from the all-fp8 size to the
+    all-16-bit size, alone and with --max-skip."""
     L, H, D = 6, 2, 16
     sens = [0.3, 0.05, 0.7, 0.2, 0.65, 0.1]
 
@@ -89,11 +92,49 @@ def test_byte_budget_is_every_layer_counted():
 
     for B in range(size(()), size(range(L)) + 1, 32):
         for max_skip in (None, 2):
-            ok = [s for r in range(L + 1) for s in itertools.combinations(range(L), r)
+            ok = [s for r in range(L) for s in itertools.combinations(range(L), r)
                   if size(s) <= B and (max_skip is None or len(s) <= max_skip)]
             want = max(ok, key=lambda s: (sum(sens[i] for i in s), -len(s)))
             got = budget_skip_layers(sens, "fp8", L, H, D, max_skip=max_skip, max_bytes_per_token=B)
             assert got == sorted(want), (B, max_skip)
+
+
+#: vLLM 0.33's turboquant boundary by hand (TurboQuantConfig.get_boundary_skip_layers: n = min(2, L // 2), the
+#: first n and last n layers), per layer count L
+BOUNDARY = {1: [], 2: [0, 1], 3: [0, 2], 4: [0, 1, 2, 3], 5: [0, 1, 3, 4], 6: [0, 1, 4, 5], 8: [0, 1, 6, 7]}
+
+
+def test_one_layer_at_least_stays_in_the_dtype():
+    """The counts of 16-bit layers a deployment can have run from vLLM's own boundary layers to L - 1; turboquant
+    on 2 or 4 layers (the boundary is every layer) has none and is not applicable, with the reason; fp8 always
+    is. check_skip_layers refuses --max-skip above L - 1 (naming the flag, value, layer count and range), an
+    explicit list that (with the boundary) names every layer, and a dtype with no deployment; budget_skip_layers
+    leaves the least sensitive layer in the dtype even with no bound on the count and bytes enough for all."""
+    for n_layers, forced in BOUNDARY.items():
+        assert skip_count_range("turboquant_4bit_nc", n_layers) == (len(forced), n_layers - 1)
+        assert skip_count_range("fp8", n_layers) == (0, n_layers - 1) and not_applicable("fp8", n_layers) is None
+        assert (not_applicable("turboquant_4bit_nc", n_layers) is not None) == (len(forced) == n_layers)
+    assert not_applicable("turboquant_3bit_nc", 2).startswith("vLLM 0.33 keeps every layer (0, 1) of this 2-layer "
+                                                               "model at 16 bits for turboquant_3bit_nc on its own")
+    for m in (4, 9):
+        with pytest.raises(KvcalError, match=rf"^--max-skip {m}: the model has 4 layers and at least one must stay "
+                                             r"in --kv-cache-dtype fp8; give --max-skip between 0 and 3$"):
+            check_skip_layers("auto", "fp8", 4, 2, 16, max_skip=m)
+    check_skip_layers("auto", "fp8", 4, 2, 16, max_skip=3)
+    with pytest.raises(KvcalError, match=r"--max-skip 6: .* give --max-skip between 4 and 5$"):
+        check_skip_layers("auto", "turboquant_4bit_nc", 6, 2, 16, max_skip=6)
+    with pytest.raises(KvcalError, match=r"^--skip-layers 0,1,2,3: keeps all 4 layers of the model at 16 bits, so "
+                                         r"nothing would be stored in --kv-cache-dtype fp8"):
+        check_skip_layers((0, 1, 2, 3), "fp8", 4, 2, 16)
+    with pytest.raises(KvcalError, match=r"^--skip-layers 2,3: keeps all 6 layers"):  # with vLLM's 0, 1, 4, 5
+        check_skip_layers((2, 3), "turboquant_4bit_nc", 6, 2, 16)
+    check_skip_layers((2,), "turboquant_4bit_nc", 6, 2, 16)
+    with pytest.raises(KvcalError, match=r"^--kv-cache-dtype turboquant_4bit_nc: vLLM 0.33 keeps every layer"):
+        check_skip_layers((1,), "turboquant_4bit_nc", 4, 2, 16)
+    sens = [0.3, 0.05, 0.7, 0.2]
+    assert budget_skip_layers(sens, "fp8", 4, 2, 16, max_bytes_per_token=10**6) == [0, 2, 3]  # all but the least
+    with pytest.raises(ValueError, match="keeps every layer"):
+        budget_skip_layers(sens, "turboquant_4bit_nc", 4, 2, 16, max_skip=3)
 
 
 def test_turboquant_boundary_is_forced_in():
@@ -195,6 +236,11 @@ def test_given_layers_are_recorded_as_given(tiny4, tmp_path):
     (["--skip-layers", "auto"], "--skip-layers auto needs a budget"),
     (["--max-skip", "2"], "--max-skip bounds the choice of --skip-layers auto"),
     (["--skip-layers", "auto", "--max-bytes-per-token", "255"], "--max-bytes-per-token 255: --kv-cache-dtype fp8 needs 256"),
+    (["--skip-layers", "auto", "--max-skip", "9"],  # was accepted: every layer at 16 bits, nothing stored in fp8
+     "--max-skip 9: the model has 4 layers and at least one must stay in --kv-cache-dtype fp8; give --max-skip between "
+     "0 and 3"),
+    (["--skip-layers", "auto", "--max-skip", "4"], "--max-skip 4: the model has 4 layers"),
+    (["--skip-layers", "3,1,0,2"], "--skip-layers 0,1,2,3: keeps all 4 layers of the model at 16 bits"),
 ])
 def test_cli_refuses_before_the_model_loads(tiny4, tmp_path, monkeypatch, extra, words):
     """Bad --skip-layers / budget options: exit 2, one `error:` line, nothing written, no weights loaded."""
@@ -224,10 +270,15 @@ def test_skip_options_need_the_engine():
         CalibrateConfig(corpus="x.jsonl", skip_layers="0")
 
 
-def test_artifact_naming_a_layer_past_the_model_is_refused(auto_artifact, tmp_path):
+@pytest.mark.parametrize("skip, words", [
+    ([0, 7], r"vllm.skip_layers names layer\(s\) \[7\] but the model has 4 layers"),
+    ([0, 1, 2, 3], r"vllm.skip_layers keeps all 4 layers at 16 bits, so nothing would be stored in --kv-cache-dtype fp8"),
+])
+def test_artifact_naming_a_layer_past_the_model_is_refused(auto_artifact, tmp_path, skip, words):
     """An artifact whose vllm.skip_layers names layer 7 of a 4-layer model would make export print a
-    --kv-cache-dtype-skip-layers that matches no layer: refused on load, naming the field — also when the
-    content hash was recomputed after the edit (a writer other than kvcal)."""
+    --kv-cache-dtype-skip-layers that matches no layer, one naming all four layers a deployment that stores nothing
+    in fp8 (the 16-bit cache under its name; a recommend run of the last release wrote such artifacts): refused on
+    load, naming the field — also when the content hash was recomputed after the edit (a writer other than kvcal)."""
     import shutil
 
     from safetensors import safe_open
@@ -242,9 +293,9 @@ def test_artifact_naming_a_layer_past_the_model_is_refused(auto_artifact, tmp_pa
     with safe_open(str(f), "pt") as fh:
         md = fh.metadata()
     meta = json.loads(md["kvcal"])
-    meta["vllm"]["skip_layers"] = [0, 7]
+    meta["vllm"]["skip_layers"] = skip
     tensors = load_file(str(f))
     meta[CONTENT_HASH_KEY] = content_sha256(meta, tensors)
     save_file(tensors, str(f), metadata={**md, "kvcal": json.dumps(meta)})
-    with pytest.raises(ArtifactError, match=r"vllm.skip_layers names layer\(s\) \[7\] but the model has 4 layers"):
+    with pytest.raises(ArtifactError, match=words):
         load_artifact(bad)

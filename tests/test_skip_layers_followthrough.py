@@ -116,8 +116,9 @@ def test_evaluate_vllm_row_serves_the_artifacts_16bit_layers(given, tiny, tmp_pa
 
 
 def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_reads(tiny, tmp_path):
-    """Choosing nvfp4 with 16-bit layers (bar kl_mean<=0: only every layer at 16 bits passes, max-skip 4),
-    recommend's kept artifact records the chosen layers; running its export line gives the same serve line
+    """Choosing nvfp4 with 16-bit layers (bar: kl_mean at most the lowest KL of a first run that nothing passed,
+    so the candidate with that KL, which keeps layers at 16 bits, is the one chosen; max-skip 3, one layer at
+    least stays in nvfp4), recommend's kept artifact records the chosen layers; running its export line gives the same serve line
     as deploy.md and a manifest naming them; inspect of the artifact and of the checkpoint states them; the
     artifact's tensors are the calibration's, unchanged. --out holds a space: the printed lines are shell-quoted
     and the export line runs as printed (shlex.split, the way a shell reads it)."""
@@ -125,19 +126,27 @@ def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_read
     from kvcal.inspect import inspect_path
     from kvcal.recommend import RecommendConfig, recommend
 
+    def run(out, accept):
+        return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("nvfp4",),
+                                         max_skip=L - 1, context=64, windows=1, probe_tokens=64, accept=accept,
+                                         fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
+                         log=lambda s: None, progress=False)
+
+    first = run(tmp_path / "first", "kl_mean<=0")  # KL 0 needs every layer at 16 bits: no candidate has it
+    assert first["chosen"] is None and all(len(c["skip_layers"]) < L for c in first["candidates"])
+    least = min(c["kl_mean"] for c in first["candidates"])
     out = tmp_path / "my rec"
-    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("nvfp4",), max_skip=L,
-                                    context=64, windows=1, probe_tokens=64, accept="kl_mean<=0",
-                                    fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
-                    log=lambda s: None, progress=False)
+    doc = run(out, f"kl_mean<={least!r}")  # same windows, same arithmetic: the same KLs, one of them passes
     skip = doc["chosen"]["skip_layers"]
-    assert doc["chosen"]["dtype"] == "nvfp4" and skip == list(range(L))
-    assert doc["commands"]["serve"].endswith("--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 1 2 3")
+    n = len(skip)
+    assert doc["chosen"]["dtype"] == "nvfp4" and doc["chosen"]["kl_mean"] == least and 1 <= n < L
+    spaced, listed = " ".join(map(str, skip)), ", ".join(map(str, skip))
+    assert doc["commands"]["serve"].endswith(f"--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers {spaced}")
     art = load_artifact(out / "artifact-nvfp4")
     vm = art.metadata["vllm"]
     assert vm["skip_layers"] == skip and vm["skip_layers_choice"]["method"] == "recommend"
-    assert vm["skip_layers_choice"]["bytes_per_token"] == L * B16_LAYER
-    assert "--kv-cache-dtype-skip-layers`):** 0, 1, 2, 3" in (out / "artifact-nvfp4" / "report.md").read_text()
+    assert vm["skip_layers_choice"]["bytes_per_token"] == (L - n) * NV_LAYER + n * B16_LAYER
+    assert f"--kv-cache-dtype-skip-layers`):** {listed}" in (out / "artifact-nvfp4" / "report.md").read_text()
     # the tensors are the calibration's: a fresh calibration with the same options gives equal tensors
     from kvcal.calibrate import CalibrateConfig, calibrate
 
@@ -147,7 +156,7 @@ def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_read
     again = load_artifact(tmp_path / "again").tensors
     assert sorted(again) == sorted(art.tensors) and all(torch_equal(again[k], art.tensors[k]) for k in again)
     ck = out / "checkpoint"
-    assert doc["commands"]["serve"] == f"vllm serve '{ck}' --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 1 2 3"
+    assert doc["commands"]["serve"] == f"vllm serve '{ck}' --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers {spaced}"
     a = shlex.split(doc["commands"]["export"])
     assert a[:2] == ["kvcal", "export"] and len(a) == 10
     o = dict(zip(a[2::2], a[3::2], strict=True))
@@ -158,8 +167,8 @@ def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_read
     assert f"serve: {doc['commands']['serve']}\n" in r.output
     man = json.loads((Path(o["--out"]) / "kvcal-export.json").read_text())
     assert man["kv_cache_dtype_skip_layers"] == skip and man["kv_cache_dtype"] == "nvfp4"
-    assert any("skipped layers [0, 1, 2, 3]" in n for n in inspect_path(out / "artifact-nvfp4").notes)
-    assert any(n.startswith("serve with --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 1 2 3")
+    assert any(f"skipped layers {skip}" in n for n in inspect_path(out / "artifact-nvfp4").notes)
+    assert any(n.startswith(f"serve with --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers {spaced}")
                for n in inspect_path(o["--out"]).notes)
 
 
@@ -232,3 +241,112 @@ def test_recommend_refuses_an_out_inside_the_model_directory(tiny, no_model):
                                 f"would print (--model-dir {tiny} --out {out / 'checkpoint'}) is refused; choose an "
                                 "--out outside the model directory")
     assert no_model == [] and not out.exists()
+
+
+# ---- issue 18 follow-up: no candidate stores nothing in its dtype; --max-skip in range; one dtype spelling --------
+REC = ["recommend", "--engine", "vllm", "--quiet", "--corpus", str(CHAT), "--context", "64", "--windows", "1",
+       "--probe-tokens", "64"]
+
+
+def test_recommend_never_offers_every_layer_at_16_bits(tiny, tmp_path):
+    """On the 4-layer model with a bar every evaluated row passes (kl_mean<=1) and no --max-skip: no candidate keeps
+    all 4 layers at 16 bits (that stores nothing in the dtype: the 16-bit cache, 512 bytes/token, under the dtype's
+    name) — int4_per_token_head is offered at 0..3 16-bit layers (vLLM's first-2/last-2 rule is every layer here,
+    so it is not listed), --max-skip defaults to 3 with a note; turboquant_4bit_nc, whose boundary layers vLLM adds
+    on its own (min(2, 4 // 2) = 2 first and last: all four), is one NOT-APPLICABLE row with the reason, not probed,
+    not evaluated, never chosen. Before the fix both dtypes had a PASS row at 0,1,2,3 (KL 0)."""
+    out = tmp_path / "rec"
+    r = CliRunner().invoke(main, [*REC, "--model", str(tiny), "--out", str(out), "--accept", "kl_mean<=1",
+                                  "--dtypes", "int4_per_token_head,turboquant_4bit_nc"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "deploy.json").read_text())
+    md = (out / "deploy.md").read_text()
+    assert doc["max_skip"] == L - 1
+    assert ("--max-skip not given: at most 3 of the model's 4 layers at 16 bits (the default 6 capped at layers - 1, "
+            "so that every candidate stores a layer in its dtype)") in doc["notes"]
+    int4 = [c for c in doc["candidates"] if c["dtype"] == "int4_per_token_head"]
+    assert sorted(len(c["skip_layers"]) for c in int4) == [0, 1, 2, 3] and all(c["choice"] == "auto" for c in int4)
+    for c in int4:  # vLLM's pages by hand: 16-bit slot 4·D per KV head, int4_per_token_head D + 8
+        n = len(c["skip_layers"])
+        assert c["bytes_per_token"] == H * (n * 4 * D + (L - n) * (D + 8)) and c["status"] == "PASS"
+    tq = [c for c in doc["candidates"] if c["dtype"] == "turboquant_4bit_nc"]
+    reason = ("vLLM 0.33 keeps every layer (0, 1, 2, 3) of this 4-layer model at 16 bits for turboquant_4bit_nc on "
+              "its own (first and last min(2, L//2) layers, TurboQuantConfig.get_boundary_skip_layers): nothing would "
+              "be stored in it")
+    assert len(tq) == 1 and tq[0]["status"] == "NOT-APPLICABLE" and tq[0]["failed"] == [reason]
+    assert tq[0]["skip_layers"] == [0, 1, 2, 3] and not tq[0]["deployable"] and "kl_mean" not in tq[0]
+    assert list(doc["sensitivity"]) == ["int4_per_token_head"]  # not probed
+    assert f"turboquant_4bit_nc not applicable on this model: {reason}" in doc["notes"]
+    assert "| turboquant_4bit_nc | 0,1,2,3 | rule (not deployable) | 512 | 1.000 | - | - | NOT-APPLICABLE |" in md
+    ch = doc["chosen"]
+    assert ch["dtype"] == "int4_per_token_head" and len(ch["skip_layers"]) < L
+    assert all(len(c["skip_layers"]) < L for c in doc["candidates"] if c["status"] != "NOT-APPLICABLE")
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--max-skip", "9", "--dtypes", "fp8"], "error: --max-skip 9: the model has 4 layers and every candidate keeps "
+                                             "at least one in its dtype; give --max-skip between 0 and 3"),
+    (["--max-skip", "4", "--dtypes", "fp8"], "error: --max-skip 4: the model has 4 layers and every candidate keeps "
+                                             "at least one in its dtype; give --max-skip between 0 and 3"),
+    (["--dtypes", "turboquant_4bit_nc"],
+     "error: --dtypes turboquant_4bit_nc: vLLM 0.33 keeps every layer (0, 1, 2, 3) of this 4-layer model at 16 bits "
+     "for turboquant_4bit_nc on its own (first and last min(2, L//2) layers, TurboQuantConfig.get_boundary_skip_layers)"
+     ": nothing would be stored in it; add a dtype that stores this model's layers (e.g. --dtypes fp8)"),
+    (["--dtypes", "fp8,fp8_e4m3"], "error: --dtypes names fp8 and fp8_e4m3, one vLLM dtype under two names "
+                                   "(vllm/config/cache.py: fp8 = fp8_e4m3); keep one spelling"),
+])
+def test_recommend_refuses_before_the_model_loads(tiny, tmp_path, no_model, extra, line):
+    """A --max-skip above the 4-layer model's 3 (every layer at 16 bits stores nothing in the dtype; --max-skip 9 was
+    accepted), a menu whose only dtype vLLM keeps at 16 bits on every layer of this model, and fp8 named twice (its
+    outputs would mix the spellings): exit 2, that one line, before the model loads, no --out."""
+    out = tmp_path / "rec"
+    r = CliRunner().invoke(main, [*REC, "--model", str(tiny), "--out", str(out), *extra])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == line and no_model == [] and not out.exists()
+
+
+def test_negative_max_skip_is_refused_by_both_commands(tiny, tmp_path, no_model):
+    """--max-skip -1: click's range check on the command line (exit 2, naming the option, the value and the range),
+    the one-line KvcalError from the Python API; nothing written, no model loaded."""
+    from kvcal.calibrate import CalibrateConfig
+    from kvcal.errors import KvcalError
+    from kvcal.recommend import RecommendConfig, recommend
+
+    for cmd in (REC, ["calibrate", "--corpus", str(CHAT), "--engine", "vllm", "--kv-cache-dtype", "fp8",
+                      "--skip-layers", "auto", "--quiet"]):
+        r = CliRunner().invoke(main, [*cmd, "--model", str(tiny), "--out", str(tmp_path / "o"), "--max-skip", "-1"])
+        assert r.exit_code == 2 and "Invalid value for '--max-skip': -1 is not in the range 0<=x" in r.output, r.output
+    with pytest.raises(KvcalError, match=r"^--max-skip must be >= 0, got -1$"):
+        recommend(RecommendConfig(corpus=str(CHAT), out=str(tmp_path / "o"), model=str(tiny), max_skip=-1))
+    with pytest.raises(KvcalError, match=r"^--max-skip must be >= 0, got -1$"):
+        CalibrateConfig(corpus=str(CHAT), engine="vllm", kv_cache_dtype="fp8", skip_layers="auto", max_skip=-1)
+    assert no_model == [] and not (tmp_path / "o").exists()
+
+
+def test_fp8_e4m3_is_spelled_one_way_in_every_output(tiny, tmp_path):
+    """recommend --dtypes fp8_e4m3 (chosen): deploy.md, deploy.json (serve line, notes), the kept artifact
+    (vllm.kv_cache_dtype and report.md) and the output of the printed kvcal export line (its serve line and
+    manifest) name the dtype fp8_e4m3 and nothing else. Before the fix the artifact was calibrated as fp8, so its
+    report, the notes and the export line said fp8 while deploy.md said fp8_e4m3 (vLLM takes both: one run, one
+    spelling)."""
+    import re
+
+    from kvcal.artifact import load_artifact
+    from kvcal.recommend import RecommendConfig, recommend
+
+    out = tmp_path / "rec"
+    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("fp8_e4m3",), max_skip=1,
+                                    context=64, windows=1, probe_tokens=64, accept="kl_mean<=1", fp8_samples=8,
+                                    fp8_seq_len=64, fp8_kwargs=NVFP4_CAL), log=lambda s: None, progress=False)
+    assert doc["chosen"]["dtype"] == "fp8_e4m3" and doc["calibrated"] == {"fp8_e4m3": "artifact"}
+    art = load_artifact(out / "artifact")
+    assert art.metadata["vllm"]["kv_cache_dtype"] == "fp8_e4m3"
+    r = CliRunner().invoke(main, shlex.split(doc["commands"]["export"])[1:])
+    assert r.exit_code == 0, r.output
+    assert f"serve: {doc['commands']['serve']}\n" in r.output
+    assert json.loads((out / "checkpoint" / "kvcal-export.json").read_text())["kv_cache_dtype"] == "fp8_e4m3"
+    texts = {"deploy.md": (out / "deploy.md").read_text(), "deploy.json": (out / "deploy.json").read_text(),
+             "report.md": (out / "artifact" / "report.md").read_text(), "export": r.output}
+    for name, text in texts.items():
+        named = re.findall(r"--kv-cache-dtype[ =`]+([A-Za-z0-9_]+)", text)
+        assert named and set(named) == {"fp8_e4m3"}, (name, named)

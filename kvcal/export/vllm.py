@@ -154,6 +154,11 @@ class VllmTarget(Target):
                 replace_files={"config.json": cfg},
             )
         cmd = "vllm serve {out} --kv-cache-dtype fp8"
+        vm = ctx.artifact.metadata.get("vllm")
+        d = vm.get("kv_cache_dtype") if isinstance(vm, dict) else None
+        if d in ("fp8", "fp8_e4m3"):  # calibrate --engine vllm: the spelling it was calibrated under, as its
+            cmd = f"vllm serve {{out}} --kv-cache-dtype {d}"  # report.md names it (vLLM: fp8 = fp8_e4m3)
+            ctx.manifest["kv_cache_dtype"] = d
         if p.format == "nvfp4":  # calibrate --engine vllm --kv-cache-dtype nvfp4: outer scales + q_scale
             from kvcal.export.base import vllm_nvfp4_dtype
 
@@ -165,7 +170,6 @@ class VllmTarget(Target):
             ctx.notes.append("q_scale is used on SM100 (FlashInfer trtllm-gen, FP8 queries); on SM80/90/120 "
                              "(FlashInfer fa2) vLLM keeps NVFP4-cache queries in the model dtype and ignores it")
             ctx.manifest["kv_cache_dtype"] = d
-        vm = ctx.artifact.metadata.get("vllm")
         if isinstance(vm, dict) and vm.get("skip_layers"):  # calibrate --engine vllm --skip-layers: 16-bit layers
             from kvcal.search.skip_layers import serve_skip_arg
 

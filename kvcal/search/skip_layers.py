@@ -17,6 +17,12 @@ The choice (:func:`choose_skip_layers`) is then an exact 0/1 knapsack: maximise 
 set subject to a count bound (``--max-skip N``) and/or an extra-bytes bound (from
 ``--max-bytes-per-token B``), with layers vLLM adds on its own forced in. Ties go to fewer layers, then
 lower indices, so the result is deterministic.
+
+At least one layer always stays in the dtype (:func:`skip_count_range`): a configuration that keeps every
+layer at 16 bits stores nothing in ``D`` — it is the 16-bit cache under ``D``'s name, with the 16-bit cache's
+bytes — so no caller offers, chooses or records one. Where vLLM's own boundary layers already cover the whole
+model (turboquant on 2 or 4 layers: ``min(2, L // 2)`` first and last), the dtype has no deployment on that
+model (:func:`not_applicable`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,34 @@ def skip_costs(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim
     full = layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim, range(num_layers),
                                  add_boundary=False)
     return [int(f - b) for f, b in zip(full, q, strict=True)]
+
+
+def skip_count_range(kv_cache_dtype: str, num_layers: int) -> tuple[int, int]:
+    """The numbers of 16-bit layers a vLLM deployment of ``kv_cache_dtype`` can have on a ``num_layers``-layer
+    model: ``(lo, hi)`` with ``lo`` = the layers vLLM 0.33 keeps at 16 bits on its own
+    (:func:`kvcal.formats.vllm_dtypes.boundary_skip_layers`: 4 for turboquant on 5+ layers, else 0) and
+    ``hi = num_layers - 1`` — at least one layer stays in the dtype, else nothing is stored in it (the 16-bit
+    cache under the dtype's name, with its bytes). ``lo > hi`` when the boundary alone covers every layer
+    (:func:`not_applicable`)."""
+    from kvcal.formats.vllm_dtypes import boundary_skip_layers
+
+    return len(boundary_skip_layers(kv_cache_dtype, num_layers)), num_layers - 1
+
+
+def not_applicable(kv_cache_dtype: str, num_layers: int) -> str | None:
+    """Why ``kv_cache_dtype`` has no meaningful vLLM deployment on a ``num_layers``-layer model, or ``None``:
+    vLLM 0.33 adds the first and last ``min(2, L // 2)`` layers of a turboquant dtype to
+    ``--kv-cache-dtype-skip-layers`` on its own (``TurboQuantConfig.get_boundary_skip_layers``, unioned in
+    ``engine/arg_utils.py``), which covers every layer of a 2- or 4-layer model: nothing would be stored in
+    the dtype. One line (no trailing period)."""
+    from kvcal.formats.vllm_dtypes import boundary_skip_layers
+
+    forced = boundary_skip_layers(kv_cache_dtype, num_layers)
+    if num_layers < 1 or len(forced) < num_layers:
+        return None
+    return (f"vLLM 0.33 keeps every layer ({', '.join(map(str, forced))}) of this {num_layers}-layer model at 16 bits "
+            f"for {kv_cache_dtype} on its own (first and last min(2, L//2) layers, "
+            "TurboQuantConfig.get_boundary_skip_layers): nothing would be stored in it")
 
 
 def probe_plans(kv_cache_dtype: str, num_layers: int, **scales) -> dict:
@@ -148,8 +182,8 @@ def parse_skip_layers(text) -> str | tuple[int, ...] | None:
 
 def check_skip_options(skip_layers, max_skip: int | None, max_bytes_per_token: int | None) -> None:
     """The model-free checks of ``--skip-layers`` / ``--max-skip`` / ``--max-bytes-per-token`` (values
-    as :func:`parse_skip_layers` returns them): ``auto`` needs a budget (without one the knapsack keeps
-    every layer at 16 bits), a budget applies to ``auto`` only (an explicit list is taken as given), and
+    as :func:`parse_skip_layers` returns them): ``auto`` needs a budget (without one the knapsack keeps all but
+    one layer at 16 bits), a budget applies to ``auto`` only (an explicit list is taken as given), and
     bounds are >= 0 / >= 1. Raises :class:`~kvcal.errors.KvcalError`."""
     from kvcal.errors import KvcalError
 
@@ -169,25 +203,38 @@ def check_skip_options(skip_layers, max_skip: int | None, max_bytes_per_token: i
 
 def check_skip_layers(skip_layers, kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
                       max_skip: int | None = None, max_bytes_per_token: int | None = None) -> None:
-    """The checks that need the model's shape (before it loads): an explicit list inside
-    ``[0, num_layers)``; for ``auto``, a ``--max-bytes-per-token`` that the dtype can meet with only the
-    layers vLLM skips on its own, and a ``--max-skip`` not below their count. Raises
+    """The checks that need the model's shape (before it loads): the dtype has a deployment on the model
+    (:func:`not_applicable`); an explicit list inside ``[0, num_layers)`` that leaves at least one layer
+    (after vLLM's own boundary layers) in the dtype; for ``auto``, a ``--max-skip`` inside
+    :func:`skip_count_range` (not below the layers vLLM skips on its own, at most ``num_layers - 1``) and a
+    ``--max-bytes-per-token`` that the dtype can meet with only the layers vLLM skips on its own. Raises
     :class:`~kvcal.errors.KvcalError`."""
     from kvcal.errors import KvcalError
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
 
     if skip_layers is None:
         return
+    na = not_applicable(kv_cache_dtype, num_layers)
+    if na:
+        raise KvcalError(f"--kv-cache-dtype {kv_cache_dtype}: {na}; choose another dtype")
+    forced = boundary_skip_layers(kv_cache_dtype, num_layers)
     if skip_layers != "auto":
         bad = [i for i in skip_layers if i >= num_layers]
         if bad:
             raise KvcalError(f"--skip-layers: layer{'s' if len(bad) > 1 else ''} {','.join(map(str, bad))} out of "
                              f"range: the model has {num_layers} layers (0..{num_layers - 1})")
+        if len(set(skip_layers) | set(forced)) >= num_layers:
+            raise KvcalError(f"--skip-layers {','.join(map(str, skip_layers))}: keeps all {num_layers} layers of the "
+                             f"model at 16 bits, so nothing would be stored in --kv-cache-dtype {kv_cache_dtype} (the "
+                             "16-bit cache under its name); leave at least one layer out")
         return
-    forced = boundary_skip_layers(kv_cache_dtype, num_layers)
-    if max_skip is not None and max_skip < len(forced):
+    lo, hi = skip_count_range(kv_cache_dtype, num_layers)
+    if max_skip is not None and max_skip < lo:
         raise KvcalError(f"--max-skip {max_skip}: vLLM always keeps {len(forced)} layers {forced} of "
                          f"--kv-cache-dtype {kv_cache_dtype} at 16 bits; give --max-skip >= {len(forced)}")
+    if max_skip is not None and max_skip > hi:
+        raise KvcalError(f"--max-skip {max_skip}: the model has {num_layers} layers and at least one must stay in "
+                         f"--kv-cache-dtype {kv_cache_dtype}; give --max-skip between {lo} and {hi}")
     if max_bytes_per_token is not None:
         least = sum(layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim))
         if least > max_bytes_per_token:
@@ -202,11 +249,19 @@ def budget_skip_layers(sensitivity: list[float], kv_cache_dtype: str, num_layers
     :func:`skip_costs`, vLLM's own boundary layers forced in, ``max_skip`` as the count bound and
     ``max_bytes_per_token`` (KV bytes per token, all layers, as
     :func:`kvcal.formats.memory.vllm_bytes_per_token` counts them) turned into the extra-bytes bound
-    ``B - Σ quantized slots``. ``sensitivity``: per-layer KL (nats) of
-    :func:`kvcal.evaluate.vllm_probe.layer_sensitivity`. Sorted layer indices. Raises ``ValueError`` when the
-    forced layers alone exceed a bound (:func:`check_skip_layers` refuses that before the model loads)."""
+    ``B - Σ quantized slots``. The count is also bounded by ``num_layers - 1`` (:func:`skip_count_range`): a
+    byte bound at or above the 16-bit cache's size, or an unbounded ``max_skip``, still leaves the least
+    sensitive layer in the dtype (every layer at 16 bits would store nothing in it). ``sensitivity``: per-layer
+    KL (nats) of :func:`kvcal.evaluate.vllm_probe.layer_sensitivity`. Sorted layer indices. Raises
+    ``ValueError`` when the forced layers alone exceed a bound or cover every layer (:func:`check_skip_layers`
+    refuses both before the model loads)."""
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
 
+    na = not_applicable(kv_cache_dtype, num_layers)
+    if na:
+        raise ValueError(na)
+    hi = skip_count_range(kv_cache_dtype, num_layers)[1]
+    max_skip = hi if max_skip is None else min(max_skip, hi)
     costs = skip_costs(kv_cache_dtype, num_layers, num_kv_heads, head_dim)
     extra = None
     if max_bytes_per_token is not None:
@@ -227,5 +282,6 @@ def serve_skip_arg(skip_layers) -> str:
     return f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
 
 
-__all__ = ["rule_skip_layers", "skip_costs", "probe_plans", "choose_skip_layers", "parse_skip_layers",
-           "check_skip_options", "check_skip_layers", "budget_skip_layers", "serve_skip_arg"]
+__all__ = ["rule_skip_layers", "skip_count_range", "not_applicable", "skip_costs", "probe_plans",
+           "choose_skip_layers", "parse_skip_layers", "check_skip_options", "check_skip_layers", "budget_skip_layers",
+           "serve_skip_arg"]
