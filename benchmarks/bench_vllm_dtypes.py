@@ -10,6 +10,7 @@ Per ``--kv-cache-dtype`` (static scales at vLLM's default 1.0, no checkpoint):
    in 16 bits), and bytes/token as vLLM allocates them.
 
     .venv/bin/python benchmarks/bench_vllm_dtypes.py [--model smollm2-135m] [--windows 2] [--tokens 512]
+        [--dtypes nvfp4,nvfp4_4over6]
 """
 
 from __future__ import annotations
@@ -33,13 +34,19 @@ def main(argv=None):
     ap.add_argument("--text", default="../shared/data/wikitext2_valid.txt")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--dtypes", default=",".join(V.VLLM_DTYPES),
+                    help="comma-separated --kv-cache-dtype names to measure (default: all)")
     a = ap.parse_args(argv)
+    names = [n.strip() for n in a.dtypes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in V.VLLM_DTYPES]
+    if unknown:
+        ap.error(f"unknown --dtypes {unknown}; choose from {', '.join(V.VLLM_DTYPES)}")
 
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, 3, 512, 64, generator=g)
     v = torch.randn(1, 3, 512, 64, generator=g)
     k[..., 7] *= 20.0  # one outlier channel in the keys
-    synth = {n: tuple(map(sqnr_db, (k, v), V.fake_quant_kv(n, k, v))) for n in V.VLLM_DTYPES}
+    synth = {n: tuple(map(sqnr_db, (k, v), V.fake_quant_kv(n, k, v))) for n in names}
 
     captured, kl = {}, {}
     if a.model:
@@ -63,7 +70,7 @@ def main(argv=None):
 
         with torch.no_grad(), capture_kv(model, on_layer):
             model(wins[:1], use_cache=False)
-        for n in V.VLLM_DTYPES:
+        for n in names:
             num = {"k": 0.0, "v": 0.0}
             den = {"k": 0.0, "v": 0.0}
             for i in range(L):
@@ -73,24 +80,25 @@ def main(argv=None):
                     num[s] += float(x.double().pow(2).sum())
                     den[s] += float((x.double() - y.double()).pow(2).sum())
             captured[n] = tuple(10 * torch.log10(torch.tensor(num[s] / den[s])).item() for s in ("k", "v"))
-        plans = {n: VllmKVPlan(n, L) for n in V.VLLM_DTYPES}
-        plans["fp8 (K/V only, queries 16-bit)"] = VllmKVPlan("fp8", L, quantize_query=False)
+        plans = {n: VllmKVPlan(n, L) for n in names}
+        if "fp8" in names:
+            plans["fp8 (K/V only, queries 16-bit)"] = VllmKVPlan("fp8", L, quantize_query=False)
         t0 = time.perf_counter()
         res = teacher_forced(model, wins, plans, progress=False)
         kl = {n: (res[n]["kl_mean"], res[n]["delta_ppl"]) for n in plans}
-        bpt = {n: vllm_bytes_per_token(model.config, n) for n in V.VLLM_DTYPES}
+        bpt = {n: vllm_bytes_per_token(model.config, n) for n in names}
         print(f"# {a.model}: {len(wins)} WikiText windows x {a.tokens} tokens, Protocol A in "
               f"{time.perf_counter() - t0:.0f}s; captured K/V = layer-summed SQNR on window 1")
 
     print("| --kv-cache-dtype | synth K dB | synth V dB |" + (" captured K dB | captured V dB | KL mean | ΔPPL |"
                                                            " bytes/token |" if a.model else ""))
     print("|---|---|---|" + ("---|---|---|---|---|" if a.model else ""))
-    for n in [*V.VLLM_DTYPES, *(["fp8 (K/V only, queries 16-bit)"] if a.model else [])]:
+    for n in [*names, *(["fp8 (K/V only, queries 16-bit)"] if a.model and "fp8" in names else [])]:
         row = f"| {n} | " + (" | ".join(f"{x:.2f}" for x in synth[n]) if n in synth else "= fp8 | = fp8")
         if a.model:
             c = captured.get(n)
             row += " | " + (" | ".join(f"{x:.2f}" for x in c) if c else "= fp8 | = fp8")
-            row += f" | {kl[n][0]:.3e} | {kl[n][1]:+.4f} | {bpt.get(n, bpt['fp8'])}"
+            row += f" | {kl[n][0]:.3e} | {kl[n][1]:+.4f} | {bpt[n] if n in bpt else bpt['fp8']}"
         print(row + " |")
 
 
