@@ -483,7 +483,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         for _, _, name, _ in calib:  # only the chosen dtype's artifact stays in the output
             if name != keep and (staging / name).exists():
                 shutil.rmtree(staging / name)
-        if any(not c["deployable"] for c in cands):
+        if any(c["choice"] == "auto-free" for c in cands):
             notes.append("auto-free rows: the probe's choice for turboquant at vLLM's 4 layers without the forced "
                          "first-2/last-2 layers; vLLM 0.33 always adds those (engine/arg_utils.py), so these rows "
                          "show what the rule costs and are never chosen")

@@ -277,6 +277,7 @@ def test_recommend_never_offers_every_layer_at_16_bits(tiny, tmp_path):
     assert tq[0]["skip_layers"] == [0, 1, 2, 3] and not tq[0]["deployable"] and "kl_mean" not in tq[0]
     assert list(doc["sensitivity"]) == ["int4_per_token_head"]  # not probed
     assert f"turboquant_4bit_nc not applicable on this model: {reason}" in doc["notes"]
+    assert not any(n.startswith("auto-free rows") for n in doc["notes"])  # there is none to explain
     assert "| turboquant_4bit_nc | 0,1,2,3 | rule (not deployable) | 512 | 1.000 | - | - | NOT-APPLICABLE |" in md
     ch = doc["chosen"]
     assert ch["dtype"] == "int4_per_token_head" and len(ch["skip_layers"]) < L
