@@ -330,7 +330,7 @@ def ref_nvfp4_4over6_block(xs, outer):
         out = r32(1 / r32(s * r32(1 / gs))) if s else Fraction(0)
         dq = r32(1 / out) if out else Fraction(0)
         q = [e2m1_fr(r32(Fraction(v) * out)) for v in xs]
-        d = [r32(qi * dq - Fraction(v)) for qi, v in zip(q, xs)]
+        d = [r32(qi * dq - Fraction(v)) for qi, v in zip(q, xs, strict=True)]
         err = Fraction(0)
         for k in range(8):
             err = r32(err + r32(d[2 * k] * d[2 * k] + r32(d[2 * k + 1] * d[2 * k + 1])))
@@ -469,8 +469,8 @@ def test_nvfp4_4over6_rounding_decides_a_true_tie():
     s, q, e6, e4 = ref_nvfp4_4over6_block(blk, 1.0)
     q6 = [e2m1_fr(v / Fraction(5, 8)) for v in map(Fraction, blk)]
     q4 = [e2m1_fr(v / Fraction(7, 8)) for v in map(Fraction, blk)]
-    exact6 = sum((qi * Fraction(5, 8) - Fraction(v)) ** 2 for qi, v in zip(q6, blk))
-    exact4 = sum((qi * Fraction(7, 8) - Fraction(v)) ** 2 for qi, v in zip(q4, blk))
+    exact6 = sum((qi * Fraction(5, 8) - Fraction(v)) ** 2 for qi, v in zip(q6, blk, strict=True))
+    exact4 = sum((qi * Fraction(7, 8) - Fraction(v)) ** 2 for qi, v in zip(q4, blk, strict=True))
     assert exact6 == exact4 and e4 < e6 and s == Fraction(7, 8)
     vals, scales = V.nvfp4_quantize(_one_block(blk), four_over_six=True)
     assert scales.float().item() == 0.875
