@@ -10,7 +10,7 @@ candidate is judged on the first ``W`` WikiText windows (never seen by calibrati
 the candidate table (bytes/token as vLLM allocates pages — skipped layers at 16 bits, inline per-token scales,
 block scales and norms included; ×16-bit; KL; ΔPPL; PASS/FAIL), the chosen configuration, whether it meets the
 target (a PASS at ≤ 0.6× the bytes per token of 16-bit), and re-measures the chosen configuration (its
-calibrated scales for fp8) on the next ``--recheck-windows`` WikiText windows, which recommend did not see.
+calibrated scales when the chosen row uses them, vLLM's 1.0 otherwise) on the next ``--recheck-windows`` WikiText windows, which recommend did not see.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_vllm_recommend.py [--context 256] [--windows 4]
         [--probe-tokens 256] [--recheck-windows 8] [--out /tmp/kvcal-bench-recommend]
@@ -69,13 +69,13 @@ def main(argv=None):
           f"{doc['data']['reference_ppl']:.4f}); probe {doc['data']['probe']['windows']} x "
           f"{doc['data']['probe']['context']} tokens of {doc['data']['probe']['corpus']}; 16-bit "
           f"{doc['bytes_per_token_16bit']} bytes/token\n")
-    print("| --kv-cache-dtype | 16-bit layers | choice | bytes/token | ×16-bit | KL mean | ΔPPL | status |")
-    print("|---|---|---|---:|---:|---:|---:|---|")
+    print("| --kv-cache-dtype | scales | 16-bit layers | choice | bytes/token | ×16-bit | KL mean | ΔPPL | status |")
+    print("|---|---|---|---|---:|---:|---:|---:|---|")
     for c in doc["candidates"]:
         kl = f"{c['kl_mean']:.3e}" if "kl_mean" in c else "-"
         dp = f"{c['delta_ppl']:+.4f}" if "delta_ppl" in c else "-"
         mark = " **← chosen**" if c == doc["chosen"] else ""
-        print(f"| {c['dtype']} | {','.join(map(str, c['skip_layers'])) or '-'} | {c['choice']}"
+        print(f"| {c['dtype']} | {c.get('scales', '-')} | {','.join(map(str, c['skip_layers'])) or '-'} | {c['choice']}"
               f"{'' if c['deployable'] else ' (not deployable)'} | {c['bytes_per_token']} | {c['vs_16bit']:.3f} | "
               f"{kl} | {dp} | {c['status']}{mark} |")
     ch = doc["chosen"]
@@ -83,7 +83,7 @@ def main(argv=None):
         print("\nno configuration passes: target NOT met")
         return 1
     met = ch["vs_16bit"] <= TARGET_RATIO
-    print(f"\nchosen: --kv-cache-dtype {ch['dtype']}, 16-bit layers {ch['skip_layers'] or 'none'}: "
+    print(f"\nchosen: --kv-cache-dtype {ch['dtype']} ({ch.get('scales', '-')} scales), 16-bit layers {ch['skip_layers'] or 'none'}: "
           f"{ch['bytes_per_token']} bytes/token = {ch['vs_16bit']:.3f}× 16-bit, KL {ch['kl_mean']:.3e}, "
           f"ΔPPL {ch['delta_ppl']:+.4f} -> target (PASS at <= {TARGET_RATIO}× 16-bit) {'met' if met else 'NOT met'}")
     for line in (doc["commands"] or {}).values():
@@ -112,7 +112,8 @@ def recheck(doc: dict, a, out: Path) -> None:
     L = model.config.num_hidden_layers
     ids, _ = corpus_stream(str(REPO / a.eval_corpus), tok)
     ev = cut_windows(ids, a.context, a.recheck_windows, skip=a.windows)
-    art = (doc.get("calibrated") or {}).get(ch["dtype"])  # the chosen dtype's calibrated artifact (fp8, nvfp4)
+    # the chosen row's calibrated artifact (fp8, nvfp4), none for a row at vLLM's default scales (1.0)
+    art = doc.get("artifact") if ch.get("scales", "calibrated") == "calibrated" else None
     sc = _artifact_scales(ch["dtype"], REPO / out / art, L) if art else {}
     plan = VllmKVPlan(ch["dtype"], L, skip_layers=tuple(ch["skip_layers"]), **sc)
     t0 = time.perf_counter()

@@ -14,9 +14,13 @@ The dtypes whose static scales vLLM reads from the checkpoint and kvcal calibrat
 (:data:`CALIBRATIONS`) are calibrated first, each into its own artifact, and probed and evaluated with
 those scales: fp8 / fp8_e4m3 through ``kvcal calibrate --engine vllm --kv-cache-dtype fp8`` (k/v scales and
 q_scale, artifact ``artifact/``), nvfp4 through ``kvcal calibrate --engine vllm --kv-cache-dtype nvfp4``
-(NVFP4 outer scales and q_scale, :mod:`kvcal.search.vllm_nvfp4`, artifact ``artifact-nvfp4/``). The other
-static dtypes (nvfp4_4over6, fp8_e5m2) run at vLLM's default scales (1.0); the rest compute their scales at
-write time (:func:`scales_source` says which, per dtype, in the notes).
+(NVFP4 outer scales and q_scale, :mod:`kvcal.search.vllm_nvfp4`, artifact ``artifact-nvfp4/``). Each such dtype
+is also evaluated at vLLM's default scales (every static scale 1.0: a checkpoint without k/v/q scales) as
+candidates of its own, on the calibrated rows' 16-bit layer sets (one probe per dtype, run with the calibrated
+scales), so that a calibration that measures worse than not calibrating is never the one deployed; each row's
+``scales`` field (:data:`SCALES_CALIBRATED`, :data:`SCALES_DEFAULT`, :data:`SCALES_WRITE_TIME`) says which it
+uses. The other static dtypes (nvfp4_4over6, fp8_e5m2) run at vLLM's default scales (1.0) only; the rest compute
+their scales at write time (:func:`scales_source` says which, per dtype, in the notes).
 
 Data split (one token stream, :func:`kvcal.evaluate.corpus_stream`, cut into ``context``-token windows):
 the first ``ceil(probe_tokens / context)`` windows are the probe; the next ``windows`` windows (or the first
@@ -24,7 +28,7 @@ ones of ``eval_corpus`` when given) are the evaluation. kvcal calibrate's sample
 from the whole corpus and may overlap the evaluation windows unless ``eval_corpus`` is a different file.
 
 Output directory (written atomically): ``deploy.json`` (schema ``kvcal-recommend/1``), ``deploy.md``, and
-the chosen dtype's calibrated artifact when it has one: ``artifact/`` (fp8, fp8_e4m3) or ``artifact-nvfp4/``
+the chosen row's calibrated artifact when it uses calibrated scales (none for a row at vLLM's default scales): ``artifact/`` (fp8, fp8_e4m3) or ``artifact-nvfp4/``
 (nvfp4), which the deployment's ``kvcal export --target vllm`` line reads; the chosen 16-bit layers are recorded
 in it (:func:`record_skip_layers`), so that export prints the same ``--kv-cache-dtype-skip-layers`` as deploy.md.
 """
@@ -54,6 +58,14 @@ SCHEMA = "kvcal-recommend/1"
 #: fp8 keeps the directory name ``artifact`` of earlier releases.
 CALIBRATIONS = (("fp8", ("fp8", "fp8_e4m3"), "artifact", "k_scale, v_scale and q_scale per layer"),
                 ("nvfp4", ("nvfp4",), "artifact-nvfp4", "NVFP4 outer scales (k_scale/v_scale) and q_scale per layer"))
+#: A candidate row's ``scales``: the scales kvcal calibrated on the corpus (:data:`CALIBRATIONS`), exported into
+#: the checkpoint by the deployment's ``kvcal export`` line.
+SCALES_CALIBRATED = "calibrated"
+#: A candidate row's ``scales``: vLLM's defaults, every static k/v/q scale 1.0 — what vLLM runs when the checkpoint
+#: has no k_scale/v_scale/q_scale (:class:`kvcal.vllm_plan.VllmKVPlan` with no scales); nothing to export.
+SCALES_DEFAULT = "vLLM default (1.0)"
+#: A candidate row's ``scales`` for a dtype whose scales vLLM computes when it writes the cache.
+SCALES_WRITE_TIME = "write time"
 
 
 @dataclass(frozen=True)
@@ -280,6 +292,17 @@ def scales_source(kv_cache_dtype: str, calibrated: bool) -> str:
     return WRITE_TIME
 
 
+def row_scales(kv_cache_dtype: str, calibrated: bool) -> str:
+    """A candidate row's ``scales`` label: :data:`SCALES_CALIBRATED` for a row run with kvcal's calibrated scales,
+    else :data:`SCALES_DEFAULT` for a dtype with static scales (vLLM's 1.0) or :data:`SCALES_WRITE_TIME`.
+    Raises :class:`~kvcal.formats.vllm_dtypes.VllmDTypeError` for an unknown dtype."""
+    from kvcal.formats.vllm_dtypes import vllm_dtype
+
+    if calibrated:
+        return SCALES_CALIBRATED
+    return SCALES_DEFAULT if vllm_dtype(kv_cache_dtype).static_scales else SCALES_WRITE_TIME
+
+
 def _artifact_scales(kv_cache_dtype: str, artifact_dir: Path, num_layers: int) -> dict:
     """:func:`kvcal.evaluate.vllm_probe.vllm_scales` of the artifact in ``artifact_dir``."""
     from kvcal.artifact import load_artifact
@@ -318,15 +341,17 @@ def record_skip_layers(artifact_dir: Path, chosen: dict, cfg: RecommendConfig, s
 def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress: bool = True,
               model=None, tokenizer=None) -> dict:
     """Run ``kvcal recommend`` and write ``cfg.out`` atomically; returns the ``kvcal-recommend/1``
-    document: ``{"schema", "chosen": candidate | None, "candidates": [{"dtype", "choice", "skip_layers",
+    document: ``{"schema", "chosen": candidate | None, "candidates": [{"dtype", "scales", "choice", "skip_layers",
     "deployable", "bytes_per_token", "vs_16bit", "kl_mean", "delta_ppl", "ppl", "top1_agree", "status",
     "criteria", "failed"}], "sensitivity": {dtype: [KL per layer]} (probed dtypes), "bytes_per_token_16bit",
     "commands": {"export": str | None, "serve": str} | None, "calibrated": {dtype: artifact directory name},
-    "artifact": the directory kept in ``cfg.out`` (the chosen dtype's calibrated artifact) or None,
+    "artifact": the directory kept in ``cfg.out`` (the chosen row's calibrated artifact) or None,
     "scales": {dtype: str}, "data": {...}, "notes": [str], "passed"}``. ``calibrated``: the menu dtypes
     probed and evaluated with scales kvcal calibrated, each with its artifact's directory
     (:data:`CALIBRATIONS`; only the chosen dtype's is kept in ``cfg.out``); ``scales``:
-    :func:`scales_source` of every menu dtype.
+    :func:`scales_source` of every menu dtype. A candidate's ``scales`` (:func:`row_scales`): a calibrated dtype
+    has one row per 16-bit layer set with :data:`SCALES_CALIBRATED` and one with :data:`SCALES_DEFAULT` (vLLM's
+    1.0, no export); when the chosen row is the latter, ``commands["export"]`` is None and ``artifact`` is None.
     ``status`` is PASS/FAIL, or OVER-BUDGET / :data:`NOT_APPLICABLE` (not evaluated; ``failed`` says why: a
     dtype whose vLLM boundary layers cover the model has one such row). ``max_skip``: the value used
     (:func:`effective_max_skip`). ``model``/``tokenizer``: loaded objects for
@@ -422,8 +447,8 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             sc = scales.get(d, {})
             if d in not_applicable:  # not probed, not evaluated: one row saying why
                 c = candidate_sets(d, None, [], L, cfg.max_skip)[0]
-                cands.append({"dtype": d, "choice": c["choice"], "skip_layers": c["skip"], "deployable": False,
-                              "bytes_per_token": b16, "vs_16bit": 1.0,
+                cands.append({"dtype": d, "scales": row_scales(d, d in scales), "choice": c["choice"],
+                              "skip_layers": c["skip"], "deployable": False, "bytes_per_token": b16, "vs_16bit": 1.0,
                               "criteria": crit_given or default_accept(VllmKVPlan(d, L, add_boundary=False)),
                               "status": NOT_APPLICABLE, "failed": [c["not_applicable"]]})
                 notes.append(f"{d} not applicable on this model: {c['not_applicable']}")
@@ -431,12 +456,17 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             log(f"{d}: per-layer sensitivity probe on {len(probe)} x {T} tokens")
             sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **sc)
             costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
-            for c in candidate_sets(d, sens[d], costs, L, cfg.max_skip):
-                plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"], **sc)
-                nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"])
-                cands.append({"dtype": d, "choice": c["choice"], "skip_layers": list(plan.skipped),
-                              "deployable": c["deployable"], "bytes_per_token": nb, "vs_16bit": nb / b16,
-                              "criteria": crit_given or default_accept(plan), "_plan": plan})
+            sets = candidate_sets(d, sens[d], costs, L, cfg.max_skip)
+            # a calibrated dtype is also run at vLLM's default scales (no checkpoint scales: 1.0), on the same
+            # 16-bit layer sets (the probe above ran with the calibrated scales; no second probe)
+            for label, vsc in ([(SCALES_CALIBRATED, sc), (SCALES_DEFAULT, {})] if d in scales
+                               else [(row_scales(d, False), {})]):
+                for c in sets:
+                    plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"], **vsc)
+                    nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"])
+                    cands.append({"dtype": d, "scales": label, "choice": c["choice"], "skip_layers": list(plan.skipped),
+                                  "deployable": c["deployable"], "bytes_per_token": nb, "vs_16bit": nb / b16,
+                                  "criteria": crit_given or default_accept(plan), "_plan": plan})
         todo = {i: c["_plan"] for i, c in enumerate(cands) if "_plan" in c
                 and (cfg.max_bytes_per_token is None or c["bytes_per_token"] <= cfg.max_bytes_per_token)}
         log(f"evaluating {len(todo)} of {len(cands)} candidates on {len(ev)} held-out windows x {T} tokens")
@@ -452,11 +482,12 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             c.update({k: r[k] for k in ("kl_mean", "kl_p999", "delta_ppl", "ppl", "top1_agree")})
             c["status"], c["failed"] = judge(r, parse_accept(c["criteria"]))
         ok = [c for c in cands if c["status"] == "PASS" and c["deployable"]]
+        # cheapest, then lower KL; at an exact tie the first listed (a calibrated row precedes its default twin)
         chosen = min(ok, key=lambda c: (c["bytes_per_token"], c["kl_mean"])) if ok else None
         commands = None
         if chosen is not None:
             skip_arg = serve_skip_arg(chosen["skip_layers"])
-            if chosen["dtype"] in artifact_of:  # calibrated: export its artifact's scales into the checkpoint
+            if chosen["scales"] == SCALES_CALIBRATED:  # export its artifact's scales into the checkpoint
                 ck = Path(cfg.out) / "checkpoint"
                 if src.gguf_file:
                     notes.append(f"{src.model_id} is a GGUF model: kvcal export --model-dir needs its HF safetensors "
@@ -468,25 +499,40 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             else:
                 commands = {"export": None, "serve": f"vllm serve {shlex.quote(str(serve_model))} --kv-cache-dtype "
                                                      f"{chosen['dtype']}{skip_arg}"}
-                if vllm_dtype(chosen["dtype"]).static_scales:
+                if chosen["dtype"] in artifact_of:  # calibrated dtype, chosen at vLLM's default scales
+                    twin = next(c for c in cands if c["dtype"] == chosen["dtype"] and c["scales"] == SCALES_CALIBRATED
+                                and c["skip_layers"] == chosen["skip_layers"] and c["deployable"])
+                    kl = f"KL {twin['kl_mean']:.3e}, {twin['status']}" if "kl_mean" in twin else twin["status"]
+                    notes.append(f"{chosen['dtype']} is chosen at vLLM's default scales (1.0), not with the scales "
+                                 f"calibrated on the corpus (the calibrated row with the same 16-bit layers: {kl}; "
+                                 f"this one: KL {chosen['kl_mean']:.3e}): no kvcal export, the vllm serve line is the "
+                                 "whole deployment — a checkpoint without k_scale/v_scale/q_scale runs at 1.0 (the "
+                                 "model's checkpoint must not carry such scales of its own)")
+                elif vllm_dtype(chosen["dtype"]).static_scales:
                     notes.append(f"{chosen['dtype']} runs at vLLM's default scales (1.0; kvcal calibrate does not "
                                  "calibrate it): no checkpoint scales to export, the vllm serve line is the whole "
                                  "deployment")
                 else:
                     notes.append(f"{chosen['dtype']} computes its scales at write time: no checkpoint scales to "
                                  "export, the vllm serve line is the whole deployment")
-        keep = artifact_of.get(chosen["dtype"]) if chosen is not None else None
+        keep = (artifact_of.get(chosen["dtype"]) if chosen is not None and chosen["scales"] == SCALES_CALIBRATED
+                else None)  # a row at vLLM's default scales keeps no calibrated artifact
         if keep is not None:  # its export prints and records the chosen 16-bit layers, as deploy.md does
             record_skip_layers(staging / keep, chosen, cfg, sens[chosen["dtype"]],
                                {"source": "recommend probe windows", "samples": len(probe), "tokens": len(probe) * T},
                                b16)
-        for _, _, name, _ in calib:  # only the chosen dtype's artifact stays in the output
+        for _, _, name, _ in calib:  # only a chosen calibrated row's artifact stays in the output
             if name != keep and (staging / name).exists():
                 shutil.rmtree(staging / name)
         if any(c["choice"] == "auto-free" for c in cands):
             notes.append("auto-free rows: the probe's choice for turboquant at vLLM's 4 layers without the forced "
                          "first-2/last-2 layers; vLLM 0.33 always adds those (engine/arg_utils.py), so these rows "
                          "show what the rule costs and are never chosen")
+        if scales:
+            notes.append(f"{', '.join(scales)} rows with scales '{SCALES_DEFAULT}': the same dtype with no checkpoint "
+                         "k/v/q scales (vLLM then runs every static scale at 1.0), on the calibrated rows' 16-bit "
+                         "layer sets (one probe, run with the calibrated scales); chosen over a calibrated row only "
+                         "when cheaper or, at equal bytes, of lower KL")
         if cfg.eval_corpus is None and scales:
             notes.append(f"{' and '.join(c[0] for c in calib)} scales come from kvcal calibrate's sample subset of "
                          "the whole corpus, which may overlap the evaluation windows; pass --eval-corpus for a "
@@ -494,8 +540,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         source = {d: scales_source(d, d in scales) for d in dict.fromkeys(cfg.dtypes)}
         for d, name in artifact_of.items():  # the directory a note names is only there for the chosen dtype
             if name != keep and d in source:
-                source[d] += f"; {name}/ not kept (only the chosen dtype's artifact stays in the output)"
-        notes += [f"{d} rows: {s}" for d, s in source.items() if s != WRITE_TIME]  # calibrated, or vLLM's defaults
+                source[d] += f"; {name}/ not kept (only the artifact of a chosen calibrated row stays in the output)"
+        notes += [f"{d} {'calibrated ' if d in scales else ''}rows: {s}" for d, s in source.items()
+                  if s != WRITE_TIME]  # calibrated, or vLLM's defaults
         at_write = [d for d, s in source.items() if s == WRITE_TIME]
         if at_write:
             notes.append(f"{', '.join(at_write)} rows: {WRITE_TIME}")
@@ -519,14 +566,16 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 
 
 def render_table(doc: dict) -> str:
-    """The candidate table (one row per candidate, markdown)."""
-    lines = ["| dtype | 16-bit layers | choice | bytes/token | vs 16-bit | KL mean | ΔPPL | status |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+    """The candidate table (one row per candidate, markdown); the scales column is the row's ``scales``
+    (:func:`row_scales`)."""
+    lines = ["| dtype | scales | 16-bit layers | choice | bytes/token | vs 16-bit | KL mean | ΔPPL | status |",
+             "|---|---|---|---|---:|---:|---:|---:|---|"]
     for c in doc["candidates"]:
         kl = f"{c['kl_mean']:.3e}" if "kl_mean" in c else "-"
         dp = f"{c['delta_ppl']:+.4f}" if "delta_ppl" in c else "-"
         mark = " ← chosen" if c is doc["chosen"] or c == doc["chosen"] else ""
-        lines.append(f"| {c['dtype']} | {','.join(map(str, c['skip_layers'])) or '-'} | {c['choice']}"
+        lines.append(f"| {c['dtype']} | {c.get('scales', '-')} | {','.join(map(str, c['skip_layers'])) or '-'} | "
+                     f"{c['choice']}"
                      f"{'' if c['deployable'] else ' (not deployable)'} | {c['bytes_per_token']} | "
                      f"{c['vs_16bit']:.3f} | {kl} | {dp} | {c['status']}{mark} |")
     return "\n".join(lines)
@@ -539,7 +588,9 @@ def render_markdown(doc: dict) -> str:
     if c is None:
         out += ["**No configuration passes** the acceptance bar within the budget; nothing to deploy.", ""]
     else:
-        out += [f"Chosen: `--kv-cache-dtype {c['dtype']}`, 16-bit layers {c['skip_layers'] or 'none'}, "
+        at = (" at vLLM's default scales (1.0: a checkpoint without k/v/q scales; nothing to export)"
+              if c.get("scales") == SCALES_DEFAULT else "")
+        out += [f"Chosen: `--kv-cache-dtype {c['dtype']}`{at}, 16-bit layers {c['skip_layers'] or 'none'}, "
                 f"{c['bytes_per_token']} bytes/token ({c['vs_16bit']:.3f} of 16-bit), KL {c['kl_mean']:.3e}, "
                 f"ΔPPL {c['delta_ppl']:+.4f} ({c['criteria']}).", "", "```sh"]
         if doc["commands"]["export"]:
@@ -558,5 +609,5 @@ def render_markdown(doc: dict) -> str:
 
 
 __all__ = ["RecommendConfig", "DEFAULT_MENU", "DEFAULT_MAX_SKIP", "NOT_APPLICABLE", "CALIBRATIONS", "calibrations",
-           "scales_source", "check_options", "check_head_dims", "check_budget", "effective_max_skip",
+           "SCALES_CALIBRATED", "SCALES_DEFAULT", "SCALES_WRITE_TIME", "row_scales", "scales_source", "check_options", "check_head_dims", "check_budget", "effective_max_skip",
            "applicable_dtypes", "layer_sensitivity", "vllm_fp8_scales", "candidate_sets", "record_skip_layers", "recommend", "render_table", "render_markdown"]

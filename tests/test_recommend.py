@@ -123,7 +123,9 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
                                     fp8_kwargs={"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2,
                                                 "max_queries": 16}),
                     log=lambda s: None, progress=False)
+    # calibrated KL below the vLLM-default-scale twin's on this model (checked): the calibrated row is chosen
     assert doc["chosen"]["dtype"] == "fp8" and doc["chosen"]["skip_layers"] == []
+    assert doc["chosen"]["scales"] == "calibrated" and doc["artifact"] == "artifact"
     art = load_artifact(out / "artifact")
     assert all(f"model.layers.{i}.self_attn.q_scale" in art.tensors for i in range(L))
     assert doc["commands"]["export"] == (f"kvcal export --artifact {out / 'artifact'} --target vllm --model-dir "
@@ -146,7 +148,8 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
     """With nvfp4 in the menu, recommend calibrates the NVFP4 outer scales and q_scale (kvcal calibrate --engine
     vllm --kv-cache-dtype nvfp4) and evaluates the nvfp4 row with them: its KL equals Protocol A's for a VllmKVPlan
     built from the calibrated artifact's tensors (exact: same arithmetic) and differs from the KL at vLLM's default
-    scales 1.0; nvfp4_4over6 is not calibrated and its KL equals the default-scale plan's. Nothing passes here
+    scales 1.0, which is the KL of its own "vLLM default (1.0)" row (same 16-bit layers, same bytes per token);
+    nvfp4_4over6 is not calibrated: one row, at vLLM's default scales, its KL the default-scale plan's. Nothing passes here
     (kl_mean<=0), so no artifact is kept in OUT, and deploy.json/notes say which dtype was calibrated."""
     import kvcal.recommend as R
     from kvcal.artifact import load_artifact
@@ -174,20 +177,23 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
     assert sorted(p.name for p in out.iterdir()) == ["deploy.json", "deploy.md"]
     # the note naming the calibrated artifact's directory says it was not kept (it is not in OUT)
     assert doc["artifact"] is None and doc["scales"]["nvfp4"].endswith(
-        "; artifact-nvfp4/ not kept (only the chosen dtype's artifact stays in the output)")
+        "; artifact-nvfp4/ not kept (only the artifact of a chosen calibrated row stays in the output)")
     sc = _outer_scales(seen["nvfp4"])
     assert any(x != 1.0 for x in sc["k_scales"] + sc["v_scales"])  # calibrated, not vLLM's default
-    rows = {c["dtype"]: c for c in doc["candidates"]}
-    assert [c["skip_layers"] for c in doc["candidates"]] == [[], []]
+    rows = {(c["dtype"], c["scales"]): c for c in doc["candidates"]}
+    assert [c["skip_layers"] for c in doc["candidates"]] == [[], [], []]
+    assert list(rows) == [("nvfp4", "calibrated"), ("nvfp4", "vLLM default (1.0)"), ("nvfp4_4over6", "vLLM default (1.0)")]
+    assert rows["nvfp4", "calibrated"]["bytes_per_token"] == rows["nvfp4", "vLLM default (1.0)"]["bytes_per_token"]
     tok = load_tokenizer(str(tiny_dir))
     ids, _ = corpus_stream(str(CHAT), tok)
     ev = cut_windows(ids, 64, 2, skip=2)
     res = teacher_forced(load_model(str(tiny_dir)), ev, {"cal": VllmKVPlan("nvfp4", L, **sc),
                                                          "one": VllmKVPlan("nvfp4", L),
                                                          "4over6": VllmKVPlan("nvfp4_4over6", L)}, progress=False)
-    assert rows["nvfp4"]["kl_mean"] == res["cal"]["kl_mean"]  # same arithmetic: exact
+    assert rows["nvfp4", "calibrated"]["kl_mean"] == res["cal"]["kl_mean"]  # same arithmetic: exact
     assert res["cal"]["kl_mean"] != res["one"]["kl_mean"]
-    assert rows["nvfp4_4over6"]["kl_mean"] == res["4over6"]["kl_mean"]
+    assert rows["nvfp4", "vLLM default (1.0)"]["kl_mean"] == res["one"]["kl_mean"]
+    assert rows["nvfp4_4over6", "vLLM default (1.0)"]["kl_mean"] == res["4over6"]["kl_mean"]
     assert doc["scales"]["nvfp4"].startswith("NVFP4 outer scales (k_scale/v_scale) and q_scale per layer calibrated")
     assert doc["scales"]["nvfp4_4over6"].startswith("vLLM's defaults: outer scales 1.0 and q_scale 1.0, not calibrated")
     assert any(n.startswith("nvfp4_4over6 rows: vLLM's defaults") for n in doc["notes"])
@@ -195,24 +201,32 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
 
 
 def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tiny_dir, tmp_path):
-    """Choosing nvfp4 (the only dtype of the menu, a permissive bar), recommend keeps its calibrated artifact in
-    OUT/artifact-nvfp4 and writes the export line naming it; running that line (kvcal.export.export with its
-    arguments) gives a checkpoint whose k_scale/v_scale/q_scale equal the artifact's outer scales and q_scale
-    exactly, and whose serve line is recommend's."""
+    """Choosing nvfp4 with its calibrated scales (the only dtype of the menu; the bar from a first run on the same
+    windows, at the KL of the cheapest calibrated row that beats its vLLM-default-scale twin and every cheaper row),
+    recommend keeps its calibrated artifact in OUT/artifact-nvfp4 and writes the export line naming it; running that
+    line (kvcal.export.export with its arguments) gives a checkpoint whose k_scale/v_scale/q_scale equal the
+    artifact's outer scales and q_scale exactly, and whose serve line is recommend's."""
     import shlex
 
+    from conftest import recommend_bar
     from safetensors.torch import load_file
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export
     from kvcal.recommend import RecommendConfig, recommend
+    from kvcal.search.skip_layers import serve_skip_arg
 
+    def rec(out, accept):
+        return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), dtypes=("nvfp4",),
+                                         max_skip=3, context=64, windows=2, probe_tokens=128, accept=accept,
+                                         fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
+                         log=lambda s: None, progress=False)
+
+    bar, want = recommend_bar(rec(tmp_path / "first", "kl_mean<=0"), "calibrated")
     out = tmp_path / "rec"
-    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), dtypes=("nvfp4",),
-                                    max_skip=0, context=64, windows=2, probe_tokens=128, accept="kl_mean<=1",
-                                    fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
-                    log=lambda s: None, progress=False)
-    assert doc["chosen"]["dtype"] == "nvfp4" and doc["chosen"]["skip_layers"] == []
+    doc = rec(out, bar)
+    assert doc["chosen"]["dtype"] == "nvfp4" and doc["chosen"]["scales"] == "calibrated"
+    assert doc["chosen"]["skip_layers"] == want["skip_layers"] and doc["chosen"]["kl_mean"] == want["kl_mean"]
     assert sorted(p.name for p in out.iterdir()) == ["artifact-nvfp4", "deploy.json", "deploy.md"]
     assert doc["artifact"] == "artifact-nvfp4" and "not kept" not in doc["scales"]["nvfp4"]
     art = load_artifact(out / "artifact-nvfp4")
@@ -220,7 +234,8 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     cmd = doc["commands"]["export"]
     assert cmd == (f"kvcal export --artifact {out / 'artifact-nvfp4'} --target vllm --model-dir {tiny_dir} "
                    f"--out {out / 'checkpoint'}")
-    assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype nvfp4"
+    skip_arg = serve_skip_arg(want["skip_layers"])
+    assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype nvfp4{skip_arg}"
     args = shlex.split(cmd)
     assert args[:2] == ["kvcal", "export"] and len(args) == 10
     o = dict(zip(args[2::2], args[3::2], strict=True))

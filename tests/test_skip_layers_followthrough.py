@@ -140,6 +140,7 @@ def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_read
     skip = doc["chosen"]["skip_layers"]
     n = len(skip)
     assert doc["chosen"]["dtype"] == "nvfp4" and doc["chosen"]["kl_mean"] == least and 1 <= n < L
+    assert doc["chosen"]["scales"] == "calibrated"  # the least KL is a calibrated row's on this model
     spaced, listed = " ".join(map(str, skip)), ", ".join(map(str, skip))
     assert doc["commands"]["serve"].endswith(f"--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers {spaced}")
     art = load_artifact(out / "artifact-nvfp4")
@@ -170,6 +171,72 @@ def test_recommend_records_its_16bit_layers_in_the_artifact_its_export_line_read
     assert any(f"skipped layers {skip}" in n for n in inspect_path(out / "artifact-nvfp4").notes)
     assert any(n.startswith(f"serve with --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers {spaced}")
                for n in inspect_path(o["--out"]).notes)
+
+
+def test_recommend_deploys_vllm_default_scales_when_they_measure_better(tiny, tmp_path):
+    """fp8 and nvfp4 (the calibrated dtypes) are also evaluated at vLLM's default scales, every static scale 1.0:
+    one "vLLM default (1.0)" row per calibrated row, same 16-bit layers, same bytes per token (vLLM's pages by hand:
+    fp8 K+V 2·H·D = 64 per layer, nvfp4 36, 16-bit 128), KL equal to Protocol A of a VllmKVPlan built with no scales
+    (exact: same arithmetic). With the bar set at the KL of the cheapest default-scale row that beats its calibrated
+    twin and every cheaper row (from a first run on the same windows), that row is chosen: deploy.json/deploy.md say
+    it runs at vLLM's default scales, no export line, the vllm serve line on the model itself, no calibrated
+    artifact in OUT or named by the document. Before the fix only the calibrated rows existed."""
+    from conftest import recommend_bar
+
+    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.windows import corpus_stream, cut_windows
+    from kvcal.models import load_model, load_tokenizer
+    from kvcal.recommend import RecommendConfig, recommend
+    from kvcal.search.skip_layers import serve_skip_arg
+    from kvcal.vllm_plan import VllmKVPlan
+
+    def run(out, accept):
+        return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("fp8", "nvfp4"),
+                                         max_skip=1, context=64, windows=1, probe_tokens=64, accept=accept,
+                                         fp8_samples=8, fp8_seq_len=64, fp8_kwargs=NVFP4_CAL, nvfp4_kwargs=NVFP4_CAL),
+                         log=lambda s: None, progress=False)
+
+    first = run(tmp_path / "first", "kl_mean<=0")  # every row evaluated, none passes
+    rows = first["candidates"]
+    per_layer = {"fp8": 2 * H * D, "nvfp4": NV_LAYER}
+    plans = {}
+    for d in ("fp8", "nvfp4"):
+        cal = [c for c in rows if c["dtype"] == d and c["scales"] == "calibrated"]
+        dft = [c for c in rows if c["dtype"] == d and c["scales"] == "vLLM default (1.0)"]
+        assert len(cal) == 2 and [c["skip_layers"] for c in dft] == [c["skip_layers"] for c in cal]
+        for a, b in zip(cal, dft, strict=True):
+            n = len(a["skip_layers"])
+            assert a["bytes_per_token"] == b["bytes_per_token"] == (L - n) * per_layer[d] + n * B16_LAYER
+            plans[(d, tuple(b["skip_layers"]))] = VllmKVPlan(d, L, skip_layers=tuple(b["skip_layers"]))
+    tok = load_tokenizer(str(tiny))
+    ids, _ = corpus_stream(str(CHAT), tok)
+    ref = teacher_forced(load_model(str(tiny)), cut_windows(ids, 64, 1, skip=1), plans, progress=False)
+    for (d, skip) in plans:
+        row = next(c for c in rows if c["dtype"] == d and c["scales"] == "vLLM default (1.0)"
+                   and tuple(c["skip_layers"]) == skip)
+        assert row["kl_mean"] == ref[(d, skip)]["kl_mean"]
+
+    bar, want = recommend_bar(first, "vLLM default (1.0)")
+    out = tmp_path / "rec"
+    doc = run(out, bar)
+    ch = doc["chosen"]
+    assert {k: ch[k] for k in ("dtype", "scales", "skip_layers", "kl_mean")} == \
+        {k: want[k] for k in ("dtype", "scales", "skip_layers", "kl_mean")}
+    d = ch["dtype"]
+    twin = next(c for c in doc["candidates"] if c["dtype"] == d and c["scales"] == "calibrated"
+                and c["skip_layers"] == ch["skip_layers"])
+    assert twin["status"] == "FAIL" and twin["kl_mean"] > ch["kl_mean"]
+    serve = f"vllm serve {tiny} --kv-cache-dtype {d}{serve_skip_arg(ch['skip_layers'])}"
+    assert doc["commands"] == {"export": None, "serve": serve}
+    assert doc["artifact"] is None and sorted(p.name for p in out.iterdir()) == ["deploy.json", "deploy.md"]
+    assert any(n.startswith(f"{d} is chosen at vLLM's default scales (1.0), not with the scales calibrated") and
+               "a checkpoint without k_scale/v_scale/q_scale runs at 1.0" in n for n in doc["notes"])
+    md = (out / "deploy.md").read_text()
+    assert f"Chosen: `--kv-cache-dtype {d}` at vLLM's default scales (1.0: a checkpoint without k/v/q scales" in md
+    assert serve in md and "kvcal export --artifact" not in md and "| dtype | scales | 16-bit layers |" in md
+    chosen_line = next(ln for ln in md.splitlines() if ln.endswith("← chosen |"))
+    assert chosen_line.startswith(f"| {d} | vLLM default (1.0) | ")
+    assert json.loads((out / "deploy.json").read_text())["chosen"]["scales"] == "vLLM default (1.0)"
 
 
 def torch_equal(a, b) -> bool:
@@ -278,7 +345,8 @@ def test_recommend_never_offers_every_layer_at_16_bits(tiny, tmp_path):
     assert list(doc["sensitivity"]) == ["int4_per_token_head"]  # not probed
     assert f"turboquant_4bit_nc not applicable on this model: {reason}" in doc["notes"]
     assert not any(n.startswith("auto-free rows") for n in doc["notes"])  # there is none to explain
-    assert "| turboquant_4bit_nc | 0,1,2,3 | rule (not deployable) | 512 | 1.000 | - | - | NOT-APPLICABLE |" in md
+    assert ("| turboquant_4bit_nc | write time | 0,1,2,3 | rule (not deployable) | 512 | 1.000 | - | - | "
+            "NOT-APPLICABLE |") in md
     ch = doc["chosen"]
     assert ch["dtype"] == "int4_per_token_head" and len(ch["skip_layers"]) < L
     assert all(len(c["skip_layers"]) < L for c in doc["candidates"] if c["status"] != "NOT-APPLICABLE")
@@ -329,17 +397,26 @@ def test_fp8_e4m3_is_spelled_one_way_in_every_output(tiny, tmp_path):
     (vllm.kv_cache_dtype and report.md) and the output of the printed kvcal export line (its serve line and
     manifest) name the dtype fp8_e4m3 and nothing else. Before the fix the artifact was calibrated as fp8, so its
     report, the notes and the export line said fp8 while deploy.md said fp8_e4m3 (vLLM takes both: one run, one
-    spelling)."""
+    spelling). The bar (from a first run on the same windows) makes a calibrated row the cheapest PASS, so that
+    the artifact is kept (at some of these 16-bit layer counts vLLM's default scales measure better here)."""
     import re
+
+    from conftest import recommend_bar
 
     from kvcal.artifact import load_artifact
     from kvcal.recommend import RecommendConfig, recommend
 
+    def rec(out, accept):
+        return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("fp8_e4m3",),
+                                         max_skip=L - 1, context=64, windows=1, probe_tokens=64, accept=accept,
+                                         fp8_samples=8, fp8_seq_len=64, fp8_kwargs=NVFP4_CAL),
+                         log=lambda s: None, progress=False)
+
+    bar, want = recommend_bar(rec(tmp_path / "first", "kl_mean<=0"), "calibrated")
     out = tmp_path / "rec"
-    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny), dtypes=("fp8_e4m3",), max_skip=1,
-                                    context=64, windows=1, probe_tokens=64, accept="kl_mean<=1", fp8_samples=8,
-                                    fp8_seq_len=64, fp8_kwargs=NVFP4_CAL), log=lambda s: None, progress=False)
+    doc = rec(out, bar)
     assert doc["chosen"]["dtype"] == "fp8_e4m3" and doc["calibrated"] == {"fp8_e4m3": "artifact"}
+    assert doc["chosen"]["scales"] == "calibrated" and doc["chosen"]["kl_mean"] == want["kl_mean"]
     art = load_artifact(out / "artifact")
     assert art.metadata["vllm"]["kv_cache_dtype"] == "fp8_e4m3"
     r = CliRunner().invoke(main, shlex.split(doc["commands"]["export"])[1:])
