@@ -444,7 +444,7 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
 @click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
 @corpus_options
 @click.option("--engine", required=True, type=click.Choice(["vllm"]), help="Serving engine (vllm 0.33).")
-@click.option("--out", required=True, type=click.Path(), help="New directory: deploy.md, deploy.json, artifact/ (fp8) or artifact-nvfp4/ (nvfp4).")
+@click.option("--out", required=True, type=click.Path(), help="New directory: deploy.md, deploy.json, artifact/ (fp8) or artifact-nvfp4/ (nvfp4) when chosen with calibrated scales.")
 @click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
 @click.option("--accept", default=None,
               help="Acceptance bar, e.g. 'kl_mean<=1e-2' [default: kvcal evaluate's bar for each dtype's precision].")
