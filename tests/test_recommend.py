@@ -112,8 +112,13 @@ def test_nothing_passes_exits_1_with_the_table(tiny_dir, tmp_path):
 
 def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp_path):
     """Choosing fp8, recommend writes a calibrated artifact with a q_scale per layer and the exact export
-    and `vllm serve` command lines."""
+    and `vllm serve` command lines; the export line's checkpoint holds exactly the scales that were measured."""
+    import shlex
+
+    from safetensors.torch import load_file
+
     from kvcal.artifact import load_artifact
+    from kvcal.export import export
     from kvcal.recommend import RecommendConfig, recommend
 
     out = tmp_path / "rec"
@@ -129,8 +134,25 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
     art = load_artifact(out / "artifact")
     assert all(f"model.layers.{i}.self_attn.q_scale" in art.tensors for i in range(L))
     assert doc["commands"]["export"] == (f"kvcal export --artifact {out / 'artifact'} --target vllm --model-dir "
-                                         f"{tiny_dir} --out {out / 'checkpoint'}")
+                                         f"{tiny_dir} --out {out / 'checkpoint'} --clipped-scales")
     assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype fp8"
+    # the row was measured with the artifact's scales as calibrated (some clipped below the calibration max / 448);
+    # the export line puts exactly those into the checkpoint vLLM (which saturates) loads, not export's
+    # SGLang-safe unclipped default
+    r = CliRunner().invoke(main, shlex.split(doc["commands"]["export"])[1:])
+    assert r.exit_code == 0, r.output
+    ck = {}
+    for f in (out / "checkpoint").glob("*.safetensors"):
+        ck.update(load_file(f))
+    names = [f"model.layers.{i}.self_attn.{s}_scale" for i in range(L) for s in "kvq"]
+    differ = [n for n in names if not torch.equal(ck[n].float().reshape(-1), art.tensors[n].float().reshape(-1))]
+    assert differ == [], (differ, r.output)
+    # the check has teeth: export's default (unclipped for SGLang) raises at least one of these scales here
+    export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_dir))
+    dflt = {}
+    for f in (tmp_path / "default").glob("*.safetensors"):
+        dflt.update(load_file(f))
+    assert any(not torch.equal(dflt[n], ck[n]) for n in names)
 
 
 NVFP4_CAL = {"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2, "max_queries": 16}  # small, fast calibration
