@@ -148,6 +148,14 @@ def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sin
     shape = model_shape_of(model)
     b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     if fmt.startswith("vllm:"):
+        given = [name for name, v in (("--granularity", granularity is not None),
+                                      ("--group-size", group_size is not None),
+                                      ("--symmetric/--asymmetric", symmetric is not None),
+                                      ("--residual-window", bool(residual_window)), ("--sinks", bool(sinks))) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not with --format {fmt}: vLLM's --kv-cache-dtype fixes the page "
+                             "layout (no residual window or sink tokens kept at 16 bits), so the bytes printed would "
+                             "leave them out; drop them (--skip-layers names the layers vLLM keeps at 16 bits)")
         return _memory_vllm(model, shape, fmt[len("vllm:"):], skip_layers, context, batch, b16)
     if skip_layers is not None:
         raise ValueError("--skip-layers applies to vllm:<dtype> formats only (e.g. --format vllm:fp8)")
@@ -202,9 +210,15 @@ def _memory_vllm(model, shape, dtype, skip_layers, context, batch, b16) -> Memor
                 skip.append(int(tok))
             except ValueError:
                 raise ValueError(f"--skip-layers takes comma-separated layer indices, got {tok.strip()!r}") from None
+            if skip.count(skip[-1]) > 1:
+                raise ValueError(f"--skip-layers {skip_layers!r}: layer {skip[-1]} is named twice; name each layer once")
     ctx = context if context is not None else shape.max_position_embeddings
     if ctx is None:
         raise ValueError("the model config has no max_position_embeddings; pass --context")
+    if context is not None:  # the same check as the other formats: vLLM refuses a max_model_len past it too
+        from kvcal.models import check_max_positions
+
+        check_max_positions(context, shape.max_position_embeddings, "--context")
     if batch < 1 or ctx < 0:
         raise ValueError(f"--batch must be >= 1 and --context >= 0, got {batch} and {ctx}")
     bpt = vllm_bytes_per_token(shape, dtype, skip)

@@ -32,6 +32,27 @@ def test_memory_vllm_skip_layers_are_counted_at_16_bits():
     assert res.to_dict()["bytes_per_token"] == res.vllm["bytes_per_token"]
 
 
+@pytest.mark.parametrize("opts, named", [(["--residual-window", "128"], "--residual-window"),
+                                         (["--sinks", "4"], "--sinks"), (["--granularity", "head"], "--granularity"),
+                                         (["--group-size", "32"], "--group-size"), (["--asymmetric"], "--asymmetric"),
+                                         (["--skip-layers", "0,0"], "layer 0 is named twice")])
+def test_memory_vllm_refuses_options_vllm_has_no_place_for(opts, named):
+    """`kvcal memory --format vllm:fp8` refuses (exit 2, one line naming the option) a residual window, sinks,
+    a granularity, group size or symmetry (vLLM's --kv-cache-dtype fixes the page layout; none of them changes
+    the bytes it allocates, so the figure printed would silently leave them out) and a layer named twice."""
+    r = CliRunner().invoke(main, ["memory", "--format", "vllm:fp8", "--context", "64", *opts])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: ") and r.output.count("\n") == 1 and named in r.output, r.output
+
+
+def test_memory_vllm_context_past_max_positions_is_refused_as_for_other_formats():
+    """`--context` above the model's max_position_embeddings (8192 for the embedded SmolLM2): refused for
+    vllm:fp8 with the same one-line error as for the plain fp8 layout (vLLM also refuses such a max_model_len)."""
+    outs = [CliRunner().invoke(main, ["memory", "--format", f, "--context", "9000"]) for f in ("fp8", "vllm:fp8")]
+    assert [r.exit_code for r in outs] == [2, 2], [r.output for r in outs]
+    assert outs[1].output == outs[0].output and "max_position_embeddings 8192" in outs[0].output
+
+
 def test_memory_json_matches_the_api(tmp_path):
     """`kvcal memory --json` prints exactly MemoryResult.to_dict()."""
     out = CliRunner().invoke(main, ["memory", "--format", "int4", "--context", "512", "--json"])
