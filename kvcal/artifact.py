@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -651,7 +652,9 @@ def check_model_match(meta: dict, model_meta: dict) -> None:
             raise ArtifactError(
                 f"artifact was calibrated for a different model: {key} is {a.get(key)!r} in the artifact "
                 f"but {model_meta.get(key)!r} for the loaded model ({model_meta.get('id')}); "
-                "re-run `kvcal calibrate` for this model"
+                + (f"pass --model {shlex.quote(str(a['id']))} (the model the artifact was calibrated for), or "
+                   if a.get("id") and a.get("id") != model_meta.get("id") else "")
+                + "re-run `kvcal calibrate` for this model"
             )
 
 

@@ -155,6 +155,14 @@ def test_model_mismatch_names_the_field():
         check_model_match(META, other)
 
 
+def test_model_mismatch_names_the_artifacts_model_to_pass():
+    """Run on another model (e.g. `kvcal evaluate` without --model, which loads the embedded default), the
+    error names the model the artifact was calibrated for as the --model to pass, besides re-calibrating."""
+    other = dict(META["model"], id="smollm2-135m", num_layers=30)
+    with pytest.raises(ArtifactError, match=r"num_layers is 2 in the artifact but 30 .*pass --model t \(the model"):
+        check_model_match(META, other)
+
+
 def test_non_finite_metadata_refused(tmp_path):
     """A NaN anywhere in the metadata is refused by write_artifact (non-finite) and nothing is written."""
     meta = json.loads(json.dumps(META))
