@@ -150,12 +150,34 @@ def _fmt_from_configs(qc: dict | None, hq: dict | None) -> str | None:
     return f"{algo} (hf_quant_config.json)" if algo else None
 
 
+def _refuse_recommend_output(p: Path) -> None:
+    """A ``kvcal recommend`` output directory (or its ``deploy.json``) holds no scales itself: raise
+    :class:`InspectError` naming the calibrated artifact it keeps (``deploy.json``'s ``artifact``), or saying that
+    the chosen configuration keeps none (vLLM's default or write-time scales). Returns for any other path."""
+    doc_path = p / "deploy.json" if p.is_dir() else p
+    if doc_path.name != "deploy.json" or not doc_path.is_file():
+        return
+    try:
+        doc = json.loads(doc_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("kvcal-recommend/"):
+        return
+    out = doc_path.parent
+    kept = doc.get("artifact")
+    what = (f"inspect the calibrated artifact it keeps: kvcal inspect {out / kept}" if isinstance(kept, str) and kept
+            else "the chosen configuration keeps no calibrated artifact (vLLM's default or write-time scales: "
+                 "deploy.md's vllm serve line is the whole deployment)")
+    raise InspectError(f"{p} is a kvcal recommend output (deploy.md, deploy.json), not scales; {what}")
+
+
 def inspect_path(path: str | os.PathLike, tp: int | None = None) -> Inspection:
     """Inspect ``path`` (see module docstring). ``tp``: TP size the SGLang JSON is checked against
     (default: the number of ranks in the file). Raises :class:`InspectError` for an unknown path."""
     p = Path(path)
     if not p.exists():
         raise InspectError(f"{p} does not exist")
+    _refuse_recommend_output(p)
     if p.is_file() and p.suffix == ".json":
         return _inspect_json(p, tp)
     if (p.is_dir() and (p / "kv_scales.safetensors").is_file()) or (p.is_file() and p.suffix == ".safetensors"

@@ -101,6 +101,21 @@ def test_inspect_cli(tmp_path):
         inspect_path(tmp_path / "empty")
 
 
+def test_inspect_recommend_output_names_what_to_inspect(tmp_path):
+    """`kvcal inspect` on a `kvcal recommend` output directory (or its deploy.json) says what it is and names the
+    kept artifact to inspect, or says that the chosen configuration keeps none (vLLM's default scales)."""
+    rec = tmp_path / "rec"
+    make_artifact(rec / "artifact-nvfp4")
+    (rec / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1", "artifact": "artifact-nvfp4"}))
+    for target in (rec, rec / "deploy.json"):
+        r = CliRunner().invoke(main, ["inspect", str(target)])
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        assert "kvcal recommend output" in r.output and f"kvcal inspect {rec / 'artifact-nvfp4'}" in r.output
+    (rec / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1", "artifact": None}))
+    with pytest.raises(InspectError, match="keeps no calibrated artifact"):
+        inspect_path(rec)
+
+
 def test_inspect_hand_written_json_with_bad_values(tmp_path):
     """In a SGLang scales JSON, a zero, negative or NaN scale makes the SGLang verdict a finite-and-positive
     problem with no layer loaded; a non-numeric value exits 2 naming scaling_factor['0']['2'], and a rank that
