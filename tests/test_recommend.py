@@ -147,12 +147,20 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
     names = [f"model.layers.{i}.self_attn.{s}_scale" for i in range(L) for s in "kvq"]
     differ = [n for n in names if not torch.equal(ck[n].float().reshape(-1), art.tensors[n].float().reshape(-1))]
     assert differ == [], (differ, r.output)
-    # the check has teeth: export's default (unclipped for SGLang) raises at least one of these scales here
-    export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_dir))
+    # export's default for an artifact calibrated for vLLM keeps them too (no SGLang unclipping) ...
+    res = export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_dir))
     dflt = {}
     for f in (tmp_path / "default").glob("*.safetensors"):
         dflt.update(load_file(f))
-    assert any(not torch.equal(dflt[n], ck[n]) for n in names)
+    assert all(torch.equal(dflt[n], ck[n]) for n in names)
+    assert any("kept as calibrated" in n for n in res.notes)
+    # ... and the check has teeth: unclipped (--headroom 1.0: every scale >= calibration max / 448) raises at least
+    # one of these scales on this model
+    export(str(out / "artifact"), "vllm", str(tmp_path / "unclipped"), model_dir=str(tiny_dir), headroom=1.0)
+    unc = {}
+    for f in (tmp_path / "unclipped").glob("*.safetensors"):
+        unc.update(load_file(f))
+    assert any(not torch.equal(unc[n], ck[n]) for n in names)
 
 
 NVFP4_CAL = {"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2, "max_queries": 16}  # small, fast calibration

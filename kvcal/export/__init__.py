@@ -64,7 +64,9 @@ def export(
     ``clipped_scales``: keep the searched clipping scales for targets an engine that casts to FP8
     without saturating loads (SGLang: ``sglang-json``, and per-tensor ``vllm`` / ``modelopt``); by
     default those targets get unclipped scales (``>= observed max / 448``), since a clipped value
-    becomes NaN there.
+    becomes NaN there — except an artifact of ``calibrate --engine vllm --kv-cache-dtype fp8`` exported
+    for ``vllm``, whose scales stay as calibrated (vLLM saturates, and its q_scale and key search were
+    scored with them; ``headroom`` still raises them on request).
 
     Raises :class:`ExportError` (a :class:`kvcal.errors.KvcalError`) when the target cannot load the
     artifact (the message lists the targets that can), ``out`` exists without ``overwrite``,
@@ -94,6 +96,14 @@ def export(
             raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
         ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path) + check_weights(art.metadata, ckpt)
     unsafe = t.non_saturating if art.metadata["kv"]["k"]["granularity"] == "tensor" else ()
+    vm = art.metadata.get("vllm")
+    if unsafe and t.name == "vllm" and isinstance(vm, dict) and vm.get("kv_cache_dtype") in ("fp8", "fp8_e4m3"):
+        # calibrate --engine vllm: the k/v/q search scored vLLM's saturating FP8 write with exactly these scales
+        # (and evaluate --vllm-dtype measures them), so the vLLM checkpoint keeps them as calibrated
+        unsafe = ()
+        notes.append("k/v scales kept as calibrated (clipped where the search chose it): the artifact was calibrated "
+                     "for vLLM (calibrate --engine vllm), whose FP8 cache write saturates, and its q_scale and key "
+                     "search scored these scales; for SGLang, which does not saturate, export with --headroom 1.25")
     prep = prepare_scales(art, headroom, unclip=() if clipped_scales else unsafe)
     nkv = art.metadata["model"].get("num_kv_heads")
     if tp > 1 and t.name != "sglang-json":
