@@ -224,8 +224,10 @@ def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clippe
     for warn in res.warnings:
         click.echo(f"warning: {warn}", err=True)
     if model_dir is None and res.target in ("vllm", "modelopt"):
-        click.echo(f"next: merge into the checkpoint with --model-dir HF_DIR (engines load scales from a full "
-                   f"checkpoint), then e.g.: {res.serve}")
+        # the serve line names the merged checkpoint, not this standalone directory (it holds no weights)
+        serve = res.serve.replace(str(res.out), "MERGED_OUT")
+        click.echo(f"next: merge into the checkpoint with --model-dir HF_DIR --out MERGED_OUT (engines load scales "
+                   f"from a full checkpoint), then e.g.: {serve}")
     else:
         click.echo(f"serve: {res.serve}")
 

@@ -581,6 +581,9 @@ def test_tp_that_the_model_heads_cannot_split_is_refused(tmp_path):
     assert r.exit_code == 0 and "cannot split" not in r.output
     r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out", str(tmp_path / "v")])
     assert r.exit_code == 0 and "next: merge into the checkpoint with --model-dir" in r.output
+    # the suggested serve line names the merged checkpoint, never the standalone directory (no weights in it)
+    nxt = next(line for line in r.output.splitlines() if line.startswith("next:"))
+    assert "vllm serve MERGED_OUT" in nxt and str(tmp_path / "v") not in nxt
 
 
 @pytest.mark.parametrize("later", ["static_int5", "dynamic_int6", "static_fp8_head"])
