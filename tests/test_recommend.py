@@ -34,6 +34,16 @@ def tiny_dir(tmp_path_factory, smollm_tokenizer):
     return d
 
 
+@pytest.fixture(scope="module")
+def tiny_small_kv(tiny_dir, tmp_path_factory):
+    """``tiny_dir`` with keys and values 2^-7 times as large and the same function (conftest.shrink_kv): calibrated
+    scales beat vLLM's default 1.0 by orders of magnitude, so the tests that need a calibrated row chosen hold on
+    any machine (on ``tiny_dir`` itself the two are near ties that the CPU's rounding decides)."""
+    from conftest import shrink_kv
+
+    return shrink_kv(tiny_dir, tmp_path_factory.mktemp("small-kv") / "model")
+
+
 def run(args):
     return CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--quiet", *map(str, args)])
 
@@ -110,7 +120,7 @@ def test_nothing_passes_exits_1_with_the_table(tiny_dir, tmp_path):
     assert "No configuration passes" in (out / "deploy.md").read_text()
 
 
-def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp_path):
+def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_small_kv, tmp_path):
     """Choosing fp8, recommend writes a calibrated artifact with a q_scale per layer and the exact export
     and `vllm serve` command lines; the export line's checkpoint holds exactly the scales that were measured."""
     import shlex
@@ -122,19 +132,19 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
     from kvcal.recommend import RecommendConfig, recommend
 
     out = tmp_path / "rec"
-    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), dtypes=("fp8",), max_skip=0,
+    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_small_kv), dtypes=("fp8",), max_skip=0,
                                     context=64, windows=2, probe_tokens=128, accept="kl_mean<=1",
                                     fp8_samples=8, fp8_seq_len=64,
                                     fp8_kwargs={"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2,
                                                 "max_queries": 16}),
                     log=lambda s: None, progress=False)
-    # calibrated KL below the vLLM-default-scale twin's on this model (checked): the calibrated row is chosen
+    # calibrated KL far below the vLLM-default-scale twin's (small keys and values): the calibrated row is chosen
     assert doc["chosen"]["dtype"] == "fp8" and doc["chosen"]["skip_layers"] == []
     assert doc["chosen"]["scales"] == "calibrated" and doc["artifact"] == "artifact"
     art = load_artifact(out / "artifact")
     assert all(f"model.layers.{i}.self_attn.q_scale" in art.tensors for i in range(L))
     assert doc["commands"]["export"] == (f"kvcal export --artifact {out / 'artifact'} --target vllm --model-dir "
-                                         f"{tiny_dir} --out {out / 'checkpoint'} --clipped-scales")
+                                         f"{tiny_small_kv} --out {out / 'checkpoint'} --clipped-scales")
     assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype fp8"
     # the row was measured with the artifact's scales as calibrated (some clipped below the calibration max / 448);
     # the export line puts exactly those into the checkpoint vLLM (which saturates) loads, not export's
@@ -148,7 +158,7 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
     differ = [n for n in names if not torch.equal(ck[n].float().reshape(-1), art.tensors[n].float().reshape(-1))]
     assert differ == [], (differ, r.output)
     # export's default for an artifact calibrated for vLLM keeps them too (no SGLang unclipping) ...
-    res = export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_dir))
+    res = export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_small_kv))
     dflt = {}
     for f in (tmp_path / "default").glob("*.safetensors"):
         dflt.update(load_file(f))
@@ -156,7 +166,7 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_dir, tmp
     assert any("kept as calibrated" in n for n in res.notes)
     # ... and the check has teeth: unclipped (--headroom 1.0: every scale >= calibration max / 448) raises at least
     # one of these scales on this model
-    export(str(out / "artifact"), "vllm", str(tmp_path / "unclipped"), model_dir=str(tiny_dir), headroom=1.0)
+    export(str(out / "artifact"), "vllm", str(tmp_path / "unclipped"), model_dir=str(tiny_small_kv), headroom=1.0)
     unc = {}
     for f in (tmp_path / "unclipped").glob("*.safetensors"):
         unc.update(load_file(f))
@@ -230,7 +240,7 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
     assert "Scales calibrated on the corpus (kvcal calibrate --engine vllm) for: nvfp4;" in (out / "deploy.md").read_text()
 
 
-def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tiny_dir, tmp_path):
+def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tiny_small_kv, tmp_path):
     """Choosing nvfp4 with its calibrated scales (the only dtype of the menu; the bar from a first run on the same
     windows, at the KL of the cheapest calibrated row that beats its vLLM-default-scale twin and every cheaper row),
     recommend keeps its calibrated artifact in OUT/artifact-nvfp4 and writes the export line naming it; running that
@@ -247,7 +257,7 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     from kvcal.search.skip_layers import serve_skip_arg
 
     def rec(out, accept):
-        return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir), dtypes=("nvfp4",),
+        return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_small_kv), dtypes=("nvfp4",),
                                          max_skip=3, context=64, windows=2, probe_tokens=128, accept=accept,
                                          fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
                          log=lambda s: None, progress=False)
@@ -262,7 +272,7 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     art = load_artifact(out / "artifact-nvfp4")
     assert art.metadata["vllm"]["kv_cache_dtype"] == "nvfp4"
     cmd = doc["commands"]["export"]
-    assert cmd == (f"kvcal export --artifact {out / 'artifact-nvfp4'} --target vllm --model-dir {tiny_dir} "
+    assert cmd == (f"kvcal export --artifact {out / 'artifact-nvfp4'} --target vllm --model-dir {tiny_small_kv} "
                    f"--out {out / 'checkpoint'}")
     skip_arg = serve_skip_arg(want["skip_layers"])
     assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype nvfp4{skip_arg}"
