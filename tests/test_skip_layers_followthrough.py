@@ -195,14 +195,13 @@ def test_recommend_deploys_vllm_default_scales_when_they_measure_better(tiny, tm
     on this random model the two variants are near ties that the CPU's rounding decides."""
     from conftest import recommend_bar
 
+    import kvcal.recommend as R
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
     from kvcal.recommend import RecommendConfig, recommend
     from kvcal.search.skip_layers import serve_skip_arg
     from kvcal.vllm_plan import VllmKVPlan
-
-    import kvcal.recommend as R
 
     real = R._artifact_scales
 
