@@ -38,6 +38,7 @@ from kvcal.export.base import (
     stage_output,
     target_names,
     targets_that_can_load,
+    vllm_fp8_dtype,
 )
 
 __all__ = [
@@ -96,8 +97,7 @@ def export(
             raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
         ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path) + check_weights(art.metadata, ckpt)
     unsafe = t.non_saturating if art.metadata["kv"]["k"]["granularity"] == "tensor" else ()
-    vm = art.metadata.get("vllm")
-    if unsafe and t.name == "vllm" and isinstance(vm, dict) and vm.get("kv_cache_dtype") in ("fp8", "fp8_e4m3"):
+    if unsafe and t.name == "vllm" and vllm_fp8_dtype(art.metadata):
         # calibrate --engine vllm: the k/v/q search scored vLLM's saturating FP8 write with exactly these scales
         # (and evaluate --vllm-dtype measures them), so the vLLM checkpoint keeps them as calibrated
         unsafe = ()

@@ -195,6 +195,14 @@ def layer_kv_specs(meta: dict) -> list[tuple[str, dict]]:
     return [("", {"k": kv.get("k"), "v": kv.get("v")})]
 
 
+def vllm_fp8_dtype(meta: dict) -> str | None:
+    """The vLLM FP8 ``--kv-cache-dtype`` an artifact was calibrated for, under the spelling it was calibrated with
+    (``kvcal calibrate --engine vllm --kv-cache-dtype fp8|fp8_e4m3`` records it in ``vllm.kv_cache_dtype``; vLLM
+    takes both), else ``None``."""
+    d = (meta.get("vllm") or {}).get("kv_cache_dtype") if isinstance(meta.get("vllm"), dict) else None
+    return d if d in ("fp8", "fp8_e4m3") else None
+
+
 def vllm_nvfp4_dtype(meta: dict) -> str | None:
     """The vLLM nvfp4 ``--kv-cache-dtype`` an artifact was calibrated for (``kvcal calibrate --engine vllm
     --kv-cache-dtype nvfp4`` records it in ``vllm.kv_cache_dtype`` and writes per-layer outer scales

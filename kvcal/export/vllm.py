@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.export.base import ExportContext, ExportError, Target, register, write_json
+from kvcal.export.base import ExportContext, ExportError, Target, register, vllm_fp8_dtype, write_json
 from kvcal.export.checkpoint import SCALES_SHARD, merge_into_copy
 from kvcal.export.rules import VLLM_KV_QUANT_METHODS, is_kv_scale_name
 
@@ -155,9 +155,9 @@ class VllmTarget(Target):
             )
         cmd = "vllm serve {out} --kv-cache-dtype fp8"
         vm = ctx.artifact.metadata.get("vllm")
-        d = vm.get("kv_cache_dtype") if isinstance(vm, dict) else None
-        if d in ("fp8", "fp8_e4m3"):  # calibrate --engine vllm: the spelling it was calibrated under, as its
-            cmd = f"vllm serve {{out}} --kv-cache-dtype {d}"  # report.md names it (vLLM: fp8 = fp8_e4m3)
+        d = vllm_fp8_dtype(ctx.artifact.metadata)
+        if d:  # calibrate --engine vllm: the spelling it was calibrated under, as its report.md names it
+            cmd = f"vllm serve {{out}} --kv-cache-dtype {d}"
             ctx.manifest["kv_cache_dtype"] = d
         if p.format == "nvfp4":  # calibrate --engine vllm --kv-cache-dtype nvfp4: outer scales + q_scale
             from kvcal.export.base import vllm_nvfp4_dtype
