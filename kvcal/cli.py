@@ -7,6 +7,7 @@ exit status 2 (1 for ``evaluate`` acceptance failures), never a traceback.
 from __future__ import annotations
 
 import functools
+import shlex
 import sys
 
 import click
@@ -225,7 +226,7 @@ def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clippe
         click.echo(f"warning: {warn}", err=True)
     if model_dir is None and res.target in ("vllm", "modelopt"):
         # the serve line names the merged checkpoint, not this standalone directory (it holds no weights)
-        serve = res.serve.replace(str(res.out), "MERGED_OUT")
+        serve = res.serve.replace(shlex.quote(str(res.out)), "MERGED_OUT")  # export quotes the path it prints
         click.echo(f"next: merge into the checkpoint with --model-dir HF_DIR --out MERGED_OUT (engines load scales "
                    f"from a full checkpoint), then e.g.: {serve}")
     else:

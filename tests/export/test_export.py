@@ -584,6 +584,9 @@ def test_tp_that_the_model_heads_cannot_split_is_refused(tmp_path):
     # the suggested serve line names the merged checkpoint, never the standalone directory (no weights in it)
     nxt = next(line for line in r.output.splitlines() if line.startswith("next:"))
     assert "vllm serve MERGED_OUT" in nxt and str(tmp_path / "v") not in nxt
+    r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out", str(tmp_path / "v 2")])
+    nxt = next(line for line in r.output.splitlines() if line.startswith("next:"))  # a path the shell must quote
+    assert r.exit_code == 0 and "vllm serve MERGED_OUT --kv-cache-dtype" in nxt and "v 2" not in nxt, nxt
 
 
 @pytest.mark.parametrize("later", ["static_int5", "dynamic_int6", "static_fp8_head"])
