@@ -74,6 +74,16 @@ def save_tiny_llama(tmp_path_factory, tokenizer, name: str, **config) -> Path:
     return d
 
 
+def safetensors_dir(d) -> dict:
+    """Every tensor of every ``*.safetensors`` file in directory ``d`` (an exported checkpoint's shards), by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
 def shrink_kv(model_dir: Path, out_dir: Path, factor: float = 2.0 ** -7) -> Path:
     """A copy of the tiny Llama in ``model_dir`` (weights, config, tokenizer) into ``out_dir`` whose keys and values
     are ``factor`` times the original and whose function is unchanged: every ``k_proj``/``v_proj`` weight times

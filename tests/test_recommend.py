@@ -125,7 +125,7 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_small_kv
     and `vllm serve` command lines; the export line's checkpoint holds exactly the scales that were measured."""
     import shlex
 
-    from safetensors.torch import load_file
+    from conftest import safetensors_dir
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export
@@ -151,25 +151,19 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_small_kv
     # SGLang-safe unclipped default
     r = CliRunner().invoke(main, shlex.split(doc["commands"]["export"])[1:])
     assert r.exit_code == 0, r.output
-    ck = {}
-    for f in (out / "checkpoint").glob("*.safetensors"):
-        ck.update(load_file(f))
+    ck = safetensors_dir(out / "checkpoint")
     names = [f"model.layers.{i}.self_attn.{s}_scale" for i in range(L) for s in "kvq"]
     differ = [n for n in names if not torch.equal(ck[n].float().reshape(-1), art.tensors[n].float().reshape(-1))]
     assert differ == [], (differ, r.output)
     # export's default for an artifact calibrated for vLLM keeps them too (no SGLang unclipping) ...
     res = export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_small_kv))
-    dflt = {}
-    for f in (tmp_path / "default").glob("*.safetensors"):
-        dflt.update(load_file(f))
+    dflt = safetensors_dir(tmp_path / "default")
     assert all(torch.equal(dflt[n], ck[n]) for n in names)
     assert any("kept as calibrated" in n for n in res.notes)
     # ... and the check has teeth: unclipped (--headroom 1.0: every scale >= calibration max / 448) raises at least
     # one of these scales on this model
     export(str(out / "artifact"), "vllm", str(tmp_path / "unclipped"), model_dir=str(tiny_small_kv), headroom=1.0)
-    unc = {}
-    for f in (tmp_path / "unclipped").glob("*.safetensors"):
-        unc.update(load_file(f))
+    unc = safetensors_dir(tmp_path / "unclipped")
     assert any(not torch.equal(unc[n], ck[n]) for n in names)
 
 
@@ -248,8 +242,7 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     artifact's outer scales and q_scale exactly, and whose serve line is recommend's."""
     import shlex
 
-    from conftest import recommend_bar
-    from safetensors.torch import load_file
+    from conftest import recommend_bar, safetensors_dir
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export
@@ -281,9 +274,7 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     o = dict(zip(args[2::2], args[3::2], strict=True))
     res = export(o["--artifact"], o["--target"], o["--out"], model_dir=o["--model-dir"])
     assert res.serve == doc["commands"]["serve"]
-    ck = {}
-    for f in Path(o["--out"]).glob("*.safetensors"):
-        ck.update(load_file(f))
+    ck = safetensors_dir(Path(o["--out"]))
     for i in range(L):
         a = f"model.layers.{i}.self_attn."
         for side, src in (("k", "k_outer_scale"), ("v", "v_outer_scale"), ("q", "q_scale")):

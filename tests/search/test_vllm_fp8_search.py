@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from conftest import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
 
 from kvcal.errors import KvcalError
 from kvcal.formats.fp8 import get_fp8_format
@@ -268,7 +268,6 @@ def test_artifact_validator_refuses_bad_q_scale(vllm_artifact, tmp_path):
 def test_export_vllm_writes_q_scale_and_inspect_shows_it(vllm_artifact, tiny_dir, tmp_path):
     """vllm export writes q_scale (per tensor, or per query head whose group max is the artifact's) with the
     matching kv_cache_scheme strategy; inspect shows the same Q scales for the export and the artifact."""
-    from safetensors.torch import load_file
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export
@@ -278,9 +277,7 @@ def test_export_vllm_writes_q_scale_and_inspect_shows_it(vllm_artifact, tiny_dir
     art = load_artifact(out)
     res = export(out, "vllm", tmp_path / "ckpt", model_dir=tiny_dir)
     d = Path(res.out) if hasattr(res, "out") else tmp_path / "ckpt"
-    tensors = {}
-    for f in d.glob("*.safetensors"):
-        tensors.update(load_file(str(f)))
+    tensors = safetensors_dir(d)
     cfg = json.loads((d / "config.json").read_text())
     scheme = cfg["quantization_config"]["kv_cache_scheme"]
     assert scheme["strategy"] == ("tensor" if gran == "tensor" else "attn_head")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from conftest import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
 
 from kvcal.errors import KvcalError
 from kvcal.search import vllm_nvfp4 as N
@@ -337,9 +337,7 @@ def test_export_vllm_writes_outer_scales_as_k_v_scale(nvfp4_artifact, tiny_dir, 
     assert res.serve == f"vllm serve {tmp_path / 'std'} --kv-cache-dtype nvfp4"
     assert any("serve with --kv-cache-dtype nvfp4" in w for w in res.warnings)
     res2 = export(nvfp4_artifact, "vllm", tmp_path / "ckpt", model_dir=tiny_dir)
-    merged = {}
-    for f in (tmp_path / "ckpt").glob("*.safetensors"):
-        merged.update(load_file(str(f)))
+    merged = safetensors_dir(tmp_path / "ckpt")
     assert torch.equal(merged["model.layers.1.self_attn.v_scale"], art.tensors["model.layers.1.self_attn.v_outer_scale"])
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] == scheme
     assert "--kv-cache-dtype nvfp4" in res2.serve
