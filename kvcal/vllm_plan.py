@@ -22,8 +22,10 @@ from kvcal.formats.vllm_dtypes import (
     TQ_PRESETS,
     VllmDTypeError,
     boundary_skip_layers,
+    check_backend_serves,
     fake_quant_query,
     fake_quant_side,
+    vllm_backend,
     vllm_dtype,
 )
 
@@ -39,7 +41,10 @@ class VllmKVPlan:
     scales only when the dtype quantizes queries. ``skip_layers``: ``--kv-cache-dtype-skip-layers``
     (kept in the model dtype: returned unchanged); vLLM's turboquant boundary layers are added
     unless ``add_boundary`` is False. ``quantize_query``: override whether queries are FP8
-    (``None``: as vLLM does for the dtype on a backend that accepts quantized queries). Raises
+    (``None``: as vLLM does for the dtype on ``backend``). ``backend``: the attention backend whose
+    write path is emulated (:data:`~kvcal.formats.vllm_dtypes.VLLM_BACKENDS`: ``cuda``, the GPU
+    kernels, default; ``cpu``, vLLM's CPU build: truncating FP8 writes, no query quantization,
+    fp8* dtypes only). Raises
     :class:`~kvcal.formats.vllm_dtypes.VllmDTypeError` (a ``ValueError``) for an unknown dtype,
     scale lists of the wrong length or a layer index out of range."""
 
@@ -51,11 +56,14 @@ class VllmKVPlan:
     skip_layers: tuple[int, ...] = ()
     add_boundary: bool = True
     quantize_query: bool | None = None
+    backend: str = "cuda"
     sink_tokens: int = field(default=0, init=False)  # vLLM has no sink tokens
     residual_window: int = field(default=0, init=False)
 
     def __post_init__(self):
         self.spec = vllm_dtype(self.kv_cache_dtype)
+        self.backend = vllm_backend(self.backend).name
+        check_backend_serves(self.backend, self.kv_cache_dtype)
         L = int(self.num_layers)
         if L < 1:
             raise VllmDTypeError(f"num_layers must be >= 1, got {self.num_layers!r}")
@@ -77,7 +85,8 @@ class VllmKVPlan:
             skip |= set(boundary_skip_layers(self.kv_cache_dtype, L))
         self.skipped = tuple(sorted(skip))
         if self.quantize_query is None:
-            self.quantize_query = self.spec.quantizes_query or self.kv_cache_dtype == "int4_per_token_head"
+            self.quantize_query = vllm_backend(self.backend).quantizes_query and (
+                self.spec.quantizes_query or self.kv_cache_dtype == "int4_per_token_head")
 
     def first_quantized_layer(self) -> int:
         """The lowest layer whose K/V (or query) this plan quantizes; ``num_layers`` when every layer is
@@ -91,7 +100,7 @@ class VllmKVPlan:
         if layer in self.skipped:
             return x
         scale = (self.k_scales if side == "k" else self.v_scales)[layer] if self.spec.static_scales else 1.0
-        return fake_quant_side(self.kv_cache_dtype, side, x, scale).to(x.dtype)
+        return fake_quant_side(self.kv_cache_dtype, side, x, scale, backend=self.backend).to(x.dtype)
 
     def fake_quant_query(self, layer: int, q: torch.Tensor, num_kv_heads: int | None = None) -> torch.Tensor:
         """The query attention uses in ``layer`` for ``q`` [B, H_q, S, D] (same dtype): FP8 with the
@@ -134,10 +143,12 @@ class VllmKVPlan:
 
                 k = [as_scale(a.scale) for a, _ in sides]
                 v = [as_scale(b.scale) for _, b in sides]
-                return cls(kv_cache_dtype, L, k_scales=k, v_scales=v, **kw), (
+                p = cls(kv_cache_dtype, L, k_scales=k, v_scales=v, **kw)
+                return p, (
                     f"vllm:{kv_cache_dtype}: the artifact's k/v scales as vLLM loads them, "
-                    + ("the artifact's q_scale (calibrate --engine vllm)" if kw.get("q_scales") is not None else
-                       "q_scale 1.0 (vLLM's default; the artifact has none)") + ", queries FP8-quantized")
+                    + (("the artifact's q_scale (calibrate --engine vllm)" if kw.get("q_scales") is not None else
+                        "q_scale 1.0 (vLLM's default; the artifact has none)") + ", queries FP8-quantized"
+                       if p.quantize_query else "queries not quantized") + p.backend_note())
         note = (f"vllm:{kv_cache_dtype}: vLLM's defaults (static scales 1.0; no checkpoint scales)"
                 if vllm_dtype(kv_cache_dtype).static_scales else
                 f"vllm:{kv_cache_dtype}: scales computed at write time, as vLLM does")
@@ -148,7 +159,17 @@ class VllmKVPlan:
         if kv_cache_dtype.startswith("turboquant_"):
             note += ("; first and last 2 layers at 16 bits (vLLM's boundary rule); vLLM's first-chunk prefill "
                      "attends to raw K/V, so these rows measure what decode steps read")
-        return cls(kv_cache_dtype, L, **kw), note
+        p = cls(kv_cache_dtype, L, **kw)
+        return p, note + p.backend_note()
+
+    def backend_note(self) -> str:
+        """``""`` for the default (cuda) backend; else which backend's write path this plan emulates."""
+        b = vllm_backend(self.backend)
+        if b.name == "cuda":
+            return ""
+        return (f"; backend {b.name} ({b.engine_name}): FP8 written by "
+                f"{'truncation toward zero' if b.fp8_rounding == 'truncate' else 'rounding to nearest even'}"
+                f"{'' if b.quantizes_query else ', no query quantization'}")
 
     def describe(self) -> dict:
         """JSON description: dtype, skipped layers, query quantization and scale kinds."""
@@ -156,7 +177,10 @@ class VllmKVPlan:
             return "per-head" if any(torch.as_tensor(x).numel() > 1 for x in xs) else (
                 "1.0" if all(float(torch.as_tensor(x)) == 1.0 for x in xs) else "per-tensor")
 
-        return {"engine": "vllm", "kv_cache_dtype": self.kv_cache_dtype, "skip_layers": list(self.skipped),
+        b = vllm_backend(self.backend)
+        return {"engine": "vllm", "backend": b.name, "backend_detail": f"{b.engine_name}: FP8 written by "
+                f"{'truncation' if b.fp8_rounding == 'truncate' else 'rounding to nearest even'}",
+                "kv_cache_dtype": self.kv_cache_dtype, "skip_layers": list(self.skipped),
                 "query_quantization": ("fp8" if self.quantize_query and self.spec.quantizes_query else
                                        "rht-16bit" if self.quantize_query else "none"),
                 "k_scale": kind(self.k_scales) if self.spec.static_scales else "dynamic",

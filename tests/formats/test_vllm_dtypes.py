@@ -713,7 +713,10 @@ def test_vllm_plan_runs_fp8_with_query_quantization_in_protocol_a():
     assert not torch.equal(got, kv_only)  # the query quantization reaches attention
     res = teacher_forced(model, ids, {"vllm:fp8": plan}, progress=False)
     assert res["vllm:fp8"]["kl_mean"] > 0 and res["vllm:fp8"]["tokens"] == 23
-    assert plan.describe() == {"engine": "vllm", "kv_cache_dtype": "fp8", "skip_layers": [2],
+    assert plan.describe() == {"engine": "vllm", "backend": "cuda",
+                               "backend_detail": "FLASH_ATTN / FLASHINFER / TRITON_ATTN (GPU): FP8 written by "
+                                                 "rounding to nearest even",
+                               "kv_cache_dtype": "fp8", "skip_layers": [2],
                                "query_quantization": "fp8", "k_scale": "per-tensor", "v_scale": "per-tensor",
                                "q_scale": "per-head"}
 

@@ -1,0 +1,113 @@
+"""vLLM's CPU backend write path (``--backend cpu``): FP8 written by truncation toward zero.
+
+Each claim is checked against an independent float64 statement of the format: the e4m3fn / e5m2 value
+grids enumerated from their definitions, and the truncating write is "the largest grid magnitude not
+above |x| (after clamping to the format's max), with x's sign" (``csrc/cpu/cpu_attn_fp8.hpp``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcal.formats import vllm_dtypes as V
+from kvcal.vllm_plan import VllmKVPlan
+
+
+def _grid(exp_bits: int, man_bits: int, bias: int, drop_top: bool) -> torch.Tensor:
+    """Every non-negative finite value of a float8 format, float64, sorted (e4m3fn: the top code 0x7F is NaN)."""
+    vals = set()
+    for e in range(2 ** exp_bits - (0 if drop_top else 1)):
+        for m in range(2 ** man_bits):
+            if drop_top and e == 2 ** exp_bits - 1 and m == 2 ** man_bits - 1:
+                continue  # e4m3fn 0x7F: NaN
+            vals.add(m / 2 ** man_bits * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2 ** man_bits) * 2.0 ** (e - bias))
+    return torch.tensor(sorted(vals), dtype=torch.float64)
+
+
+E4M3 = _grid(4, 3, 7, drop_top=True)  # max 448
+E5M2 = _grid(5, 2, 15, drop_top=False)  # exponent 31 is inf/NaN: excluded by range(2^5 - 1); max 57344
+
+
+def _truncate_ref(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    a = x.double().abs().clamp(max=float(grid[-1]))
+    return grid[torch.searchsorted(grid, a, right=True) - 1] * torch.sign(x.double())
+
+
+def _wide(n: int, spread: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * spread)).float()
+
+
+def test_grids_are_the_published_formats():
+    assert (E4M3.numel(), float(E4M3[-1]), float(E4M3[1])) == (127, 448.0, 2.0 ** -9)
+    assert (E5M2.numel(), float(E5M2[-1]), float(E5M2[1])) == (124, 57344.0, 2.0 ** -16)
+
+
+@pytest.mark.parametrize("x, want", [
+    (1.0, 1.0), (1.124, 1.0),  # round-to-nearest would give 1.125
+    (1.2, 1.125), (-1.2, -1.125), (447.9, 416.0), (500.0, 448.0), (-1e9, -448.0),
+    (3 * 2.0 ** -10, 2.0 ** -9),  # subnormal: 1.5 steps of 2^-9 truncate to 1 step
+    (2.0 ** -10, 0.0), (0.0, 0.0),
+])
+def test_e4m3_truncation_hand_worked(x, want):
+    got = V.fp8_e4m3_truncate(torch.tensor([x], dtype=torch.float32))
+    assert got.dtype == torch.float8_e4m3fn and float(got.float()[0]) == want
+
+
+def test_e4m3_truncation_matches_float64_grid_and_never_writes_nan():
+    x = _wide(200_000, 3.0, 0)
+    got = V.fp8_e4m3_truncate(x)
+    assert torch.equal(got.float().double(), _truncate_ref(x, E4M3))
+    assert not bool((got.view(torch.uint8) & 0x7F == 0x7F).any())
+
+
+def test_e5m2_truncation_matches_float64_grid():
+    x = _wide(200_000, 6.0, 1)
+    got = V.fp8_e5m2_truncate(x)
+    assert got.dtype == torch.float8_e5m2
+    assert torch.equal(got.float().double(), _truncate_ref(x, E5M2))
+    assert float(V.fp8_e5m2_truncate(torch.tensor([3 * 2.0 ** -17])).float()[0]) == 2.0 ** -16
+
+
+def test_cpu_write_divides_by_the_scale_through_its_float32_reciprocal():
+    """``x · float32(1/scale)``, then truncation: the write of a [B,H,S,D] tensor at scale 0.003 equals the
+    float64 statement (reciprocal rounded to float32, product rounded to float32, grid truncation)."""
+    x = _wide(4 * 64, 2.0, 2).view(1, 4, 1, 64) * 0.05
+    got = V.fp8_static_fake_quant(x, 0.003, backend="cpu")
+    s32 = torch.tensor(0.003, dtype=torch.float32)
+    inv = (1.0 / s32.double()).float()
+    y = (x * inv).float()
+    # dequantize: code · scale in float32 (a 4-bit by 24-bit significand product, rounded once to float32)
+    assert torch.equal(got, (_truncate_ref(y, E4M3) * s32.double()).float())
+    rne = V.fp8_static_fake_quant(x, 0.003)  # the GPU write rounds to nearest: never farther than truncation
+    assert bool(((rne - x).abs() <= (got - x).abs()).all()) and not torch.equal(rne, got)
+
+
+def test_truncation_relative_error_does_not_depend_on_a_power_of_two_scale():
+    """Truncation toward zero keeps the top 3 mantissa bits: in e4m3's normal range the relative error
+    |x − t(x)| / |x| is below 2^-3 and is the same at scale s and s·2^k (the stored exponent shifts,
+    the mantissa bits kept are the same), so no scale choice inside the normal range changes it."""
+    x = _wide(50_000, 0.5, 3).view(1, 1, -1, 1) * 0.1
+    a = V.fp8_static_fake_quant(x, 0.01, backend="cpu")
+    b = V.fp8_static_fake_quant(x, 0.01 * 2.0 ** -3, backend="cpu")
+    normal = ((x.abs() / 0.01 >= 2.0 ** -6) & (x.abs() / 0.01 <= 448 * 2.0 ** -3))
+    assert bool(normal.float().mean() > 0.9)
+    rel_a = ((x - a).abs() / x.abs())[normal]
+    rel_b = ((x - b).abs() / x.abs())[normal]
+    assert torch.equal(rel_a, rel_b) and float(rel_a.max()) < 2.0 ** -3
+
+
+def test_cpu_backend_serves_fp8_only_and_quantizes_no_query():
+    q = _wide(2 * 9 * 5 * 64, 1.0, 4).view(2, 9, 5, 64)
+    assert torch.equal(V.fake_quant_query("fp8", q, q_scale=0.5, backend="cpu"), q)
+    plan = VllmKVPlan("fp8", 4, k_scales=[0.01] * 4, v_scales=[0.02] * 4, backend="vllm-cpu")
+    assert plan.backend == "cpu" and plan.quantize_query is False
+    assert plan.describe()["backend"] == "cpu" and plan.describe()["query_quantization"] == "none"
+    for name in ("nvfp4", "int8_per_token_head", "turboquant_k8v4"):
+        with pytest.raises(V.VllmDTypeError, match="serves --kv-cache-dtype auto, fp8, fp8_e4m3, fp8_e5m2"):
+            VllmKVPlan(name, 4, backend="cpu")
+    with pytest.raises(V.VllmDTypeError, match="unknown vLLM backend 'tpu'"):
+        VllmKVPlan("fp8", 4, backend="tpu")
+    with pytest.raises(V.VllmDTypeError, match="head_dim a multiple of 32"):
+        V.check_backend_serves("cpu", "fp8", head_dim=48)
