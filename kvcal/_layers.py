@@ -18,7 +18,8 @@ Layers, lowest first::
                 kvcal.corpus, kvcal.models, kvcal.weights
     4 products  kvcal.artifact, kvcal.runtime, kvcal.evaluate
     5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity
-                (kvcal.planner: deprecated alias), kvcal.inspect, kvcal.recommend, kvcal.vllm_skip
+                (kvcal.planner: deprecated alias), kvcal.inspect, kvcal.recommend, kvcal.vllm_skip,
+                kvcal.verify, kvcal.engines (vllm_runner: runs in the engine's Python, imports no kvcal)
     6 cli       kvcal.cli, kvcal.__main__
 """
 
@@ -33,7 +34,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "kvcal.weights", "kvcal.checkpoint", "kvcal.distributed")),
     ("products", ("kvcal.artifact", "kvcal.runtime", "kvcal.evaluate")),
     ("front", ("kvcal.export", "kvcal.report", "kvcal.api", "kvcal.calibrate", "kvcal.capacity",
-               "kvcal.planner", "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip")),
+               "kvcal.planner", "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip", "kvcal.verify",
+               "kvcal.engines")),
     ("cli", ("kvcal.cli", "kvcal.__main__")),
 )
 

@@ -189,6 +189,7 @@ def is_kvcal_output(path: Path) -> bool:
 #: Names :func:`kvcal_file_kind` returns, with how a message describes them.
 FILE_KINDS = {
     "evaluation": "a kvcal evaluation (kvcal evaluate --json)",
+    "verification": "a kvcal verification (kvcal verify --json)",
     "report": "a kvcal report (kvcal report)",
     "figure": "a kvcal report figure",
     "checkpoint": "a kvcal calibration checkpoint",
@@ -229,6 +230,8 @@ def kvcal_file_kind(path: str | os.PathLike) -> str | None:
                 return None
             if d.get("schema") == EVAL_SCHEMA:
                 return "evaluation"
+            if d.get("schema") == "kvcal-verify/1":
+                return "verification"
             return "export-manifest" if p.name == EXPORT_MANIFEST else None
         if suffix == ".safetensors":
             return "artifact" if "kvcal" in _safetensors_metadata(p) else None

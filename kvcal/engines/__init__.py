@@ -1,0 +1,1 @@
+"""Code that runs inside a serving engine's own Python (never imported by kvcal itself)."""
