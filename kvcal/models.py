@@ -491,3 +491,24 @@ def rope_table(model):
         raise ValueError(f"partial rotary embedding ({2 * f0.numel()} of head_dim {D} channels); "
                          "pre-RoPE keys support full rotary only")
     return RopeTable(f0.detach().float().cpu().clone(), float(getattr(mods[0], "attention_scaling", 1.0)))
+
+
+def save_hf_checkpoint(model: str | None, out_dir: str | os.PathLike) -> Path:
+    """Write ``model`` (a ``--model`` value: the embedded GGUF by default) as a plain Hugging Face checkpoint
+    directory ``out_dir`` (float32 ``model.safetensors``, ``config.json`` without the GGUF
+    ``quantization_config``, tokenizer files): what ``kvcal export --model-dir`` merges scales into and what
+    an engine without a GGUF loader (vLLM's CPU build) serves. Follows ``shared/docs/verified-facts.md``
+    (a GGUF-loaded model cannot ``save_pretrained`` directly: rebuild the class from its config and load the
+    state dict). About 540 MB for the embedded model. Raises :class:`ModelLoadError`."""
+    from transformers import AutoModelForCausalLM
+
+    m = load_model(model)
+    cfg = m.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    plain.load_state_dict(m.state_dict())
+    out = Path(out_dir)
+    plain.save_pretrained(out)
+    load_tokenizer(model).save_pretrained(out)
+    return out

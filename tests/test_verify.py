@@ -1,0 +1,157 @@
+"""``kvcal verify`` without an engine: the agreement interval, the checkpoint reader, the scale-free view,
+and every refusal that comes before the engine starts (or from an interpreter that is not an engine)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import save_tiny_llama
+from safetensors.torch import save_file
+
+from kvcal.cli import main
+from kvcal.errors import KvcalError
+from kvcal.verify import agreement, check_accept, cpu_fp8_support, no_scale_view, read_checkpoint
+
+TINY = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=256, vocab_size=49152)  # head_dim 32: servable by vLLM's CPU backend
+SCHEME = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
+          "config_groups": {}, "ignore": [], "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                                 "group_size": None, "strategy": "tensor",
+                                                                 "dynamic": False}}
+
+
+def test_agreement_is_the_paired_t_interval():
+    """d = served − predicted = [0, 1, 2]: mean 1, sd 1; t_{0.995, 2} = 9.925 (published t table), so the
+    99% half-width is 9.925/√3 = 5.730; a floor adds to it."""
+    a = agreement([1.0, 2.0, 3.0], [1.0, 1.0, 1.0])
+    assert a["diff"] == 1.0 and abs(a["tol"] - 9.925 / math.sqrt(3)) < 1e-3 and a["ok"]
+    b = agreement([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], floor=0.5)
+    assert abs(b["tol"] - a["tol"] - 0.5) < 1e-12
+    # a bias that every window shares is not absorbed: d = [1.0, 1.01, 0.99, 1.0] → tol ≈ 5.84·0.0082/2 = 0.024
+    c = agreement([2.0, 2.01, 1.99, 2.0], [1.0, 1.0, 1.0, 1.0])
+    assert c["diff"] == pytest.approx(1.0) and c["tol"] < 0.03 and not c["ok"]
+
+
+def test_cpu_fp8_support_reads_the_flags():
+    assert cpu_fp8_support("flags\t: fpu sse2 avx2 avx512f avx512bw\n") is None
+    assert cpu_fp8_support("flags\t: fpu amx_tile amx_bf16\n") is None
+    why = cpu_fp8_support("flags\t: fpu sse2 avx avx2 fma\n")
+    assert "neither AVX-512 nor AMX" in why
+
+
+def test_accept_limited_to_what_verify_measures():
+    assert check_accept("kl_mean<=1e-2,delta_ppl<=0.2") == [("kl_mean", "<=", 1e-2), ("delta_ppl", "<=", 0.2)]
+    with pytest.raises(KvcalError, match="'greedy_agree' is not measured by verify; it measures ppl, delta_ppl"):
+        check_accept("greedy_agree>=0.5")
+
+
+def _checkpoint(root: Path, scales: dict | None) -> Path:
+    d = root / "ckpt"
+    d.mkdir()
+    w = {"model.embed_tokens.weight": torch.zeros(4, 2)}
+    save_file(w, str(d / "model-00001-of-00001.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+           "num_attention_heads": 2, "max_position_embeddings": 256}
+    wm = dict.fromkeys(w, "model-00001-of-00001.safetensors")
+    if scales is not None:
+        cfg["quantization_config"] = SCHEME
+        save_file({k: torch.tensor([v]) for k, v in scales.items()}, str(d / "kvcal-kv-scales.safetensors"))
+        wm.update(dict.fromkeys(scales, "kvcal-kv-scales.safetensors"))
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def test_read_checkpoint_and_its_scale_free_view(tmp_path):
+    s = {f"model.layers.{i}.self_attn.{x}_scale": 0.01 * (i + 1) + (x == "v") for i in range(2) for x in "kv"}
+    ck = read_checkpoint(str(_checkpoint(tmp_path, s)))
+    assert ck.kv_cache_dtype == "fp8" and ck.num_layers == 2 and ck.head_dim == 32
+    assert ck.k_scales == [pytest.approx(0.01), pytest.approx(0.02)] and ck.v_scales[1] == pytest.approx(1.02)
+    assert ck.q_scales == [None, None]
+    view = no_scale_view(ck, tmp_path / "view")
+    assert sorted(p.name for p in view.iterdir()) == ["config.json", "model-00001-of-00001.safetensors",
+                                                      "model.safetensors.index.json", "tokenizer.json"]
+    assert "quantization_config" not in json.loads((view / "config.json").read_text())
+    assert list(json.loads((view / "model.safetensors.index.json").read_text())["weight_map"]) == [
+        "model.embed_tokens.weight"]
+    assert (view / "model-00001-of-00001.safetensors").is_symlink()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"model.layers.0.self_attn.k_scale": 0.0}, r"k_scale must be one positive finite value"),
+    ({"model.layers.1.self_attn.v_scale": float("nan")}, r"v_scale must be one positive finite value"),
+])
+def test_read_checkpoint_refuses_bad_scales(tmp_path, bad, match):
+    with pytest.raises(KvcalError, match=match):
+        read_checkpoint(str(_checkpoint(tmp_path, bad)))
+
+
+def test_read_checkpoint_names_what_it_is_given(tmp_path):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    (rec / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1"}))
+    with pytest.raises(KvcalError, match="is a kvcal recommend output, not a checkpoint; export it first"):
+        read_checkpoint(str(rec))
+    with pytest.raises(KvcalError, match="has no config.json"):
+        read_checkpoint(str(tmp_path))
+    d = _checkpoint(tmp_path, {"model.layers.0.self_attn.k_scale": 1.0})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KvcalError, match="is not a per-tensor FP8 scheme"):
+        read_checkpoint(str(d))
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory, smollm_tokenizer):
+    d = save_tiny_llama(tmp_path_factory, smollm_tokenizer, "verify-tiny", **TINY)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = SCHEME
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file({f"model.layers.{i}.self_attn.{x}_scale": torch.tensor([0.05]) for i in range(2) for x in "kv"},
+              str(d / "kvcal-kv-scales.safetensors"))
+    return d
+
+
+def _verify(argv, **kw):
+    return CliRunner().invoke(main, ["verify", *argv], **kw)
+
+
+def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_path):
+    corpus = str(shared_data / "wikitext2_valid.txt")
+    base = [str(tiny_export), "--corpus", corpus, "--context", "64", "--windows", "2"]
+    cases = [
+        (base, {}, "--engine-python is required"),
+        ([*base, "--engine-python", str(tmp_path / "nope" / "python")], {}, "no executable Python there"),
+        ([*base, "--engine-python", sys.executable, "--accept", "greedy_prefix>=4"], {},
+         "'greedy_prefix' is not measured by verify"),
+        ([*base, "--engine-python", sys.executable, "--backend", "tpu"], {}, "unknown vLLM backend 'tpu'"),
+        ([*base, "--engine-python", sys.executable, "--windows", "1"], {}, "Invalid value for '--windows'"),
+    ]
+    for argv, env, want in cases:
+        r = _verify(argv, env=env)
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and want in r.output, (argv, r.output)
+        assert all("Traceback" not in ln for ln in lines)
+    import kvcal.verify
+
+    monkeypatch.setattr(kvcal.verify, "cpu_fp8_support", lambda: "this CPU has neither AVX-512 nor AMX; stub")
+    r = _verify([*base, "--engine-python", sys.executable, "--backend", "vllm-cpu"])
+    assert r.exit_code == 2 and "vLLM's CPU backend cannot serve --kv-cache-dtype fp8 here: this CPU has neither" \
+        in r.output
+
+
+def test_an_interpreter_without_vllm_is_refused_by_the_runner(tiny_export, shared_data):
+    """kvcal's own Python has no vllm: the runner answers with its one-line refusal (exit 3), which verify
+    reports as one line, exit 2."""
+    r = _verify([str(tiny_export), "--corpus", str(shared_data / "wikitext2_valid.txt"), "--context", "64",
+                 "--windows", "2", "--engine-python", sys.executable])
+    assert r.exit_code == 2, r.output
+    assert "error: engine refused: cannot import vllm in this Python" in r.output
