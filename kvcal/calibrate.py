@@ -123,6 +123,7 @@ class CalibrateConfig:
     skip_layers: str | tuple[int, ...] | None = None  # --skip-layers: "auto" or 16-bit layer indices (kvcal.vllm_skip)
     max_skip: int | None = None  # --skip-layers auto: most layers at 16 bits
     max_bytes_per_token: int | None = None  # --skip-layers auto: KV bytes per token, all layers, as vLLM allocates
+    backend: str | None = None  # --engine vllm: the attention backend's write path searched (cuda default; cpu)
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -131,6 +132,19 @@ class CalibrateConfig:
             from kvcal.search.vllm_fp8 import check_engine_options
 
             check_engine_options(self.engine, self.kv_cache_dtype, self.preset, self.bits, self.format, self.granularity)
+        if self.backend is not None:
+            from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend
+
+            if self.engine != "vllm":
+                raise KvcalError("--backend applies with --engine vllm --kv-cache-dtype fp8; add them or drop --backend")
+            try:
+                object.__setattr__(self, "backend", vllm_backend(self.backend).name)  # frozen dataclass
+                check_backend_serves(self.backend, self.kv_cache_dtype)
+            except VllmDTypeError as e:
+                raise KvcalError(f"--backend: {e}") from None
+            if self.backend == "cpu" and self.granularity == "head":
+                raise KvcalError("--granularity head: vLLM's CPU backend reads one k_scale/v_scale per layer "
+                                 "(layer._k_scale_float); drop --granularity head for --backend cpu")
         if self.skip_layers is not None or self.max_skip is not None or self.max_bytes_per_token is not None:
             from kvcal.search.skip_layers import parse_skip_layers
             from kvcal.vllm_skip import check_skip_config
@@ -384,7 +398,8 @@ def _search(cfg, cap, mmeta, progress, log, probe, int_path: bool) -> SearchResu
         if cfg.engine == "vllm":  # k/v/q scales for vLLM's FP8 queries (kvcal.search.vllm_fp8)
             from kvcal.search.vllm_fp8 import search_vllm_fp8
 
-            rows = search_vllm_fp8(cap, cfg.granularity == "head", cfg.max_queries, progress)
+            rows = search_vllm_fp8(cap, cfg.granularity == "head", cfg.max_queries, progress,
+                                   backend=cfg.backend or "cuda")
         else:
             rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
         plan, layers_meta = plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"])
@@ -430,7 +445,8 @@ def _add_vllm_sections(cfg, rows, tensors, meta, model, corpus, held_idx, mmeta,
     else:
         from kvcal.search.vllm_fp8 import add_to_artifact
 
-        add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"])
+        add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"],
+                        cfg.backend or "cuda")
     pr = (_held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
           if cfg.skip_layers == "auto" else None)  # the probe reads the scales just calibrated (kvcal.vllm_skip)
     if pr is not None and not pr.samples:

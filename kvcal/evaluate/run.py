@@ -60,14 +60,20 @@ class EvalConfig:
     messages_field: str | None = None
     split: str | None = None
     vllm_dtypes: tuple[str, ...] = ()  # vLLM --kv-cache-dtype values evaluated side by side (rows "vllm:<dtype>")
+    backend: str = "cuda"  # vLLM attention backend whose write path the vllm:* rows emulate (cuda, cpu)
 
     def __post_init__(self):
         from kvcal.errors import KvcalError
-        from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend, vllm_dtype
 
+        try:
+            object.__setattr__(self, "backend", vllm_backend(self.backend).name)
+        except VllmDTypeError as e:
+            raise KvcalError(f"--backend: {e}") from None
         for d in self.vllm_dtypes:
             try:
                 vllm_dtype(d)
+                check_backend_serves(self.backend, d)
             except VllmDTypeError as e:
                 raise KvcalError(f"--vllm-dtype: {e}") from None
 
@@ -127,11 +133,12 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         raise ArtifactError(f"{art.path}: {e}") from None
     hd = (art.metadata.get("model") or {}).get("head_dim")
     if isinstance(hd, int) and hd > 0:  # a --vllm-dtype the model's head_dim cannot hold (nvfp4: multiple of 16)
-        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, check_head_dim
 
         for d in cfg.vllm_dtypes:
             try:
                 check_head_dim(d, hd)
+                check_backend_serves(cfg.backend, d, hd)
             except VllmDTypeError as e:
                 raise KvcalError(f"--vllm-dtype {d}: {e}; drop it from --vllm-dtype") from None
     if model is None:
@@ -202,7 +209,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         art_skip = _artifact_skip_layers(art.metadata, d)
         if art_skip:  # calibrate --skip-layers / recommend: the 16-bit layers its export serves with
             kw["skip_layers"] = art_skip
-        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, **kw)
+        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, backend=cfg.backend, **kw)
         roles[f"vllm:{d}"] = "vllm"
         vllm_names.add(f"vllm:{d}")
         notes.append(note + (f"; layers {', '.join(map(str, art_skip))} in the model dtype (the artifact's "
@@ -227,7 +234,8 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     for name, p in plans.items():
         desc = ({"k": None, "v": None, "residual_window": 0, "sink_tokens": 0,
                  "quantized_tensors": ["k", "v"] if p.quantized_bits() else [], **p.describe(),
-                 "label": f"vLLM --kv-cache-dtype {p.kv_cache_dtype}", "bits": plan_bits(p)}
+                 "label": f"vLLM --kv-cache-dtype {p.kv_cache_dtype}"
+                          + ("" if p.backend == "cuda" else f" (backend {p.backend})"), "bits": plan_bits(p)}
                 if name in vllm_names else describe_plan(p))
         methods[name] = {"role": roles[name], **desc, "criteria": crit_str[name]}
 

@@ -21,10 +21,10 @@ def layer_sensitivity(model, samples, kv_cache_dtype: str, num_layers: int, prog
 
 
 def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
-    """``{"k_scales", "v_scales", "q_scales"}`` (one float or ``[H_kv]`` tensor per layer, as
+    """``{"k_scales", "v_scales", "q_scales", "backend"}`` (one float or ``[H_kv]`` tensor per layer, as
     :class:`~kvcal.vllm_plan.VllmKVPlan` takes them) of a ``kvcal calibrate --engine vllm --kv-cache-dtype
     fp8`` artifact's ``tensors``/``metadata``: k/v as vLLM loads them, q from ``...self_attn.q_scale``
-    (1.0 where absent). Used by recommend's probe and by calibrate's ``--skip-layers auto``."""
+    (1.0 where absent), the backend it was calibrated for (``vllm.backend``; ``cuda`` before it was recorded). Used by recommend's probe and by calibrate's ``--skip-layers auto``."""
     from kvcal.plan import KVPlan
     from kvcal.vllm_plan import VllmKVPlan
 
@@ -34,7 +34,8 @@ def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
         t = tensors.get(f"model.layers.{i}.self_attn.q_scale")
         t = t.float().reshape(-1) if t is not None else None
         q.append(1.0 if t is None else float(t[0]) if t.numel() == 1 else t)
-    return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q}
+    vm = metadata.get("vllm") if isinstance(metadata.get("vllm"), dict) else {}
+    return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q, "backend": vm.get("backend", "cuda")}
 
 
 def vllm_nvfp4_scales(tensors: dict, num_layers: int) -> dict:

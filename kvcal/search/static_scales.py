@@ -64,8 +64,9 @@ def candidate_scales(amax: torch.Tensor, fmt: FP8Format, side: str,
     return labels, torch.stack(rows)
 
 
-def _side_errors(caches: list[SequenceCache], side: str, scales: torch.Tensor, fmt: FP8Format):
-    """Summed errors ``[C, H]`` (numerator) and normalizer ``[H]`` over sequences."""
+def _side_errors(caches: list[SequenceCache], side: str, scales: torch.Tensor, fmt: FP8Format, fake_quant=None):
+    """Summed errors ``[C, H]`` (numerator) and normalizer ``[H]`` over sequences. ``fake_quant(x, scale)``
+    (``x`` [H, T, D], ``scale`` [H, 1, 1]): the write path scored (default: ``fmt`` rounded to nearest)."""
     C, H = scales.shape
     num = torch.zeros(C, H, dtype=torch.float64)
     den = torch.zeros(H, dtype=torch.float64)
@@ -74,7 +75,8 @@ def _side_errors(caches: list[SequenceCache], side: str, scales: torch.Tensor, f
         if side == "k":
             den += c.num_queries
         for i in range(C):
-            xh = fake_quant_fp8(x, scales[i].view(H, 1, 1), fmt)
+            xh = (fake_quant_fp8(x, scales[i].view(H, 1, 1), fmt) if fake_quant is None
+                  else fake_quant(x, scales[i].view(H, 1, 1)))
             if side == "k":
                 num[i] += c.key_kl(xh)
             else:
@@ -92,22 +94,25 @@ def choose_static_fp8(
     side: str,
     fmt: FP8Format,
     per_head: bool,
+    fake_quant=None,
 ) -> SideChoice:
     """Choose the static FP8 scale of one layer's keys (``side='k'``) or values (``'v'``).
 
     ``amax_head`` ``[H_kv]``: observed absmax per KV head on the calibration split.
     ``per_head``: one scale per KV head (``[H_kv]``), else one per tensor (``[1]``).
+    ``fake_quant``: the engine's write path, as :func:`_side_errors` takes it (default: ``fmt`` rounded
+    to nearest).
     """
     H = amax_head.numel()
     amax = amax_head.double() if per_head else amax_head.double().max().expand(H)
     labels, scales = candidate_scales(amax, fmt, side)
-    num_c, den_c = _side_errors(calib, side, scales, fmt)
+    num_c, den_c = _side_errors(calib, side, scales, fmt, fake_quant)
     held = heldout if heldout else calib
     if per_head:
         best = num_c.argmin(0)  # [H]
         cand = torch.stack([best, torch.zeros(H, dtype=torch.long), torch.ones(H, dtype=torch.long)])  # [3, H]
         cand_scales = scales.gather(0, cand)  # [3, H]
-        num_h, den_h = _side_errors(held, side, cand_scales, fmt)
+        num_h, den_h = _side_errors(held, side, cand_scales, fmt, fake_quant)
         pick = num_h.argmin(0)  # first of ties: calib-best preferred
         final_idx = cand.gather(0, pick[None])[0]
         scale = scales.gather(0, final_idx[None])[0]
@@ -122,7 +127,7 @@ def choose_static_fp8(
         tot_c = num_c.sum(1)
         best = int(tot_c.argmin())
         cand = [best, 0, 1]
-        num_h, den_h = _side_errors(held, side, scales[cand], fmt)
+        num_h, den_h = _side_errors(held, side, scales[cand], fmt, fake_quant)
         tot_h = num_h.sum(1)
         pick = int(tot_h.argmin())
         final = cand[pick]

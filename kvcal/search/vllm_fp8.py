@@ -41,7 +41,13 @@ from dataclasses import dataclass
 import torch
 
 from kvcal.formats.fp8 import get_fp8_format
-from kvcal.formats.vllm_dtypes import FP8_E4M3_MAX, fp8_static_quantize, query_fp8_fake_quant
+from kvcal.formats.vllm_dtypes import (
+    FP8_E4M3_MAX,
+    fp8_static_fake_quant,
+    fp8_static_quantize,
+    query_fp8_fake_quant,
+    vllm_backend,
+)
 from kvcal.search.guard import guarded_tensor_choice
 from kvcal.search.objectives import SequenceCache, sequence_caches
 from kvcal.search.static_scales import SideChoice, candidate_scales, choose_static_fp8
@@ -62,10 +68,20 @@ def query_codes(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
     return (deq / s).to(torch.float8_e4m3fn).float()
 
 
-def key_codes(k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+def key_codes(k: torch.Tensor, k_scale: torch.Tensor, backend: str = "cuda") -> torch.Tensor:
     """FP8 codes (as float32) vLLM stores for keys ``k`` [H_kv, T, D] with ``k_scale`` ``[H_kv]``:
-    :func:`kvcal.formats.vllm_dtypes.fp8_static_quantize` (``e4m3(sat(k / k_scale))``)."""
-    return fp8_static_quantize(k[None], k_scale.float())[0].float()
+    :func:`kvcal.formats.vllm_dtypes.fp8_static_quantize` (``e4m3(sat(k / k_scale))``, rounded to nearest on
+    ``cuda``, truncated on ``cpu``)."""
+    return fp8_static_quantize(k[None], k_scale.float(), backend=backend)[0].float()
+
+
+def write_path(backend: str):
+    """``fake_quant(x [H, T, D], scale [H, 1, 1])`` of the static e4m3 cache write of ``backend``, for
+    :func:`kvcal.search.static_scales.choose_static_fp8`; ``None`` for ``cuda`` (its default, the
+    round-to-nearest write, is already what the GPU kernels do)."""
+    if vllm_backend(backend).name == "cuda":
+        return None
+    return lambda x, scale: fp8_static_fake_quant(x[None], scale.reshape(-1), backend=backend)[0]
 
 
 def joint_key_kl(cache: SequenceCache, q_hat: torch.Tensor | None, q_scale: torch.Tensor | None,
@@ -93,7 +109,7 @@ def joint_key_kl(cache: SequenceCache, q_hat: torch.Tensor | None, q_scale: torc
 
 
 def _errors(caches: list[SequenceCache], which: str, scales: torch.Tensor, other: torch.Tensor | None,
-            quantize_other: bool) -> torch.Tensor:
+            quantize_other: bool, backend: str = "cuda") -> torch.Tensor:
     """Summed joint KL ``[C, H_kv]`` over ``caches`` for each candidate row of ``scales`` ``[C, H_kv]``.
     ``which``: ``"q"`` (candidates are q scales; ``other`` the k scale, or exact keys when
     ``quantize_other`` is False) or ``"k"`` (candidates are k scales; ``other`` the q scale)."""
@@ -101,18 +117,18 @@ def _errors(caches: list[SequenceCache], which: str, scales: torch.Tensor, other
     num = torch.zeros(C, H, dtype=torch.float64)
     for c in caches:
         if which == "q":
-            kh, ks = (key_codes(c.k, other), other) if quantize_other else (None, None)
+            kh, ks = (key_codes(c.k, other, backend), other) if quantize_other else (None, None)
             for i in range(C):
                 num[i] += joint_key_kl(c, query_codes(c.q[:, c.qpos], scales[i]), scales[i], kh, ks)
         else:
             qh, qs = (query_codes(c.q[:, c.qpos], other), other) if quantize_other else (None, None)
             for i in range(C):
-                num[i] += joint_key_kl(c, qh, qs, key_codes(c.k, scales[i]), scales[i])
+                num[i] += joint_key_kl(c, qh, qs, key_codes(c.k, scales[i], backend), scales[i])
     return num
 
 
 def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, quantize_other: bool,
-            per_head: bool) -> SideChoice:
+            per_head: bool, backend: str = "cuda") -> SideChoice:
     """One selection (calibration best, then held-out guard among {best, absmax, unity}); ``amax``
     ``[H_kv]`` (already reduced to what one scale covers). Errors normalized per evaluated query."""
     H = amax.numel()
@@ -124,10 +140,10 @@ def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, qu
     held = heldout if heldout else calib
     den_h = float(sum(c.num_queries for c in held)) * (1 if per_head else H)
     if per_head:
-        num_c = _errors(calib, which, scales, other, quantize_other)  # [C, H]
+        num_c = _errors(calib, which, scales, other, quantize_other, backend)  # [C, H]
         best = num_c.argmin(0)
         cand = torch.stack([best, torch.zeros(H, dtype=torch.long), torch.ones(H, dtype=torch.long)])
-        num_h = _errors(held, which, scales.gather(0, cand), other, quantize_other)  # [3, H]
+        num_h = _errors(held, which, scales.gather(0, cand), other, quantize_other, backend)  # [3, H]
         pick = num_h.argmin(0)
         final = cand.gather(0, pick[None])[0]
         scale = scales.gather(0, final[None])[0]
@@ -138,7 +154,7 @@ def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, qu
         lab = [labels[i] for i in final.tolist()]
         amax_out = amax.float()
     else:
-        g = guarded_tensor_choice(lambda caches, rows: _errors(caches, which, rows, other, quantize_other),
+        g = guarded_tensor_choice(lambda caches, rows: _errors(caches, which, rows, other, quantize_other, backend),
                                   calib, heldout, scales, den_c, den_h)
         final, fig_h, fig_c = g.index, g.heldout, g.calib
         scale = scales[final, :1]
@@ -149,13 +165,14 @@ def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, qu
 
 
 def choose_key_scale(calib: list[SequenceCache], heldout: list[SequenceCache], k_head_absmax: torch.Tensor,
-                     q_scale: torch.Tensor | None, per_head: bool) -> SideChoice:
+                     q_scale: torch.Tensor | None, per_head: bool, backend: str = "cuda") -> SideChoice:
     """The ``k_scale`` (``[1]`` or ``[H_kv]``) that minimizes the attention KL vLLM serves when the queries are
     FP8 with ``q_scale`` (float ``[1]``/``[H_kv]``; ``None``: exact queries, as a backend without query
-    quantization). ``k_head_absmax`` ``[H_kv]``. Errors: joint KL per evaluated query, nats."""
+    quantization). ``k_head_absmax`` ``[H_kv]``. ``backend``: whose key write is scored (``cpu``: truncation).
+    Errors: joint KL per evaluated query, nats."""
     H = k_head_absmax.numel()
     if q_scale is None:
-        return _choose(calib, heldout, k_head_absmax, "k", "k", None, False, per_head)
+        return _choose(calib, heldout, k_head_absmax, "k", "k", None, False, per_head, backend)
     return _choose(calib, heldout, k_head_absmax, "k", "k", _expand(q_scale, H), True, per_head)
 
 
@@ -197,46 +214,54 @@ class VllmFP8Choice:
 
 def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_head_absmax: torch.Tensor,
                  k_head_absmax: torch.Tensor, v_head_absmax: torch.Tensor, per_head: bool,
-                 quantize_query: bool = True) -> VllmFP8Choice:
+                 quantize_query: bool = True, backend: str = "cuda") -> VllmFP8Choice:
     """Choose one layer's ``q_scale``/``k_scale``/``v_scale`` for vLLM ``--kv-cache-dtype fp8`` (steps of the
     module docstring). ``calib``/``heldout``: :class:`~kvcal.search.objectives.SequenceCache` per captured
     sequence (``heldout`` empty: the guard uses the calibration split). ``*_head_absmax``: observed absmax
     per query head ``[H_q]`` and per KV head ``[H_kv]`` (calibration statistics). ``per_head``: one scale
     per KV head / KV-head group, else one per tensor. ``quantize_query`` False: keys searched against exact
-    queries (what the existing K/V search does) and ``q`` left at the absmax rule — for comparisons."""
+    queries (what the existing K/V search does) and ``q`` left at the absmax rule — for comparisons, and for
+    a backend without query quantization. ``backend``: the write path scored for keys and values
+    (:data:`kvcal.formats.vllm_dtypes.VLLM_BACKENDS`; ``cpu`` truncates and quantizes no query, so it needs
+    ``quantize_query`` False)."""
     H = k_head_absmax.numel()
     qa = group_absmax(q_head_absmax, H)
+    if quantize_query and not vllm_backend(backend).quantizes_query:
+        raise ValueError(f"backend {backend} quantizes no query; pass quantize_query=False")
     if quantize_query:
         q1 = choose_query_scale(calib, heldout, qa, None, per_head)
         k = choose_key_scale(calib, heldout, k_head_absmax, q1.scale, per_head)
         q = choose_query_scale(calib, heldout, qa, k.scale, per_head)
     else:  # the K search of kvcal.search.static_scales (exact queries); q at the absmax rule
-        k = choose_key_scale(calib, heldout, k_head_absmax, None, per_head)
+        k = choose_key_scale(calib, heldout, k_head_absmax, None, per_head, backend)
         a = (qa if per_head else qa.max().reshape(1)).float()
         q = SideChoice(scale=a / FP8_E4M3_MAX, label=["absmax"] * a.numel(), clip_ratio=torch.ones_like(a),
                        heldout={}, calib={}, amax=a)
-    v = choose_static_fp8(calib, heldout, v_head_absmax, "v", get_fp8_format("fp8_e4m3"), per_head)
+    v = choose_static_fp8(calib, heldout, v_head_absmax, "v", get_fp8_format("fp8_e4m3"), per_head,
+                          write_path(backend))
     held = heldout if heldout else calib
     nq = float(sum(c.num_queries for c in held)) * H
     qs, ks = _expand(q.scale, H), _expand(k.scale, H)
     q_only = sum(float(joint_key_kl(c, query_codes(c.q[:, c.qpos], qs), qs, None, None).sum()) for c in held) / nq
-    kv_only = sum(float(joint_key_kl(c, None, None, key_codes(c.k, ks), ks).sum()) for c in held) / nq
+    kv_only = sum(float(joint_key_kl(c, None, None, key_codes(c.k, ks, backend), ks).sum()) for c in held) / nq
     return VllmFP8Choice(q=q, k=k, v=v, q_only=q_only, kv_only=kv_only)
 
 
 def search_vllm_fp8(cap, per_head: bool, max_queries: int = 96, progress: bool = True,
-                    quantize_query: bool = True) -> list[dict]:
+                    quantize_query: bool | None = None, backend: str = "cuda") -> list[dict]:
     """:func:`choose_layer` for every layer of a :class:`~kvcal.capture.run.CaptureResult`. Returns rows
     ``{"layer", "k", "v", "q": SideChoice, "q_only", "kv_only"}`` (``k``/``v`` as
     :func:`kvcal.search.fp8.search_scales` rows, so :func:`kvcal.search.fp8.plan_from_choices` builds the plan)."""
     from tqdm.auto import tqdm
 
+    if quantize_query is None:  # as the backend does
+        quantize_query = vllm_backend(backend).quantizes_query
     out = []
     for layer in tqdm(range(len(cap.stats.k)), desc="search (vllm fp8)", disable=not progress):
         calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries)
         held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else []
         st = {s: getattr(cap.stats, s)[layer].finalize()["head_absmax"] for s in ("q", "k", "v")}
-        ch = choose_layer(calib, held, st["q"], st["k"], st["v"], per_head, quantize_query)
+        ch = choose_layer(calib, held, st["q"], st["k"], st["v"], per_head, quantize_query, backend)
         out.append({"layer": layer, "k": ch.k, "v": ch.v, "q": ch.q, "q_only": ch.q_only, "kv_only": ch.kv_only})
     return out
 
@@ -248,12 +273,16 @@ def q_scale_tensor(choice: SideChoice, per_head: bool, num_kv_heads: int) -> tor
     return s[:1].clone() if not per_head else s.expand(num_kv_heads).reshape(num_kv_heads, 1, 1).clone()
 
 
-def vllm_metadata(rows: list[dict], kv_cache_dtype: str, per_head: bool) -> dict:
-    """The artifact's ``vllm`` metadata section: engine, dtype, skipped layers (none: every layer's cache is
-    FP8), query quantization and the q scales, with held-out KL figures per layer."""
+def vllm_metadata(rows: list[dict], kv_cache_dtype: str, per_head: bool, backend: str = "cuda") -> dict:
+    """The artifact's ``vllm`` metadata section: engine, backend (whose write path was calibrated), dtype,
+    skipped layers (none: every layer's cache is FP8), query quantization and the q scales, with held-out KL
+    figures per layer."""
+    b = vllm_backend(backend)
     return {
         "engine": "vllm", "vllm_version": "0.33.0", "kv_cache_dtype": kv_cache_dtype, "skip_layers": [],
-        "query_quantization": "fp8_e4m3 static q_scale " + ("per KV-head group" if per_head else "per tensor"),
+        "backend": b.name, "fp8_write": "truncate" if b.fp8_rounding == "truncate" else "round to nearest even",
+        "query_quantization": ("fp8_e4m3 static q_scale " + ("per KV-head group" if per_head else "per tensor")
+                               if b.quantizes_query else f"none (backend {b.name} reads the model-dtype query)"),
         "q_scale": [r["q"].scale.reshape(-1).tolist() for r in rows],
         "heldout_kl_query_only": [r["q_only"] for r in rows],
         "heldout_kl_kv_only": [r["kv_only"] for r in rows],
@@ -302,18 +331,26 @@ def check_engine_options(engine, kv_cache_dtype, preset, bits, fmt, granularity=
 
 
 def add_to_artifact(rows: list[dict], tensors: dict, meta: dict, kv_cache_dtype: str, per_head: bool,
-                    num_kv_heads: int) -> None:
+                    num_kv_heads: int, backend: str = "cuda") -> None:
     """Record what :func:`search_vllm_fp8` chose beyond K/V in the artifact being written: the
     ``model.layers.{i}.self_attn.q_scale`` tensors (:func:`q_scale_tensor`), ``layers[i].q`` (scale, amax,
     candidate, held-out/calibration KL) and the ``vllm`` section (:func:`vllm_metadata`); the
     ``calibration`` section names the objectives. Mutates ``tensors`` and ``meta``."""
+    quantizes_query = vllm_backend(backend).quantizes_query
     for r, lm in zip(rows, meta["layers"], strict=True):
         q = r["q"]
+        if not quantizes_query:  # no q_scale: the backend reads none, and a GPU deployment keeps vLLM's 1.0
+            continue
         tensors[f"model.layers.{r['layer']}.self_attn.q_scale"] = q_scale_tensor(q, per_head, num_kv_heads)
         lm["q"] = {"scale": q.scale.tolist(), "amax": q.amax.tolist(), "clip_ratio": q.clip_ratio.tolist(),
                    "candidate": q.label, "heldout": q.heldout, "calib": q.calib}
-    meta["vllm"] = vllm_metadata(rows, kv_cache_dtype, per_head)
+    meta["vllm"] = vllm_metadata(rows, kv_cache_dtype, per_head, backend)
     cal = meta["calibration"]
+    if not quantizes_query:
+        cal["method"] = (f"attention-aware static scale search for vLLM --kv-cache-dtype {kv_cache_dtype}, backend "
+                         f"{vllm_backend(backend).name} (FP8 written by truncation, queries not quantized)")
+        cal["objective_k"] = "attention KL (nats per query) of exact queries against truncated FP8 key codes x k_scale"
+        return
     cal["method"] = f"attention-aware static scale search for vLLM --kv-cache-dtype {kv_cache_dtype} (FP8 queries)"
     cal["objective_k"] = ("attention KL (nats per query) of vLLM's scores (FP8 query codes . FP8 key codes) x "
                           "softmax scale x q_scale x k_scale against the exact attention")
