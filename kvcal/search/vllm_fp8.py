@@ -286,7 +286,7 @@ def vllm_metadata(rows: list[dict], kv_cache_dtype: str, per_head: bool, backend
         "q_scale": [r["q"].scale.reshape(-1).tolist() for r in rows],
         "heldout_kl_query_only": [r["q_only"] for r in rows],
         "heldout_kl_kv_only": [r["kv_only"] for r in rows],
-        "heldout_kl_joint": [r["q"].heldout["chosen"] for r in rows],
+        "heldout_kl_joint": [(r["q"] if b.quantizes_query else r["k"]).heldout["chosen"] for r in rows],
     }
 
 
