@@ -226,8 +226,9 @@ def _inspect_artifact(p: Path) -> Inspection:
         ins.layers.append(row)
     if meta.get("vllm"):
         vm = meta["vllm"]
-        ins.notes.append(f"calibrated for {vm.get('engine')} --kv-cache-dtype {vm.get('kv_cache_dtype')}: query "
-                         f"quantization {vm.get('query_quantization')}; skipped layers "
+        ins.notes.append(f"calibrated for {vm.get('engine')} --kv-cache-dtype {vm.get('kv_cache_dtype')}, backend "
+                         f"{vm.get('backend', 'cuda')} (FP8 write: {vm.get('fp8_write', 'round to nearest even')}): "
+                         f"query quantization {vm.get('query_quantization')}; skipped layers "
                          f"{vm.get('skip_layers') or 'none'}")
     nkv = meta["model"].get("num_kv_heads")
     qc = kv_only_quantization_config(k.get("granularity", "tensor"))

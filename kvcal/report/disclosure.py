@@ -212,14 +212,18 @@ def _serving_engine(rep: Report, meta: dict) -> None:
     rep.add(Heading("Serving engine"))
     qs = [x for row in vm.get("q_scale") or [] for x in (row if isinstance(row, list) else [row])]
     skip = vm.get("skip_layers") or []
+    cpu = vm.get("backend") == "cpu"
     items = [f"Engine: **{vm.get('engine')}** {vm.get('vllm_version', '')} with `--kv-cache-dtype "
-             f"{vm.get('kv_cache_dtype')}`; the scales were searched for what it serves.",
+             f"{vm.get('kv_cache_dtype')}`, backend **{vm.get('backend', 'cuda')}** (FP8 written by "
+             f"{vm.get('fp8_write', 'round to nearest even')}); the scales were searched for what it serves.",
              f"Layers kept in the model dtype (`--kv-cache-dtype-skip-layers`): "
              f"{', '.join(map(str, skip)) if skip else 'none (every layer quantized)'}.",
              *_skip_choice(vm),
-             f"Query quantization: **{vm.get('query_quantization', 'none')}** — vLLM quantizes the post-RoPE queries "
-             "to FP8 with the checkpoint's `q_scale` (1.0 when a checkpoint has none) and folds q_scale · k_scale into "
-             "the softmax scale; the key search scored vLLM's scores with those FP8 queries."]
+             (f"Query quantization: **{vm.get('query_quantization', 'none')}** — vLLM's CPU backend attends with the "
+              "model-dtype queries; the key search scored exact queries against the truncated FP8 keys." if cpu else
+              f"Query quantization: **{vm.get('query_quantization', 'none')}** — vLLM quantizes the post-RoPE queries "
+              "to FP8 with the checkpoint's `q_scale` (1.0 when a checkpoint has none) and folds q_scale · k_scale "
+              "into the softmax scale; the key search scored vLLM's scores with those FP8 queries.")]
     if qs:
         items.append(f"q_scale: {len(vm['q_scale'])} layers, min {_num(min(qs))}, median "
                      f"{_num(sorted(qs)[len(qs) // 2])}, max {_num(max(qs))} (exported as `...self_attn.q_scale`).")

@@ -63,9 +63,10 @@ def _query_line(meta: dict) -> str:
     if not eng:
         return "queries stay in the model's precision"
     qq = eng.get("query_quantization") or "none"
-    return (f"queries as vLLM {eng.get('vllm_version', '')} serves --kv-cache-dtype {eng.get('kv_cache_dtype')}: "
-            f"{qq} (q_scale calibrated with the keys)" if qq != "none" else
-            f"queries stay in the model's precision under vLLM --kv-cache-dtype {eng.get('kv_cache_dtype')}")
+    be = f", backend {eng['backend']}" if eng.get("backend", "cuda") != "cuda" else ""
+    return (f"queries as vLLM {eng.get('vllm_version', '')} serves --kv-cache-dtype {eng.get('kv_cache_dtype')}{be}: "
+            f"{qq} (q_scale calibrated with the keys)" if not qq.startswith("none") else
+            f"queries stay in the model's precision under vLLM --kv-cache-dtype {eng.get('kv_cache_dtype')}{be}")
 
 
 def _granularity(side: dict) -> str:
