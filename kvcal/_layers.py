@@ -11,7 +11,8 @@ module that no prefix covers fails the test until it is placed here.
 
 Layers, lowest first::
 
-    0 base      kvcal (package root: __version__), kvcal.errors, kvcal._layers
+    0 base      kvcal (package root: __version__), kvcal.errors, kvcal._layers, kvcal.options (option values,
+                environment variables: pure Python)
     1 formats   kvcal.formats           numeric formats, quantize/dequantize (torch only)
     2 plan      kvcal.plan, kvcal.vllm_plan   per-layer plans built from formats
     3 stages    kvcal.capture, kvcal.search, kvcal.kernels, and the inputs they read:
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 #: ``(layer name, module prefixes)``, lowest layer first; index = layer number.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("kvcal", "kvcal.errors", "kvcal._layers")),
+    ("base", ("kvcal", "kvcal.errors", "kvcal._layers", "kvcal.options")),
     ("formats", ("kvcal.formats",)),
     ("plan", ("kvcal.plan", "kvcal.vllm_plan")),
     ("stages", ("kvcal.capture", "kvcal.search", "kvcal.kernels", "kvcal.corpus", "kvcal.models",

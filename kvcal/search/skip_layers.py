@@ -165,10 +165,9 @@ def parse_skip_layers(text) -> str | tuple[int, ...] | None:
     t = str(text).strip()
     if t.lower() == "auto":
         return "auto"
-    items = [x.strip() for x in t.split(",")]
-    if not t or any(not x for x in items):
-        raise KvcalError(f"--skip-layers {text!r}: empty item; give 'auto' or comma-separated layer indices "
-                         "(e.g. 0,1,29)")
+    from kvcal.options import split_list
+
+    items = split_list(t, "--skip-layers", "layer index ('auto' or comma-separated indices)", "0,1,29", item="layer")
     out = []
     for x in items:
         if not x.isdigit():

@@ -1,0 +1,132 @@
+"""Hostile input, round 3 (issue 29): acceptance bars, comma-separated options, signals, special files,
+environment variables and messages that tell the truth. Each case is refused in one line (exit 2) before
+any model loads, or handled as docs/bad-input.md says."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from kvcal.cli import main
+from kvcal.errors import KvcalError
+from kvcal.options import parse_bar, split_list
+
+ALL = ("ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree", "greedy_agree", "greedy_prefix")
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text("".join(f'{{"text": "sample number {i} with a few words in it"}}\n' for i in range(8)))
+    return p
+
+
+def one_error_line(r, *words):
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.strip().splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in r.output, r.output
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+# ---- bars: only measured metrics, and a bar that can both pass and fail --------------------------------------
+@pytest.mark.parametrize("bar, words", [
+    ("greedy_agree>=0.5", ["'greedy_agree' is not measured by kvcal recommend", "generates no text",
+                           "measures ppl, delta_ppl, kl_mean, kl_p999, top1_agree"]),
+    ("greedy_prefix>=0.5", ["'greedy_prefix' is not measured by kvcal recommend"]),
+    ("kl_mean<=-1", ["'kl_mean<=-1' can never pass", "kl_mean lies in [0, inf)"]),
+    ("top1_agree>=2", ["'top1_agree>=2' can never pass", "[0, 1]"]),
+    ("kl_mean<=1e999", ["'kl_mean<=1e999'", "not a finite number"]),
+    ("top1_agree<=1", ["always passes"]),
+    ("kl_mean>=0", ["always passes"]),
+    ("kl_mean<=1e-3,kl_mean>=1e-2", ["can never pass together"]),
+    ("kl_mean<=1e-2,", ["has an empty item"]),
+    ("kl_mean<=1e-2,kl_mean<=1e-2", ["is named twice"]),
+])
+def test_recommend_refuses_bars_it_cannot_judge_before_the_model_loads(corpus, tmp_path, no_model, bar, words):
+    """Issue 29: recommend --accept "greedy_agree>=0.5" ran for minutes, then "no configuration passes"
+    (greedy_agree=None on every row); kl_mean<=-1 / top1_agree>=2 / kl_mean<=1e999 were judged only after the
+    run. All are refused in one line before the model loads, nothing written."""
+    out = tmp_path / "rec"
+    r = CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--corpus", str(corpus), "--out", str(out),
+                                  "--accept", bar, "--quiet"])
+    one_error_line(r, *words)
+    assert no_model == [] and not out.exists()
+
+
+@pytest.mark.parametrize("args, bar, words", [
+    ([], "greedy_agree>=0.5", ["teacher-forced rows would fail it; add --mode decode"]),
+    (["--mode", "decode", "--greedy-tokens", "0"], "greedy_prefix>=0.5", ["--greedy-tokens 0"]),
+    (["--mode", "decode", "--vllm-dtype", "fp8"], "greedy_agree>=0.5", ["--vllm-dtype rows are teacher-forced"]),
+    ([], "top1_agree>=2", ["can never pass"]),
+    ([], "kl_mean<=1e999", ["not a finite number"]),
+])
+def test_evaluate_refuses_bars_it_cannot_judge(corpus, tmp_path, no_model, args, bar, words):
+    """kvcal evaluate judges every row on every clause: a greedy clause with teacher-forced rows (the default
+    modes) failed every such row; refused before the artifact or the model is read."""
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", str(tmp_path / "none"), "--corpus", str(corpus),
+                                  "--accept", bar, *args])
+    one_error_line(r, *words)
+    assert no_model == []
+
+
+def test_evaluate_decode_only_may_judge_greedy_agreement():
+    """With --mode decode alone (greedy tokens on, no vLLM rows) every row carries greedy agreement."""
+    from kvcal.cli import evaluate_bar
+
+    assert evaluate_bar("greedy_agree>=0.5,kl_mean<=1e-2", ("decode",), 32, ()) == [
+        ("greedy_agree", ">=", 0.5), ("kl_mean", "<=", 1e-2)]
+
+
+@pytest.mark.parametrize("bar", ["kl_mean<=0", "top1_agree>=1", "delta_ppl<=-0.5", "ppl<=1", "kl_mean>0",
+                                 "top1_agree<1", "kl_mean<=1e-3,kl_mean>=1e-4"])
+def test_bars_at_the_edge_of_the_range_are_accepted(bar):
+    """Attainable bounds (KL exactly 0 with every layer at 16 bits, full agreement) stay accepted."""
+    assert parse_bar(bar, ALL, "kvcal evaluate")
+
+
+def test_verify_metric_list_is_the_one_it_measures():
+    """kvcal verify names its own metrics (no greedy agreement): the list parse_bar is given."""
+    with pytest.raises(KvcalError, match="'greedy_agree' is not measured by kvcal verify"):
+        parse_bar("greedy_agree>=0.5", ALL[:5], "kvcal verify")
+
+
+# ---- one parser for every comma-separated option -------------------------------------------------------------
+@pytest.mark.parametrize("value, words", [
+    ("", "is empty"), (" ", "is empty"), (",", "is empty"), (",,", "is empty"),
+    ("a,,b", "has an empty item"), ("a,", "has an empty item"), (",a", "has an empty item"),
+    ("a,a", "'a' is named twice"),
+])
+def test_split_list_rules(value, words):
+    with pytest.raises(KvcalError, match=words) as e:
+        split_list(value, "--x", "thing", "a,b")
+    assert "\n" not in str(e.value) and str(e.value).startswith("--x")
+
+
+@pytest.mark.parametrize("cmd, opt", [
+    (["evaluate", "--artifact", "A", "--corpus", "{c}"], "--vllm-dtype"),
+    (["evaluate", "--artifact", "A", "--corpus", "{c}"], "--mode"),
+    (["recommend", "--engine", "vllm", "--corpus", "{c}", "--out", "{o}"], "--dtypes"),
+    (["plan", "--gpu-mem", "80GiB"], "--kv-config"),
+    (["memory", "--format", "vllm:fp8"], "--skip-layers"),
+    (["calibrate", "--corpus", "{c}", "--out", "{o}", "--engine", "vllm", "--kv-cache-dtype", "fp8"], "--skip-layers"),
+    (["evaluate", "--artifact", "A", "--corpus", "{c}"], "--accept"),
+    (["recommend", "--engine", "vllm", "--corpus", "{c}", "--out", "{o}"], "--accept"),
+])
+@pytest.mark.parametrize("value", [",", "", "x,,y"])
+def test_every_comma_option_refuses_empty_lists_alike(corpus, tmp_path, no_model, cmd, opt, value):
+    """Issue 29: evaluate --vllm-dtype "," was silently ignored while recommend --dtypes "," was refused. Every
+    comma-separated option goes through kvcal.options.split_list: exit 2, one line naming the option."""
+    args = [a.format(c=corpus, o=tmp_path / "o") for a in cmd] + [opt, value]
+    r = CliRunner().invoke(main, args)
+    line = one_error_line(r, opt)
+    assert ("is empty" in line) if value.strip(",") == "" else ("has an empty item" in line)
+    assert no_model == [] and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("opt", ["--context", "--batch"])
+@pytest.mark.parametrize("value, words", [(",", "is empty"), ("64,64", "is named twice"), ("64,,32", "empty item")])
+def test_integer_lists_follow_the_same_rules(corpus, opt, value, words):
+    r = CliRunner().invoke(main, ["evaluate", "--artifact", "A", "--corpus", str(corpus), opt, value])
+    assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output
