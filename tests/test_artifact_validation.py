@@ -139,10 +139,8 @@ def test_every_command_refuses_each_class_in_one_line(good, tmp_path, case):
 
 
 def test_old_artifacts_without_a_content_hash_still_load(good, tmp_path):
-    """Artifacts written before the hash (the committed worked example) load after every other check;
+    """Artifacts written before the hash (the committed worked example until issue 29) load after every other check;
     inspect and export say that edits to them cannot be detected."""
-    art = load_artifact("artifacts/smollm2-135m-fp8")
-    assert CONTENT_HASH_KEY not in art.metadata and art.num_layers == 30
     path, _ = good
     old = _edited(path, tmp_path / "old", lambda m, t: (m.pop(CONTENT_HASH_KEY), m.pop("tensor_names"),
                                                          m["model"].pop("weights", None)), resign=False)
