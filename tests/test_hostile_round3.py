@@ -130,3 +130,34 @@ def test_every_comma_option_refuses_empty_lists_alike(corpus, tmp_path, no_model
 def test_integer_lists_follow_the_same_rules(corpus, opt, value, words):
     r = CliRunner().invoke(main, ["evaluate", "--artifact", "A", "--corpus", str(corpus), opt, value])
     assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output
+
+
+# ---- every suggestion can be followed as written ------------------------------------------------------------
+def _export_options() -> set[str]:
+    return {o for p in main.commands["export"].params for o in p.opts}
+
+
+@pytest.mark.parametrize("vllm_calibrated, clipped_scales", [(True, False), (True, True), (False, True)])
+def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_calibrated, clipped_scales):
+    """Issue 29: `kvcal export --target vllm` of a `calibrate --engine vllm` artifact warned "re-export without
+    --clipped-scales" although the flag was never given (that artifact keeps its clip by default). A suggestion
+    to drop a flag appears only when it was given; every option named is one `kvcal export` has, and the
+    suggested --headroom is accepted."""
+    import re
+
+    from export_helpers import make_artifact
+
+    from kvcal.artifact import load_artifact
+    from kvcal.export import export
+
+    path, _ = make_artifact(tmp_path / "art", clip=0.8)
+    art = load_artifact(path)
+    if vllm_calibrated:
+        art.metadata["vllm"] = {"kv_cache_dtype": "fp8"}  # what calibrate --engine vllm --kv-cache-dtype fp8 records
+    res = export(art, "vllm", tmp_path / "out", clipped_scales=clipped_scales)
+    text = "\n".join(res.warnings + res.notes)
+    assert any("without saturating" in w for w in res.warnings)  # the clip is still reported for SGLang
+    assert ("without --clipped-scales" in text) == (clipped_scales and not vllm_calibrated), text
+    assert set(re.findall(r"(?<!calibrate )(--[a-z][a-z-]+)", text)) <= _export_options(), text
+    for m in set(re.findall(r"--headroom ([0-9.]+)", text)):
+        export(art, "vllm", tmp_path / f"h{m}", headroom=float(m))

@@ -119,7 +119,9 @@ def export(
                          "passed every range and schema check, but a plausible hand edit cannot be detected")
     ctx.warnings += ckpt_warnings
     engines = t.non_saturating if prep.granularity == "tensor" else ()
-    warn = clipping_warning(prep, engines)
+    # "re-export without --clipped-scales" only where that flag was given and dropping it unclips (not an artifact
+    # calibrated for vLLM, which keeps its clip for --target vllm by default)
+    warn = clipping_warning(prep, engines, clipped_scales=bool(clipped_scales and unsafe))
     if warn:
         ctx.warnings.append(warn)
     if engines and all(prep.amax[i][s] is None for i in range(prep.num_layers) for s in ("k", "v")):

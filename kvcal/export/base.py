@@ -400,9 +400,12 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tu
     return p
 
 
-def clipping_warning(p: PreparedScales, engines: tuple[str, ...]) -> str | None:
+def clipping_warning(p: PreparedScales, engines: tuple[str, ...], clipped_scales: bool = True) -> str | None:
     """A warning line when exported scales clip observed values and an engine in ``engines``
-    casts without saturating (SGLang: ``x / scale`` above 448 becomes NaN/Inf), else ``None``."""
+    casts without saturating (SGLang: ``x / scale`` above 448 becomes NaN/Inf), else ``None``.
+    ``clipped_scales``: whether the user asked for the clip (``--clipped-scales``); only then does the line
+    suggest dropping that flag — an artifact of ``calibrate --engine vllm`` keeps its clip for ``--target vllm``
+    by default, and the fix there is ``--headroom``."""
     if not p.clipped or not engines:
         return None
     worst = max(r for d in p.clipped.values() for r in d.values())
@@ -413,8 +416,10 @@ def clipping_warning(p: PreparedScales, engines: tuple[str, ...]) -> str | None:
     return (
         f"calibration clipped {len(items)} K/V scales ({', '.join(items[:8])}{more}; observed max up to "
         f"{worst:.2f}x the representable range) and {'/'.join(engines)} writes FP8 without saturating, so those "
-        f"values become NaN/Inf there; re-export without --clipped-scales, or with --headroom 1.25 "
-        "(scale >= observed max / 448 x margin)"
+        f"values become NaN/Inf there; "
+        + ("re-export without --clipped-scales, or with --headroom 1.25 " if clipped_scales else
+           "they are kept as calibrated for vLLM, which saturates; for SGLang re-export with --headroom 1.25 ")
+        + "(scale >= observed max / 448 x margin)"
     )
 
 
