@@ -82,14 +82,13 @@ class VerifyConfig:
 
 
 def check_accept(spec: str) -> list:
-    """:func:`kvcal.evaluate.accept.parse_accept` limited to :data:`VERIFY_METRICS`."""
-    from kvcal.evaluate.accept import parse_accept
+    """``--accept`` of verify: :func:`kvcal.options.parse_bar` with :data:`VERIFY_METRICS` (a metric verify does
+    not measure, or a bar that can never pass or always passes, is refused)."""
+    from kvcal.options import parse_bar
 
-    crit = parse_accept(spec)
-    bad = [c[0] for c in crit if c[0] not in VERIFY_METRICS]
-    if bad:
-        raise KvcalError(f"--accept metric {bad[0]!r} is not measured by verify; it measures {', '.join(VERIFY_METRICS)}")
-    return crit
+    return parse_bar(spec, VERIFY_METRICS, "verify",
+                     why_not={"greedy_agree": "verify serves prompts teacher-forced (no greedy decoding)",
+                              "greedy_prefix": "verify serves prompts teacher-forced (no greedy decoding)"})
 
 
 def check_engine_python(path: str) -> Path:

@@ -47,8 +47,10 @@ def test_cpu_fp8_support_reads_the_flags():
 
 def test_accept_limited_to_what_verify_measures():
     assert check_accept("kl_mean<=1e-2,delta_ppl<=0.2") == [("kl_mean", "<=", 1e-2), ("delta_ppl", "<=", 0.2)]
-    with pytest.raises(KvcalError, match="'greedy_agree' is not measured by verify; it measures ppl, delta_ppl"):
+    with pytest.raises(KvcalError, match=r"'greedy_agree' is not measured by verify .*verify measures ppl, delta_ppl"):
         check_accept("greedy_agree>=0.5")
+    with pytest.raises(KvcalError, match="kl_mean<=-1"):
+        check_accept("kl_mean<=-1")
 
 
 def _checkpoint(root: Path, scales: dict | None) -> Path:
@@ -132,6 +134,7 @@ def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_pa
         ([*base, "--engine-python", str(tmp_path / "nope" / "python")], {}, "no executable Python there"),
         ([*base, "--engine-python", sys.executable, "--accept", "greedy_prefix>=4"], {},
          "'greedy_prefix' is not measured by verify"),
+        ([*base, "--engine-python", sys.executable, "--accept", "top1_agree>=2"], {}, "top1_agree>=2"),
         ([*base, "--engine-python", sys.executable, "--backend", "tpu"], {}, "unknown vLLM backend 'tpu'"),
         ([*base, "--engine-python", sys.executable, "--windows", "1"], {}, "Invalid value for '--windows'"),
     ]
