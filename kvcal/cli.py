@@ -13,7 +13,7 @@ import sys
 import click
 
 from kvcal import __version__
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, Terminated, interruption
 
 
 def quiet_libraries() -> None:
@@ -29,20 +29,64 @@ def quiet_libraries() -> None:
         pass
 
 
+#: signals that end a run like Ctrl-C: temporary outputs removed, one line said, exit 128 + the signal number
+TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+def _terminate(signum, frame):
+    """Signal handler: raise :class:`kvcal.errors.Terminated` (a KeyboardInterrupt) where the main thread runs,
+    after ignoring further such signals so that a second one cannot cut the cleanup short."""
+    import signal
+
+    for name in TERMINATING_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def terminating_signals_raise():
+    """Install :func:`_terminate` for SIGTERM and SIGHUP (main thread only; signals a platform lacks are skipped);
+    returns the previous handlers for :func:`restore_signals`."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    prev = {}
+    for name in TERMINATING_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            prev[sig] = signal.signal(sig, _terminate)
+    return prev
+
+
+def restore_signals(prev) -> None:
+    import signal
+
+    for sig, handler in prev.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
 def user_errors(fn):
-    """Decorator: print KvcalError / KeyboardInterrupt as one line and exit non-zero."""
+    """Decorator: print KvcalError / KeyboardInterrupt (Ctrl-C, and SIGTERM / SIGHUP, which the command turns into
+    :class:`kvcal.errors.Terminated` while it runs) as one line and exit non-zero."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        prev = terminating_signals_raise()
         try:
             return fn(*args, **kwargs)
         except KvcalError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            what, status = interruption(e)
+            click.echo(f"{what}: nothing was written (temporary output removed)", err=True)
+            sys.exit(status)
+        finally:
+            restore_signals(prev)
 
+    wrapper.kvcal_user_errors = True  # tests check that every command carries it
     return wrapper
 
 
@@ -186,13 +230,14 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
         quiet_libraries()
     try:
         res = run(cfg, log=click.echo, progress=not quiet)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        what, status = interruption(e)
         ck = checkpoint_path(output_dir(cfg))
         hint = (f"; resume with the same command plus --resume (checkpoint {ck})" if ck and Path(ck).exists()
                 else f" (stopped before the first checkpoint of --checkpoint-every {checkpoint_every})"
                 if checkpoint_every else "; add --checkpoint-every N to make long runs resumable")
-        click.echo(f"interrupted: no artifact was written{hint}", err=True)
-        sys.exit(130)
+        click.echo(f"{what}: no artifact was written{hint}", err=True)
+        sys.exit(status)
     if res.get("rank", 0) != 0:
         return
     click.echo(res["table"])

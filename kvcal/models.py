@@ -158,15 +158,18 @@ def _cached_conversion(src: ModelSource, marker: str, load_cached, convert):
             pass
     obj = convert()
     if d is not None:
+        tmp = None
         try:
             d.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d))
             obj.save_pretrained(tmp)
             for f in tmp.iterdir():
                 os.replace(f, d / f.name)
-            shutil.rmtree(tmp, ignore_errors=True)
         except OSError:
             pass
+        finally:  # also on Ctrl-C / SIGTERM: no half-saved folder is left in the cache
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     return obj
 
 

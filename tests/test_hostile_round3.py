@@ -161,3 +161,66 @@ def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_c
     assert set(re.findall(r"(?<!calibrate )(--[a-z][a-z-]+)", text)) <= _export_options(), text
     for m in set(re.findall(r"--headroom ([0-9.]+)", text)):
         export(art, "vllm", tmp_path / f"h{m}", headroom=float(m))
+
+
+# ---- SIGTERM / SIGHUP clean up like Ctrl-C --------------------------------------------------------------------
+def test_every_command_handles_errors_and_signals():
+    """Every command runs under kvcal.cli.user_errors, which turns SIGTERM / SIGHUP into the Ctrl-C path."""
+    assert [n for n, c in main.commands.items() if not getattr(c.callback, "kvcal_user_errors", False)] == []
+
+
+@pytest.mark.parametrize("signame, status", [("SIGTERM", 143), ("SIGHUP", 129)])
+@pytest.mark.parametrize("command", ["export", "report"])
+def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, monkeypatch, signame, status, command):
+    """Issue 29: SIGTERM (timeout, kill, docker stop, Kubernetes) killed `recommend` with no message and left a
+    hidden `.OUT.tmp-XXXXXXXX/` beside the user's files. The signal now arrives as kvcal.errors.Terminated (a
+    KeyboardInterrupt) while the temporary output exists: it is removed, one line says what happened, exit
+    128 + the signal number, and the handlers are restored afterwards."""
+    import os
+    import signal
+
+    import kvcal.artifact
+    from export_helpers import make_artifact
+
+    art, _ = make_artifact(tmp_path / "art")
+    work = tmp_path / "work"
+    work.mkdir()
+    sig = getattr(signal, signame)
+    before = signal.getsignal(sig)
+    real_replace = os.replace
+
+    def killed(src, dst):  # the output is complete in its temporary path: the signal lands before the rename
+        os.kill(os.getpid(), sig)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(kvcal.artifact.os, "replace", killed)
+    args = (["export", "--artifact", str(art), "--target", "vllm", "--out", str(work / "out")] if command == "export"
+            else ["report", "--artifact", str(art), "--out", str(work / "out")])
+    r = CliRunner().invoke(main, args)
+    monkeypatch.undo()
+    assert r.exit_code == status, r.output
+    assert f"terminated by {signame}: nothing was written" in r.output and "Traceback" not in r.output
+    left = [p.name for p in work.rglob("*")]
+    assert [n for n in left if ".tmp-" in n] == [], left
+    assert signal.getsignal(sig) == before
+
+
+def test_sigterm_during_calibrate_says_how_to_resume(tmp_path, corpus, monkeypatch):
+    """calibrate's own interrupt message (resume hint) reports SIGTERM as such, exit 143."""
+    import os
+    import signal
+    from pathlib import Path
+
+    import kvcal.calibrate as cal
+
+    out = tmp_path / "a"
+
+    def killed(cfg, **kw):
+        Path(cal.checkpoint_path(str(out))).write_bytes(b"x")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(cal, "calibrate", killed)
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(out), "--checkpoint-every", "5"])
+    assert r.exit_code == 143, r.output
+    assert "terminated by SIGTERM: no artifact was written; resume with the same command plus --resume" in r.output
+    assert not out.exists()
