@@ -48,7 +48,8 @@ def test_grids_are_the_published_formats():
     (1.0, 1.0), (1.124, 1.0),  # round-to-nearest would give 1.125
     (1.2, 1.125), (-1.2, -1.125), (447.9, 416.0), (500.0, 448.0), (-1e9, -448.0),
     (3 * 2.0 ** -10, 2.0 ** -9),  # subnormal: 1.5 steps of 2^-9 truncate to 1 step
-    (2.0 ** -10, 0.0), (0.0, 0.0),
+    (2.0 ** -10, 0.0), (0.0, 0.0), (-0.0, 0.0),
+    (float("nan"), 448.0), (float("inf"), 448.0), (float("-inf"), -448.0),  # the clamp tests !(y < 448)
 ])
 def test_e4m3_truncation_hand_worked(x, want):
     got = V.fp8_e4m3_truncate(torch.tensor([x], dtype=torch.float32))
@@ -76,7 +77,10 @@ def test_cpu_write_divides_by_the_scale_through_its_float32_reciprocal():
     x = _wide(4 * 64, 2.0, 2).view(1, 4, 1, 64) * 0.05
     got = V.fp8_static_fake_quant(x, 0.003, backend="cpu")
     s32 = torch.tensor(0.003, dtype=torch.float32)
+    # k_inv = 1.0f / k_scale, correctly rounded; a float64 quotient rounded to float32 is the same number (double
+    # rounding is innocuous for division when 53 >= 2·24 + 2, Figueroa 1995)
     inv = (1.0 / s32.double()).float()
+    assert float(inv) == float(torch.ones(()) / s32)
     y = (x * inv).float()
     # dequantize: code · scale in float32 (a 4-bit by 24-bit significand product, rounded once to float32)
     assert torch.equal(got, (_truncate_ref(y, E4M3) * s32.double()).float())
