@@ -113,6 +113,12 @@ if TYPE_CHECKING:
 
 #: Longest accepted line, in bytes (8 MiB). Longer lines are refused with a CorpusError.
 MAX_LINE_BYTES = 8 * 1024 * 1024
+#: A compressed corpus (``.jsonl.gz``, ``.txt.gz``) is read up to this many decompressed bytes, or 32 times its
+#: own size when that is more (:data:`MAX_EXPANSION`): the work a small file can cause stays bounded (a 20 MB
+#: ``.gz`` that expands to 3 GB was parsed for minutes). kvcal reads at most ``--max-samples`` samples of it.
+MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
+#: A compressed corpus may expand to this many times its size beyond :data:`MAX_DECOMPRESSED_BYTES`.
+MAX_EXPANSION = 32
 #: A ``.txt`` document is split (at a line boundary) once it holds this many characters.
 MAX_DOCUMENT_CHARS = 8 * 1024 * 1024
 #: JSONL formats, in the order their keys are looked for on a line.
@@ -324,6 +330,114 @@ class _Source:
     workdir: object = None  # TemporaryDirectory holding a prepared (Arrow) copy while the source lives
 
 
+def decompressed_limit(p: Path) -> int:
+    """Decompressed bytes kvcal reads of the compressed corpus file ``p`` (see :data:`MAX_DECOMPRESSED_BYTES`)."""
+    try:
+        size = p.stat().st_size
+    except OSError:
+        size = 0
+    return max(MAX_DECOMPRESSED_BYTES, MAX_EXPANSION * size)
+
+
+#: ``(magic prefix, what the file is, the extension kvcal reads it under or None)``: binary formats recognised by
+#: their first bytes before any text is decoded (never "re-encode it" for a file that is not text).
+_MAGIC = (
+    (b"PAR1", "a Parquet file", ".parquet"),
+    (b"\x1f\x8b", "gzip-compressed data", ".jsonl.gz"),
+    (b"GGUF", "a GGUF model file (weights, not text)", None),
+    (b"ARROW1", "an Arrow IPC file", ".arrow"),
+    (b"\xff\xff\xff\xff", "an Arrow IPC stream (a datasets .arrow file)", ".arrow"),
+    (b"PK\x03\x04", "a zip archive (a .zip, a torch checkpoint, an .xlsx or .docx)", None),
+    (b"PK\x05\x06", "an empty zip archive", None),
+    (b"\xfd7zXZ\x00", "xz-compressed data", None),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed data", None),
+    (b"7z\xbc\xaf\x27\x1c", "a 7-Zip archive", None),
+    (b"%PDF-", "a PDF document", None),
+    (b"\x89PNG\r\n\x1a\n", "a PNG image", None),
+    (b"\x7fELF", "an executable (ELF)", None),
+    (b"\xff\xfe", "UTF-16 text (little-endian byte-order mark)", None),
+    (b"\xfe\xff", "UTF-16 text (big-endian byte-order mark)", None),
+)
+
+
+def sniff(head: bytes) -> tuple[str, str | None] | None:
+    """What a file starting with ``head`` is when it is not UTF-8 text: ``(description, extension kvcal reads it
+    under or None)`` for the formats of :data:`_MAGIC`, a safetensors file (an 8-byte header length, then its JSON
+    header) and other binary data (NUL bytes); ``None`` for what may be text."""
+    for magic, what, ext in _MAGIC:
+        if head.startswith(magic):
+            return what, ext
+    if head.startswith(b"BZh") and head[3:4].isdigit():
+        return "bzip2-compressed data", None
+    if len(head) >= 10 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") < 1 << 30:
+        return "a safetensors file (tensors: model weights or a kvcal artifact, not text)", None
+    if b"\x00" in head:
+        return "binary data (NUL bytes in its first bytes)", None
+    return None
+
+
+def _looks_like(head: bytes) -> tuple[str, str]:
+    """``(what, extension)``: a short guess at the text a file starting with ``head`` holds, for messages."""
+    t = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    return {b"{": ("JSON lines text", ".jsonl"), b"[": ("JSON text", ".json")}.get(t[:1], ("text", ".txt"))
+
+
+def _check_magic(p: Path, path: str, ext: str) -> None:
+    """Refuse a corpus file whose first bytes say it is not what its extension promises, naming what it is
+    (a Parquet file named data.jsonl, gzip data named .jsonl or plain text named .jsonl.gz, a model file, an
+    archive, UTF-16 text) instead of decoding it as text and advising a re-encoding. Raises CorpusError."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return  # reading reports it with the right message
+    found = sniff(head)
+    gz = ext.endswith(".gz")
+    if ext in (".parquet", ".arrow"):
+        ok = head.startswith(b"PAR1") if ext == ".parquet" else head.startswith((b"ARROW1", b"\xff\xff\xff\xff"))
+        if ok or not head:
+            return
+        kind = "a Parquet file (no PAR1 magic)" if ext == ".parquet" else "an Arrow file (no Arrow magic)"
+        what, hint = found or _looks_like(head)
+        if found is None and hint == ".txt":  # neither binary nor JSON: damaged, or text under the wrong name
+            raise _err(path, None, f"is not {kind}: it starts like text; check that it is a valid {ext[1:]} file, "
+                                   "or give a text corpus its own extension (.txt, .jsonl, .csv)")
+        fix = f"give it the {hint} extension" if hint and hint != ext else "pass the corpus file itself"
+        raise _err(path, None, f"is {what}, not {kind}; {fix}")
+    if gz:
+        if not head or head.startswith(b"\x1f\x8b"):
+            try:
+                with gzip.open(p, "rb") as f:
+                    inner = f.read(4096)
+            except (OSError, EOFError, zlib.error):
+                return  # the reading pass names the line of the damage
+            found = sniff(inner)
+            if found is None or found[0].startswith("gzip"):
+                return
+            what, hint = found
+            raise _err(path, None, f"decompresses to {what}, not {'text' if ext.startswith('.txt') else 'JSON lines'}; "
+                                   + (f"decompress it and give it the {hint} extension" if hint else
+                                      "pass a corpus of text (.jsonl.gz / .txt.gz hold gzip-compressed text)"))
+        what, hint = found or (f"{_looks_like(head)[0]}, not gzip-compressed", ext[:-3])
+        fix = f"give it the {hint} extension" if hint and hint != ext else "pass the corpus file itself"
+        raise _err(path, None, f"is {what}{'' if found is None else ', not gzip-compressed text'}; {fix}")
+    if found is None:
+        return
+    what, hint = found
+    if hint == ".jsonl.gz" and ext in (".txt",):
+        hint = ".txt.gz"
+    if hint == ".jsonl.gz" and ext in (".csv", ".json"):
+        hint = None
+        fix = "decompress it (gunzip); kvcal reads gzip only as .jsonl.gz / .txt.gz"
+    elif what.startswith("UTF-16"):
+        fix = "re-encode it as UTF-8, e.g. `iconv -f utf-16 -t utf-8 IN > OUT`"
+    elif what.startswith("a GGUF"):
+        fix = "a model is passed with --model; give --corpus a text corpus"
+    else:
+        fix = f"give it the {hint} extension" if hint else "pass a text corpus (or a format kvcal reads: " + _KINDS + ")"
+    raise _err(path, None, f"is {what}, not {'text' if ext == '.txt' else ext[1:].upper() + ' text'}; {fix}")
+
+
 def _resolve(path: str, split: str | None) -> _Source:
     """Resolve ``path`` to a :class:`_Source` (nothing tokenized; datasets opened lazily where possible)."""
     p = Path(path).expanduser()
@@ -341,6 +455,10 @@ def _resolve(path: str, split: str | None) -> _Source:
     if split is not None:
         raise _err(path, None, f"--split {split!r} applies to datasets with splits (a save_to_disk DatasetDict "
                                "directory or a hub dataset); a single file has none: drop --split")
+    if p.is_file():
+        _check_magic(p, path, ext)
+    if ext == ".parquet":
+        _check_parquet_rows(p, path)
     if ext in TABLE_EXTENSIONS:
         builder = TABLE_EXTENSIONS[ext]
         d, work = _prepare(path, builder, lambda ds, cache: ds.load_dataset(builder, data_files=str(p), split="train",
@@ -348,6 +466,21 @@ def _resolve(path: str, split: str | None) -> _Source:
         return _Source(builder, lambda: _sha256(p, path), path=p, rows=lambda: d, workdir=work)
     kind = "txt" if ext.startswith(".txt") else "jsonl"
     return _Source(kind, lambda: _sha256(p, path), path=p, gz=ext.endswith(".gz"))
+
+
+def _check_parquet_rows(p: Path, path: str) -> None:
+    """A valid Parquet file with zero rows is a corpus with no samples (datasets fails on it with ArrowInvalid:
+    "BatchSize must be greater than 0"); a footer that does not parse is left to the reading pass. Raises
+    CorpusError."""
+    try:
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(p).metadata.num_rows
+    except Exception:  # pyarrow raises several types for a damaged footer: datasets' read names it
+        return
+    if rows == 0:
+        raise _err(path, None, "no samples: the parquet data holds no rows (a valid file with an empty table); add "
+                               "samples or pass another corpus")
 
 
 class _datasets_offline:
@@ -527,6 +660,7 @@ def _lines(p: Path, path: str, gz: bool) -> Iterator[tuple[int, str]]:
     except OSError as e:
         raise _err(path, None, f"cannot open ({e.strerror or e}); check the file's permissions") from None
     lineno = 0
+    limit = decompressed_limit(p) if gz else None
     with f:
         while True:
             try:
@@ -537,6 +671,11 @@ def _lines(p: Path, path: str, gz: bool) -> Iterator[tuple[int, str]]:
             if not raw:
                 return
             lineno += 1
+            if limit is not None and f.tell() > limit:
+                raise _err(path, lineno, f"expands past {limit >> 20} MiB when decompressed (the bound for a "
+                                         f"compressed corpus: {MAX_DECOMPRESSED_BYTES >> 20} MiB or {MAX_EXPANSION}x "
+                                         "its size), far more text than calibration reads; keep a part of it, e.g. "
+                                         "`zcat IN.gz | head -n 100000 | gzip > part.jsonl.gz`")
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
                 raise _err(path, lineno, f"line is longer than the {MAX_LINE_BYTES >> 20} MiB limit per line; "
                                          "split it into several samples/lines (a .txt corpus is cut into "
@@ -545,9 +684,14 @@ def _lines(p: Path, path: str, gz: bool) -> Iterator[tuple[int, str]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
+                what = sniff(raw[:4096]) if lineno == 1 else None
+                if what is not None or b"\x00" in raw:  # binary data: a re-encoding would corrupt it
+                    raise _err(path, lineno, f"is {what[0] if what else 'binary data (NUL bytes)'}, not UTF-8 text; "
+                                             "pass a text corpus") from None
                 raise _err(path, lineno, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
-                                         "of the line); re-encode the file as UTF-8, e.g. "
-                                         "`iconv -f latin1 -t utf-8`") from None
+                                         "of the line); re-encode the file as UTF-8 from the encoding it was "
+                                         "written in (`file -i` may name it; then `iconv -f THAT -t utf-8`)"
+                                         ) from None
             if lineno == 1 and text.startswith("\ufeff"):
                 text = text[1:]
             yield lineno, text
@@ -808,10 +952,13 @@ def _txt_documents(lines: Iterator[tuple[int, str]], titled: bool) -> Iterator[t
 
 
 def _has_titles(p: Path, gz: bool) -> bool:
+    limit = decompressed_limit(p) if gz else None
     try:
         f = gzip.open(p, "rb") if gz else open(p, "rb")
         with f:
             while raw := f.readline(MAX_LINE_BYTES + 1):
+                if limit is not None and f.tell() > limit:
+                    return False  # the reading pass refuses it
                 if len(raw) < 512 and _is_title(raw.decode("utf-8", errors="replace").lstrip("\ufeff")):
                     return True
     except (OSError, EOFError, zlib.error):

@@ -405,7 +405,7 @@ HOSTILE = [
     ("empty_txt", _write("\n\n   \n", "empty.txt"), None, r"no samples: 3 lines, 0 documents"),
     ("short_txt", _write("a\n\nb\n", "short.txt"), None, r"no samples: 3 lines, 2 documents, 2 windows shorter"),
     ("corrupt_gz", _write(b"\x1f\x8b\x08\x00garbage-not-deflate" * 3, "bad.jsonl.gz"), 1, r"corrupt or truncated gzip"),
-    ("not_gz", _write(GOOD, "plain.jsonl.gz"), 1, r"corrupt or truncated gzip"),
+    ("not_gz", _write(GOOD, "plain.jsonl.gz"), None, r"is JSON lines text, not gzip-compressed; give it the \.jsonl"),
     ("truncated_gz", _gz("".join(json.dumps({"text": f"row {i} {i * 7919 % 10007}"}) + "\n" for i in range(ROWS)).encode(),
                          "cut.jsonl.gz", cut=2000), None, r"corrupt or truncated gzip"),
     ("unknown_ext", _write(GOOD, "corpus.xlsx"), None, r"unknown corpus extension '\.xlsx'; use one of \.jsonl"),

@@ -193,7 +193,8 @@ def test_unreadable_dataset_files_are_one_line(tmp_path):
     of the CSV), and a directory with no dataset or data files is refused."""
     (tmp_path / "bad.parquet").write_bytes(b"garbage")
     (tmp_path / "bad.csv").write_text('a,b\n1,2\n1,2,3\n', encoding="utf-8")
-    for name, pattern in (("bad.parquet", r"cannot read as parquet \(ArrowInvalid: "),
+    for name, pattern in (("bad.parquet", r"is not a Parquet file \(no PAR1 magic\): it starts like text; check that it is a "
+                                          r"valid parquet file"),
                           ("bad.csv", r"cannot read as csv \(ParserError: .*Expected 2 fields in line 3, saw 3")):
         with pytest.raises(CorpusError, match=pattern) as ei:
             check_corpus(tmp_path / name)

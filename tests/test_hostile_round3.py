@@ -224,3 +224,124 @@ def test_sigterm_during_calibrate_says_how_to_resume(tmp_path, corpus, monkeypat
     assert r.exit_code == 143, r.output
     assert "terminated by SIGTERM: no artifact was written; resume with the same command plus --resume" in r.output
     assert not out.exists()
+
+
+# ---- special files: binary formats named as text, an empty table, a decompression bomb ------------------------
+def _parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), path)
+    return path
+
+
+def _make(kind, d):
+    import gzip
+    import json
+
+    rows = "".join(json.dumps({"text": f"sample {i} with a few words"}) + "\n" for i in range(4)).encode()
+    if kind == "parquet_as_jsonl":
+        return _parquet(d / "data.jsonl", ["a b c", "d e f"])
+    if kind == "gzip_as_jsonl":
+        (d / "data.jsonl").write_bytes(gzip.compress(rows))
+        return d / "data.jsonl"
+    if kind == "text_as_gz":
+        (d / "data.jsonl.gz").write_bytes(rows)
+        return d / "data.jsonl.gz"
+    if kind == "parquet_in_gz":
+        (d / "data.jsonl.gz").write_bytes(gzip.compress(_parquet(d / "x.parquet", ["a b"]).read_bytes()))
+        return d / "data.jsonl.gz"
+    if kind == "gguf_as_txt":
+        (d / "data.txt").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)
+        return d / "data.txt"
+    if kind == "safetensors_as_jsonl":
+        hdr = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+        (d / "data.jsonl").write_bytes(len(hdr).to_bytes(8, "little") + hdr)
+        return d / "data.jsonl"
+    if kind == "zip_as_csv":
+        import zipfile
+
+        with zipfile.ZipFile(d / "data.csv", "w") as z:
+            z.writestr("a.csv", "text\nhello\n")
+        return d / "data.csv"
+    if kind == "arrow_as_jsonl":
+        import pyarrow as pa
+
+        with pa.OSFile(str(d / "data.jsonl"), "wb") as f, pa.ipc.new_file(f, pa.schema([("text", pa.string())])) as w:
+            w.write_table(pa.table({"text": ["a b c"]}))
+        return d / "data.jsonl"
+    if kind == "utf16_jsonl":
+        (d / "data.jsonl").write_bytes(rows.decode().encode("utf-16"))
+        return d / "data.jsonl"
+    if kind == "text_as_parquet":
+        (d / "data.parquet").write_bytes(rows)
+        return d / "data.parquet"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("parquet_as_jsonl", ["is a Parquet file, not JSONL text", "give it the .parquet extension"]),
+    ("gzip_as_jsonl", ["is gzip-compressed data", "give it the .jsonl.gz extension"]),
+    ("text_as_gz", ["is JSON lines text, not gzip-compressed", "give it the .jsonl extension"]),
+    ("parquet_in_gz", ["decompresses to a Parquet file", ".parquet extension"]),
+    ("gguf_as_txt", ["is a GGUF model file", "--model"]),
+    ("safetensors_as_jsonl", ["is a safetensors file"]),
+    ("zip_as_csv", ["is a zip archive"]),
+    ("arrow_as_jsonl", ["is an Arrow IPC file", ".arrow extension"]),
+    ("utf16_jsonl", ["is UTF-16 text", "iconv -f utf-16 -t utf-8"]),
+    ("text_as_parquet", ["is JSON lines text, not a Parquet file", ".jsonl extension"]),
+])
+def test_binary_files_are_named_by_their_first_bytes(tmp_path, no_model, kind, words):
+    """Issue 29: a Parquet file named data.jsonl got "not valid UTF-8 ... re-encode ... `iconv -f latin1 -t utf-8`",
+    advice that corrupts it. Binary formats are recognised by their first bytes before any text is decoded, and
+    the message names what the file is; nothing suggests a latin1 re-encoding."""
+    path = _make(kind, tmp_path)
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(path), "--out", str(tmp_path / "o")])
+    line = one_error_line(r, str(path), *words)
+    assert "latin1" not in line and no_model == [] and not (tmp_path / "o").exists()
+
+
+def test_non_utf8_text_is_not_told_to_assume_latin1(tmp_path):
+    from kvcal.corpus import check_corpus
+    from kvcal.errors import CorpusError
+
+    p = tmp_path / "c.jsonl"
+    p.write_bytes('{"text": "café"}\n'.encode("cp1252"))
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: not valid UTF-8 \(byte 0xe9") as e:
+        check_corpus(str(p))
+    assert "latin1" not in str(e.value) and "the encoding it was written in" in str(e.value)
+
+
+def test_a_zero_row_parquet_file_has_no_samples(tmp_path, no_model):
+    """Issue 29: a valid Parquet file with zero rows: "cannot read as parquet (ArrowInvalid: BatchSize must be
+    greater than 0) ... check that it is a valid parquet file". It is valid and has no samples."""
+    p = _parquet(tmp_path / "empty.parquet", [])
+    for cmd in (["calibrate", "--corpus", str(p), "--out", str(tmp_path / "o")],
+                ["recommend", "--engine", "vllm", "--corpus", str(p), "--out", str(tmp_path / "o")]):
+        line = one_error_line(CliRunner().invoke(main, cmd), f"{p}: no samples: the parquet data holds no rows")
+        assert "valid parquet" not in line and "ArrowInvalid" not in line
+    assert no_model == [] and not (tmp_path / "o").exists()
+
+
+def test_a_decompression_bomb_is_refused_at_the_bound(tmp_path, no_model, monkeypatch):
+    """Issue 29: a 20 MB .jsonl.gz expanding to 3 GB with --max-samples 2 was parsed to its last line (160 s). A
+    compressed corpus is read up to kvcal.corpus.MAX_DECOMPRESSED_BYTES (or MAX_EXPANSION x its size, whichever is
+    more); here the bound is lowered to 1 MiB so that the test writes 4 MiB, not gigabytes."""
+    import gzip
+    import time
+
+    import kvcal.corpus as C
+
+    monkeypatch.setattr(C, "MAX_DECOMPRESSED_BYTES", 1 << 20)
+    p = tmp_path / "bomb.jsonl.gz"
+    line = b'{"text": "the same line again and again"}\n'
+    with gzip.open(p, "wb") as f:
+        f.write(line * ((4 << 20) // len(line)) + b"not json\n")
+    assert p.stat().st_size * C.MAX_EXPANSION < 1 << 20  # the fixed bound applies, not the ratio
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(p), "--max-samples", "2", "--out", str(tmp_path / "o")])
+    one_error_line(r, "bomb.jsonl.gz:", "expands past 1 MiB when decompressed", "zcat")
+    assert time.perf_counter() - t0 < 10 and no_model == [] and not (tmp_path / "o").exists()
+    monkeypatch.setattr(C, "MAX_DECOMPRESSED_BYTES", 16 << 20)  # within the bound: read to the end, bad line named
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(p), "--max-samples", "2", "--out", str(tmp_path / "o")])
+    one_error_line(r, "invalid JSON")
