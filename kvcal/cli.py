@@ -75,6 +75,9 @@ def user_errors(fn):
     def wrapper(*args, **kwargs):
         prev = terminating_signals_raise()
         try:
+            from kvcal.options import check_environment
+
+            check_environment()  # kvcal's own variables (KVCAL_KERNELS, KVCAL_CACHE), before any work
             return fn(*args, **kwargs)
         except KvcalError as e:
             click.echo(f"error: {e}", err=True)
@@ -480,7 +483,6 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
     from pathlib import Path
 
     from kvcal.corpus import check_corpus
-
     from kvcal.options import split_list
 
     modes = split_list(modes, "--mode", "mode", "teacher_forced,decode")

@@ -12,7 +12,10 @@ names the option (or environment variable) and says how to fix it.
   measures (:data:`METRIC_RANGES` gives each metric's possible values): a metric the command does not
   measure, a bound that is not finite, and a clause (or a pair of clauses) that can never pass or always
   passes are refused before any model loads.
-* :func:`env_int` / :func:`env_choice` / :func:`env_path` — environment variables kvcal reads.
+* :func:`check_environment` — kvcal's own environment variables (``KVCAL_KERNELS``, ``KVCAL_CACHE``,
+  ``XDG_CACHE_HOME``), checked by every command before it works; :func:`check_distributed_environment` —
+  torchrun's (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
+  checked where ``calibrate`` joins the process group; both built on :func:`env_int` / :func:`env_choice`.
 """
 
 from __future__ import annotations
@@ -142,6 +145,54 @@ def env_int(name: str, lo: int, hi: int | None = None, default: int | None = Non
     if v < lo or (hi is not None and v > hi):
         raise KvcalError(f"environment variable {name}={raw!r} is not {rng}; fix or unset it")
     return v
+
+
+#: ``KVCAL_KERNELS``: the kernel backend (:data:`kvcal.kernels.BACKENDS`).
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+def check_environment(environ=None) -> None:
+    """kvcal's own environment variables, before a command does any work: ``KVCAL_KERNELS`` one of
+    :data:`KERNEL_BACKENDS`; ``KVCAL_CACHE`` (or, without it, ``XDG_CACHE_HOME``) not an existing file. Raises
+    :class:`KvcalError` naming the variable."""
+    env = os.environ if environ is None else environ
+    if env_choice("KVCAL_KERNELS", KERNEL_BACKENDS, "auto", env) == "triton":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            raise KvcalError("environment variable KVCAL_KERNELS='triton' asks for the Triton kernels, but triton is "
+                             "not installed; pip install kvcal[triton], or set KVCAL_KERNELS=auto or unset it")
+    for name in ("KVCAL_CACHE", "XDG_CACHE_HOME"):
+        raw = env.get(name)
+        if raw:
+            if "\x00" in raw:
+                raise KvcalError(f"environment variable {name}={raw!r} holds a NUL byte; fix or unset it")
+            if os.path.exists(raw) and not os.path.isdir(raw):
+                raise KvcalError(f"environment variable {name}={raw!r} is a file, not a directory (kvcal keeps its "
+                                 "model-conversion cache there); point it at a directory or unset it")
+            break  # KVCAL_CACHE set: XDG_CACHE_HOME is not read
+
+
+def check_distributed_environment(environ=None) -> int:
+    """torchrun's environment variables, validated before ``torch.distributed`` reads them (a bad one was a
+    ``ValueError`` traceback): ``WORLD_SIZE`` an integer >= 1 (default 1); with ``WORLD_SIZE`` > 1 also ``RANK``
+    in ``[0, WORLD_SIZE - 1]``, ``LOCAL_RANK`` >= 0 and ``LOCAL_WORLD_SIZE`` >= 1 where set, a non-empty
+    ``MASTER_ADDR`` and ``MASTER_PORT`` in ``[1, 65535]`` (what the ``env://`` rendezvous needs). Returns
+    ``WORLD_SIZE``. Raises :class:`KvcalError` naming the variable."""
+    env = os.environ if environ is None else environ
+    world = env_int("WORLD_SIZE", 1, None, 1, env)
+    if world == 1:
+        return 1
+    launch = "launch with torchrun --nproc-per-node N (it sets them) or unset WORLD_SIZE"
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if not (env.get(name) or "").strip():
+            raise KvcalError(f"environment variable WORLD_SIZE={env['WORLD_SIZE']!r} asks for {world} processes, but "
+                             f"{name} is not set; {launch}")
+    env_int("RANK", 0, world - 1, None, env)
+    env_int("LOCAL_RANK", 0, world - 1, None, env)
+    env_int("LOCAL_WORLD_SIZE", 1, world, None, env)
+    env_int("MASTER_PORT", 1, 65535, None, env)
+    return world
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str, environ=None) -> str:

@@ -179,8 +179,9 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
     import os
     import signal
 
-    import kvcal.artifact
     from export_helpers import make_artifact
+
+    import kvcal.artifact
 
     art, _ = make_artifact(tmp_path / "art")
     work = tmp_path / "work"
@@ -345,3 +346,63 @@ def test_a_decompression_bomb_is_refused_at_the_bound(tmp_path, no_model, monkey
     monkeypatch.setattr(C, "MAX_DECOMPRESSED_BYTES", 16 << 20)  # within the bound: read to the end, bad line named
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(p), "--max-samples", "2", "--out", str(tmp_path / "o")])
     one_error_line(r, "invalid JSON")
+
+
+# ---- the environment is input too -----------------------------------------------------------------------------
+TORCHRUN = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer >= 1"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not an integer >= 1"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' asks for 2 processes, but RANK is not set"),
+    ({**TORCHRUN, "RANK": "2"}, "RANK='2' is not an integer in [0, 1]"),
+    ({**TORCHRUN, "RANK": "x"}, "RANK='x'"),
+    ({**TORCHRUN, "LOCAL_RANK": "-1"}, "LOCAL_RANK='-1'"),
+    ({**TORCHRUN, "MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not an integer in [1, 65535]"),
+    ({**TORCHRUN, "MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+    ({"KVCAL_KERNELS": "cuda"}, "KVCAL_KERNELS='cuda' is not one of auto, torch, triton"),
+])
+def test_environment_variables_are_validated_in_one_line(corpus, tmp_path, monkeypatch, no_model, env, words):
+    """Issue 29: `WORLD_SIZE=abc kvcal calibrate ...` ended in a ValueError traceback. torchrun's variables and
+    kvcal's own are validated with one line naming the variable, before the model loads."""
+    for k in (*TORCHRUN, "LOCAL_WORLD_SIZE", "KVCAL_KERNELS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(tmp_path / "o")])
+    one_error_line(r, "environment variable", words)
+    assert no_model == [] and not (tmp_path / "o").exists()
+
+
+def test_kvcal_cache_pointing_at_a_file_is_named(tmp_path, monkeypatch):
+    f = tmp_path / "file"
+    f.write_text("x")
+    monkeypatch.setenv("KVCAL_CACHE", str(f))
+    r = CliRunner().invoke(main, ["memory", "--format", "int4"])
+    one_error_line(r, "KVCAL_CACHE=", "is a file, not a directory")
+
+
+def test_kernel_backend_names_agree():
+    from kvcal.kernels import BACKENDS
+    from kvcal.options import KERNEL_BACKENDS
+
+    assert KERNEL_BACKENDS == BACKENDS
+
+
+def test_a_valid_torchrun_environment_passes_the_check():
+    from kvcal.options import check_distributed_environment
+
+    assert check_distributed_environment(TORCHRUN) == 2 and check_distributed_environment({}) == 1
+
+
+def test_triton_kernels_asked_for_without_triton_is_named(monkeypatch):
+    """KVCAL_KERNELS=triton without triton installed was a ValueError mid-run; now one line before any work."""
+    import importlib.util
+
+    from kvcal.options import check_environment
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(KvcalError, match=r"KVCAL_KERNELS='triton' asks for the Triton kernels, but triton is not inst"):
+        check_environment({"KVCAL_KERNELS": "triton"})

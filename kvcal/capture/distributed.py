@@ -71,11 +71,11 @@ def _ar(t: torch.Tensor, op) -> torch.Tensor:
 
 def init_distributed(device: str) -> tuple[int, int]:
     """Join the ``torchrun`` process group when ``WORLD_SIZE > 1`` (gloo on CPU, nccl on CUDA)."""
-    import os
-
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    from kvcal.options import check_distributed_environment
+
+    if check_distributed_environment() > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     return dist_info()
 

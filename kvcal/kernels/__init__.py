@@ -18,7 +18,6 @@ supported; on CPU this needs ``TRITON_INTERPRET=1``, which the parity tests use)
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 
 import torch
@@ -81,7 +80,11 @@ def resolve_backend(backend: str | None, device: torch.device, why_not: Callable
 
     Raises ``ValueError`` for an unknown backend name, or ``"triton"`` when triton is not installed.
     """
-    b = backend or os.environ.get("KVCAL_KERNELS", "auto")
+    if not backend:
+        from kvcal.options import env_choice
+
+        backend = env_choice("KVCAL_KERNELS", BACKENDS, "auto")  # a KvcalError naming the variable
+    b = backend
     if b not in BACKENDS:
         raise ValueError(f"unknown kernel backend {b!r}; choose one of {BACKENDS}")
     if b == "torch":
