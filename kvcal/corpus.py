@@ -98,6 +98,7 @@ import hashlib
 import json
 import random
 import re
+import shlex
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -438,6 +439,23 @@ def _check_magic(p: Path, path: str, ext: str) -> None:
     raise _err(path, None, f"is {what}, not {'text' if ext == '.txt' else ext[1:].upper() + ' text'}; {fix}")
 
 
+def _special_file(p: Path) -> str | None:
+    """What ``p`` is when it exists and is neither a regular file nor a directory (links followed): a named pipe
+    (reading it blocks until a writer comes, and twice is impossible), a device (``/dev/zero`` never ends), a
+    socket; else ``None``."""
+    import stat
+
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return None
+    for test, what in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return None
+
+
 def _resolve(path: str, split: str | None) -> _Source:
     """Resolve ``path`` to a :class:`_Source` (nothing tokenized; datasets opened lazily where possible)."""
     p = Path(path).expanduser()
@@ -449,6 +467,11 @@ def _resolve(path: str, split: str | None) -> _Source:
         raise _err(path, None, f"no such file; pass an existing corpus ({_KINDS})")
     if p.is_dir():
         return _dir_source(path, p, split)
+    special = _special_file(p)
+    if special:
+        raise _err(path, None, f"is {special}, not a regular file; kvcal reads a corpus twice (checked before the model "
+                               "loads, then sampled), which a pipe or device cannot give: save it to a file first "
+                               "(e.g. `cat SOURCE > corpus.jsonl`)")
     if ext is None:
         raise _err(path, None, f"unknown corpus extension {p.suffix or '(none)'!r}; use one of {', '.join(EXTENSIONS)} "
                                "(or a save_to_disk directory / cached hub dataset id)")
@@ -832,6 +855,20 @@ class _JsonlParser:
             return "text", self._str(lineno, rec, "text"), True
         keys = ", ".join(list(rec)[:8]) or "none"
         hint = ' ("completion"/"response" need a "prompt")' if ("completion" in rec or "response" in rec) else ""
+        known = ("text", "prompt", "messages", "turns")
+        for k in rec:
+            if not isinstance(k, str):
+                continue
+            for sep, name in ((";", "semicolon"), ("\t", "tab"), ("|", "pipe")):
+                if sep in k and any(part.strip().lower() in known for part in k.split(sep)):
+                    raise _err(path, lineno, f"the column name {k!r} holds {name}s: a {name}-separated file read as "
+                                             "comma-separated CSV (kvcal reads commas only); save it with commas "
+                                             "(quoting text that holds commas), or as JSON lines (.jsonl)")
+            if k.strip().lower() in known and k not in known:  # "Text", " text": names are exact
+                flag = "--messages-field" if k.strip().lower() in ("messages", "turns") else "--text-field"
+                raise _err(path, lineno, f"no known field (keys: {_one_line(keys, 80)}): field names are exact, "
+                                         f"{k!r} is not {k.strip().lower()!r}; pass {flag} {shlex.quote(k)} or "
+                                         "rename it")
         raise _err(path, lineno, f"no known field (keys: {_one_line(keys, 80)}){hint}; "
                                  f"use one of {ACCEPTED_FIELDS}")
 

@@ -480,3 +480,40 @@ def test_export_does_not_overwrite_a_recommend_output(tmp_path):
                                   "--overwrite"])
     one_error_line(r, "holds a kvcal recommend output (deploy.json), not a kvcal export")
     assert (rec / "deploy.json").is_file()
+
+
+# ---- beyond the 13: special files and CSV dialects (the classes the issue names) -------------------------------
+@pytest.mark.parametrize("kind, words", [
+    ("fifo", "is a named pipe (FIFO), not a regular file"),
+    ("device", "is a character device, not a regular file"),
+])
+def test_pipes_and_devices_are_refused_without_reading(tmp_path, no_model, kind, words):
+    """A named pipe as --corpus blocked forever without a writer (and can be read only once: kvcal reads a corpus
+    twice); /dev/zero under a corpus name never ends. Refused from its file type, nothing read."""
+    import os
+    import time
+
+    p = tmp_path / "c.jsonl"
+    if kind == "fifo":
+        os.mkfifo(p)
+    else:
+        p.symlink_to("/dev/zero")
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(p), "--out", str(tmp_path / "o")])
+    one_error_line(r, words, "save it to a file first")
+    assert time.perf_counter() - t0 < 10 and no_model == []
+
+
+@pytest.mark.parametrize("header, words", [
+    ("text;id", "holds semicolons: a semicolon-separated file read as comma-separated CSV"),
+    ("text\tid", "holds tabs: a tab-separated file"),
+    ("Text,id", "field names are exact, 'Text' is not 'text'; pass --text-field Text"),
+])
+def test_csv_dialects_are_named(tmp_path, no_model, header, words):
+    """A semicolon- or tab-separated .csv was "no known field (keys: text;id)"; a capitalised header named no fix."""
+    p = tmp_path / "c.csv"
+    sep = ";" if ";" in header else "\t" if "\t" in header else ","
+    p.write_text(header + "\n" + f"hello world here{sep}1\n")
+    r = CliRunner().invoke(main, ["calibrate", "--corpus", str(p), "--out", str(tmp_path / "o")])
+    one_error_line(r, words)
+    assert no_model == []
