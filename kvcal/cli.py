@@ -608,6 +608,12 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
     from predicted beyond the tolerance, or the scales were not applied."""
     from kvcal.corpus import check_corpus
 
+    if accept is not None:  # the metrics verify measures, and a bar that can both pass and fail (kvcal.options)
+        from kvcal.options import parse_bar
+        from kvcal.verify import VERIFY_METRICS
+
+        parse_bar(accept, VERIFY_METRICS, "verify", why_not=dict.fromkeys(
+            ("greedy_agree", "greedy_prefix"), "it generates no text: served and predicted runs are teacher-forced"))
     if engine_python is None:
         raise KvcalError("--engine-python is required (or KVCAL_ENGINE_PYTHON): the Python of vLLM's own venv, "
                          "e.g. .venv-vllm-cpu/bin/python after `make engine-venv`")

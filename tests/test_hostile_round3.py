@@ -517,3 +517,13 @@ def test_csv_dialects_are_named(tmp_path, no_model, header, words):
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(p), "--out", str(tmp_path / "o")])
     one_error_line(r, words)
     assert no_model == []
+
+
+@pytest.mark.parametrize("bar, words", [("kl_mean<=-1", "can never pass"), ("top1_agree>=2", "can never pass"),
+                                        ("kl_mean<=1e999", "not a finite number"),
+                                        ("greedy_agree>=0.5", "not measured by verify")])
+def test_verify_refuses_the_same_bars(corpus, tmp_path, bar, words):
+    """kvcal verify judges served rows on --accept: the same rules as evaluate and recommend, before any engine."""
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "ckpt"), "--corpus", str(corpus), "--engine-python",
+                                  "/nonexistent/python", "--accept", bar])
+    one_error_line(r, words)
