@@ -416,10 +416,11 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
             model = load_model(str(view))
         L = ck.num_layers
         plans = {}
+        qs = ck.q_scales if all(s is not None for s in ck.q_scales) else None  # read only where queries are FP8
         for alt in dict.fromkeys([backend, "cuda"]):
             if has_scales:
                 plans[(f"{dtype} checkpoint scales", alt)] = VllmKVPlan(dtype, L, k_scales=ck.k_scales,
-                                                                        v_scales=ck.v_scales, backend=alt)
+                                                                        v_scales=ck.v_scales, q_scales=qs, backend=alt)
             plans[(f"{dtype} scales 1.0", alt)] = VllmKVPlan(dtype, L, backend=alt)
         pred = predict(model, wins, {f"{n}@{b}": p for (n, b), p in plans.items()})
     rows = []
