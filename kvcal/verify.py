@@ -417,11 +417,14 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
         L = ck.num_layers
         plans = {}
         qs = ck.q_scales if all(s is not None for s in ck.q_scales) else None  # read only where queries are FP8
+        # the engine's backend, and (for a backend that truncates) the same cache written by rounding to nearest with
+        # the queries left unquantized: the write path alone, what truncation costs
         for alt in dict.fromkeys([backend, "cuda"]):
+            qq = None if alt == backend else False
             if has_scales:
-                plans[(f"{dtype} checkpoint scales", alt)] = VllmKVPlan(dtype, L, k_scales=ck.k_scales,
-                                                                        v_scales=ck.v_scales, q_scales=qs, backend=alt)
-            plans[(f"{dtype} scales 1.0", alt)] = VllmKVPlan(dtype, L, backend=alt)
+                plans[(f"{dtype} checkpoint scales", alt)] = VllmKVPlan(
+                    dtype, L, k_scales=ck.k_scales, v_scales=ck.v_scales, q_scales=qs, backend=alt, quantize_query=qq)
+            plans[(f"{dtype} scales 1.0", alt)] = VllmKVPlan(dtype, L, backend=alt, quantize_query=qq)
         pred = predict(model, wins, {f"{n}@{b}": p for (n, b), p in plans.items()})
     rows = []
     s_ref, p_ref = served["runs"]["16-bit"], pred["16-bit"]
@@ -495,7 +498,8 @@ def render(doc: dict) -> str:
     for r in doc["rows"]:
         if "predicted_if_rounding" in r:
             q = r["predicted_if_rounding"]
-            lines.append(f"note: {r['run']}: had kvcal assumed rounding to nearest (GPU), it would have predicted "
+            lines.append(f"note: {r['run']}: written by rounding to nearest (the GPU kernels' write, queries "
+                         "unquantized), kvcal predicts "
                          f"ΔPPL {q['delta_ppl']:+.4f}, KL {q['kl_mean']:.3e}; truncation costs "
                          f"{r['predicted']['kl_mean'] / max(q['kl_mean'], 1e-30):.2f}x the KL of rounding here")
     for c in doc["scales_applied"]:
