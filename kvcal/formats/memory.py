@@ -80,12 +80,30 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int | None = None
+    layer_windows: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ModelShape.{name} must be a positive integer, got {v!r}")
+        lw = self.layer_windows
+        if lw is not None:
+            if len(lw) != self.num_layers or any(not isinstance(w, int) or w < 0 or w == 1 for w in lw):
+                raise ValueError(f"ModelShape.layer_windows must hold one window per layer (0: full attention, "
+                                 f">= 2: sliding window of that many tokens), got {lw!r}")
+            if not any(lw):
+                object.__setattr__(self, "layer_windows", None)
+
+    def window(self, layer: int) -> int:
+        """Sliding window ``W`` of ``layer`` (its query reads the last ``W`` tokens, itself included; the
+        cache keeps ``W - 1`` between steps), or 0 for a full-attention layer."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        """Indices of the sliding-window layers (empty for an all-full-attention model)."""
+        return [i for i, w in enumerate(self.layer_windows or ()) if w]
 
 
 def model_shape(config) -> ModelShape:
@@ -116,7 +134,29 @@ def model_shape(config) -> ModelShape:
     if kv is None:
         raise ValueError("model config lacks 'num_key_value_heads' and 'num_attention_heads'")
     mpe = get("max_position_embeddings")
-    return ModelShape(need("num_hidden_layers"), int(kv), int(hd), None if mpe is None else int(mpe))
+    n_layers = need("num_hidden_layers")
+    return ModelShape(n_layers, int(kv), int(hd), None if mpe is None else int(mpe),
+                      _layer_windows(get("layer_types"), get("sliding_window"), n_layers))
+
+
+def _layer_windows(layer_types, sliding_window, n_layers: int) -> tuple[int, ...] | None:
+    """Per-layer windows from a config's ``layer_types`` (transformers' per-layer attention kinds, e.g.
+    Gemma 3: five ``sliding_attention`` then one ``full_attention``) and ``sliding_window``. ``None`` when
+    the config has no ``layer_types`` or none is sliding (every layer reads every token). Raises
+    ``ValueError`` for a kind kvcal does not size (e.g. ``chunked_attention``) or a sliding layer without a
+    window."""
+    if not layer_types:
+        return None
+    if len(layer_types) != n_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ValueError(f"layer_types {unknown}: kvcal sizes full_attention and sliding_attention layers only")
+    if "sliding_attention" not in layer_types:
+        return None
+    if not isinstance(sliding_window, int) or sliding_window < 2:
+        raise ValueError(f"sliding_attention layers need sliding_window >= 2, got {sliding_window!r}")
+    return tuple(sliding_window if t == "sliding_attention" else 0 for t in layer_types)
 
 
 
@@ -195,19 +235,63 @@ def side_static_bytes(spec: TensorQuantSpec, H: int, D: int) -> int:
     return n
 
 
+def sliding_held(spec: TensorQuantSpec, context: int, window: int, residual_window: int = 0,
+                 sink_tokens: int = 0) -> tuple[int, int, int, int]:
+    """What one side of a sliding-window layer (window ``W``) holds after ``context`` tokens were written:
+    ``(sinks, quantized, window16, quantized_ever)`` token counts (an unquantized side: ``(0, 0, n, 0)``).
+
+    The layer writes tokens as a full-attention layer would (sinks, then the residual window, whose
+    overflow is quantized: token by token, or whole groups of ``g`` for per-channel-token-group sides with
+    ``residual_window >= g``), then drops every token its next query cannot read: those before absolute
+    position ``a = max(0, context - (W - 1))`` (transformers keeps ``W - 1`` tokens between steps). Sinks go
+    first; quantized tokens leave in whole token groups only (a group's parameters come from all its members,
+    so a group stays until its last member leaves: up to ``g - 1`` tokens more than ``W - 1``); 16-bit
+    window tokens leave only once no quantized token precedes them, and never on token-group sides (their
+    group is not formed yet). Dropping never changes a kept token's stored value, so the layer reads what a
+    full-attention cache of the same plan would hold for the positions the model's sliding mask lets it see.
+    Raises ``ValueError`` for ``W < 2`` or a negative context."""
+    if window < 2 or context < 0:
+        raise ValueError(f"sliding window must be >= 2 and context >= 0, got {window} and {context}")
+    a = max(0, context - (window - 1))
+    if not spec.is_quantized:
+        return 0, 0, context - a, 0
+    tg = spec.token_group
+    ns = min(sink_tokens, context)
+    m = context - ns
+    if tg and residual_window >= tg:
+        nq = 0 if m <= residual_window else -(-(m - residual_window) // tg) * tg
+    else:
+        nq = max(0, m - residual_window)
+    nw = m - nq
+    ds = min(ns, a)
+    dq = min(max(a - ns, 0), nq)
+    if tg:
+        dq -= dq % tg
+    dw = min(max(a - ns - nq, 0), nw) if (not tg and dq == nq) else 0
+    return ns - ds, nq - dq, nw - dw, nq
+
+
 def side_cache_bytes(
     spec: TensorQuantSpec, H: int, D: int, context: int, batch: int, residual_window: int = 0,
-    sink_tokens: int = 0, dtype16_bytes: int = 2,
+    sink_tokens: int = 0, dtype16_bytes: int = 2, sliding_window: int = 0,
 ) -> dict:
     """Bytes one layer's side allocates (see the module contract), as a dict with keys
     ``payload``, ``params`` (per-token/group scales and zero points), ``dense16`` (sink + window
-    buffers, or the whole buffer of an unquantized side), ``static`` (per-layer metadata)."""
+    buffers, or the whole buffer of an unquantized side), ``static`` (per-layer metadata).
+    ``sliding_window`` ``W > 0``: a sliding-window layer, sized by what it holds after ``context`` tokens
+    (:func:`sliding_held`: at most ``W - 1`` tokens, more only by whole token groups or a 16-bit
+    residual window on token-group sides), whatever the context."""
     T, B = context, batch
-    if not spec.is_quantized:
-        return {"payload": 0, "params": 0, "dense16": B * H * T * D * 2, "static": 0}
-    n_sink = min(sink_tokens, T)
-    n_win = min(residual_window, T - n_sink)
-    n_q = T - n_sink - n_win
+    if sliding_window:
+        n_sink, n_q, n_win, ever = sliding_held(spec, T, sliding_window, residual_window, sink_tokens)
+        if not spec.is_quantized:
+            return {"payload": 0, "params": 0, "dense16": B * H * n_win * D * 2, "static": 0}
+    else:
+        if not spec.is_quantized:
+            return {"payload": 0, "params": 0, "dense16": B * H * T * D * 2, "static": 0}
+        n_sink = min(sink_tokens, T)
+        n_win = min(residual_window, T - n_sink)
+        n_q = ever = T - n_sink - n_win
     s_pad, _ = spec.padded_dims(n_q, D)
     payload = B * H * s_pad * spec.row_bytes(D)
     g = spec.granularity
@@ -220,7 +304,7 @@ def side_cache_bytes(
             params = numel  # fp8 block scales, 1 byte
         else:
             params = _n_params(spec) * numel * _sb(spec)
-    if isinstance(g, PerChannelTokenGroup) and residual_window < g.group_size and n_q > 0:
+    if isinstance(g, PerChannelTokenGroup) and residual_window < g.group_size and ever > 0:
         params += B * H * 2 * D * 4  # raw min / max of the open token group, float32 [B,H,2,D]
     dense = B * H * (n_sink + n_win) * D * dtype16_bytes
     return {"payload": payload, "params": params, "dense16": dense, "static": side_static_bytes(spec, H, D)}
@@ -276,6 +360,8 @@ class MemoryReport:
             "model": {
                 "num_layers": self.model.num_layers, "num_kv_heads": self.model.num_kv_heads,
                 "head_dim": self.model.head_dim, "max_position_embeddings": self.model.max_position_embeddings,
+                "sliding_layers": self.model.sliding_layers,
+                "sliding_window": max(self.model.layer_windows) if self.model.layer_windows else None,
             },
             "context": self.context, "batch": self.batch, "bytes_per_token": self.bytes_per_token,
             "bytes": {"payload": self.payload, "scales_and_zero_points": self.params,
@@ -285,9 +371,13 @@ class MemoryReport:
         }
 
 
-def memory_report(model_config, kv_config, context: int, batch: int = 1) -> MemoryReport:
+def memory_report(model_config, kv_config, context: int, batch: int = 1, *,
+                  sliding_context: int | None = None) -> MemoryReport:
     """Full breakdown of the cache allocation for ``batch`` sequences of capacity ``context``
-    tokens. Raises ``ValueError`` for a negative context or a batch < 1."""
+    tokens. Sliding-window layers (``ModelShape.layer_windows``, from the config's ``layer_types``) count what
+    they hold after ``sliding_context`` tokens (default ``context``; :func:`sliding_held`): at most ``W - 1``
+    tokens each, so at long context the full-attention layers dominate. Raises ``ValueError`` for a negative
+    context or a batch < 1."""
     if not isinstance(context, int) or context < 0:
         raise ValueError(f"context must be an integer >= 0, got {context!r}")
     if not isinstance(batch, int) or batch < 1:
@@ -296,10 +386,12 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1) -> Memo
     H, D = shp.num_kv_heads, shp.head_dim
     acc = {"payload": 0, "params": 0, "dense16": 0, "static": 0}
     cfgs = _layer_configs(shp, kv_config)
-    for c in cfgs:
+    sctx = context if sliding_context is None else sliding_context
+    for i, c in enumerate(cfgs):
+        w = shp.window(i)
         for spec in (c.key, c.value):
-            part = side_cache_bytes(spec, H, D, context, batch, c.residual_window, c.sink_tokens,
-                                    c.dtype16.itemsize)
+            part = side_cache_bytes(spec, H, D, sctx if w else context, batch, c.residual_window, c.sink_tokens,
+                                    c.dtype16.itemsize, sliding_window=w)
             for k in acc:
                 acc[k] += part[k]
         acc["static"] += side_extra_bytes(c.key, H, D, centering=c.key_centering, rounding=c.key_rounding,
@@ -357,6 +449,6 @@ def vllm_cache_bytes(model_config, kv_cache_dtype: str, context: int, batch: int
 __all__ = [
     "vllm_bytes_per_token", "vllm_cache_bytes",
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
-    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "side_static_bytes", "rounding_bytes", "levels_bytes",
+    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "sliding_held", "side_static_bytes", "rounding_bytes", "levels_bytes",
     "side_extra_bytes",
 ]

@@ -129,6 +129,8 @@ class _Side:
         self.B = 0
         self.dtype = None
         self.n_sink = self.n_win = self.n_q = 0  # tokens held in each region
+        self.sinks_written = 0  # sink tokens written so far (a sliding layer drops them, n_sink falls)
+        self.q_origin = self.sinks  # absolute position of quantized slot 0 (advances as a sliding layer drops)
         self.sink = self.win = self.data = self.scale = self.zp = None  # batch-major buffers
         self.open_rng = None  # raw min / max of the open token group, float32 [B,H,2,D] (groups with R < g)
         # per-layer metadata (independent of B and T)
@@ -247,6 +249,63 @@ class _Side:
         if self.quantized and self.tg and self.R < self.tg and s_pad > 0 and self.open_rng is None:
             self.open_rng = torch.zeros(self.B, self.H, 2, self.D, dtype=torch.float32, device=self.device)
 
+    def reserve_more(self, s: int):
+        """Grow buffers (zero-filled) so that ``s`` more tokens fit after what is held (a sliding-window
+        layer, whose held tokens are not a prefix of the sequence; :meth:`drop_before` trims them back)."""
+        if not self.quantized:
+            self.reserve_rows(0, self.n_win + s, 0, 0)
+            return
+        up = self.n_q + self.n_win + s  # quantized slots after this write, at most
+        s_pad, _ = self.spec.padded_dims(up, self.D)
+        rows = -(-up // self.tg) if self.tg else up
+        self.reserve_rows(self.n_sink + min(self.sinks - self.sinks_written, s), min(self.R, self.n_win + s),
+                          s_pad, rows)
+        if self.tg and self.R < self.tg and s_pad > 0 and self.open_rng is None:
+            self.open_rng = torch.zeros(self.B, self.H, 2, self.D, dtype=torch.float32, device=self.device)
+
+    def reserve_rows(self, ns: int, nw: int, s_pad: int, rows: int):
+        def grow(buf, n):
+            if buf is None or buf.shape[2] >= n:
+                return buf
+            pad = torch.zeros(*buf.shape[:2], n - buf.shape[2], buf.shape[3], dtype=buf.dtype, device=buf.device)
+            return torch.cat([buf, pad], dim=2)
+
+        self.sink, self.win = grow(self.sink, ns), grow(self.win, nw)
+        self.data, self.scale, self.zp = grow(self.data, s_pad), grow(self.scale, rows), grow(self.zp, rows)
+
+    def drop_before(self, first: int) -> None:
+        """A sliding-window layer's side: drop every held token before absolute position ``first`` that can
+        go without changing a kept one (the rules of :func:`kvcal.formats.memory.sliding_held`: sinks first,
+        quantized tokens by whole token groups, 16-bit window tokens only on sides without token groups once
+        no quantized token precedes them), and shrink every buffer to exactly what is held."""
+        if not self.quantized:
+            dw = min(max(first - self.q_origin, 0), self.n_win)
+            self.win = self.win[:, :, dw : self.n_win].clone()
+            self.n_win -= dw
+            self.q_origin += dw
+            return
+        s0 = self.sinks_written - self.n_sink  # absolute position of the first held sink
+        ds = min(max(first - s0, 0), self.n_sink)
+        dq = min(max(first - self.q_origin, 0), self.n_q)
+        if self.tg:
+            dq -= dq % self.tg
+        dw = min(max(first - self.q_origin - self.n_q, 0), self.n_win) if (not self.tg and dq == self.n_q) else 0
+        nq = self.n_q - dq
+        s_pad, _ = self.spec.padded_dims(nq, self.D)
+        self.sink = self.sink[:, :, ds : self.n_sink].clone()
+        self.data = self.data[:, :, dq : dq + s_pad].clone()
+        if self.scale is not None:
+            r0 = dq // self.tg if self.tg else dq
+            r1 = r0 + (-(-nq // self.tg) if self.tg else nq)
+            self.scale = self.scale[:, :, r0:r1].clone()
+            if self.zp is not None:
+                self.zp = self.zp[:, :, r0:r1].clone()
+        self.win = self.win[:, :, dw : self.n_win].clone()
+        if self.open_rng is not None and self.q_origin - self.sinks + self.n_q == 0:
+            self.open_rng = None  # no token group has been formed yet (allocated ahead by reserve_more)
+        self.n_sink, self.n_q, self.n_win = self.n_sink - ds, nq, self.n_win - dw
+        self.q_origin += dq + dw
+
     # ---- write ----------------------------------------------------------------------------------
     @property
     def length(self) -> int:
@@ -259,10 +318,11 @@ class _Side:
             self.win[:, :, self.n_win : self.n_win + s] = x.to(self.dtype16)
             self.n_win += s
             return
-        k = min(self.sinks - self.n_sink, x.shape[2])
+        k = min(self.sinks - self.sinks_written, x.shape[2])
         if k > 0:
             self.sink[:, :, self.n_sink : self.n_sink + k] = x[:, :, :k].to(self.dtype16)
             self.n_sink += k
+            self.sinks_written += k
             x = x[:, :, k:]
         if x.shape[2] == 0:
             return
@@ -303,7 +363,7 @@ class _Side:
             x = x - self.mean.to(x.dtype)
         q0 = self.n_q
         if self.transform != "none":  # into the quantized domain (positions = cache slots)
-            x = apply_transform(self.transform, x, rope=self.rope, start=self.n_sink + q0)
+            x = apply_transform(self.transform, x, rope=self.rope, start=self.q_origin + q0)
         e = x.shape[2]
         if self.tg:
             x, q0, kw = self._token_group_params(x, q0)
@@ -400,7 +460,7 @@ class _Side:
         if self.n_q:
             if self.transform != "none":
                 y = dequantize(self._qt(0, self.n_q), torch.float32)
-                y = apply_transform(self.transform, y, rope=self.rope, start=self.n_sink, inverse=True).to(self.dtype)
+                y = apply_transform(self.transform, y, rope=self.rope, start=self.q_origin, inverse=True).to(self.dtype)
             else:
                 y = dequantize(self._qt(0, self.n_q), self.dtype)
             parts.append(y + self.mean.to(self.dtype) if self.mean is not None else y)
@@ -421,18 +481,29 @@ class _Side:
 
 
 class QuantizedKVLayer(CacheLayerMixin):
-    """One decoder layer's quantized K/V storage (a transformers ``CacheLayerMixin``)."""
+    """One decoder layer's quantized K/V storage (a transformers ``CacheLayerMixin``).
+
+    ``sliding_window`` ``W > 0``: a sliding-window layer (transformers' ``DynamicSlidingWindowLayer``
+    contract): each update returns the ``min(seen, W - 1)`` previous tokens plus the new ones (the model's
+    sliding mask, sized by :meth:`get_mask_sizes`, hides the rest), then drops what no later query reads
+    (:meth:`_Side.drop_before`), so it holds at most ``W - 1`` tokens (plus whole token groups / a 16-bit
+    window of token-group sides, :func:`kvcal.formats.memory.sliding_held`). Kept tokens are never
+    re-quantized: it reads the values a full-attention cache of the same plan would hold there. It is
+    sized by what it holds, never preallocated to ``max_cache_len``."""
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
     def __init__(self, plan: KVPlan, layer_idx: int, num_kv_heads: int, head_dim: int,
-                 max_cache_len: int | None = None):
+                 max_cache_len: int | None = None, sliding_window: int = 0):
         super().__init__()
         lp = plan.layers[layer_idx]
         self.layer_idx = layer_idx
-        self.max_cache_len = max_cache_len
+        self.sliding_window = int(sliding_window)
+        self.is_sliding = self.sliding_window > 0
+        self.max_cache_len = None if self.is_sliding else max_cache_len
+        self.capacity = max_cache_len
         self.k = _Side(lp.k, num_kv_heads, head_dim, plan.sink_tokens, plan.residual_window)
         self.v = _Side(lp.v, num_kv_heads, head_dim, plan.sink_tokens, plan.residual_window)
         self.cumulative_length = 0
@@ -455,9 +526,21 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if "pre_rope" in (self.k.transform, self.v.transform):
             self._check_positions(key_states, kwargs)
-        t = self.cumulative_length + key_states.shape[-2]
-        if self.max_cache_len is not None and t > self.max_cache_len:
-            raise ValueError(f"QuantizedKVCache is full: {t} tokens > max_cache_len {self.max_cache_len}")
+        s = key_states.shape[-2]
+        t = self.cumulative_length + s
+        if self.capacity is not None and t > self.capacity:
+            raise ValueError(f"QuantizedKVCache is full: {t} tokens > max_cache_len {self.capacity}")
+        if self.is_sliding:
+            W = self.sliding_window
+            n = min(self.cumulative_length, W - 1) + s  # what this step's queries may read (get_mask_sizes)
+            for side, x in ((self.k, key_states), (self.v, value_states)):
+                side.reserve_more(s)
+                side.append(x)
+            k, v = self.k.read()[:, :, -n:], self.v.read()[:, :, -n:]
+            for side in (self.k, self.v):
+                side.drop_before(max(0, t - (W - 1)))
+            self.cumulative_length = t
+            return k, v
         for side, x in ((self.k, key_states), (self.v, value_states)):
             side.reserve(t)
             side.append(x)
@@ -481,12 +564,17 @@ class QuantizedKVLayer(CacheLayerMixin):
                              "(left padding?). Batch prompts of equal length or use a post-RoPE plan.")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.is_sliding:  # as transformers' DynamicSlidingWindowLayer: W - 1 past tokens at most
+            W = self.sliding_window
+            return min(self.cumulative_length, W - 1) + query_length, max(self.cumulative_length - W + 1, 0)
         return self.cumulative_length + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
     def get_max_length(self) -> int:
+        if self.is_sliding:
+            return self.sliding_window
         return -1 if self.max_cache_len is None else self.max_cache_len
 
     def reset(self) -> None:
@@ -495,7 +583,8 @@ class QuantizedKVLayer(CacheLayerMixin):
                 side.init(side.B, side.device, side.dtype)
                 if self.max_cache_len is not None:
                     side.reserve(self.max_cache_len)
-            side.n_sink = side.n_win = side.n_q = 0
+            side.n_sink = side.n_win = side.n_q = side.sinks_written = 0
+            side.q_origin = side.sinks
             if side.global_scale is not None:
                 side.global_scale.zero_()
         self.cumulative_length = 0
@@ -530,8 +619,10 @@ class QuantizedKVCache(Cache):
     ``plan``: :class:`~kvcal.plan.KVPlan` (post-RoPE keys, or pre-RoPE / Hadamard sides with
     their transform, see the module docstring). ``model_config``: the model's
     transformers config (or its text config). ``max_cache_len``: preallocate this many tokens per
-    sequence at the first update (``None``: grow exactly). Raises ``ValueError`` if the plan's
-    layer count / scale shapes do not fit the config or the model has non-full-attention layers.
+    sequence at the first update (``None``: grow exactly); sliding-window layers (the config's
+    ``layer_types`` / ``sliding_window``, e.g. Gemma 3) are :class:`QuantizedKVLayer` with their window, hold
+    at most about ``W - 1`` tokens and are never preallocated. Raises ``ValueError`` if the plan's layer count /
+    scale shapes do not fit the config or the config has layer types other than full / sliding attention.
     """
 
     def __init__(self, plan: KVPlan, model_config, max_cache_len: int | None = None):
@@ -545,13 +636,10 @@ class QuantizedKVCache(Cache):
             raise ValueError(f"unknown key_position {plan.key_position!r}")
         if plan.key_position == "pre_rope" and plan.rope_table() is None:
             raise ValueError("plan says keys are pre-RoPE but no key side has a RoPE table")
-        lt = getattr(cfg, "layer_types", None)
-        if lt is not None and any(t != "full_attention" for t in lt):
-            raise ValueError(f"QuantizedKVCache supports full-attention layers only, got {sorted(set(lt))}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive integer or None, got {max_cache_len!r}")
         self.plan, self.shape, self.max_cache_len = plan, shp, max_cache_len
-        layers = [QuantizedKVLayer(plan, i, shp.num_kv_heads, shp.head_dim, max_cache_len)
+        layers = [QuantizedKVLayer(plan, i, shp.num_kv_heads, shp.head_dim, max_cache_len, shp.window(i))
                   for i in range(shp.num_layers)]
         super().__init__(layers=layers)
 
@@ -589,10 +677,13 @@ class QuantizedKVCache(Cache):
     def expected_bytes(self) -> int:
         """:func:`kvcal.formats.memory.cache_bytes` for this cache's capacity and batch (the
         current length when growing; ``max_cache_len`` when preallocated)."""
-        from kvcal.formats.memory import cache_bytes
+        from kvcal.formats.memory import cache_bytes, memory_report
 
-        ctx = self.max_cache_len if (self.max_cache_len is not None and self.layers[0].is_initialized) \
-            else self.get_seq_length()
+        t = self.get_seq_length()
+        ctx = self.max_cache_len if (self.max_cache_len is not None and self.layers[0].is_initialized) else t
+        if self.shape.layer_windows:  # sliding layers are sized by what they hold after t tokens
+            return memory_report(self.shape, self.kv_configs(), ctx, max(self.layers[0].k.B, 1),
+                                 sliding_context=t).total
         return cache_bytes(self.shape, self.kv_configs(), ctx, max(self.layers[0].k.B, 1))
 
 
