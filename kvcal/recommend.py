@@ -495,7 +495,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 and (cfg.max_bytes_per_token is None or c["bytes_per_token"] <= cfg.max_bytes_per_token)}
         rounding = {}  # a backend that truncates: each dtype's cheapest evaluated row again, written by rounding
         if cfg.backend != "cuda":
-            for i, p in todo.items():
+            for i, p in list(todo.items()):
                 key = (cands[i]["dtype"], cands[i]["scales"])
                 if key not in rounding.values() and not p.skipped:
                     twin = VllmKVPlan(p.kv_cache_dtype, L, k_scales=p.k_scales, v_scales=p.v_scales, backend="cuda",

@@ -322,3 +322,30 @@ def test_existing_out_and_bad_corpus_are_refused(tiny_dir, tmp_path):
     bad.write_text('{"text": "ok"}\nnot json\n')
     r = run(["--corpus", bad, "--model", tiny_dir, "--out", tmp_path / "rec2"])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "bad.jsonl" in r.output
+
+
+def test_cpu_backend_menu_rows_and_what_truncation_costs(tiny_small_kv, tmp_path):
+    """`recommend --backend cpu`: the default menu becomes what vLLM's CPU build serves (fp8, fp8_e5m2); fp8 is
+    calibrated for the truncating write (no q_scale); the rounding twin of each dtype's no-16-bit-layer row is
+    measured and costs less KL: truncation's error is uniform on [0, step) against rounding's [−step/2, step/2), a mean
+    square error of step²/3 against step²/12 (4×), and the KL is to second order proportional to that power; over
+    the thousands of K/V elements of two windows the fluctuation is far below a factor 1.5."""
+    from kvcal.artifact import load_artifact
+    from kvcal.recommend import CPU_MENU, RecommendConfig, recommend
+
+    out = tmp_path / "rec"
+    doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_small_kv), max_skip=1,
+                                    context=64, windows=2, probe_tokens=128, accept="kl_mean<=1", backend="vllm-cpu",
+                                    fp8_samples=8, fp8_seq_len=64,
+                                    fp8_kwargs={"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2,
+                                                "max_queries": 16}),
+                    log=lambda s: None, progress=False)
+    assert doc["backend"] == "cpu" and {c["dtype"] for c in doc["candidates"]} == set(CPU_MENU)
+    assert "Backend: cpu (CPU_ATTN (vllm-cpu))" in (out / "deploy.md").read_text()
+    costs = {(t["dtype"], t["scales"]): t for t in doc["truncation_cost"]}
+    assert set(costs) == {("fp8", "calibrated"), ("fp8", "vLLM default (1.0)"), ("fp8_e5m2", "vLLM default (1.0)")}
+    for t in costs.values():
+        assert t["kl_truncate"] > 1.5 * t["kl_round"] > 0, t
+    if doc["artifact"] is not None:  # a calibrated fp8 row chosen: its artifact carries no q_scale
+        art = load_artifact(out / doc["artifact"])
+        assert art.metadata["vllm"]["backend"] == "cpu" and not any(n.endswith("q_scale") for n in art.tensors)
