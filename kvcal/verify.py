@@ -167,6 +167,9 @@ def read_checkpoint(path: str) -> Checkpoint:
                          + ", then verify OUT")
     if not p.is_dir():
         raise KvcalError(f"checkpoint {p} is not a directory; pass the output of kvcal export --target vllm --model-dir")
+    if (p / "kv_scales.safetensors").is_file() and not (p / "config.json").is_file():
+        raise KvcalError(f"{p} is a kvcal artifact, not a checkpoint; export it first (kvcal export --artifact {p} "
+                         "--target vllm --model-dir HF_DIR --out OUT), then verify OUT")
     try:
         config = json.loads((p / "config.json").read_text())
     except OSError:

@@ -103,6 +103,11 @@ def test_read_checkpoint_names_what_it_is_given(tmp_path):
         read_checkpoint(str(rec))
     with pytest.raises(KvcalError, match="has no config.json"):
         read_checkpoint(str(tmp_path))
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "kv_scales.safetensors").write_bytes(b"")
+    with pytest.raises(KvcalError, match=r"is a kvcal artifact, not a checkpoint; export it first \(kvcal export "):
+        read_checkpoint(str(art))
     d = _checkpoint(tmp_path, {"model.layers.0.self_attn.k_scale": 1.0})
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
