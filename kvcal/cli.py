@@ -600,9 +600,14 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
                    "top1_agree) [default: kvcal evaluate's 8-bit bar].")
 @click.option("--json", "json_path", default=None, type=click.Path(), help="Also write the kvcal-verify/1 document here.")
 @click.option("--timeout", "timeout_s", default=1800, show_default=True, type=count(10), help="Engine time limit (s).")
+@click.option("--skip-layers", "skip_layers", default=None,
+              help="Layers served in the model dtype (vLLM --kv-cache-dtype-skip-layers), e.g. 0,29 [default: none, "
+                   "or a recommend output's chosen layers].")
+@click.option("--model-dir", default=None, type=click.Path(),
+              help="With a kvcal recommend output as CHECKPOINT: the HF checkpoint its export line merges into.")
 @user_errors
 def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_python, context, windows, kv_cache_dtype,
-               backend, accept, json_path, timeout_s):
+               backend, accept, json_path, timeout_s, skip_layers=None, model_dir=None):
     """Serve CHECKPOINT (a kvcal export) in the real engine on kvcal's evaluation windows, with the engine's
     16-bit cache as reference; print served vs predicted. Exit 1 when a row fails --accept, served differs
     from predicted beyond the tolerance, or the scales were not applied."""
@@ -620,9 +625,18 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)
     from kvcal.verify import VerifyConfig, render, verify
 
+    skip = ()
+    if skip_layers is not None:
+        from kvcal.options import split_list
+
+        items = split_list(skip_layers, "--skip-layers", "layer index", "0,29", "layer")
+        if not all(x.isdigit() for x in items):
+            raise KvcalError(f"--skip-layers {skip_layers!r}: layer indices are integers >= 0 (e.g. 0,29)")
+        skip = tuple(int(x) for x in items)
     cfg = VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, context=context,
                        windows=windows, kv_cache_dtype=kv_cache_dtype, backend=backend, accept=accept,
-                       timeout_s=timeout_s, text_field=text_field, messages_field=messages_field, split=split)
+                       timeout_s=timeout_s, skip_layers=skip, model_dir=model_dir, text_field=text_field,
+                       messages_field=messages_field, split=split)
     if json_path:
         from kvcal.artifact import check_output_file
 

@@ -68,6 +68,8 @@ class VerifyConfig:
     backend: str | None = None
     accept: str | None = None
     timeout_s: int = 1800
+    skip_layers: tuple[int, ...] = ()  # --kv-cache-dtype-skip-layers served (and predicted) in the model dtype
+    model_dir: str | None = None  # a recommend output: the HF checkpoint its export line merges into / it serves
     text_field: str | None = None
     messages_field: str | None = None
     split: str | None = None
@@ -147,6 +149,36 @@ class Checkpoint:
         return int(hd) if hd else None
 
 
+def from_recommend(path: Path, model_dir: str | None, work: Path, log=print) -> tuple[str, str, tuple[int, ...]]:
+    """A ``kvcal recommend`` output ``path`` → ``(checkpoint dir, kv_cache_dtype, skip layers)`` to verify: the chosen
+    row's artifact exported into ``work`` with its export line's options (``--target vllm --clipped-scales``) and
+    ``model_dir``, or, for a row at vLLM's default scales, ``model_dir`` itself. Raises :class:`KvcalError` when
+    nothing was chosen, the chosen dtype is not a static FP8 one, or ``model_dir`` is missing."""
+    try:
+        d = json.loads((path / "deploy.json").read_text())
+    except (OSError, ValueError) as e:
+        raise KvcalError(f"{path / 'deploy.json'}: cannot read ({e})") from None
+    c = d.get("chosen") if isinstance(d, dict) else None
+    if not isinstance(c, dict):
+        raise KvcalError(f"{path}: kvcal recommend chose no configuration (nothing passed its bar); nothing to verify")
+    dtype, skip = c.get("dtype"), tuple(int(i) for i in c.get("skip_layers") or ())
+    if dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise KvcalError(f"{path}: the chosen --kv-cache-dtype {dtype} is not one verify serves (fp8, fp8_e4m3, "
+                         "fp8_e5m2: vLLM's CPU build serves no other)")
+    if model_dir is None:
+        raise KvcalError(f"{path} is a kvcal recommend output: pass --model-dir HF_DIR, the Hugging Face checkpoint "
+                         "its export line merges the scales into (or serves, at vLLM's default scales)")
+    if not d.get("artifact"):
+        log(f"recommend chose {dtype} at vLLM's default scales: serving {model_dir} without scales")
+        return model_dir, dtype, skip
+    from kvcal.export import export
+
+    out = work / "recommend-export"
+    export(str(path / d["artifact"]), "vllm", str(out), model_dir=model_dir, clipped_scales=True)
+    log(f"recommend chose {dtype} with calibrated scales: exported {path / d['artifact']} into a temporary checkpoint")
+    return str(out), dtype, skip
+
+
 def read_checkpoint(path: str) -> Checkpoint:
     """Read ``path`` as vLLM's loader would (see module doc). Raises :class:`KvcalError` for a missing
     directory or config, a ``kvcal recommend`` output (pointing at its export line), a KV scheme kvcal
@@ -164,7 +196,7 @@ def read_checkpoint(path: str) -> Checkpoint:
         raise KvcalError(f"{p} is a kvcal recommend output, not a checkpoint; export it first"
                          + (f" ({line})" if isinstance(line, str) and line else
                             " (kvcal export --artifact <its artifact> --target vllm --model-dir HF_DIR --out OUT)")
-                         + ", then verify OUT")
+                         + ", then verify OUT; or give kvcal verify the recommend output with --model-dir HF_DIR")
     if not p.is_dir():
         raise KvcalError(f"checkpoint {p} is not a directory; pass the output of kvcal export --target vllm --model-dir")
     if (p / "kv_scales.safetensors").is_file() and not (p / "config.json").is_file():
@@ -350,8 +382,18 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
     crit_str = cfg.accept or DEFAULT_ACCEPT[8]
     crit = check_accept(crit_str)
     engine_python = check_engine_python(cfg.engine_python)
-    ck = read_checkpoint(cfg.checkpoint)
-    dtype = cfg.kv_cache_dtype or ck.kv_cache_dtype
+    rec_tmp = None
+    skip = tuple(cfg.skip_layers)
+    if (Path(cfg.checkpoint) / "deploy.json").is_file() and not (Path(cfg.checkpoint) / "config.json").is_file():
+        rec_tmp = tempfile.TemporaryDirectory(prefix="kvcal-verify-recommend-")
+        path, rec_dtype, rec_skip = from_recommend(Path(cfg.checkpoint), cfg.model_dir, Path(rec_tmp.name), log)
+        if cfg.kv_cache_dtype is not None and cfg.kv_cache_dtype != rec_dtype:
+            raise KvcalError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the recommend output chose {rec_dtype}; drop "
+                             "--kv-cache-dtype")
+        ck, dtype, skip = read_checkpoint(path), rec_dtype, skip or rec_skip
+    else:
+        ck = read_checkpoint(cfg.checkpoint)
+        dtype = cfg.kv_cache_dtype or ck.kv_cache_dtype
     if dtype is None:
         raise KvcalError(f"checkpoint {ck.path} has no kv_cache_scheme; pass --kv-cache-dtype (fp8 or fp8_e5m2) to "
                          "verify it at vLLM's default scales")
@@ -373,6 +415,10 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
             raise KvcalError(f"vLLM's CPU backend cannot serve --kv-cache-dtype {dtype} here: {why}")
     if ck.num_layers < 1:
         raise KvcalError(f"{ck.path / 'config.json'}: no num_hidden_layers")
+    bad = [i for i in skip if not 0 <= i < ck.num_layers]
+    if bad or len(skip) >= ck.num_layers:
+        raise KvcalError(f"--skip-layers {','.join(map(str, skip))}: the model has {ck.num_layers} layers (0 to "
+                         f"{ck.num_layers - 1}) and at least one must stay in {dtype}")
     if any(s is None for s in ck.k_scales + ck.v_scales) and any(s is not None for s in ck.k_scales + ck.v_scales):
         missing = [i for i, (a, b) in enumerate(zip(ck.k_scales, ck.v_scales, strict=True)) if a is None or b is None]
         raise KvcalError(f"checkpoint {ck.path}: layers {missing[:8]} have no k_scale/v_scale while others do "
@@ -397,10 +443,12 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
         if len(wins) < 2:
             raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens: fewer than 2 windows of {cfg.context} "
                              "(use a longer corpus or a smaller --context)")
+        sk = [str(i) for i in skip]
         runs = [{"name": "16-bit", "model_dir": str(view), "kv_cache_dtype": "auto"}]
         if has_scales:
-            runs.append({"name": f"{dtype} checkpoint scales", "model_dir": str(ck.path), "kv_cache_dtype": dtype})
-        runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype})
+            runs.append({"name": f"{dtype} checkpoint scales", "model_dir": str(ck.path), "kv_cache_dtype": dtype,
+                         "skip_layers": sk})
+        runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype, "skip_layers": sk})
         log(f"engine: {len(runs)} runs x {len(wins)} windows x {cfg.context} tokens in {engine_python}")
         served = run_engine(engine_python, {"windows": wins.tolist(), "max_model_len": cfg.context, "dtype": "float32",
                                             "runs": runs, "reference": "16-bit", "top_k": 5}, work, cfg.timeout_s)
@@ -426,9 +474,13 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
             qq = None if alt == backend else False
             if has_scales:
                 plans[(f"{dtype} checkpoint scales", alt)] = VllmKVPlan(
-                    dtype, L, k_scales=ck.k_scales, v_scales=ck.v_scales, q_scales=qs, backend=alt, quantize_query=qq)
-            plans[(f"{dtype} scales 1.0", alt)] = VllmKVPlan(dtype, L, backend=alt, quantize_query=qq)
+                    dtype, L, k_scales=ck.k_scales, v_scales=ck.v_scales, q_scales=qs, backend=alt, quantize_query=qq,
+                    skip_layers=skip)
+            plans[(f"{dtype} scales 1.0", alt)] = VllmKVPlan(dtype, L, backend=alt, quantize_query=qq,
+                                                             skip_layers=skip)
         pred = predict(model, wins, {f"{n}@{b}": p for (n, b), p in plans.items()})
+    if rec_tmp is not None:
+        rec_tmp.cleanup()
     rows = []
     s_ref, p_ref = served["runs"]["16-bit"], pred["16-bit"]
     ref_served, ref_pred = summarize(s_ref, s_ref), summarize(p_ref, p_ref)
@@ -448,6 +500,7 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
         ag_kl = agreement(_window_means(s_run["kl"]), _window_means(p_run["kl"]))
         status, failed = judge(srv, crit)
         row = {"run": name, "kv_cache_dtype": dtype, "scales": "checkpoint" if "checkpoint" in name else "1.0",
+               "skip_layers": list(skip),
                "served": srv, "predicted": prd, "backend": backend, "ppl_agreement": ag_ppl, "kl_agreement": ag_kl,
                "accept": status, "failed": failed, "agree": ag_ppl["ok"] and ag_kl["ok"]}
         if backend != "cuda":
@@ -487,7 +540,9 @@ def render(doc: dict) -> str:
     e = doc["engine"]
     lines = [f"engine: vLLM {e['vllm_version']} ({', '.join(e['attention_impl'])}; kvcal backend {e['backend']}), "
              f"{doc['corpus']['windows']} x {doc['corpus']['context']} tokens of {doc['corpus']['path']}; "
-             f"16-bit PPL served {doc['reference']['served_16bit_ppl']:.4f}, kvcal {doc['reference']['predicted_16bit_ppl']:.4f}",
+             + (f"layers {','.join(map(str, doc['rows'][0]['skip_layers']))} in the model dtype; "
+                if doc["rows"] and doc["rows"][0].get("skip_layers") else "")
+             + f"16-bit PPL served {doc['reference']['served_16bit_ppl']:.4f}, kvcal {doc['reference']['predicted_16bit_ppl']:.4f}",
              "",
              "| --kv-cache-dtype | scales | served ΔPPL | predicted | diff (tol) | served KL | predicted | diff (tol) "
              f"| bar {doc['accept']} | served = predicted |",

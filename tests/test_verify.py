@@ -148,6 +148,11 @@ def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_pa
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert r.exit_code == 2 and want in r.output, (argv, r.output)
         assert all("Traceback" not in ln for ln in lines)
+    for skip, want in (("5", "--skip-layers 5: the model has 2 layers (0 to 1)"),
+                       ("0,1", "at least one must stay in fp8"), ("a", "layer indices are integers"),
+                       ("0,0", "layer 0 is named twice")):
+        r = _verify([*base, "--engine-python", sys.executable, "--skip-layers", skip])
+        assert r.exit_code == 2 and want in r.output and len(r.output.strip().splitlines()) == 1, r.output
     import kvcal.verify
 
     monkeypatch.setattr(kvcal.verify, "cpu_fp8_support", lambda: "this CPU has neither AVX-512 nor AMX; stub")
@@ -163,3 +168,27 @@ def test_an_interpreter_without_vllm_is_refused_by_the_runner(tiny_export, share
                  "--windows", "2", "--engine-python", sys.executable])
     assert r.exit_code == 2, r.output
     assert "error: engine refused: cannot import vllm in this Python" in r.output
+
+
+def test_recommend_output_is_read_for_its_choice(tmp_path, tiny_export):
+    """A recommend output: nothing chosen, a dtype vLLM-CPU does not serve, or no --model-dir are one-line refusals; a
+    row at vLLM's default scales is served from --model-dir with the chosen dtype and 16-bit layers."""
+    from kvcal.verify import from_recommend
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+
+    def deploy(chosen, artifact=None):
+        (rec / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1", "chosen": chosen,
+                                                     "artifact": artifact}))
+
+    deploy(None)
+    with pytest.raises(KvcalError, match="chose no configuration"):
+        from_recommend(rec, str(tiny_export), tmp_path)
+    deploy({"dtype": "int8_per_token_head", "skip_layers": []})
+    with pytest.raises(KvcalError, match="the chosen --kv-cache-dtype int8_per_token_head is not one verify serves"):
+        from_recommend(rec, str(tiny_export), tmp_path)
+    deploy({"dtype": "fp8", "skip_layers": [1]})
+    with pytest.raises(KvcalError, match="pass --model-dir HF_DIR"):
+        from_recommend(rec, None, tmp_path)
+    assert from_recommend(rec, str(tiny_export), tmp_path, log=lambda s: None) == (str(tiny_export), "fp8", (1,))

@@ -11,7 +11,8 @@ Request::
     {"windows": [[token ids], ...],            # N windows of T tokens each
      "max_model_len": T, "dtype": "float32",
      "runs": [{"name": "16-bit", "model_dir": DIR, "kv_cache_dtype": "auto"},
-              {"name": "fp8", "model_dir": DIR, "kv_cache_dtype": "fp8"}, ...],
+              {"name": "fp8", "model_dir": DIR, "kv_cache_dtype": "fp8",
+               "skip_layers": ["0", "29"]}, ...],          # optional: --kv-cache-dtype-skip-layers
      "reference": "16-bit", "top_k": 5}
 
 Each run starts ``vllm.LLM`` (in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and asks for
@@ -75,9 +76,10 @@ def main(req_path: str, out_path: str) -> None:
     for run in req["runs"]:
         t0 = time.perf_counter()
         try:
+            extra = {"kv_cache_dtype_skip_layers": list(run["skip_layers"])} if run.get("skip_layers") else {}
             llm = LLM(model=run["model_dir"], dtype=req.get("dtype", "float32"), kv_cache_dtype=run["kv_cache_dtype"],
                       enforce_eager=True, max_model_len=int(req["max_model_len"]) + 1, max_logprobs=top_k,
-                      skip_tokenizer_init=True, seed=0, max_num_seqs=1)
+                      skip_tokenizer_init=True, seed=0, max_num_seqs=1, **extra)
         except Exception as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             root = e
