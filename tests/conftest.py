@@ -108,6 +108,38 @@ def shrink_kv(model_dir: Path, out_dir: Path, factor: float = 2.0 ** -7) -> Path
     return out_dir
 
 
+#: a tiny Gemma 3 (Gemma3ForCausalLM): 4 layers, sliding window 8 on layers 0, 1, 3 and a global layer 2, one KV
+#: head x head_dim 32, q/k-norm (Gemma3Attention always has them), 256 positions
+TINY_GEMMA3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   max_position_embeddings=256, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+
+
+def save_tiny_gemma3(tmp_path_factory, tokenizer, name: str, bos: bool = True, **config) -> Path:
+    """A tiny random Gemma 3 (seed 0, :data:`TINY_GEMMA3` updated by ``config``) saved with ``tokenizer`` into a
+    fresh directory ``name``. ``bos``: the saved tokenizer adds its BOS token in front of every text, as Gemma's
+    does (a TemplateProcessing post-processor on the SmolLM2 vocabulary; SmolLM2's own adds none). Returns the
+    directory."""
+    import copy
+
+    import torch
+    from tokenizers.processors import TemplateProcessing
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    d = tmp_path_factory.mktemp(name)
+    tok = copy.deepcopy(tokenizer)
+    if bos:
+        b, i = tok.bos_token, tok.bos_token_id
+        tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 $B:1",
+                                                                  special_tokens=[(b, i)])
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(**{"vocab_size": len(tok), "bos_token_id": tok.bos_token_id, **TINY_GEMMA3, **config})
+    Gemma3ForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
 #: the 2-layer, 2-KV-head x head_dim 16 tiny Llama several modules calibrate end to end
 TINY_LLAMA_16 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,

@@ -350,7 +350,8 @@ def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts:
     (context, batch) regime of every method, from :mod:`kvcal.formats.memory` (kvcal plans:
     ``bytes_per_token`` / ``cache_bytes`` of each layer's ``kv_config``; ``vllm:<dtype>`` methods:
     vLLM's page layout, skipped layers at 16 bits), ``vs_16bit`` against the bf16 cache of the same
-    regime. ``shp``: :func:`kvcal.formats.memory.model_shape`; ``measured``: decode mode's runtime
+    regime (:func:`~kvcal.formats.memory.cache_bytes`: sliding-window layers hold at most ``W - 1`` tokens in
+    both). ``shp``: :func:`kvcal.formats.memory.model_shape`; ``measured``: decode mode's runtime
     allocations, stored as given."""
     from kvcal.formats.memory import bytes_per_token, cache_bytes
     from kvcal.formats.spec import preset
@@ -366,7 +367,7 @@ def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts:
             memory["cache_bytes"][name] = [
                 {"context": T, "batch": B, "bytes": (nb := vllm_cache_bytes(shp, p.kv_cache_dtype, T, B,
                                                                             skip_layers=p.skipped)),
-                 "vs_16bit": nb / (b16 * T * B)} for T in contexts for B in batches]
+                 "vs_16bit": nb / cache_bytes(shp, preset("bf16"), T, B)} for T in contexts for B in batches]
             continue
         cfgs = [p.kv_config(i) for i in range(L)]
         memory["bytes_per_token"][name] = bytes_per_token(shp, cfgs)
@@ -375,5 +376,5 @@ def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts:
             for B in batches:
                 nb = cache_bytes(shp, cfgs, T, B)
                 memory["cache_bytes"][name].append({"context": T, "batch": B, "bytes": nb,
-                                                    "vs_16bit": nb / (b16 * T * B)})
+                                                    "vs_16bit": nb / cache_bytes(shp, preset("bf16"), T, B)})
     return memory

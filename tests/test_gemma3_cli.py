@@ -1,0 +1,85 @@
+"""Every command on a tiny random Gemma 3 (sliding + global layers, one KV head, q/k-norm, a tokenizer that adds
+BOS): calibrate (fp8), evaluate (teacher-forced and decode), memory, plan, inspect, export --target vllm run to
+completion (exit 0, no traceback) and state figures checked here by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from conftest import save_tiny_gemma3
+
+from kvcal.cli import main
+
+TEXT = "calibration_sets/text.jsonl"
+PER_TOKEN_LAYER = 2 * 1 * 32 * 2  # bf16 bytes per token per layer: K and V, 1 KV head x 32
+
+
+def run(args):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "Traceback" not in r.output
+    return r.output
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, smollm_tokenizer):
+    """(model dir, fp8 artifact calibrated on 8 x 64 tokens)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    d = save_tiny_gemma3(tmp_path_factory, smollm_tokenizer, "tiny-gemma3")
+    art = tmp_path_factory.mktemp("g3art") / "art"
+    run(["calibrate", "--model", str(d), "--corpus", TEXT, "--max-samples", "8", "--max-seq-len", "64",
+         "--out", str(art), "--quiet"])
+    yield d, art
+    torch.set_num_threads(n)
+
+
+def test_calibrate_writes_every_layer(gemma):
+    from kvcal.artifact import load_artifact
+
+    art = load_artifact(gemma[1])
+    assert art.metadata["model"]["num_layers"] == 4 and art.metadata["model"]["num_kv_heads"] == 1
+    assert art.metadata["model"]["head_dim"] == 32
+    assert set(art.tensors) == {f"model.layers.{i}.self_attn.{s}_scale" for i in range(4) for s in "kv"}
+
+
+def test_evaluate_teacher_forced_and_decode(gemma, tmp_path, one_thread):
+    """Both modes run on the sliding layers; the artifact's decode row reads the runtime cache (which used to
+    refuse sliding layers after Protocol A had run) and its measured allocation equals the contract."""
+    d, art = gemma
+    js = tmp_path / "e.json"
+    run(["evaluate", "--model", str(d), "--artifact", str(art), "--corpus", TEXT, "--context", "32", "--windows", "2",
+         "--mode", "teacher_forced,decode", "--greedy-tokens", "4", "--json", str(js), "--quiet"])
+    doc = json.loads(js.read_text())
+    rows = {(r["method"], r["mode"]) for r in doc["results"]}
+    assert {("artifact", "teacher_forced"), ("artifact", "decode")} <= rows
+    measured = {m["method"]: m for m in doc["memory"]["measured"]}
+    assert measured["artifact"]["allocated_bytes"] == measured["artifact"]["expected_bytes"]
+    # fp8 per-tensor at 31 cached tokens: sliding layers 7 tokens, the global one 31; 64 bytes/token/layer + 8 scales
+    assert measured["artifact"]["allocated_bytes"] == (3 * 7 + 31) * 64 + 8 * 4
+    # at context 32: (3*7 + 32) tokens; the bf16 reference counts the same tokens: (3*7 + 32) * 128
+    fp8 = doc["memory"]["cache_bytes"]["artifact"][0]
+    assert fp8["bytes"] == (3 * 7 + 32) * 64 + 32 and fp8["vs_16bit"] == fp8["bytes"] / ((3 * 7 + 32) * 128)
+
+
+def test_memory_counts_sliding_layers(gemma):
+    """bf16 at 256 tokens: 3 sliding layers hold W-1 = 7 tokens, the global layer 256: (3*7 + 256) * 128 bytes."""
+    out = run(["memory", "--model", str(gemma[0]), "--format", "bf16", "--context", "256"])
+    assert f"cache bytes (context 256, batch 1): {(3 * 7 + 256) * PER_TOKEN_LAYER} " in out
+
+
+def test_plan_inspect_export(gemma, tmp_path):
+    d, art = gemma
+    out = run(["plan", "--model", str(d), "--gpu-mem", "1GiB"])
+    assert "max concurrency" in out
+    run(["inspect", str(art)])
+    out = run(["export", "--artifact", str(art), "--target", "vllm", "--model-dir", str(d), "--out", str(tmp_path / "x")])
+    assert "vllm serve" in out
+    from conftest import safetensors_dir
+
+    names = set(safetensors_dir(tmp_path / "x"))
+    assert {f"model.layers.{i}.self_attn.{s}_scale" for i in range(4) for s in "kv"} <= names
