@@ -116,9 +116,9 @@ def model_shape_of(model: str):
             from kvcal.export.checkpoint_json import read_config
 
             return model_shape(read_config(p))
-        from kvcal.models import load_model_config
+        from kvcal.models import gguf_config_fields, load_model_config
 
-        return model_shape(load_model_config(model))
+        return model_shape(gguf_config_fields(model) or load_model_config(model))
     except ValueError as e:
         raise KvcalError(f"{model}: {e}") from None
 

@@ -335,9 +335,9 @@ def load_config(model: str):
         from kvcal.export.checkpoint_json import read_config
 
         return read_config(p)
-    from kvcal.models import load_model_config
+    from kvcal.models import gguf_config_fields, load_model_config
 
-    return load_model_config(model)
+    return gguf_config_fields(model) or load_model_config(model)
 
 
 def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> CapacityPlan:
@@ -404,6 +404,12 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
         "windows/sinks, per-layer metadata); engines round to their page/block size, which can cost up to "
         "one block per sequence",
     ]
+    if shape.layer_windows:
+        sl = shape.sliding_layers
+        notes.append(f"{len(sl)} of {shape.num_layers} layers are sliding-window layers (W = {max(shape.layer_windows)}): "
+                     "each holds at most W - 1 tokens (as transformers' cache; whole token groups more for KIVI-style "
+                     "keys), counted so at every context; vLLM reserves W - 1 + in-flight tokens for them "
+                     "(kvcal memory --format vllm:<dtype>)")
     if mmax:
         notes.append(f"max context is capped at the model's max_position_embeddings ({mmax}); 'fits' keeps "
                      "the uncapped number of tokens the memory would hold")

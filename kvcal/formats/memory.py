@@ -430,24 +430,67 @@ def vllm_bytes_per_token(model_config, kv_cache_dtype: str, skip_layers=(), *, a
                                      add_boundary=add_boundary))
 
 
+#: vLLM 0.33 ``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS``: the in-flight tokens a sliding-window layer's
+#: pages are reserved for beyond its window (``VllmConfig.max_in_flight_tokens`` = this x 1 concurrent batch)
+VLLM_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def vllm_layer_tokens(window: int, context: int, *, block_size: int = 16,
+                      max_num_batched_tokens: int = VLLM_MAX_NUM_BATCHED_TOKENS) -> int:
+    """Token slots (whole blocks) vLLM 0.33 reserves for one sequence of ``context`` tokens in one layer.
+
+    Full attention (``window == 0``): ``ceil(context / block_size)`` blocks (``FullAttentionSpec``).
+    Sliding window ``W`` (``SlidingWindowSpec.max_admission_blocks_per_request``, which sizes the pool and gates
+    admission): ``ceil(min(W - 1 + max_in_flight_tokens, context) / block_size) + 1`` blocks — the last
+    ``W - 1`` computed tokens plus the tokens scheduled but not yet settled (blocks below the window are freed
+    on the processed-token basis, ``SlidingWindowManager.remove_skipped_blocks``), +1 because the window need
+    not start on a block boundary. ``max_in_flight_tokens`` is ``max_num_batched_tokens`` for one concurrent
+    batch (2048 by default; ``vllm serve`` may set another per usage context: pass what the server uses)."""
+    if window:
+        return (-(-min(window - 1 + max_num_batched_tokens, context) // block_size) + 1) * block_size
+    return -(-context // block_size) * block_size
+
+
 def vllm_cache_bytes(model_config, kv_cache_dtype: str, context: int, batch: int = 1, *, block_size: int = 16,
-                     skip_layers=(), add_boundary: bool = True) -> int:
-    """Bytes of the pages vLLM holds for ``batch`` sequences of ``context`` tokens: each sequence
-    takes ``ceil(context / block_size)`` whole blocks of ``block_size`` tokens
-    (``FullAttentionSpec.max_memory_usage_bytes``) at :func:`vllm_bytes_per_token`. Raises
-    ``ValueError`` for a negative context, a batch < 1 or a block size < 1."""
+                     skip_layers=(), add_boundary: bool = True,
+                     max_num_batched_tokens: int = VLLM_MAX_NUM_BATCHED_TOKENS) -> int:
+    """Bytes of the pages vLLM holds for ``batch`` sequences of ``context`` tokens: per layer, the token slots
+    of :func:`vllm_layer_tokens` (full attention: ``ceil(context / block_size)`` whole blocks; sliding-window
+    layers: their window plus the in-flight tokens, at most the context, +1 block) at that layer's bytes per
+    token (:func:`vllm_bytes_per_token`'s per-layer terms). A hybrid model whose layers all have the same page
+    size is grouped as vLLM's ``_get_kv_cache_groups_uniform_page_size`` does: each attention type's layers
+    are padded to a multiple of the group size (the smallest layer count of a type, or the largest when it is
+    under 1.5x the smallest), and padding layers take pages like their type's (Gemma 3 270M: 15 sliding = 5
+    groups of 3, 3 full = 1 group, no padding). Raises ``ValueError`` for a negative context, a batch < 1 or a
+    block size < 1."""
+    from kvcal.formats.vllm_dtypes import layer_bytes_per_token
+
     if not isinstance(context, int) or context < 0:
         raise ValueError(f"context must be an integer >= 0, got {context!r}")
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    tokens = -(-context // block_size) * block_size
-    return batch * tokens * vllm_bytes_per_token(model_config, kv_cache_dtype, skip_layers, add_boundary=add_boundary)
+    shp = model_shape(model_config)
+    per_layer = layer_bytes_per_token(kv_cache_dtype, shp.num_layers, shp.num_kv_heads, shp.head_dim, skip_layers,
+                                      add_boundary=add_boundary)
+    windows = [shp.window(i) for i in range(shp.num_layers)]
+    total = sum(b * vllm_layer_tokens(w, context, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+                for b, w in zip(per_layer, windows, strict=True))
+    types = sorted(set(windows))
+    if len(types) > 1 and len(set(per_layer)) == 1:  # vLLM's padding of each type to whole groups
+        counts = {w: windows.count(w) for w in types}
+        lo, hi = min(counts.values()), max(counts.values())
+        gs = hi if hi < lo * 1.5 else lo
+        for w, n in counts.items():
+            pad = -(-n // gs) * gs - n
+            total += pad * per_layer[0] * vllm_layer_tokens(w, context, block_size=block_size,
+                                                             max_num_batched_tokens=max_num_batched_tokens)
+    return batch * total
 
 
 __all__ = [
-    "vllm_bytes_per_token", "vllm_cache_bytes",
+    "vllm_bytes_per_token", "vllm_cache_bytes", "vllm_layer_tokens", "VLLM_MAX_NUM_BATCHED_TOKENS",
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
     "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "sliding_held", "side_static_bytes", "rounding_bytes", "levels_bytes",
     "side_extra_bytes",
