@@ -514,6 +514,10 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
                 math.isclose(x["v_scale"], ck.v_scales[i], rel_tol=2 ** -23))]
             scale_check.append({"what": "every layer's loaded k_scale/v_scale equals the checkpoint's",
                                 "ok": not bad and len(held) == L, "layers_differing": bad})
+        if skip:
+            kept = [i for i, x in enumerate(held) if (i in skip) != (x["kv_cache_dtype"] == "auto")]
+            scale_check.append({"what": f"{name}: layers {','.join(map(str, skip))} (and only they) hold a 16-bit cache",
+                                "ok": not kept, "layers_differing": kept})
     if has_scales:
         a, b = rows[0]["served"], rows[1]["served"]
         differs = a["ppl"] != b["ppl"] or a["kl_mean"] != b["kl_mean"]
