@@ -44,7 +44,9 @@ Plain text (``.txt``, ``.txt.gz``), format ``txt``: if the file has wikitext-sty
 headings (a line `` = Title = ``; `` = = Section = = `` is not top level), each heading starts a
 new article that runs to the next heading (paragraphs are grouped into articles, the text kept
 as in the file). Without such headings, blank lines separate documents. Each document is
-tokenized whole (with special tokens) and cut into consecutive ``max_seq_len``-token windows; a
+tokenized whole (with special tokens) and cut into consecutive ``max_seq_len``-token windows (where the
+tokenizer adds a BOS, e.g. Gemma's, every window starts with it, as the model is served: the first
+window's own, then BOS + ``max_seq_len - 1`` tokens; SmolLM2's adds none, its windows are unchanged); a
 window is not a truncation, and the last, shorter window is kept when it has ``>= min_tokens``
 tokens (otherwise counted in ``dropped_short``). A document that grows past
 :data:`MAX_DOCUMENT_CHARS` is split there at a line boundary, which bounds memory.
@@ -425,6 +427,15 @@ def _check_magic(p: Path, path: str, ext: str) -> None:
     if found is None:
         return
     what, hint = found
+    if hint == ".jsonl.gz":  # gzip: what does it hold?
+        try:
+            with gzip.open(p, "rb") as f:
+                inner = sniff(f.read(4096))
+        except (OSError, EOFError, zlib.error):
+            inner = None
+        if inner is not None:
+            raise _err(path, None, f"is gzip-compressed data holding {inner[0]}, not text; decompress it (gunzip)"
+                                   + (f" and give it the {inner[1]} extension" if inner[1] else " and pass a text corpus"))
     if hint == ".jsonl.gz" and ext in (".txt",):
         hint = ".txt.gz"
     if hint == ".jsonl.gz" and ext in (".csv", ".json"):
@@ -1293,6 +1304,8 @@ def load_corpus(
                 yield lineno, text
 
         docs = _txt_documents(counted(_lines(p, spath, gz)), _has_titles(p, gz))
+        bos = getattr(tokenizer, "bos_token_id", None)  # the BOS the tokenizer adds to every text, if any
+        bos = bos if bos is not None and enc.ids("a", True)[:1] == [bos] else None
         for start, doc in docs:
             counts["docs"] += 1
             try:
@@ -1301,8 +1314,13 @@ def load_corpus(
                 raise _err(spath, start, f"cannot tokenize the document starting here "
                                          f"({type(e).__name__}: {_one_line(e)})") from None
             check_text_ids(spath, start, doc, ids, tokenizer, limit, True)  # the document keeps its line breaks
-            for w in range(0, len(ids), max_seq_len):
-                offer(start, ids[w: w + max_seq_len], False, "txt")
+            if bos is None or max_seq_len < 2:
+                for w in range(0, len(ids), max_seq_len):
+                    offer(start, ids[w: w + max_seq_len], False, "txt")
+            else:  # every window starts with the BOS the tokenizer put in front of the document, as served
+                offer(start, ids[:max_seq_len], False, "txt")
+                for w in range(max_seq_len, len(ids), max_seq_len - 1):
+                    offer(start, [bos, *ids[w: w + max_seq_len - 1]], False, "txt")
     else:
         parser = _JsonlParser(spath, tokenizer, text_field, messages_field)
         for lineno, lfmt, s, special in _records(src, spath, parser, counts):

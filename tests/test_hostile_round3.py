@@ -252,6 +252,9 @@ def _make(kind, d):
     if kind == "parquet_in_gz":
         (d / "data.jsonl.gz").write_bytes(gzip.compress(_parquet(d / "x.parquet", ["a b"]).read_bytes()))
         return d / "data.jsonl.gz"
+    if kind == "gzip_parquet_as_jsonl":
+        (d / "data.jsonl").write_bytes(gzip.compress(_parquet(d / "x.parquet", ["a b"]).read_bytes()))
+        return d / "data.jsonl"
     if kind == "gguf_as_txt":
         (d / "data.txt").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)
         return d / "data.txt"
@@ -285,6 +288,7 @@ def _make(kind, d):
     ("gzip_as_jsonl", ["is gzip-compressed data", "give it the .jsonl.gz extension"]),
     ("text_as_gz", ["is JSON lines text, not gzip-compressed", "give it the .jsonl extension"]),
     ("parquet_in_gz", ["decompresses to a Parquet file", ".parquet extension"]),
+    ("gzip_parquet_as_jsonl", ["is gzip-compressed data holding a Parquet file", "gunzip", ".parquet extension"]),
     ("gguf_as_txt", ["is a GGUF model file", "--model"]),
     ("safetensors_as_jsonl", ["is a safetensors file"]),
     ("zip_as_csv", ["is a zip archive"]),
