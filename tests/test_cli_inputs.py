@@ -151,6 +151,8 @@ def base_args(files, tiny_dir, out: Path) -> dict[str, list[str]]:
                      str(tiny_dir), "--context", "32"],
         "recommend": ["recommend", "--engine", "vllm", "--corpus", str(files["long"]), "--model", str(tiny_dir),
                       "--out", str(out), "--context", "32", "--probe-tokens", "64", "--windows", "1"],
+        # no engine is started: the engine Python does not exist (a one-line refusal after the options are parsed)
+        "verify": ["verify", str(tiny_dir), "--corpus", str(files["long"]), "--engine-python", str(out / "python")],
     }
 
 
