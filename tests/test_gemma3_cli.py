@@ -83,3 +83,34 @@ def test_plan_inspect_export(gemma, tmp_path):
 
     names = set(safetensors_dir(tmp_path / "x"))
     assert {f"model.layers.{i}.self_attn.{s}_scale" for i in range(4) for s in "kv"} <= names
+
+
+def test_evaluate_windows_start_with_bos_as_served(gemma, tmp_path, one_thread):
+    """The tiny Gemma's tokenizer adds BOS (token 1), so every evaluation window is BOS + 15 stream tokens of the
+    .txt tokenized at once; the 16-bit perplexity equals one computed here in float64 from the model's logits on
+    windows built by hand (same fp32 forward, so the bound is fp32 rounding of the mean log-probability:
+    1e-5 relative), and the document says how the windows start."""
+    import math
+
+    import torch
+
+    from kvcal.models import load_model, load_tokenizer
+
+    d, art = gemma
+    corpus = "calibration_sets/longdocs.txt"
+    js = tmp_path / "e.json"
+    run(["evaluate", "--model", str(d), "--artifact", str(art), "--corpus", corpus, "--context", "16", "--windows",
+         "2", "--mode", "teacher_forced", "--no-baselines", "--json", str(js), "--quiet"])
+    doc = json.loads(js.read_text())
+    assert doc["corpus"]["bos_token_id"] == 1 and "starts with BOS (token 1)" in doc["corpus"]["window_source"]
+    tok = load_tokenizer(str(d))
+    with open(corpus, encoding="utf-8") as f:
+        ids = tok(f.read(), add_special_tokens=False).input_ids
+    wins = torch.tensor([[1, *ids[0:15]], [1, *ids[15:30]]])
+    m = load_model(str(d))
+    with torch.no_grad():
+        lp = torch.log_softmax(m(wins).logits.double(), -1)[:, :-1]
+    nll = -lp.gather(-1, wins[:, 1:, None]).mean().item()
+    ref = next(r for r in doc["results"] if r["method"] == "16-bit")
+    assert ref["tokens"] == 30
+    assert math.isclose(ref["ppl"], math.exp(nll), rel_tol=1e-5)

@@ -29,7 +29,7 @@ from kvcal.evaluate.baselines import (
 from kvcal.evaluate.decode import decode_eval
 from kvcal.evaluate.document import SCHEMA
 from kvcal.evaluate.protocol_a import teacher_forced
-from kvcal.evaluate.windows import corpus_stream, cut_windows
+from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,10 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     contexts = sorted({int(c) for c in cfg.contexts})
     batches = sorted({int(b) for b in cfg.batches})
     ids, corpus_info = corpus_stream(cfg.corpus, tok, **corpus_opts)
+    bos = served_bos(tok)  # a window starts with BOS where the tokenizer adds one, as the model is served
     wins = {}
     for T in contexts:
-        w = cut_windows(ids, T, cfg.windows)
+        w = cut_windows(ids, T, cfg.windows, bos=bos)
         if len(w) == 0:
             raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens; context {T} needs at least {T} "
                              "(use a longer corpus or a smaller --context)")
@@ -177,7 +178,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     if cfg.baselines:
         amax = artifact_amax(art.metadata)
         if amax is None:
-            extra = cut_windows(ids, contexts[0], 2, skip=cfg.windows)
+            extra = cut_windows(ids, contexts[0], 2, skip=cfg.windows, bos=bos)
             if len(extra):
                 amax = capture_amax(model, extra, L)
                 notes.append(f"fp8-absmax: the artifact records no per-layer amax; absmax was captured on "
@@ -301,10 +302,8 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                      "corpus": art.metadata.get("corpus"), "sha256": artifact_sha256(art.path)},
         "model": mm,
         "corpus": {**corpus_info, "windows": {str(T): len(wins[T]) for T in contexts},
-                   "window_source": ("whole file tokenized at once (no BOS), consecutive windows from the start"
-                                     if corpus_info["kind"] == "txt" else
-                                     "samples concatenated in file order, consecutive windows from the start"),
-                   "eval_tokens": eval_tokens},
+                   "window_source": window_source(corpus_info["kind"], bos),
+                   "eval_tokens": eval_tokens, **({"bos_token_id": bos} if bos is not None else {})},
         "regimes": [{"context": T, "batch": B} for T in contexts for B in batches],
         "methods": methods,
         "results": results,
@@ -342,6 +341,17 @@ def _artifact_skip_layers(meta: dict, kv_cache_dtype: str) -> tuple[int, ...]:
     fp8 = ("fp8", "fp8_e4m3")
     same = vm.get("kv_cache_dtype") == kv_cache_dtype or (vm.get("kv_cache_dtype") in fp8 and kv_cache_dtype in fp8)
     return tuple(int(i) for i in vm["skip_layers"]) if same else ()
+
+
+def window_source(kind: str, bos: int | None) -> str:
+    """How the evaluation windows were cut, as the document and the report state it (``bos``: the BOS id every
+    window starts with, :func:`~kvcal.evaluate.windows.served_bos`; ``None``: none added)."""
+    if bos is None:
+        return ("whole file tokenized at once (no BOS), consecutive windows from the start" if kind == "txt" else
+                "samples concatenated in file order, consecutive windows from the start")
+    src = "whole file tokenized at once" if kind == "txt" else "samples concatenated in file order"
+    return (f"{src}; every window starts with BOS (token {bos}) followed by context - 1 consecutive tokens, as the "
+            "model is served (its tokenizer adds BOS to every prompt); the BOS position is not predicted")
 
 
 def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts: list[int], batches: list[int],

@@ -9,6 +9,11 @@
   stream, after ``skip`` windows (so calibration/probe and evaluation windows can be kept apart);
   a short stream gives fewer windows (``k`` may be 0), never a partial one.
 * :func:`text_windows` = :func:`cut_windows` of :func:`tokenize_text`.
+* :func:`served_bos`: the BOS id a tokenizer puts in front of every text it encodes (Gemma's), or
+  ``None`` (SmolLM2's plain tokenizer adds none). Where there is one, :func:`cut_windows` ``bos=``
+  starts every window with it, as the model is served: a window is BOS + ``window - 1`` stream tokens
+  (position 0 is never predicted, so every window still predicts ``window - 1`` tokens). Without a BOS
+  the windows are the prior-art protocol's, unchanged.
 """
 
 from __future__ import annotations
@@ -21,12 +26,34 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
 
 
-def cut_windows(ids: torch.Tensor, window: int, n: int, skip: int = 0) -> torch.Tensor:
+def served_bos(tokenizer) -> int | None:
+    """The BOS token id ``tokenizer`` adds in front of a plain text (``tokenizer("a")``, special tokens on, as a
+    server encodes a prompt), or ``None`` when it adds none or has no BOS."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a").input_ids
+    return int(bos) if len(ids) and int(ids[0]) == int(bos) else None
+
+
+def cut_windows(ids: torch.Tensor, window: int, n: int, skip: int = 0, bos: int | None = None) -> torch.Tensor:
     """Consecutive ``window``-token windows of ``ids`` ``[L]``: a view ``[k, window]``,
-    ``k = min(n, max(0, (L - skip·window) // window))``, starting at token ``skip·window``."""
-    start = skip * window
-    k = min(n, max(0, (ids.numel() - start) // window))
-    return ids[start : start + k * window].view(k, window)
+    ``k = min(n, max(0, (L - skip·window) // window))``, starting at token ``skip·window``.
+
+    ``bos``: a token id (:func:`served_bos`): each window is ``bos`` followed by ``window - 1`` consecutive
+    stream tokens (a new ``[k, window]`` tensor; the stream is cut in steps of ``window - 1``, ``skip`` counts
+    such windows)."""
+    if bos is None:
+        start = skip * window
+        k = min(n, max(0, (ids.numel() - start) // window))
+        return ids[start : start + k * window].view(k, window)
+    step = window - 1
+    if step < 1:
+        raise ValueError(f"a window with a BOS needs at least 2 tokens, got {window}")
+    start = skip * step
+    k = min(n, max(0, (ids.numel() - start) // step))
+    body = ids[start : start + k * step].view(k, step)
+    return torch.cat([torch.full((k, 1), int(bos), dtype=ids.dtype), body], dim=1)
 
 
 def text_windows(tokenizer, text: str, window: int, n_windows: int, skip_windows: int = 0) -> torch.Tensor:
