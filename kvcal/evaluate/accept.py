@@ -30,12 +30,15 @@ DEFAULT_ACCEPT = {
 def parse_accept(spec: str) -> list[tuple[str, str, float]]:
     """``"kl_mean<=2e-3,delta_ppl<=0.05"`` -> ``[("kl_mean", "<=", 0.002), ...]``.
 
-    Metrics: see :data:`METRICS`; operators ``<= < >= >``. Raises :class:`~kvcal.errors.KvcalError`
-    naming the bad clause."""
+    Metrics: see :data:`METRICS`; operators ``<= < >= >``. The clauses follow :func:`kvcal.options.parse_bar`'s rules
+    (a bound that is not finite, a clause or pair that can never pass or always passes is refused), so the Python API
+    refuses what the CLI refuses. Raises :class:`~kvcal.errors.KvcalError` naming the bad clause."""
     import re
 
     from kvcal.errors import KvcalError
+    from kvcal.options import parse_bar
 
+    parse_bar(spec, METRICS, "kvcal")
     out = []
     for clause in (c.strip() for c in spec.split(",")):
         if not clause:
