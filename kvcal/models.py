@@ -575,6 +575,11 @@ def rope_table(model):
     from kvcal.formats.transforms import RopeTable
 
     mods = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    per_type = sorted({n[: -len("_inv_freq")] for m in model.modules() for n, _ in m.named_buffers(recurse=False)
+                       if n.endswith("_inv_freq") and not n.endswith("original_inv_freq")})
+    if not mods and per_type:  # e.g. Gemma 3: RoPE base 10k on sliding layers, 1M on global ones
+        raise ValueError(f"{type(model).__name__} rotates keys with one rotary embedding per layer type "
+                         f"({', '.join(per_type)}); pre-RoPE keys support one")
     if not mods:
         raise ValueError(f"{type(model).__name__} has no rotary embedding (inv_freq); pre-RoPE keys need RoPE")
     f0 = mods[0].inv_freq

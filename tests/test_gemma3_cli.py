@@ -114,3 +114,16 @@ def test_evaluate_windows_start_with_bos_as_served(gemma, tmp_path, one_thread):
     ref = next(r for r in doc["results"] if r["method"] == "16-bit")
     assert ref["tokens"] == 30
     assert math.isclose(ref["ppl"], math.exp(nll), rel_tol=1e-5)
+
+
+def test_int4_pre_rope_keys_refused_in_one_line(gemma, tmp_path, one_thread):
+    """Gemma 3 rotates keys with RoPE base 10k on sliding layers and 1M on global ones: pre-RoPE key storage
+    (--preset int4) needs one table, so it is refused in one line naming why, and nothing is written."""
+    r = CliRunner().invoke(main, ["calibrate", "--model", str(gemma[0]), "--corpus", TEXT, "--max-samples", "4",
+                                  "--max-seq-len", "32", "--preset", "int4", "--out", str(tmp_path / "o"), "--quiet"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    err = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert err == ["error: --preset int4 quantizes keys pre-RoPE, which this model does not allow: Gemma3ForCausalLM "
+                   "rotates keys with one rotary embedding per layer type (full_attention, sliding_attention); "
+                   "pre-RoPE keys support one. Use --preset int8 or --bits."]
+    assert not (tmp_path / "o").exists()
