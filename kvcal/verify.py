@@ -426,7 +426,7 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
     has_scales = all(s is not None for s in ck.k_scales + ck.v_scales)
 
     from kvcal.corpus import check_corpus
-    from kvcal.evaluate.windows import corpus_stream, cut_windows
+    from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.models import load_model, load_tokenizer
 
     corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
@@ -439,7 +439,8 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
         view = no_scale_view(ck, work / "no-scales")
         tok = load_tokenizer(str(view))
         ids, corpus_info = corpus_stream(cfg.corpus, tok, **corpus_opts)
-        wins = cut_windows(ids, cfg.context, cfg.windows)
+        bos = served_bos(tok)  # as kvcal evaluate: a window starts with the BOS the tokenizer adds, if any
+        wins = cut_windows(ids, cfg.context, cfg.windows, bos=bos)
         if len(wins) < 2:
             raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens: fewer than 2 windows of {cfg.context} "
                              "(use a longer corpus or a smaller --context)")
@@ -533,7 +534,10 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
             "align_max_abs": align, "seconds": {n: {"start": r["engine_start_s"], "serve": r["serve_s"]}
                                                for n, r in served["runs"].items()}},
         "corpus": {**corpus_info, "context": cfg.context, "windows": len(wins),
-                   "window_source": "as kvcal evaluate: consecutive windows from the start, no BOS added (.txt)"},
+                   "bos_token_id": bos,
+                   "window_source": "as kvcal evaluate: consecutive windows from the start, "
+                                    + ("each starting with the BOS the tokenizer adds" if bos is not None else
+                                       "no BOS (the tokenizer adds none)")},
         "reference": {"served_16bit_ppl": ref_served["ppl"], "predicted_16bit_ppl": ref_pred["ppl"]},
         "accept": crit_str, "confidence": CONFIDENCE, "rows": rows, "scales_applied": scale_check,
     }
