@@ -50,8 +50,13 @@ def _same_artifact(a: Path, b: Path):
 def _cli(args, env_extra=None, torchrun=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
     if torchrun:
+        import socket
+
+        with socket.socket() as s:  # a free port (a fixed one collides with another run of this test on the machine)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(torchrun),
-               "--master-port", "29531", "-m", "kvcal", *args]
+               "--master-port", str(port), "-m", "kvcal", *args]
     else:
         cmd = [sys.executable, "-m", "kvcal", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
