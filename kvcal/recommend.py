@@ -380,7 +380,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     from kvcal.errors import KvcalError
     from kvcal.evaluate.accept import default_accept, judge, parse_accept
     from kvcal.evaluate.protocol_a import teacher_forced
-    from kvcal.evaluate.windows import corpus_stream, cut_windows
+    from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token
     from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_backend, vllm_dtype
     from kvcal.models import check_max_positions, load_model, load_model_config, load_tokenizer, resolve_model
@@ -412,13 +412,14 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     ids, info = corpus_stream(cfg.corpus, tok, **opts)
     T = cfg.context
     n_probe = max(1, math.ceil(cfg.probe_tokens / T))
-    probe = cut_windows(ids, T, n_probe)
+    bos = served_bos(tok)  # as kvcal evaluate: a window starts with the BOS the tokenizer adds (Gemma), if any
+    probe = cut_windows(ids, T, n_probe, bos=bos)
     if cfg.eval_corpus is None:
-        ev = cut_windows(ids, T, cfg.windows, skip=n_probe)
+        ev = cut_windows(ids, T, cfg.windows, skip=n_probe, bos=bos)
         eval_info = {**info, "windows_after_probe": n_probe}
     else:
         eids, eval_info = corpus_stream(cfg.eval_corpus, tok, **opts)
-        ev = cut_windows(eids, T, cfg.windows)
+        ev = cut_windows(eids, T, cfg.windows, bos=bos)
     if cfg.eval_corpus is not None and len(ev) == 0 and len(probe) == n_probe:  # name the file that is short
         raise KvcalError(f"--eval-corpus {cfg.eval_corpus} has {eids.numel()} tokens; one evaluation window of "
                          f"{T} tokens needs {T} (lower --context, or give a longer --eval-corpus)")
@@ -601,6 +602,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             "max_bytes_per_token": cfg.max_bytes_per_token, "max_skip": cfg.max_skip,
             "bytes_per_token_16bit": b16, "accept": cfg.accept or "kvcal evaluate defaults by precision",
             "data": {"probe": {"corpus": info["path"], "windows": len(probe), "context": T},
+                     "bos_token_id": bos,  # every probe and evaluation window starts with it (None: no BOS added)
                      "evaluation": {"corpus": eval_info["path"], "windows": len(ev), "context": T,
                                     "skipped_windows": 0 if cfg.eval_corpus else n_probe},
                      "reference_ppl": res["16-bit"]["ppl"]},
