@@ -306,6 +306,10 @@ def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int
     req.write_text(json.dumps(request))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
+    # the engine runs as deployed: ATEN_CPU_CAPABILITY (kvcal's suite sets it to check its own arithmetic on other
+    # kernels) makes torch inductor inside vLLM 0.32 emit C++ that does not compile ("'at::vec' has not been
+    # declared") even with enforce_eager
+    env.pop("ATEN_CPU_CAPABILITY", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
         proc = subprocess.run([str(engine_python), str(RUNNER), str(req), str(res)], capture_output=True, text=True,
@@ -324,9 +328,10 @@ def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int
     if isinstance(out, dict) and out.get("error"):
         raise KvcalError(f"engine refused: {out['error']}")
     if proc.returncode != 0 or not isinstance(out, dict):
-        tail = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        tail = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        named = [ln for ln in tail if re.search(r"\w(Error|Exception|Failed)\b", ln)]  # the exception, not a hint
         raise KvcalError(f"the engine exited with status {proc.returncode}: "
-                         f"{tail[-1].strip() if tail else 'no message'} (--engine-python {engine_python})")
+                         f"{(named or tail or ['no message'])[-1][:400]} (--engine-python {engine_python})")
     return out
 
 
