@@ -633,16 +633,13 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
         raise KvcalError("--engine-python is required (or KVCAL_ENGINE_PYTHON): the Python of vLLM's own venv, "
                          "e.g. .venv-vllm-cpu/bin/python after `make engine-venv`")
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)
+    from kvcal.search.skip_layers import parse_skip_layers
     from kvcal.verify import VerifyConfig, render, verify
 
-    skip = ()
-    if skip_layers is not None:
-        from kvcal.options import split_list
-
-        items = split_list(skip_layers, "--skip-layers", "layer index", "0,29", "layer")
-        if not all(x.isdigit() for x in items):
-            raise KvcalError(f"--skip-layers {skip_layers!r}: layer indices are integers >= 0 (e.g. 0,29)")
-        skip = tuple(int(x) for x in items)
+    skip = parse_skip_layers(skip_layers) or ()
+    if skip == "auto":
+        raise KvcalError("--skip-layers auto: verify serves the layers a deployment names; give their indices "
+                         "(e.g. 0,29), as `kvcal calibrate --skip-layers auto` or recommend recorded them")
     cfg = VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, context=context,
                        windows=windows, kv_cache_dtype=kv_cache_dtype, backend=backend, accept=accept,
                        timeout_s=timeout_s, skip_layers=skip, model_dir=model_dir, text_field=text_field,

@@ -513,7 +513,7 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
             alt = summarize(pred[f"{name}@cuda"], p_ref)
             row["predicted_if_rounding"] = alt
         rows.append(row)
-        held = [x for x in s_run["layer_scales"]]
+        held = s_run["layer_scales"]
         if "checkpoint" in name:
             bad = [i for i, x in enumerate(held) if i < L and not (
                 math.isclose(x["k_scale"], ck.k_scales[i], rel_tol=2 ** -23) and

@@ -149,7 +149,8 @@ def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_pa
         assert r.exit_code == 2 and want in r.output, (argv, r.output)
         assert all("Traceback" not in ln for ln in lines)
     for skip, want in (("5", "--skip-layers 5: the model has 2 layers (0 to 1)"),
-                       ("0,1", "at least one must stay in fp8"), ("a", "layer indices are integers"),
+                       ("0,1", "at least one must stay in fp8"), ("a", "'a' is not a layer index"),
+                       ("auto", "--skip-layers auto: verify serves the layers a deployment names"),
                        ("0,0", "layer 0 is named twice")):
         r = _verify([*base, "--engine-python", sys.executable, "--skip-layers", skip])
         assert r.exit_code == 2 and want in r.output and len(r.output.strip().splitlines()) == 1, r.output
