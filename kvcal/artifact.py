@@ -698,7 +698,7 @@ CONTENT_HASH_KEY = "content_sha256"
 
 #: Tensor kinds kvcal writes per layer and side (``model.layers.{i}.self_attn.{k,v}_{kind}``).
 TENSOR_KINDS = ("scale", "zero_point", "clip_ratio", "mean", "rounding", "channel_bits", "levels", "trellis",
-                "scale_base")
+                "scale_base", "rope_inv_freq")
 #: Tensors outside the per-layer K/V pattern: the query scale (per layer) and the RoPE table.
 _OTHER_TENSOR = ("q_scale",)
 #: vLLM NVFP4 outer scales (``model.layers.{i}.self_attn.{k,v}_outer_scale``, float32 ``[1]``; written by
@@ -948,6 +948,15 @@ def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
                                     f"({t.flatten()[:3].tolist()}); re-run calibration")
             continue
         spec = (specs[i] if specs else kv)[side]
+        if kind == "rope_inv_freq":  # a pre-RoPE key layer's own RoPE table (models with one per layer type)
+            trs = kv.get("transforms") or []
+            if side != "k" or i >= len(trs) or trs[i].get("k") != "pre_rope":
+                raise ArtifactError(f"{f}: holds {name}, a RoPE table, but layer {i}'s keys are not stored pre-RoPE "
+                                    "(kv.transforms); remove it or re-run calibration")
+            if tuple(t.shape) != (D // 2,) or not bool((torch.isfinite(t) & (t > 0)).all()):
+                raise ArtifactError(f"{f}: {name} must hold {D // 2} finite positive RoPE frequencies (head_dim {D} / 2), "
+                                    f"got shape {list(t.shape)}; the file was edited — re-run calibration")
+            continue
         if kind in ("scale", "zero_point"):
             allowed = {"tensor": (1,), "head": (H, 1, 1), "channel": (H, 1, D)}.get(spec["granularity"])
             if allowed and not spec.get("dynamic", False) and tuple(t.shape) != allowed:

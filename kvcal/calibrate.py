@@ -301,11 +301,11 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     log(f"split: {len(corpus.samples) - len(held_idx)} calibration / {len(held_idx)} held-out samples (seed {cfg.seed})"
         + (f"; data-parallel over {world} ranks" if world > 1 else ""))
     if int_path:  # fail before the capture when a pre-RoPE preset cannot work on this model
-        from kvcal.models import rope_table
+        from kvcal.models import rope_tables
         from kvcal.search.presets import INT_PRESETS, NEEDS_ROPE
 
         try:
-            rope_table(model)
+            rope_tables(model)
         except ValueError as e:
             if cfg.bits is None and any(c.transform in NEEDS_ROPE for c in INT_PRESETS[cfg.preset]):
                 raise KvcalError(f"--preset {cfg.preset} quantizes keys pre-RoPE, which this model does not "

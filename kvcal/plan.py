@@ -83,7 +83,7 @@ def tensor_name(layer: int, side: str, kind: str = "scale") -> str:
 
     The one naming rule for every per-layer artifact tensor (``kind``: ``scale``, ``zero_point``,
     ``clip_ratio``, ``mean``, ``rounding``, ``channel_bits``, ``levels``, ``trellis``,
-    ``scale_base``); also exported as :func:`kvcal.artifact.tensor_name`.
+    ``scale_base``, ``rope_inv_freq``); also exported as :func:`kvcal.artifact.tensor_name`.
     Raises ``ValueError`` for a side other than ``"k"`` / ``"v"``."""
     if side not in SIDES:
         raise ValueError(f"side must be 'k' or 'v', got {side!r}")
@@ -351,6 +351,15 @@ class KVPlan:
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
+            for i, lp in enumerate(self.layers):  # a layer whose table differs (Gemma 3: one RoPE per layer type)
+                for sp in (lp.k, lp.v):
+                    if sp.transform != "pre_rope" or sp.rope is rope:
+                        continue
+                    if sp.rope.attention_scaling != rope.attention_scaling:
+                        raise ValueError(f"layer {i}: RoPE attention_scaling {sp.rope.attention_scaling} differs from "
+                                         f"{rope.attention_scaling}; an artifact records one")
+                    if not torch.equal(sp.rope.inv_freq, rope.inv_freq):
+                        out[tensor_name(i, "k", "rope_inv_freq")] = sp.rope.inv_freq.float().contiguous()
         # own storage per name: a plan built through the API may share one tensor between sides or
         # layers, which safetensors refuses to write
         return {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in out.items()}
@@ -408,6 +417,10 @@ class KVPlan:
                 raise ValueError("artifact has pre-RoPE keys but lacks the tensor rotary.inv_freq")
             rope = RopeTable(tensors["rotary.inv_freq"].float().reshape(-1),
                              float(kv.get("rope_attention_scaling", 1.0)))
+
+        def layer_rope(i):  # the layer's own table where its RoPE differs from the first (Gemma 3's layer types)
+            t = tensors.get(tensor_name(i, "k", "rope_inv_freq"))
+            return rope if t is None else RopeTable(t.float().reshape(-1), rope.attention_scaling)
         layers = []
         for i in range(L):
             sides = {}
@@ -482,7 +495,7 @@ class KVPlan:
                             "quantized)")
                     raise ValueError(f"{tensor_name(i, s, 'scale_base')} is only for log8 scales; the side's scales are {what}")
                 sp.transform = str(trs[i].get(s, "none"))
-                sp.rope = rope if sp.transform == "pre_rope" else None
+                sp.rope = layer_rope(i) if sp.transform == "pre_rope" else None
                 sp.check_transform()
                 sides[s] = sp
             layers.append(LayerPlan(sides["k"], sides["v"]))

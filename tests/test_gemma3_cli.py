@@ -13,7 +13,10 @@ from conftest import save_tiny_gemma3
 from kvcal.cli import main
 
 TEXT = "calibration_sets/text.jsonl"
-PER_TOKEN_LAYER = 2 * 1 * 32 * 2  # bf16 bytes per token per layer: K and V, 1 KV head x 32
+PER_TOKEN_LAYER = 2 * 1 * 32 * 2
+#: a random-weight model's perplexity (~5e4) moves by tens under any cache format, so the default ΔPPL bars are
+#: a coin toss there: these tests check what evaluate measures and counts, not whether a bar passes
+ACCEPT = "kl_mean<=1"  # bf16 bytes per token per layer: K and V, 1 KV head x 32
 
 
 def run(args):
@@ -52,7 +55,7 @@ def test_evaluate_teacher_forced_and_decode(gemma, tmp_path, one_thread):
     refuse sliding layers after Protocol A had run) and its measured allocation equals the contract."""
     d, art = gemma
     js = tmp_path / "e.json"
-    run(["evaluate", "--model", str(d), "--artifact", str(art), "--corpus", TEXT, "--context", "32", "--windows", "2",
+    run(["evaluate", "--accept", ACCEPT, "--model", str(d), "--artifact", str(art), "--corpus", TEXT, "--context", "32", "--windows", "2",
          "--mode", "teacher_forced,decode", "--greedy-tokens", "4", "--json", str(js), "--quiet"])
     doc = json.loads(js.read_text())
     rows = {(r["method"], r["mode"]) for r in doc["results"]}
@@ -99,7 +102,7 @@ def test_evaluate_windows_start_with_bos_as_served(gemma, tmp_path, one_thread):
     d, art = gemma
     corpus = "calibration_sets/longdocs.txt"
     js = tmp_path / "e.json"
-    run(["evaluate", "--model", str(d), "--artifact", str(art), "--corpus", corpus, "--context", "16", "--windows",
+    run(["evaluate", "--accept", ACCEPT, "--model", str(d), "--artifact", str(art), "--corpus", corpus, "--context", "16", "--windows",
          "2", "--mode", "teacher_forced", "--no-baselines", "--json", str(js), "--quiet"])
     doc = json.loads(js.read_text())
     assert doc["corpus"]["bos_token_id"] == 1 and "starts with BOS (token 1)" in doc["corpus"]["window_source"]
@@ -116,14 +119,63 @@ def test_evaluate_windows_start_with_bos_as_served(gemma, tmp_path, one_thread):
     assert math.isclose(ref["ppl"], math.exp(nll), rel_tol=1e-5)
 
 
-def test_int4_pre_rope_keys_refused_in_one_line(gemma, tmp_path, one_thread):
-    """Gemma 3 rotates keys with RoPE base 10k on sliding layers and 1M on global ones: pre-RoPE key storage
-    (--preset int4) needs one table, so it is refused in one line naming why, and nothing is written."""
-    r = CliRunner().invoke(main, ["calibrate", "--model", str(gemma[0]), "--corpus", TEXT, "--max-samples", "4",
-                                  "--max-seq-len", "32", "--preset", "int4", "--out", str(tmp_path / "o"), "--quiet"])
-    assert r.exit_code == 2 and "Traceback" not in r.output
-    err = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert err == ["error: --preset int4 quantizes keys pre-RoPE, which this model does not allow: Gemma3ForCausalLM "
-                   "rotates keys with one rotary embedding per layer type (full_attention, sliding_attention); "
-                   "pre-RoPE keys support one. Use --preset int8 or --bits."]
-    assert not (tmp_path / "o").exists()
+def test_int4_pre_rope_keys_per_layer_type(gemma, tmp_path, one_thread):
+    """--preset int4 stores keys pre-RoPE; Gemma 3 rotates them with base 10k on sliding layers and 1M on the
+    global one, so the artifact carries the global layer's own table (k_rope_inv_freq) beside rotary.inv_freq
+    (the first pre-RoPE layer's), the loaded plan gives every layer the table the model rotated it with
+    (kvcal.models.rope_tables, itself checked against the model's k_norm output in
+    tests/formats/test_rope_per_layer_type.py), and both evaluation modes run on it (decode reads the runtime
+    cache, whose sliding layers re-rotate at their absolute positions), memory equal to the contract."""
+    import torch
+
+    from kvcal.artifact import load_artifact
+    from kvcal.models import load_model, rope_tables
+    from kvcal.plan import KVPlan
+
+    d = gemma[0]
+    out = tmp_path / "int4"
+    run(["calibrate", "--model", str(d), "--corpus", TEXT, "--max-samples", "6", "--max-seq-len", "32",
+         "--preset", "int4", "--sinks", "1", "--probe-tokens", "0", "--out", str(out), "--quiet"])
+    art = load_artifact(out)
+    assert [t["k"] for t in art.metadata["kv"]["transforms"]] == ["pre_rope"] * 4
+    assert {n for n in art.tensors if "rope" in n} == {"model.layers.2.self_attn.k_rope_inv_freq"}
+    plan = KVPlan.from_artifact(art.tensors, art.metadata)
+    want = rope_tables(load_model(str(d)))
+    for i in range(4):
+        assert torch.equal(plan.layers[i].k.rope.inv_freq, want[i].inv_freq), i
+    assert not torch.equal(want[0].inv_freq, want[2].inv_freq)
+    js = tmp_path / "e.json"
+    run(["evaluate", "--accept", ACCEPT, "--model", str(d), "--artifact", str(out), "--corpus", TEXT, "--context", "24", "--windows", "2",
+         "--mode", "teacher_forced,decode", "--greedy-tokens", "4", "--no-baselines", "--json", str(js), "--quiet"])
+    doc = json.loads(js.read_text())
+    measured = {m["method"]: m for m in doc["memory"]["measured"]}
+    assert measured["artifact"]["allocated_bytes"] == measured["artifact"]["expected_bytes"]
+
+
+def test_bits_budget_counts_what_sliding_layers_hold(gemma, tmp_path, one_thread):
+    """--bits 4 at --budget-context 64 on the tiny Gemma (W = 8: three sliding layers hold 7 tokens, the global
+    one 64): the budget is 4 bits per element the cache holds, (3·7 + 64) tokens × 2 sides × 1 head × 32, not
+    4 · 64 · 4 layers; the recorded average is 8 · cache bytes / those elements (worked by hand here) and within
+    budget, the cache bytes are the runtime's contract for those layer types, and every spec costs a sliding
+    layer less than the global one (7 vs 64 tokens)."""
+    from kvcal.artifact import load_artifact
+    from kvcal.formats.memory import cache_bytes
+    from kvcal.models import load_model_config
+    from kvcal.plan import KVPlan
+
+    d = gemma[0]
+    out = tmp_path / "bits"
+    run(["calibrate", "--model", str(d), "--corpus", TEXT, "--max-samples", "6", "--max-seq-len", "32",
+         "--bits", "4", "--budget-context", "64", "--sinks", "1", "--probe-tokens", "0", "--out", str(out), "--quiet"])
+    art = load_artifact(out)
+    summ = art.metadata["calibration"]
+    held = (3 * 7 + 64) * 2 * 1 * 32
+    total = summ["cache_bytes_at_context"]
+    assert summ["average_bits"] == 8.0 * total / held and summ["average_bits"] <= 4.0
+    plan = KVPlan.from_artifact(art.tensors, art.metadata)
+    assert total == cache_bytes(load_model_config(str(d)), [plan.kv_config(i) for i in range(4)], 64)
+    table = summ["allocation"]["table"]
+    for side in "kv":
+        slid = next(r for r in table if r["layer"] == 0 and r["side"] == side)["bytes"]
+        glob = next(r for r in table if r["layer"] == 2 and r["side"] == side)["bytes"]
+        assert all(a < b for a, b in zip(slid, glob, strict=True)), (side, slid, glob)

@@ -72,6 +72,7 @@ def restore_checkpoint(ck: dict, path: str, n_batches: int, result, res_c, res_h
         res_c.load_state_dict(ck["calib"])
         res_h.load_state_dict(ck["heldout"])
         scaling = {int(k): float(v) for k, v in dict(ck["scaling"]).items()}
+        windows = {int(k): int(v) for k, v in dict(ck.get("windows", {})).items()}
         torch.set_rng_state(ck["rng"])
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
         raise KvcalError(f"--resume: checkpoint {path} is malformed ({type(e).__name__}: {e}); delete it and start "
@@ -80,5 +81,6 @@ def restore_checkpoint(ck: dict, path: str, n_batches: int, result, res_c, res_h
     if sink_stats is not None:
         result.sink_stats = sink_stats
     result.scaling.update(scaling)
+    result.windows.update(windows)
     result.tokens = ck["tokens"]
     return start, stats

@@ -56,6 +56,10 @@ def all_reduce_capture(result: CaptureResult) -> None:
     dist.all_gather_object(scal, result.scaling)
     for d in scal:
         result.scaling.update(d)
+    wins = [None] * dist.get_world_size()
+    dist.all_gather_object(wins, result.windows)
+    for d in wins:
+        result.windows.update(d)
     toks = [None] * dist.get_world_size()
     dist.all_gather_object(toks, result.tokens)
     result.tokens = sum(toks)

@@ -112,6 +112,18 @@ def attention_scaling(module, head_dim: int) -> float:
     return float(s) if s is not None else head_dim**-0.5
 
 
+def attention_window(module) -> int:
+    """Sliding window ``W`` the attention module reads (transformers' ``module.sliding_window``, set on
+    Gemma 3's / Mistral's sliding layers: the current token and ``W - 1`` before it), 0 for full attention.
+    Raises ``ValueError`` for a window that is not an integer >= 2."""
+    w = getattr(module, "sliding_window", None)
+    if w is None or w == 0:
+        return 0
+    if isinstance(w, bool) or not isinstance(w, int) or w < 2:
+        raise ValueError(f"{type(module).__name__}.sliding_window = {w!r}: expected None or an integer >= 2")
+    return w
+
+
 @contextlib.contextmanager
 def capture_kv(model, on_layer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, object], None]):
     """Capture context: calls ``on_layer(layer_idx, q, k, v, module)`` for each attention call.

@@ -15,7 +15,7 @@ import torch
 
 from kvcal.capture.checkpoint import Checkpointing, load_checkpoint, restore_checkpoint
 from kvcal.capture.distributed import all_reduce_capture, dist_info
-from kvcal.capture.hooks import attention_scaling, capture_kv
+from kvcal.capture.hooks import attention_scaling, attention_window, capture_kv
 from kvcal.capture.reservoir import SequenceReservoir
 from kvcal.capture.stats import LayerStats
 from kvcal.errors import KvcalError
@@ -29,10 +29,13 @@ class CaptureResult:
     calib: SequenceReservoir
     heldout: SequenceReservoir
     scaling: dict[int, float] = field(default_factory=dict)
+    #: per layer, the sliding window ``W`` its attention reads (the module's ``sliding_window``: Gemma 3's
+    #: sliding layers), 0 for full attention; the searches mask each layer's objective with it
+    windows: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     tokens: int = 0
     sink_stats: LayerStats | None = None  # statistics without the first tokens (see run_capture)
-    rope: object = None  # the model's RopeTable, set by calibrate() for pre-RoPE key choices
+    rope: object = None  # per-layer RopeTables (kvcal.models.rope_tables) for pre-RoPE key choices, or None
 
 
 def split_heldout(n: int, fraction: float, seed: int) -> set[int]:
@@ -142,10 +145,10 @@ def run_capture(
     res_c = SequenceReservoir(max(reservoir, 1), search_tokens, seed)
     res_h = SequenceReservoir(max(heldout_reservoir, 1), search_tokens, seed + 1)
     result = CaptureResult(stats, res_c, res_h)
-    try:  # the RoPE table for pre-RoPE key choices (None for models without a full rotary embedding)
-        from kvcal.models import rope_table
+    try:  # per-layer RoPE tables for pre-RoPE key choices (None for models without a full rotary embedding)
+        from kvcal.models import rope_tables
 
-        result.rope = rope_table(model)
+        result.rope = rope_tables(model)
     except ValueError:
         result.rope = None
     if sink_stats_skip > 0:
@@ -159,6 +162,7 @@ def run_capture(
         if layer >= num_layers:
             raise KvcalError(f"attention layer index {layer} >= num_hidden_layers {num_layers}")
         result.scaling.setdefault(layer, attention_scaling(module, head_dim))
+        result.windows.setdefault(layer, attention_window(module))
         q, k, v = q.cpu(), k.cpu(), v.cpu()
         mask = state["mask"]
         stats.update(layer, q, k, v, mask & state["is_calib"][:, None] & state["pos_ok"][None, :])
@@ -223,7 +227,7 @@ def run_capture(
                     "fingerprint": checkpoint.fingerprint, "next_batch": j + 1, "stats": stats.state_dict(),
                     "sink_stats": None if result.sink_stats is None else result.sink_stats.state_dict(),
                     "calib": res_c.state_dict(), "heldout": res_h.state_dict(), "scaling": dict(result.scaling),
-                    "tokens": result.tokens, "rng": torch.get_rng_state(),
+                    "windows": dict(result.windows), "tokens": result.tokens, "rng": torch.get_rng_state(),
                 })
     bar.close()
     if world > 1:

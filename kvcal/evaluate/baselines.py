@@ -111,22 +111,22 @@ def per_layer_errors(model, ids: torch.Tensor, plans: dict[str, object], max_que
     V) alone as Protocol A does and scores it with :class:`~kvcal.search.objectives.SequenceCache`
     (``max_queries`` evenly spaced queries). Returns name -> ``{"k_attention_kl": [L] (mean KL per
     (query head, query), nats), "v_output_error": [L] (relative), "tokens", "queries"}``."""
-    from kvcal.capture.hooks import attention_scaling, capture_kv
+    from kvcal.capture.hooks import attention_scaling, attention_window, capture_kv
     from kvcal.search.objectives import SequenceCache
 
     captured: dict[int, tuple] = {}
 
     def on_layer(i, q, k, v, module):
         captured[i] = (q[0].float().cpu(), k[0].float().cpu(), v[0].float().cpu(),
-                       attention_scaling(module, k.shape[-1]))
+                       attention_scaling(module, k.shape[-1]), attention_window(module))
 
     with torch.no_grad(), capture_kv(model, on_layer):
         model(ids.to(next(model.parameters()).device), use_cache=False)
     out = {name: {"k_attention_kl": [], "v_output_error": [], "tokens": int(ids.shape[1]), "queries": 0}
            for name in plans}
     for i in sorted(captured):
-        q, k, v, scaling = captured[i]
-        sc = SequenceCache(q, k, v, scaling, max_queries)
+        q, k, v, scaling, window = captured[i]
+        sc = SequenceCache(q, k, v, scaling, max_queries, window)
         nq = sc.num_queries * k.shape[0]  # (query head, query) pairs
         for name, plan in plans.items():
             k_hat = plan.fake_quant(i, "k", k[None])[0]

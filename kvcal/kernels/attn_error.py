@@ -68,9 +68,16 @@ def key_kl(cache, plan, sinks: int = 0, backend: str | None = None) -> torch.Ten
     """Attention KL per KV head of quantizing ``cache.k`` with ``plan`` (float64 ``[H_kv]``).
 
     ``cache``: a :class:`~kvcal.search.objectives.SequenceCache`; ``plan``: key
-    :class:`~kvcal.plan.SidePlan`; ``sinks``: first tokens kept in bfloat16."""
+    :class:`~kvcal.plan.SidePlan`; ``sinks``: first tokens kept in bfloat16. A sliding-window layer
+    (``cache.window > 0``) runs on the torch reference (the Triton kernel's mask is causal only)."""
     D = cache.k.shape[-1]
-    if resolve_backend(backend, cache.k.device, lambda: triton_supports(plan, D)) == "torch":
+    window = getattr(cache, "window", 0)
+
+    def unsupported():  # the kernel masks causally only: a sliding-window layer's mask runs on the torch reference
+        return triton_supports(plan, D) or (f"a sliding-window layer (W = {window}) runs on the torch reference"
+                                            if window else None)
+
+    if resolve_backend(backend, cache.k.device, unsupported) == "torch":
         return key_kl_torch(cache, plan, sinks)
     return key_kl_triton(cache.q, cache.k, cache.qpos, cache.scaling, plan, sinks)
 

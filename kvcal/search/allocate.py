@@ -8,7 +8,8 @@ clip ratios and centering means), so the average
 
     bits = 8 · Σ_{l,s} cost(l, s, c_ls) / (T · L · 2 · H · D)
 
-is exactly what :func:`kvcal.formats.memory.cache_bytes` reports for the chosen per-layer configs.
+(a sliding-window layer holds at most ``W − 1`` tokens whatever ``T``: its cost and its share of the
+denominator count those, :func:`held_elements`) is exactly what :func:`kvcal.formats.memory.cache_bytes` reports for the chosen per-layer configs.
 Its sensitivity ``e(l, s, c)`` is the measured held-out relative attention-output error of that
 layer and side with that spec after its own parameter search (one unit for keys and values, see
 :mod:`kvcal.search.objectives`), and the allocation minimizes ``Σ e`` subject to
@@ -39,20 +40,35 @@ class Item:
 
 
 def side_cost(spec: TensorQuantSpec, H: int, D: int, context: int, sinks: int = 0, residual_window: int = 0,
-              static_extra: int = 0) -> int:
+              static_extra: int = 0, sliding_window: int = 0) -> int:
     """Exact bytes of one layer's side at ``context`` tokens, batch 1 (``static_extra``: bytes of
-    per-layer metadata the spec's accounting does not include, e.g. a key-centering mean)."""
-    b = side_cache_bytes(spec, H, D, context, 1, residual_window, sinks)
+    per-layer metadata the spec's accounting does not include, e.g. a key-centering mean;
+    ``sliding_window`` ``W > 0``: a sliding-window layer, which holds at most about ``W - 1`` tokens,
+    :func:`kvcal.formats.memory.sliding_held`)."""
+    b = side_cache_bytes(spec, H, D, context, 1, residual_window, sinks, sliding_window=sliding_window)
     return sum(b.values()) + static_extra
 
 
-def budget_bytes(bits: float, num_layers: int, H: int, D: int, context: int) -> Fraction:
-    """Bytes allowed by an average of ``bits`` per cached element at ``context`` tokens."""
-    return Fraction(str(bits)) * context * num_layers * 2 * H * D / 8
+def held_elements(num_layers: int, H: int, D: int, context: int, windows=None) -> int:
+    """Cached K and V elements at ``context`` tokens, batch 1: ``context`` tokens per full-attention layer, at
+    most ``W - 1`` per sliding-window layer (``windows``: per-layer ``W``, 0 for full attention; ``None``: all
+    full) — what a 16-bit cache holds (:func:`kvcal.formats.memory.sliding_held`), the unit of ``--bits``."""
+    if not windows:
+        return context * num_layers * 2 * H * D
+    if len(windows) != num_layers:
+        raise ValueError(f"{len(windows)} layer windows for {num_layers} layers")
+    return sum(min(context, w - 1) if w else context for w in windows) * 2 * H * D
 
 
-def average_bits(total_bytes: int, num_layers: int, H: int, D: int, context: int) -> float:
-    return 8.0 * total_bytes / (context * num_layers * 2 * H * D)
+def budget_bytes(bits: float, num_layers: int, H: int, D: int, context: int, windows=None) -> Fraction:
+    """Bytes allowed by an average of ``bits`` per cached element at ``context`` tokens (elements the cache
+    holds: :func:`held_elements`, so a sliding-window layer's budget is its window's, not the context's)."""
+    return Fraction(str(bits)) * held_elements(num_layers, H, D, context, windows) / 8
+
+
+def average_bits(total_bytes: int, num_layers: int, H: int, D: int, context: int, windows=None) -> float:
+    """Bits per cached element (:func:`held_elements`) of ``total_bytes`` at ``context`` tokens."""
+    return 8.0 * total_bytes / held_elements(num_layers, H, D, context, windows)
 
 
 def allocate(items: list[Item], budget: Fraction | int) -> list[int]:

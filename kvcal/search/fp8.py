@@ -23,8 +23,10 @@ def search_scales(cap: CaptureResult, fmt_name: str, per_head: bool, max_queries
     out = []
     n = len(cap.stats.k)
     for layer in tqdm(range(n), desc="search", disable=not progress):
-        calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries)
-        held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else []
+        calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0))
+        held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0)) if cap.heldout.items else []
         row = {"layer": layer}
         for side in ("k", "v"):
             st = getattr(cap.stats, side)[layer].finalize()

@@ -93,8 +93,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     with the lowest summed held-out attention-output error (ties: fewer sinks; ``--bits`` budgets
     count the largest, so any choice fits). The attention-level sum is recorded either way (why the
     model is asked when one is at hand: ``docs/design.md``, "Sink count"). ``cache``: dict reused across calls on the same capture (benchmarks).
-    ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable`
-    (:func:`kvcal.models.rope_table`; default ``cap.rope``), needed by pre-RoPE key choices (``int4``, ``int2``, ``k4v2`` presets; with
+    ``rope``: the model's :class:`~kvcal.formats.transforms.RopeTable` (every layer) or a list of one per
+    layer (:func:`kvcal.models.rope_tables`; default ``cap.rope``), needed by pre-RoPE key choices (``int4``, ``int2``, ``k4v2`` presets; with
     ``bits`` the pre-RoPE menu entries are skipped when it is ``None``).
     ``probe`` (with ``bits``): a callable taking a :class:`~kvcal.plan.KVPlan` and returning the
     model-level KL (nats) of quantizing each ``(layer, side)`` alone with it
@@ -114,8 +114,11 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     from kvcal.search.presets import ALLOC_MENU, INT_PRESETS, NEEDS_ROPE, SideChoice, spec_label
 
     cache = {} if cache is None else cache
-    rope = rope if rope is not None else cap.rope
     L = len(cap.stats.k)
+    windows = [int(cap.windows.get(i, 0)) for i in range(L)]  # sliding windows (0: full attention)
+    rope = rope if rope is not None else cap.rope
+    if rope is not None and not isinstance(rope, (list, tuple)):  # one table for every layer
+        rope = [rope] * L
     H, D = cap.stats.k[0].num_heads, cap.stats.k[0].head_dim
     s_try = 1 if sinks is None else sinks
     s_cost = max(SINK_CANDIDATES) if sinks is None else sinks  # sink tokens the --bits costs count
@@ -124,8 +127,10 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     def caches(layer):
         key = ("caches", layer, max_queries)
         if key not in cache:
-            cache[key] = (sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries),
-                          sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else [])
+            cache[key] = (sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0)),
+                          sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0)) if cap.heldout.items else [])
         return cache[key]
 
     def run(layer, side, choice: SideChoice, refine):
@@ -135,7 +140,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             st = getattr(cap.sink_stats if cap.sink_stats is not None else cap.stats, side)[layer].finalize()
             cache[key] = search_side(cal, held, side, choice, stats=st, sinks=s_try, objective=obj[side],
                                      centering=key_centering if side == "k" else "off", refine=refine,
-                                     rope=rope if choice.transform in NEEDS_ROPE else None)
+                                     rope=rope[layer] if choice.transform in NEEDS_ROPE else None)
         return cache[key]
 
     menu = {s: tuple(c for c in ALLOC_MENU[s] if rope is not None or c.transform not in NEEDS_ROPE)
@@ -155,7 +160,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
                                                             rounding=c.rounding is Rounding.QUERY_AWARE,
                                                             channel_bits=c.channel_widths is ChannelWidths.ALLOCATED,
                                                             levels=r.plan.codebook is Codebook.LEVELS,
-                                                            trellis=_trellis_entries(r.plan)))
+                                                            trellis=_trellis_entries(r.plan)),
+                                           sliding_window=windows[layer])
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
                                      tuple(r.heldout_out for r in rs)))
@@ -173,8 +179,8 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             probe_meta.update(getattr(probe, "meta", {}))
             items = [al.Item(it.layer, it.side, it.specs, it.costs,
                              tuple(weights[(it.layer, it.side)][0] * e for e in it.errors)) for it in items]
-        budget = al.budget_bytes(bits, L, H, D, budget_context)
-        _check_bits_feasible(bits, sum(min(it.costs) for it in items), L, H, D, budget_context, s_cost)
+        budget = al.budget_bytes(bits, L, H, D, budget_context, windows)
+        _check_bits_feasible(bits, sum(min(it.costs) for it in items), L, H, D, budget_context, s_cost, windows)
         try:
             choice = al.allocate(items, budget)
         except ValueError as e:
@@ -236,9 +242,15 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     sink_meta["kept"] = final_sinks
     plan = KVPlan([LayerPlan(r["k"].plan, r["v"].plan) for r in results], residual_window=residual_window,
                   sink_tokens=final_sinks)
-    total = cache_bytes({"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H},
-                        [plan.kv_config(i) for i in range(L)], budget_context)
-    avg = al.average_bits(total, L, H, D, budget_context)
+    shape = {"num_hidden_layers": L, "num_key_value_heads": H, "head_dim": D, "num_attention_heads": H}
+    if any(windows):  # sliding-window layers (Gemma 3) hold at most W - 1 tokens: count what the cache holds
+        shape.update(layer_types=["sliding_attention" if w else "full_attention" for w in windows],
+                     sliding_window=max(windows))
+        if len({w for w in windows if w}) > 1:
+            raise KvcalError(f"layers with different sliding windows {sorted({w for w in windows if w})}: kvcal's "
+                             "memory accounting supports one window size")
+    total = cache_bytes(shape, [plan.kv_config(i) for i in range(L)], budget_context)
+    avg = al.average_bits(total, L, H, D, budget_context, windows)
     if bits is not None:
         assert avg <= bits + 1e-12, (avg, bits)
     layers_meta = [{"layer": i, "k": r["k"].to_meta(), "v": r["v"].to_meta()} for i, r in enumerate(results)]
@@ -261,14 +273,15 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     return SearchResult(plan, layers_meta, summary, method=method, selection=selection)
 
 
-def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, context: int, sinks: int) -> None:
+def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, context: int, sinks: int,
+                         windows=None) -> None:
     """Raise :class:`KvcalError` naming the smallest feasible ``--bits`` when ``cheapest`` (bytes of
     the cheapest menu choice of every layer's K and V at ``context`` tokens, batch 1, ``sinks``
     16-bit sink tokens counted) exceeds the ``bits`` budget."""
     from kvcal.search import allocate as al
 
-    if cheapest > al.budget_bytes(bits, L, H, D, context):
-        avg = al.average_bits(cheapest, L, H, D, context)
+    if cheapest > al.budget_bytes(bits, L, H, D, context, windows):
+        avg = al.average_bits(cheapest, L, H, D, context, windows)
         if avg > 16.0:  # no allowed --bits can fit: the 16-bit tokens alone exceed the context's budget
             raise KvcalError(f"--bits {bits}: the cheapest plan needs {avg:.4f} bits per element at --budget-context "
                              f"{context} tokens, above any allowed --bits (2-16): the 16-bit sink tokens ({sinks}) and "

@@ -53,12 +53,27 @@ def _group(q: torch.Tensor, h_kv: int) -> torch.Tensor:
     return q.reshape(h_kv, q.shape[0] // h_kv, *q.shape[1:])
 
 
-def causal_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, qpos: torch.Tensor) -> torch.Tensor:
-    """Masked scores ``[H_kv, G, Tq, T]`` (float32; ``-inf`` where key position > query position)."""
+def visible_mask(T: int, qpos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """``[Tq, T]`` bool, True where query position ``i`` may NOT read key position ``j``: ``j > i`` (causal)
+    and, for a sliding-window layer (``window`` ``W > 0``), ``i - j >= W`` — transformers'
+    ``masking_utils.sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``): the current token and
+    the ``W - 1`` before it. ``window`` 0: full attention."""
+    j = torch.arange(T, device=qpos.device)[None, :]
+    i = qpos[:, None]
+    mask = j > i
+    if window:
+        mask |= (i - j) >= window
+    return mask
+
+
+def causal_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, qpos: torch.Tensor,
+                  window: int = 0) -> torch.Tensor:
+    """Masked scores ``[H_kv, G, Tq, T]`` (float32; ``-inf`` where the query may not read the key:
+    :func:`visible_mask`, causal and, when ``window`` > 0, outside the layer's sliding window)."""
     h_kv, T = k.shape[0], k.shape[1]
     qg = _group(q[:, qpos].float(), h_kv)  # [H_kv, G, Tq, D]
     s = torch.einsum("hgqd,htd->hgqt", qg, k.float()) * scaling
-    mask = torch.arange(T, device=s.device)[None, :] > qpos.to(s.device)[:, None]  # [Tq, T], on the scores' device
+    mask = visible_mask(T, qpos.to(s.device), window)  # [Tq, T], on the scores' device
     return s.masked_fill(mask, float("-inf"))
 
 
@@ -102,14 +117,17 @@ def tensor_mse(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
 class SequenceCache:
     """Per-sequence exact quantities reused across candidates: masked scores, log-probs, P.
 
-    Built once per (layer, sequence); holds ``[H_kv, G, Tq, T]`` float32 tensors.
+    Built once per (layer, sequence); holds ``[H_kv, G, Tq, T]`` float32 tensors. ``window``: the layer's
+    sliding window ``W`` (0: full attention); every quantity then reads only the keys the model's
+    attention reads (:func:`visible_mask`), so a sliding layer's objective never counts keys its cache
+    has dropped.
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                 max_queries: int | None = 128):
-        self.q, self.k, self.v, self.scaling = q, k, v, scaling
+                 max_queries: int | None = 128, window: int = 0):
+        self.q, self.k, self.v, self.scaling, self.window = q, k, v, scaling, int(window or 0)
         self.qpos = query_positions(k.shape[1], max_queries)
-        self.scores = causal_scores(q, k, scaling, self.qpos)
+        self.scores = causal_scores(q, k, scaling, self.qpos, self.window)
         self.logp = torch.log_softmax(self.scores, dim=-1)
         self.p = self.logp.exp()
         self.num_queries = self.qpos.numel() * (q.shape[0] // k.shape[0])  # per KV head
@@ -130,7 +148,7 @@ class SequenceCache:
         return (self.p * (self.logp0 - logp_hat)).sum(dim=(1, 2, 3)).double()
 
     def key_centered(self, k_hat: torch.Tensor) -> torch.Tensor:
-        return centered_score_error(self.scores, causal_scores(self.q, k_hat, self.scaling, self.qpos))
+        return centered_score_error(self.scores, causal_scores(self.q, k_hat, self.scaling, self.qpos, self.window))
 
     def value_error(self, v_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Σ‖P·(V̂−V)‖², Σ‖P·V‖²)`` per KV head, as :func:`output_error` (reference cached)."""
@@ -139,7 +157,7 @@ class SequenceCache:
 
     def key_output_error(self, k_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Σ‖(P̂−P)·V‖², Σ‖P·V‖²)`` per KV head (float64 ``[H_kv]``) for quantized keys."""
-        p_hat = torch.softmax(causal_scores(self.q, k_hat, self.scaling, self.qpos), dim=-1)
+        p_hat = torch.softmax(causal_scores(self.q, k_hat, self.scaling, self.qpos, self.window), dim=-1)
         o = torch.einsum("hgqt,htd->hgqd", self.p, self.v.float())
         do = torch.einsum("hgqt,htd->hgqd", p_hat - self.p, self.v.float())
         return (do * do).sum(dim=(1, 2, 3)).double(), (o * o).sum(dim=(1, 2, 3)).double()
@@ -149,17 +167,20 @@ class SequenceCache:
         g = self.q.shape[0] // self.k.shape[0]
         out = object.__new__(SequenceCache)
         out.q, out.k, out.v, out.scaling = self.q[h * g : (h + 1) * g], self.k[h : h + 1], self.v[h : h + 1], self.scaling
+        out.window = self.window
         out.qpos, out.scores, out.logp, out.p = self.qpos, self.scores[h : h + 1], self.logp[h : h + 1], self.p[h : h + 1]
         out.num_queries = self.num_queries
         out.masked, out.logp0, out.out_sq = self.masked[h : h + 1], self.logp0[h : h + 1], self.out_sq[h : h + 1]
         return out
 
 
-def sequence_caches(reservoir, layer: int, scaling: float, max_queries: int | None) -> list[SequenceCache]:
+def sequence_caches(reservoir, layer: int, scaling: float, max_queries: int | None,
+                    window: int = 0) -> list[SequenceCache]:
     """One :class:`SequenceCache` per captured sequence of ``reservoir`` at ``layer``.
 
     ``reservoir``: a :class:`kvcal.capture.reservoir.SequenceReservoir` whose ``sequences()`` yield, per
     sequence, per layer ``(q [H_q, T, D], k [H_kv, T, D], v [H_kv, T, D])`` float32 post-RoPE tensors;
     ``scaling``: the layer's softmax scale (1/sqrt(head_dim) unless the model says otherwise);
-    ``max_queries``: query positions evaluated per sequence (:func:`query_positions`)."""
-    return [SequenceCache(*seq[layer], scaling, max_queries) for seq in reservoir.sequences()]
+    ``max_queries``: query positions evaluated per sequence (:func:`query_positions`); ``window``: the layer's
+    sliding window (``CaptureResult.windows``; 0: full attention)."""
+    return [SequenceCache(*seq[layer], scaling, max_queries, window) for seq in reservoir.sequences()]

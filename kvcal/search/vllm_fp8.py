@@ -258,8 +258,10 @@ def search_vllm_fp8(cap, per_head: bool, max_queries: int = 96, progress: bool =
         quantize_query = vllm_backend(backend).quantizes_query
     out = []
     for layer in tqdm(range(len(cap.stats.k)), desc="search (vllm fp8)", disable=not progress):
-        calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries)
-        held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else []
+        calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0))
+        held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0)) if cap.heldout.items else []
         st = {s: getattr(cap.stats, s)[layer].finalize()["head_absmax"] for s in ("q", "k", "v")}
         ch = choose_layer(calib, held, st["q"], st["k"], st["v"], per_head, quantize_query, backend)
         out.append({"layer": layer, "k": ch.k, "v": ch.v, "q": ch.q, "q_only": ch.q_only, "kv_only": ch.kv_only})

@@ -233,8 +233,10 @@ def search_vllm_nvfp4(cap, max_queries: int = 96, progress: bool = True, quantiz
 
     out = []
     for layer in tqdm(range(len(cap.stats.k)), desc="search (vllm nvfp4)", disable=not progress):
-        calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries)
-        held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries) if cap.heldout.items else []
+        calib = sequence_caches(cap.calib, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0))
+        held = sequence_caches(cap.heldout, layer, cap.scaling[layer], max_queries,
+                          cap.windows.get(layer, 0)) if cap.heldout.items else []
         st = {s: getattr(cap.stats, s)[layer].finalize()["head_absmax"] for s in ("q", "k", "v")}
         ch = choose_layer(calib, held, st["q"], st["k"], st["v"], quantize_query)
         out.append({"layer": layer, "k": ch.k, "v": ch.v, "q": ch.q, "q_only": ch.q_only, "kv_only": ch.kv_only})

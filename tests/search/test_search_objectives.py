@@ -18,8 +18,9 @@ def _seq(seed=0, Hq=4, Hk=2, T=9, D=8):
             torch.randn(Hk, T, D, generator=g))
 
 
-def _brute(q, k, v, kh, vh, scaling):
-    """Loops in float64: per KV head (KL, centered, key-out num, value-out num, out den)."""
+def _brute(q, k, v, kh, vh, scaling, window=0):
+    """Loops in float64: per KV head (KL, centered, key-out num, value-out num, out den). ``window`` W > 0:
+    query i reads keys i-W+1..i only (transformers' sliding_window_overlay, written out independently)."""
     Hq, T, D = q.shape
     Hk = k.shape[0]
     G = Hq // Hk
@@ -27,8 +28,9 @@ def _brute(q, k, v, kh, vh, scaling):
     for hq in range(Hq):
         h = hq // G
         for i in range(T):
-            s = [float(q[hq, i].double() @ k[h, j].double()) * scaling for j in range(i + 1)]
-            sh = [float(q[hq, i].double() @ kh[h, j].double()) * scaling for j in range(i + 1)]
+            lo = max(0, i - window + 1) if window else 0
+            s = [float(q[hq, i].double() @ k[h, j].double()) * scaling for j in range(lo, i + 1)]
+            sh = [float(q[hq, i].double() @ kh[h, j].double()) * scaling for j in range(lo, i + 1)]
             lse, lseh = math.log(sum(math.exp(x) for x in s)), math.log(sum(math.exp(x) for x in sh))
             p = [math.exp(x - lse) for x in s]
             ph = [math.exp(x - lseh) for x in sh]
@@ -36,16 +38,16 @@ def _brute(q, k, v, kh, vh, scaling):
             d = [b - a for a, b in zip(s, sh, strict=True)]
             m = sum(d) / len(d)
             res[1, h] += sum((x - m) ** 2 for x in d)
-            o = sum(pj * v[h, j].double() for j, pj in enumerate(p))
-            ok = sum((phj - pj) * v[h, j].double() for j, (pj, phj) in enumerate(zip(p, ph, strict=True)))
-            ov = sum(pj * (vh[h, j].double() - v[h, j].double()) for j, pj in enumerate(p))
+            o = sum(pj * v[h, lo + j].double() for j, pj in enumerate(p))
+            ok = sum((phj - pj) * v[h, lo + j].double() for j, (pj, phj) in enumerate(zip(p, ph, strict=True)))
+            ov = sum(pj * (vh[h, lo + j].double() - v[h, lo + j].double()) for j, pj in enumerate(p))
             res[2, h] += float(ok @ ok)
             res[3, h] += float(ov @ ov)
             res[4, h] += float(o @ o)
     return res
 
 
-def _fp32_bounds(q, k, v, kh, vh, scaling):
+def _fp32_bounds(q, k, v, kh, vh, scaling, window=0):
     """First-order worst-case bounds ``[5, H_kv]`` (float64) on how far :class:`SequenceCache`'s float32
     results can be from :func:`_brute`'s float64 ones, whatever the summation order (Higham's γ_n = n·u
     per n-term sum, u = eps32; first-order terms, with 2x slack on the whole):
@@ -69,10 +71,11 @@ def _fp32_bounds(q, k, v, kh, vh, scaling):
     for hq in range(Hq):
         h = hq // G
         for i in range(T):
-            n = i + 1
+            lo = max(0, i - window + 1) if window else 0
+            n = i + 1 - lo
             cnt += n
             qd = q[hq, i].double()
-            kk, kkh = k[h, : n].double(), kh[h, : n].double()
+            kk, kkh = k[h, lo : i + 1].double(), kh[h, lo : i + 1].double()
             s, sh = kk @ qd * scaling, kkh @ qd * scaling
             A, Ah = (kk * qd).abs().sum(-1) * scaling, (kkh * qd).abs().sum(-1) * scaling
             ds, dsh = (D + 1) * u * A, (D + 1) * u * Ah
@@ -92,7 +95,7 @@ def _fp32_bounds(q, k, v, kh, vh, scaling):
             c = d - d.mean()
             b[1, h] += (2 * c.abs() * (dd + dm) + (dd + dm) ** 2).sum() + (n + 2) * u * (c * c).sum()
             tot[1, h] += (c * c).sum()
-            vv, dv = v[h, : n].double(), (vh[h, : n] - v[h, : n]).double()
+            vv, dv = v[h, lo : i + 1].double(), (vh[h, lo : i + 1] - v[h, lo : i + 1]).double()
             for idx, w, dw, x in ((2, ph - p, dp + dph + u * (ph - p).abs(), vv), (3, p, dp, dv), (4, p, dp, vv)):
                 o = w @ x
                 do = dw @ x.abs() + (n + 1) * u * (w.abs() @ x.abs())
@@ -119,6 +122,31 @@ def test_objectives_match_float64_brute_force():
         got = torch.stack([c.key_kl(kh), c.key_centered(kh), num, vnum, den])
         assert bool(((got - ref).abs() <= bound).all()), (amp, (got - ref).abs() / bound)
         assert torch.equal(vden, den)  # the same cached Σ‖P·V‖²
+
+
+def test_sliding_window_objectives_match_float64_brute_force():
+    """A sliding-window layer's objectives (SequenceCache(window=W)) equal the float64 loops that read only
+    keys i-W+1..i, within the same worst-case float32 bounds (_fp32_bounds with the window); and they are
+    NOT the full-causal values: at T = 9, W = 3 the full-causal KL differs by far more than its bound, so a
+    window that is dropped or off by one (W vs W-1 keys: checked separately) is caught."""
+    q, k, v = _seq(seed=3)
+    W = 3
+    c = SequenceCache(q, k, v, 8**-0.5, None, window=W)
+    full = SequenceCache(q, k, v, 8**-0.5, None)
+    g = torch.Generator().manual_seed(4)
+    kh, vh = k + 0.3 * torch.randn(k.shape, generator=g), v + 0.3 * torch.randn(v.shape, generator=g)
+    ref = _brute(q, k, v, kh, vh, 8**-0.5, window=W)
+    bound = _fp32_bounds(q, k, v, kh, vh, 8**-0.5, window=W)
+    num, den = c.key_output_error(kh)
+    vnum, _ = c.value_error(vh)
+    got = torch.stack([c.key_kl(kh), c.key_centered(kh), num, vnum, den])
+    assert bool(((got - ref).abs() <= bound).all()), (got - ref).abs() / bound
+    assert bool(((full.key_kl(kh) - ref[0]).abs() > 10 * bound[0]).all())
+    off_by_one = _brute(q, k, v, kh, vh, 8**-0.5, window=W - 1)
+    assert bool(((off_by_one[0] - ref[0]).abs() > 10 * bound[0]).all())
+    # a one-head view keeps the window (its own float32 computation: compared with the reference and bound)
+    h1 = c.head(1)
+    assert h1.window == W and float((h1.key_output_error(kh[1:2])[0][0] - ref[2, 1]).abs()) <= float(bound[2, 1])
 
 
 def test_key_centering_is_exact_under_softmax():
