@@ -175,6 +175,17 @@ def check_head_dims(cfg: RecommendConfig, model_config) -> tuple[tuple[str, ...]
     return (tuple(cfg.dtypes) if not bad else keep), [f"{d} left out of the default menu: {e}" for d, e in bad]
 
 
+def budget_context(model_config) -> int | None:
+    """The context (tokens) bytes per token are averaged over on a model with sliding-window layers: its
+    ``max_position_embeddings`` (a sliding layer's pages stop growing at its window, so its share of a
+    token's bytes shrinks with the context: :func:`kvcal.formats.memory.vllm_token_shares`). ``None`` for a
+    model without sliding-window layers, whose bytes per token are the same at every context."""
+    from kvcal.formats.memory import model_shape
+
+    shp = model_shape(model_config)
+    return shp.max_position_embeddings if shp.sliding_layers else None
+
+
 def check_budget(cfg: RecommendConfig, model_config) -> None:
     """Refuse a ``--max-bytes-per-token`` below every dtype of the menu at its fewest 16-bit layers
     (before the model loads). Raises :class:`~kvcal.errors.KvcalError`."""
@@ -183,7 +194,8 @@ def check_budget(cfg: RecommendConfig, model_config) -> None:
 
     if cfg.max_bytes_per_token is None:
         return
-    least = {d: vllm_bytes_per_token(model_config, d) for d in cfg.dtypes}
+    ctx = budget_context(model_config)
+    least = {d: vllm_bytes_per_token(model_config, d, context=ctx) for d in cfg.dtypes}
     d0 = min(least, key=least.get)
     if least[d0] > cfg.max_bytes_per_token:
         raise KvcalError(f"--max-bytes-per-token {cfg.max_bytes_per_token}: the cheapest dtype of the menu ({d0}) "
@@ -381,7 +393,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     from kvcal.evaluate.accept import default_accept, judge, parse_accept
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
-    from kvcal.formats.memory import model_shape, vllm_bytes_per_token
+    from kvcal.formats.memory import model_shape, vllm_bytes_per_token, vllm_token_shares
     from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_backend, vllm_dtype
     from kvcal.models import check_max_positions, load_model, load_model_config, load_tokenizer, resolve_model
     from kvcal.search.skip_layers import serve_skip_arg, skip_costs
@@ -442,7 +454,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     # what vllm serve takes (the GGUF file, the user's directory or hub id) and what kvcal export merges into
     serve_model = str(Path(src.path) / src.gguf_file) if src.gguf_file else cfg.model
     model_dir = src.path
-    b16 = vllm_bytes_per_token(mconf, "fp8", range(L))  # every layer skipped = the 16-bit cache
+    bctx = budget_context(mconf)  # sliding-window layers: bytes per token averaged over the model's max context
+    shares = vllm_token_shares(mconf, bctx) if bctx is not None else None
+    b16 = vllm_bytes_per_token(mconf, "fp8", range(L), context=bctx)  # every layer skipped = the 16-bit cache
     doc: dict = {}
 
     def fill(staging: Path):
@@ -479,7 +493,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 continue
             log(f"{d}: per-layer sensitivity probe on {len(probe)} x {T} tokens")
             sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **{"backend": cfg.backend, **sc})
-            costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim)
+            costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim, shares)
             sets = candidate_sets(d, sens[d], costs, L, cfg.max_skip)
             # a calibrated dtype is also run at vLLM's default scales (no checkpoint scales: 1.0), on the same
             # 16-bit layer sets (the probe above ran with the calibrated scales; no second probe)
@@ -488,7 +502,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 for c in sets:
                     plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"],
                                       **{"backend": cfg.backend, **vsc})
-                    nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"])
+                    nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"], context=bctx)
                     cands.append({"dtype": d, "scales": label, "choice": c["choice"], "skip_layers": list(plan.skipped),
                                   "deployable": c["deployable"], "bytes_per_token": nb, "vs_16bit": nb / b16,
                                   "criteria": crit_given or default_accept(plan), "_plan": plan})
@@ -594,13 +608,19 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         at_write = [d for d, s in source.items() if s == WRITE_TIME]
         if at_write:
             notes.append(f"{', '.join(at_write)} rows: {WRITE_TIME}")
+        if bctx is not None:
+            sl = model_shape(mconf).sliding_layers
+            notes.append(f"bytes/token are averaged over {bctx} tokens (the model's maximum context): {len(sl)} of {L} "
+                         f"layers are sliding-window layers whose vLLM pages stop at their window plus the in-flight "
+                         f"tokens ({float(shares[sl[0]]):.3f} of a full layer's at {bctx}), so a 16-bit sliding layer "
+                         "costs that share of a global one")
         doc.update({
             "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": serve_model,
             "backend": cfg.backend, "truncation_cost": truncation_cost,
             "passed": chosen is not None, "chosen": chosen, "commands": commands,
             "calibrated": artifact_of, "artifact": keep, "scales": source,
             "max_bytes_per_token": cfg.max_bytes_per_token, "max_skip": cfg.max_skip,
-            "bytes_per_token_16bit": b16, "accept": cfg.accept or "kvcal evaluate defaults by precision",
+            "bytes_per_token_16bit": b16, "bytes_per_token_context": bctx, "accept": cfg.accept or "kvcal evaluate defaults by precision",
             "data": {"probe": {"corpus": info["path"], "windows": len(probe), "context": T},
                      "bos_token_id": bos,  # every probe and evaluation window starts with it (None: no BOS added)
                      "evaluation": {"corpus": eval_info["path"], "windows": len(ev), "context": T,

@@ -49,14 +49,15 @@ def check_skip_model(skip_layers, kv_cache_dtype: str, model_config, max_skip: i
     """The checks that need the model's shape (``model_config``: a transformers config), run before the
     weights load: :func:`kvcal.search.skip_layers.check_skip_layers`. Raises
     :class:`~kvcal.errors.KvcalError`."""
-    from kvcal.formats.memory import model_shape
+    from kvcal.formats.memory import model_shape, vllm_token_shares
     from kvcal.search.skip_layers import check_skip_layers
 
     if skip_layers is None:
         return
     shp = model_shape(model_config)
     check_skip_layers(skip_layers, kv_cache_dtype, shp.num_layers, shp.num_kv_heads, shp.head_dim,
-                      max_skip=max_skip, max_bytes_per_token=max_bytes_per_token)
+                      max_skip=max_skip, max_bytes_per_token=max_bytes_per_token,
+                      shares=vllm_token_shares(model_config))
 
 
 def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tensors: dict, meta: dict,
@@ -75,11 +76,14 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
     returns the layers. Raises :class:`~kvcal.errors.KvcalError` when the probe has no samples."""
     from kvcal.errors import KvcalError
     from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_scales
+    from kvcal.formats.memory import model_shape, vllm_bytes_per_token, vllm_token_shares
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
     from kvcal.search.skip_layers import budget_skip_layers
 
     vm = meta["vllm"]
     dtype = vm["kv_cache_dtype"]
+    shares = vllm_token_shares(model.config)  # None unless the model has sliding-window layers
+    budget_ctx = model_shape(model.config).max_position_embeddings if shares is not None else None
     m = meta["model"]
     L, H, D = int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"])
     choice: dict = {"method": "auto" if skip_layers == "auto" else "given", "max_skip": max_skip,
@@ -91,15 +95,21 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
         log(f"16-bit layers: per-layer sensitivity probe for {dtype} on {probe_meta.get('samples')} "
             f"{probe_meta.get('source')} samples ({probe_meta.get('tokens')} tokens; {1 + L} forward passes over each)")
         sens = layer_sensitivity(model, samples, dtype, L, progress=progress, **vllm_scales(dtype, tensors, meta, L))
-        skip = budget_skip_layers(sens, dtype, L, H, D, max_skip=max_skip, max_bytes_per_token=max_bytes_per_token)
+        skip = budget_skip_layers(sens, dtype, L, H, D, max_skip=max_skip, max_bytes_per_token=max_bytes_per_token,
+                                  shares=shares)
         choice.update(sensitivity=sens, probe=dict(probe_meta),
                       selection="exact 0/1 knapsack: the most summed per-layer KL under the budget "
                                 "(kvcal.search.skip_layers.choose_skip_layers; ties: fewer, then lower layers)")
     else:
         skip = sorted(set(int(i) for i in skip_layers) | set(boundary_skip_layers(dtype, L)))
-    per_layer = layer_bytes_per_token(dtype, L, H, D, skip)
-    choice.update(bytes_per_token=int(sum(per_layer)),
-                  bytes_per_token_16bit=int(sum(layer_bytes_per_token(dtype, L, H, D, range(L)))))
+    if shares is None:
+        per_layer = layer_bytes_per_token(dtype, L, H, D, skip)
+        choice.update(bytes_per_token=int(sum(per_layer)),
+                      bytes_per_token_16bit=int(sum(layer_bytes_per_token(dtype, L, H, D, range(L)))))
+    else:  # sliding-window layers: bytes per token averaged over the model's maximum context
+        choice.update(bytes_per_token=vllm_bytes_per_token(model.config, dtype, skip, context=budget_ctx),
+                      bytes_per_token_16bit=vllm_bytes_per_token(model.config, dtype, range(L), context=budget_ctx),
+                      bytes_per_token_context=budget_ctx)
     vm["skip_layers"] = list(skip)
     vm["skip_layers_choice"] = choice
     log(f"16-bit layers (--kv-cache-dtype-skip-layers): {', '.join(map(str, skip)) or 'none'}; "

@@ -411,7 +411,27 @@ def cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> int:
     return memory_report(model_config, kv_config, context, batch).total
 
 
-def vllm_bytes_per_token(model_config, kv_cache_dtype: str, skip_layers=(), *, add_boundary: bool = True) -> int:
+def vllm_token_shares(model_config, context: int | None = None) -> tuple | None:
+    """Per layer, the share of a ``context``-token sequence vLLM 0.33 holds pages for
+    (:func:`vllm_layer_tokens` / ``context``, as exact :class:`fractions.Fraction`): 1 for full attention;
+    for a sliding-window layer its window plus the in-flight tokens (at most the context, +1 block) over the
+    context (Gemma 3 270M at 32,768 tokens: 2,576 / 32,768 ≈ 0.079). ``None`` for a model without
+    sliding-window layers, whose bytes per token do not depend on the context. ``context`` defaults to the
+    model's ``max_position_embeddings``. Raises ``ValueError`` for a context < 1 or none known."""
+    from fractions import Fraction
+
+    shp = model_shape(model_config)
+    if not shp.sliding_layers:
+        return None
+    ctx = context if context is not None else shp.max_position_embeddings
+    if not isinstance(ctx, int) or ctx < 1:
+        raise ValueError(f"context must be an integer >= 1 (sliding-window layers hold a share of it), got {ctx!r}")
+    return tuple(Fraction(vllm_layer_tokens(shp.window(i), ctx), ctx) if shp.window(i) else Fraction(1)
+                 for i in range(shp.num_layers))
+
+
+def vllm_bytes_per_token(model_config, kv_cache_dtype: str, skip_layers=(), *, add_boundary: bool = True,
+                         context: int | None = None) -> int:
     """KV bytes per token (all layers, K and V) that vLLM 0.33 allocates for
     ``--kv-cache-dtype kv_cache_dtype`` (:mod:`kvcal.formats.vllm_dtypes`): each layer's page content
     per token — payload plus inline per-token scales (``*_per_token_head``), e4m3 block scales
@@ -422,12 +442,23 @@ def vllm_bytes_per_token(model_config, kv_cache_dtype: str, skip_layers=(), *, a
     ``ValueError`` for an unknown dtype or a layer index out of range.
 
     SmolLM2-135M (30 layers, 3 KV heads, D = 64): fp8 11520, int8/fp8_per_token_head 12240,
-    int4_per_token_head 6480, nvfp4 6480, turboquant_3bit_nc 7284 (4 boundary layers at 16 bits)."""
+    int4_per_token_head 6480, nvfp4 6480, turboquant_3bit_nc 7284 (4 boundary layers at 16 bits).
+
+    ``context`` (a model with sliding-window layers only; ignored otherwise): bytes per token *averaged over a
+    sequence of that many tokens*, each layer's slot weighted by the share vLLM holds
+    (:func:`vllm_token_shares`), rounded up — what a ``--max-bytes-per-token`` budget compares on such a
+    model, where a sliding layer's pages stop growing at its window."""
+    import math
+
     from kvcal.formats.vllm_dtypes import layer_bytes_per_token
 
     shp = model_shape(model_config)
-    return sum(layer_bytes_per_token(kv_cache_dtype, shp.num_layers, shp.num_kv_heads, shp.head_dim, skip_layers,
-                                     add_boundary=add_boundary))
+    per_layer = layer_bytes_per_token(kv_cache_dtype, shp.num_layers, shp.num_kv_heads, shp.head_dim, skip_layers,
+                                      add_boundary=add_boundary)
+    shares = vllm_token_shares(model_config, context) if context is not None else None
+    if shares is None:
+        return sum(per_layer)
+    return math.ceil(sum(b * w for b, w in zip(per_layer, shares, strict=True)))
 
 
 #: vLLM 0.33 ``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS``: the in-flight tokens a sliding-window layer's
@@ -490,7 +521,7 @@ def vllm_cache_bytes(model_config, kv_cache_dtype: str, context: int, batch: int
 
 
 __all__ = [
-    "vllm_bytes_per_token", "vllm_cache_bytes", "vllm_layer_tokens", "VLLM_MAX_NUM_BATCHED_TOKENS",
+    "vllm_bytes_per_token", "vllm_token_shares", "vllm_cache_bytes", "vllm_layer_tokens", "VLLM_MAX_NUM_BATCHED_TOKENS",
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
     "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "sliding_held", "side_static_bytes", "rounding_bytes", "levels_bytes",
     "side_extra_bytes",

@@ -40,17 +40,33 @@ def rule_skip_layers(num_layers: int, n: int) -> list[int]:
     return sorted(set(range(first)) | set(range(num_layers - (n - first), num_layers)))
 
 
-def skip_costs(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> list[int]:
+def skip_costs(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, shares=None) -> list[int]:
     """Extra KV bytes per token of keeping each layer at 16 bits instead of ``kv_cache_dtype``: the
     16-bit page slot minus the dtype's slot (payload, inline scales, norms), per layer, as
-    :func:`kvcal.formats.vllm_dtypes.layer_bytes_per_token` counts them. ``list[int]`` of length
-    ``num_layers``."""
+    :func:`kvcal.formats.vllm_dtypes.layer_bytes_per_token` counts them. ``shares`` (a model with
+    sliding-window layers: :func:`kvcal.formats.memory.vllm_token_shares`): each layer's extra bytes times the
+    share of the context it holds, rounded up — a sliding layer at 16 bits costs little at long context.
+    ``list[int]`` of length ``num_layers``."""
+    import math
+
     from kvcal.formats.vllm_dtypes import layer_bytes_per_token
 
     q = layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim, add_boundary=False)
     full = layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim, range(num_layers),
                                  add_boundary=False)
-    return [int(f - b) for f, b in zip(full, q, strict=True)]
+    if shares is None:
+        return [int(f - b) for f, b in zip(full, q, strict=True)]
+    return [math.ceil((f - b) * w) for f, b, w in zip(full, q, shares, strict=True)]
+
+
+def _quantized_bytes(kv_cache_dtype, num_layers, num_kv_heads, head_dim, shares=None) -> int:
+    """Bytes per token of the dtype with no layer at 16 bits beyond vLLM's own (``shares``: weighted, rounded up)."""
+    import math
+
+    from kvcal.formats.vllm_dtypes import layer_bytes_per_token
+
+    per = layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim, add_boundary=False)
+    return sum(per) if shares is None else math.ceil(sum(b * w for b, w in zip(per, shares, strict=True)))
 
 
 def skip_count_range(kv_cache_dtype: str, num_layers: int) -> tuple[int, int]:
@@ -201,13 +217,15 @@ def check_skip_options(skip_layers, max_skip: int | None, max_bytes_per_token: i
 
 
 def check_skip_layers(skip_layers, kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                      max_skip: int | None = None, max_bytes_per_token: int | None = None) -> None:
+                      max_skip: int | None = None, max_bytes_per_token: int | None = None, shares=None) -> None:
     """The checks that need the model's shape (before it loads): the dtype has a deployment on the model
     (:func:`not_applicable`); an explicit list inside ``[0, num_layers)`` that leaves at least one layer
     (after vLLM's own boundary layers) in the dtype; for ``auto``, a ``--max-skip`` inside
     :func:`skip_count_range` (not below the layers vLLM skips on its own, at most ``num_layers - 1``) and a
     ``--max-bytes-per-token`` that the dtype can meet with only the layers vLLM skips on its own. Raises
     :class:`~kvcal.errors.KvcalError`."""
+    import math
+
     from kvcal.errors import KvcalError
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
 
@@ -235,7 +253,8 @@ def check_skip_layers(skip_layers, kv_cache_dtype: str, num_layers: int, num_kv_
         raise KvcalError(f"--max-skip {max_skip}: the model has {num_layers} layers and at least one must stay in "
                          f"--kv-cache-dtype {kv_cache_dtype}; give --max-skip between {lo} and {hi}")
     if max_bytes_per_token is not None:
-        least = sum(layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim))
+        per = layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim)
+        least = sum(per) if shares is None else math.ceil(sum(b * w for b, w in zip(per, shares, strict=True)))
         if least > max_bytes_per_token:
             raise KvcalError(f"--max-bytes-per-token {max_bytes_per_token}: --kv-cache-dtype {kv_cache_dtype} needs "
                              f"{least} bytes per token on this model with no layer at 16 bits; raise the bound")
@@ -243,7 +262,7 @@ def check_skip_layers(skip_layers, kv_cache_dtype: str, num_layers: int, num_kv_
 
 def budget_skip_layers(sensitivity: list[float], kv_cache_dtype: str, num_layers: int, num_kv_heads: int,
                        head_dim: int, *, max_skip: int | None = None,
-                       max_bytes_per_token: int | None = None) -> list[int]:
+                       max_bytes_per_token: int | None = None, shares=None) -> list[int]:
     """The 16-bit layers ``--skip-layers auto`` deploys under a budget: :func:`choose_skip_layers` with
     :func:`skip_costs`, vLLM's own boundary layers forced in, ``max_skip`` as the count bound and
     ``max_bytes_per_token`` (KV bytes per token, all layers, as
@@ -253,18 +272,20 @@ def budget_skip_layers(sensitivity: list[float], kv_cache_dtype: str, num_layers
     sensitive layer in the dtype (every layer at 16 bits would store nothing in it). ``sensitivity``: per-layer
     KL (nats) of :func:`kvcal.evaluate.vllm_probe.layer_sensitivity`. Sorted layer indices. Raises
     ``ValueError`` when the forced layers alone exceed a bound or cover every layer (:func:`check_skip_layers`
-    refuses both before the model loads)."""
-    from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
+    refuses both before the model loads). ``shares`` (sliding-window models,
+    :func:`kvcal.formats.memory.vllm_token_shares`): costs and the bound are bytes per token averaged over the
+    context the shares were taken at."""
+    from kvcal.formats.vllm_dtypes import boundary_skip_layers
 
     na = not_applicable(kv_cache_dtype, num_layers)
     if na:
         raise ValueError(na)
     hi = skip_count_range(kv_cache_dtype, num_layers)[1]
     max_skip = hi if max_skip is None else min(max_skip, hi)
-    costs = skip_costs(kv_cache_dtype, num_layers, num_kv_heads, head_dim)
+    costs = skip_costs(kv_cache_dtype, num_layers, num_kv_heads, head_dim, shares)
     extra = None
     if max_bytes_per_token is not None:
-        base = sum(layer_bytes_per_token(kv_cache_dtype, num_layers, num_kv_heads, head_dim, add_boundary=False))
+        base = _quantized_bytes(kv_cache_dtype, num_layers, num_kv_heads, head_dim, shares)
         extra = max_bytes_per_token - base
         if extra < 0:
             raise ValueError(f"{max_bytes_per_token} bytes per token is below {base}, the dtype with no 16-bit layer")
