@@ -27,6 +27,23 @@ released code, not simulated from documentation):
   ``{attn}.attn.{k,v}_scale`` loads; ``k_proj.k_scale`` becomes ``qkv_proj.k_scale`` (stacked-parameter
   mapping) and is skipped; ``self_attn.k_scale`` is "not found". GPT-NeoX has no SGLang model file (its
   Transformers fallback is not covered here).
+* **Gemma 3** (``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``): vLLM 0.33.0 ``models/gemma3.py``
+  ``Gemma3ForCausalLM.load_weights`` is ``AutoWeightsLoader`` with a mapper whose only entries are the stacked
+  ``.{q,k,v}_proj -> .qkv_proj`` substrings, applied after the cache-scale regexes (``WeightsMapper._map_name_with_shard``
+  runs regex before stacked), so the rules above hold unchanged; names that end up unknown but end in
+  ``.{q,k,v}_scale`` are ignored (``_ignore_unexpected_suffixes``), any other unknown name is a ``ValueError``.
+  SGLang 0.5.23 ``models/gemma3_causal.py`` ``Gemma3ForCausalLM.load_weights`` calls
+  ``maybe_remap_kv_scale_name`` first (Llama's rules); a ``{k,v}_scale`` whose remapped name is not a parameter
+  is skipped with a warning, but any other unknown name — ``{attn}.q_scale`` included, which
+  ``maybe_remap_kv_scale_name`` leaves as is — reaches ``params_dict[name]`` and stops the load with a
+  ``KeyError``. Neither SGLang's ``gemma3_causal.py`` nor ``gemma3_mm.py`` defines ``load_kv_cache_scales``, so
+  ``--quantization-param-path`` is a startup ``RuntimeError`` (``model_runner_components/load_model_utils.py``
+  ``load_kv_cache_scales``). Nothing Gemma-specific changes how a loaded scale is applied: both engines apply
+  q/k-norm and then RoPE before the attention layer that quantizes the cache (post-norm, post-RoPE keys),
+  sliding-window layers carry their own per-layer scale like global ones (SGLang's SWA pool passes
+  ``k_scale``/``v_scale`` through, ``mem_cache/swa_memory_pool.py``), attention logit softcapping is off
+  (vLLM passes ``attn_logits_soft_cap=None``, SGLang ``logit_cap=0.0``) and ``query_pre_attn_scalar**-0.5`` is
+  the attention's softmax scale, not folded into the queries.
 * **transformers + compressed-tensors** — ``from_pretrained`` loads a scale only under its exact
   parameter name ``{hf attention module}.{k,v}_scale`` (compressed-tensors attaches the parameters to
   the attention module; see :mod:`kvcal.export.hf_loader` for when it does at all). Anything else is an
@@ -53,7 +70,11 @@ class FamilyLayout:
     fused); ``vllm_backend``: ``"native"`` (a vLLM model file) or ``"transformers"`` (vLLM's
     Transformers backend); ``base_model_prefix``: HF prefix vLLM's Transformers backend rewrites to
     ``model.``; ``sglang``: SGLang model file, or ``None`` when SGLang has none; ``sglang_remaps``:
-    whether that file's default ``load_weights`` calls ``maybe_remap_kv_scale_name``.
+    whether that file's default ``load_weights`` calls ``maybe_remap_kv_scale_name``; ``sglang_json``: whether
+    its model class defines ``load_kv_cache_scales`` (without it ``--quantization-param-path`` stops SGLang at
+    startup); ``sglang_unknown``: what its ``load_weights`` does with a name that is neither a parameter nor a
+    remapped K/V scale (an exported ``q_scale``): ``"warns"`` (skipped with a log line), ``"raises"``
+    (``KeyError``: the server does not start) or ``"unchecked"``.
     """
 
     model_type: str
@@ -63,6 +84,8 @@ class FamilyLayout:
     base_model_prefix: str = "model"
     sglang: str | None = None
     sglang_remaps: bool = False
+    sglang_json: bool = False
+    sglang_unknown: str = "unchecked"
 
     @property
     def compressed_tensors_attaches(self) -> bool:
@@ -90,19 +113,41 @@ class FamilyLayout:
 #: Families kvcal knows the loaders' layouts for (tiny configs of each are tested in tests/export/test_layouts.py).
 FAMILIES: dict[str, FamilyLayout] = {f.model_type: f for f in (
     FamilyLayout("llama", "model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj"),
-                 sglang="llama.py", sglang_remaps=True),
-    FamilyLayout("phi3", "model.layers.{i}.self_attn", ("qkv_proj",), sglang="llama.py", sglang_remaps=True),
+                 sglang="llama.py", sglang_remaps=True, sglang_json=True, sglang_unknown="warns"),
+    FamilyLayout("phi3", "model.layers.{i}.self_attn", ("qkv_proj",), sglang="llama.py", sglang_remaps=True,
+                 sglang_json=True, sglang_unknown="warns"),
     FamilyLayout("gpt_neox", "gpt_neox.layers.{i}.attention", ("query_key_value",), vllm_backend="transformers",
                  base_model_prefix="gpt_neox"),
-    FamilyLayout("qwen2", "model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj"), sglang="qwen2.py"),
+    FamilyLayout("qwen2", "model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj"), sglang="qwen2.py",
+                 sglang_json=True),
+    # SGLang 0.5.23 mixtral.py / qwen3_moe.py define no load_kv_cache_scales: --quantization-param-path fails there
     FamilyLayout("mixtral", "model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj"), sglang="mixtral.py"),
     FamilyLayout("qwen3_moe", "model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj"), sglang="qwen3_moe.py"),
 )}
 
+#: Families whose tiny checkpoints are tested in their own files rather than in tests/export/test_layouts.py (its
+#: per-family fixture builds a config for every entry of :data:`FAMILIES`): Gemma 3 in
+#: tests/export/test_gemma3_export_names.py. :func:`family` looks in both.
+OTHER_FAMILIES: dict[str, FamilyLayout] = {f.model_type: f for f in (
+    # Gemma3ForCausalLM (vLLM 0.33.0 models/gemma3.py, SGLang 0.5.23 models/gemma3_causal.py; module docstring)
+    FamilyLayout("gemma3_text", "model.layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj"),
+                 sglang="gemma3_causal.py", sglang_remaps=True, sglang_json=False, sglang_unknown="raises"),
+)}
+
+#: ``model_type`` -> SGLang 0.5.23 model file whose model class defines no ``load_kv_cache_scales``, so
+#: ``--quantization-param-path`` stops the server at startup (``load_model_utils.load_kv_cache_scales`` raises
+#: ``RuntimeError``). ``gemma3`` is Gemma3ForConditionalGeneration (``gemma3_mm.py``).
+SGLANG_NO_PARAM_PATH: dict[str, str] = {
+    **{f.model_type: f.sglang for f in (*FAMILIES.values(), *OTHER_FAMILIES.values())
+       if f.sglang is not None and not f.sglang_json},
+    "gemma3": "gemma3_mm.py",
+}
+
 
 def family(model_type: str | None) -> FamilyLayout | None:
-    """The :class:`FamilyLayout` of ``model_type``, or ``None`` for a family not in :data:`FAMILIES`."""
-    return FAMILIES.get(model_type or "")
+    """The :class:`FamilyLayout` of ``model_type``, or ``None`` for a family in neither :data:`FAMILIES` nor
+    :data:`OTHER_FAMILIES`."""
+    return FAMILIES.get(model_type or "") or OTHER_FAMILIES.get(model_type or "")
 
 
 def checkpoint_names(fam: FamilyLayout, layer: int) -> dict[str, dict[str, str]]:

@@ -269,8 +269,15 @@ def simulate_sglang_json(doc: dict, num_layers: int, tp_size: int, model_type: s
     Mirrors ``KVCacheQuantSchema`` / ``QuantParamSchema`` validators: dtype ``float8_e4m3fn``;
     exactly ``tp_size`` ranks; ``num_layers`` entries per rank; ``model_type`` equal to the
     model's. A failed check is an engine startup error. One value per layer, shared by K and V.
+    A model whose SGLang class defines no ``load_kv_cache_scales``
+    (:data:`kvcal.export.layouts.SGLANG_NO_PARAM_PATH`, e.g. Gemma 3) fails at startup whatever the file holds.
     """
+    from kvcal.export.layouts import SGLANG_NO_PARAM_PATH
+
     rep = EngineLoad("SGLang")
+    if model_type in SGLANG_NO_PARAM_PATH:
+        rep.problems.append(f"SGLang's {SGLANG_NO_PARAM_PATH[model_type]} ({model_type}) defines no "
+                            "load_kv_cache_scales: --quantization-param-path is a RuntimeError at startup")
     kv = doc.get("kv_cache") or {}
     sf = kv.get("scaling_factor") or {}
     if kv.get("dtype") != "float8_e4m3fn":

@@ -49,6 +49,22 @@ class SglangJsonTarget(Target):
     non_saturating = ("SGLang",)
     description = "legacy --quantization-param-path JSON, one entry per TP rank and layer (max of K and V)"
 
+    def can_load(self, meta: dict) -> str | None:
+        """Also refuses a model whose SGLang model class reads no ``--quantization-param-path``
+        (:data:`kvcal.export.layouts.SGLANG_NO_PARAM_PATH`: Gemma 3, Mixtral, Qwen3-MoE in SGLang 0.5.23):
+        ``load_model_utils.load_kv_cache_scales`` raises ``RuntimeError`` at startup for it."""
+        from kvcal.export.layouts import SGLANG_NO_PARAM_PATH, family
+
+        mt = (meta.get("model") or {}).get("model_type")
+        if mt in SGLANG_NO_PARAM_PATH:
+            fam = family(mt)
+            alt = ("--target vllm, whose compressed-tensors k_scale/v_scale names SGLang's "
+                   f"{fam.sglang} loads from the checkpoint" if fam is not None and fam.sglang_remaps else
+                   "--target vllm for vLLM")
+            return (f"SGLang's {SGLANG_NO_PARAM_PATH[mt]} ({mt}) defines no load_kv_cache_scales, so SGLang refuses to "
+                    f"start with --quantization-param-path (RuntimeError); use {alt}")
+        return super().can_load(meta)
+
     def write(self, ctx: ExportContext, staging: Path) -> str:
         p = ctx.scales
         per_layer = []

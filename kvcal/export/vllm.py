@@ -12,6 +12,13 @@ Float32 rather than the model dtype: vLLM copies any float dtype into an fp32 pa
 ``QuantizationArgs``): merged into an existing compressed-tensors config, or a KV-only config
 (``config_groups: {}``) is created. Without a quantization config vLLM creates no k/v scale
 parameters and silently uses 1.0.
+
+Gemma 3 (``Gemma3ForCausalLM``, ``gemma3_text``) takes these names unchanged: vLLM 0.33.0
+``models/gemma3.py`` ``Gemma3ForCausalLM.load_weights`` (``AutoWeightsLoader`` + the compressed-tensors
+cache-scale mapper) maps ``model.layers.{i}.self_attn.{k,v,q}_scale`` to ``...self_attn.attn.{k,v,q}_scale``,
+and SGLang 0.5.23 ``models/gemma3_causal.py`` ``Gemma3ForCausalLM.load_weights`` maps the k/v names the
+same way (``maybe_remap_kv_scale_name``) into its compressed-tensors KV method (per-tensor only) — but stops
+with a ``KeyError`` on a ``q_scale``, which is warned about (:mod:`kvcal.export.layouts`).
 """
 
 from __future__ import annotations
@@ -110,8 +117,21 @@ class VllmTarget(Target):
             ctx.notes.append(f"{mt}: scales named {attention.format(i=0)}.k_scale ... (the family's attention module)")
         if fam and fam.sglang and not fam.sglang_remaps:
             ctx.warnings.append(f"SGLang's {fam.sglang} loader does not remap KV-scale names, so SGLang would ignore these "
-                                "and run at 1.0 (vLLM loads them); to serve with SGLang use --target sglang-json "
-                                "(--quantization-param-path)")
+                                "and run at 1.0 (vLLM loads them); "
+                                + ("to serve with SGLang use --target sglang-json (--quantization-param-path)"
+                                   if fam.sglang_json else
+                                   f"its --quantization-param-path is no way out either ({fam.sglang} defines no "
+                                   "load_kv_cache_scales: SGLang refuses to start with it)"))
+        if fam and fam.sglang and fam.sglang_unknown == "raises" and p.q:
+            ctx.warnings.append(f"SGLang's {fam.sglang} load_weights stops with a KeyError on "
+                                f"{scale_names(0, attention)['q']} (maybe_remap_kv_scale_name remaps only k/v scales, "
+                                "and the name is no parameter there): this checkpoint serves in vLLM only; for SGLang "
+                                "export an artifact without query scales (kvcal calibrate without --engine vllm)")
+        if (ctx.model_dir is not None and fam and fam.sglang and fam.sglang_remaps and p.granularity == "tensor"
+                and not p.q and p.format != "nvfp4"):
+            ctx.notes.append(f"SGLang loads these names too ({fam.sglang} load_weights, maybe_remap_kv_scale_name: "
+                             f"{attention.format(i='{i}')}.k_scale -> ...attn.k_scale): python -m "
+                             "sglang.launch_server --model-path <this export> --kv-cache-dtype fp8_e4m3")
         for i in range(p.num_layers):
             names = scale_names(i, attention)
             ctx.tensors[names["k"]] = p.k[i]
