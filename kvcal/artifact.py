@@ -776,6 +776,9 @@ _MODEL_SCHEMA = {
     "num_attention_heads": (_POS_INT, False), "max_position_embeddings": (_optional(_POS_INT), False),
     "id": (_optional(_STR), False), "config_sha256": (_optional(_STR), False), "architecture": (_optional(_STR), False),
     "model_type": (_optional(_STR), False), "weight_precision": (_optional(_STR), False),
+    "layer_windows": ((lambda v: isinstance(v, list) and all(_is_int(w) and (w == 0 or w >= 2) for w in v)
+                       and any(v), "a list of per-layer sliding windows (0: full attention, >= 2 tokens), one "
+                       "sliding at least"), False),
 }
 _KV_SCHEMA = {
     "k": (_OBJ, True), "v": (_OBJ, True),
@@ -847,6 +850,10 @@ def validate_metadata_schema(f: Path, meta) -> None:
     kv = meta["kv"]
     _check_section(f, "kv", kv, _KV_SCHEMA)
     n = meta["model"]["num_layers"]
+    lw = meta["model"].get("layer_windows")
+    if lw is not None and len(lw) != n:
+        raise ArtifactError(f"{f}: metadata model.layer_windows must list {n} layers (model.num_layers), got "
+                            f"{len(lw)}; re-run calibration")
     spec_schema = _spec_schema()
     for side in SIDES:
         _check_section(f, f"kv.{side}", kv[side], spec_schema)

@@ -517,10 +517,17 @@ def render(ins: Inspection) -> str:
                  + (f"  truncated={c.get('truncated')}" if c.get("truncated") else ""))
     L.append("")
     has_q = any(r.get("q") for r in ins.layers)  # vLLM's FP8 query scale, where stored
-    L.append(f"{'layer':>5}  {'K scale':<28} {'V scale':<28}" + (f" {'Q scale':<28}" if has_q else ""))
+    lw = (ins.model or {}).get("layer_windows")  # a model with sliding-window layers (Gemma 3)
+    if lw:
+        sl = [i for i, w in enumerate(lw) if w]
+        L.append(f"layer types: {len(sl)} sliding-window (W = {max(lw)}: layers {_ranges(sl)}), "
+                 f"{len(lw) - len(sl)} full attention (layers {_ranges([i for i, w in enumerate(lw) if not w])})")
+    L.append(f"{'layer':>5}  {'K scale':<28} {'V scale':<28}" + (f" {'Q scale':<28}" if has_q else "")
+             + ("  type" if lw else ""))
     for r in ins.layers:
         L.append(f"{r['layer']:>5}  {_fmt_vals(r['k'], ins.granularity):<28} {_fmt_vals(r['v'], ins.granularity):<28}"
-                 + (f" {_fmt_vals(r.get('q'), ins.granularity):<28}" if has_q else ""))
+                 + (f" {_fmt_vals(r.get('q'), ins.granularity):<28}" if has_q else "")
+                 + ((f"  {'sliding' if lw[r['layer']] else 'full'}") if lw and r["layer"] < len(lw) else ""))
     L.append("")
     L.append("engines (naming rules of shared/docs/runtime-formats.md):")
     for e in ins.engines.values():

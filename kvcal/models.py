@@ -534,7 +534,8 @@ def model_metadata(
 
     Keys: id, config_sha256 (see :func:`kvcal.weights.config_hash`), architecture, model_type,
     num_layers, num_attention_heads, num_kv_heads, head_dim, max_position_embeddings,
-    weight_precision.
+    weight_precision, and for a model with sliding-window layers ``layer_windows`` (per layer its window
+    ``W``, 0 for full attention: what memory figures computed from the artifact alone count).
     """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not getattr(cfg, "num_attention_heads", None) or not getattr(cfg, "num_hidden_layers", None):
@@ -544,6 +545,9 @@ def model_metadata(
         )
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     archs = [architecture] if architecture else (getattr(config, "architectures", None) or [type(config).__name__])
+    from kvcal.formats.memory import model_shape
+
+    windows = model_shape(cfg).layer_windows  # None without sliding-window layers: the section is unchanged
     return {
         "id": src.model_id if src else getattr(config, "_name_or_path", "unknown"),
         "config_sha256": config_hash(cfg.to_dict()),  # the normalized view export hashes from config.json
@@ -555,6 +559,7 @@ def model_metadata(
         "head_dim": head_dim_of(cfg),
         "max_position_embeddings": int(getattr(cfg, "max_position_embeddings", 0) or 0),
         "weight_precision": weight_precision(src, dtype) if src else str(dtype),
+        **({"layer_windows": list(windows)} if windows else {}),
     }
 
 

@@ -79,7 +79,8 @@ def test_plan_inspect_export(gemma, tmp_path):
     d, art = gemma
     out = run(["plan", "--model", str(d), "--gpu-mem", "1GiB"])
     assert "max concurrency" in out
-    run(["inspect", str(art)])
+    out = run(["inspect", str(art)])
+    assert "layer types: 3 sliding-window (W = 8: layers 0-1,3), 1 full attention (layers 2)" in out
     out = run(["export", "--artifact", str(art), "--target", "vllm", "--model-dir", str(d), "--out", str(tmp_path / "x")])
     assert "vllm serve" in out
     from conftest import safetensors_dir
@@ -179,3 +180,41 @@ def test_bits_budget_counts_what_sliding_layers_hold(gemma, tmp_path, one_thread
         slid = next(r for r in table if r["layer"] == 0 and r["side"] == side)["bytes"]
         glob = next(r for r in table if r["layer"] == 2 and r["side"] == side)["bytes"]
         assert all(a < b for a, b in zip(slid, glob, strict=True)), (side, slid, glob)
+
+
+def test_int8_nvfp4_and_report(gemma, tmp_path, one_thread):
+    """--preset int8 and --engine vllm --kv-cache-dtype nvfp4 --skip-layers auto calibrate every layer of the
+    tiny Gemma (per-layer scales for all 4 layers; nvfp4's outer scales for both sides, 1 KV head x 32 = 2 NVFP4
+    blocks of 16), and report renders the FP8 artifact with an evaluation that states the BOS windows."""
+    from kvcal.artifact import load_artifact
+
+    d, fp8 = gemma
+    i8 = tmp_path / "int8"
+    run(["calibrate", "--model", str(d), "--corpus", TEXT, "--max-samples", "6", "--max-seq-len", "32",
+         "--preset", "int8", "--sinks", "1", "--probe-tokens", "0", "--out", str(i8), "--quiet"])
+    art = load_artifact(i8)
+    assert {lm["layer"] for lm in art.metadata["layers"]} == {0, 1, 2, 3}
+    nv = tmp_path / "nvfp4"
+    run(["calibrate", "--model", str(d), "--corpus", TEXT, "--max-samples", "8", "--max-seq-len", "32",
+         "--engine", "vllm", "--kv-cache-dtype", "nvfp4", "--skip-layers", "auto", "--max-skip", "1",
+         "--out", str(nv), "--quiet"])
+    art = load_artifact(nv)
+    assert {f"model.layers.{i}.self_attn.{s}_outer_scale" for i in range(4) for s in "kv"} <= set(art.tensors)
+    assert len(art.metadata["vllm"]["skip_layers"]) == 1
+    assert len(art.metadata["vllm"]["skip_layers_choice"]["sensitivity"]) == 4
+    js = tmp_path / "e.json"
+    run(["evaluate", "--accept", ACCEPT, "--model", str(d), "--artifact", str(fp8), "--corpus", TEXT, "--context",
+         "24", "--windows", "2", "--mode", "teacher_forced", "--no-baselines", "--json", str(js), "--quiet"])
+    rep = tmp_path / "rep"
+    run(["report", "--artifact", str(fp8), "--eval", str(js), "--out", str(rep)])
+    md = (rep / "report.md").read_text()
+    assert "Gemma3ForCausalLM" in md and "BOS" in md
+    # memory per layer type: the artifact records the windows, so the report's figures count 3 sliding layers at
+    # min(context, 7) tokens: at 256 tokens (the max context) (3·7 + 256) x 64 bytes + 8 fp32 scales, by hand
+    assert load_artifact(fp8).metadata["model"]["layer_windows"] == [8, 8, 0, 8]
+    assert "3 of 4 layers are sliding-window layers (W = 8)" in md
+    assert "92% of the cached tokens at 256 tokens" in md  # 256 / (3·7 + 256) = 0.924
+    from kvcal.report.data import memory_summary
+
+    mem = memory_summary(load_artifact(fp8).metadata, contexts=[256], batches=[1])
+    assert mem["cache_bytes"][1] == [(3 * 7 + 256) * 64 + 8 * 4]

@@ -445,7 +445,8 @@ def memory_summary(meta: dict, contexts: list[int] | None = None, batches: list[
     m = meta.get("model") or {}
     try:
         shape = ModelShape(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]),
-                           int(m.get("max_position_embeddings") or 0) or None)
+                           int(m.get("max_position_embeddings") or 0) or None,
+                           tuple(m["layer_windows"]) if m.get("layer_windows") else None)
         cfg = artifact_kv_config(meta, tensors)
     except Exception:
         return None

@@ -354,6 +354,25 @@ def _skip_memory(meta: dict) -> list[str]:
             f"(`--kv-cache-dtype-skip-layers`){nb}; the figures in this section count every layer quantized."]
 
 
+def _sliding_memory(meta: dict, mem: dict) -> list[str]:
+    """A memory bullet for a model with sliding-window layers (``model.layer_windows``): what each layer type
+    holds, the global layers' share of the bytes at the longest context shown, and what vLLM 0.33 reserves
+    for a sliding layer (:func:`kvcal.formats.memory.vllm_layer_tokens`, from ``SlidingWindowSpec``)."""
+    lw = (meta.get("model") or {}).get("layer_windows")
+    if not lw:
+        return []
+    sl = [i for i, w in enumerate(lw) if w]
+    W = max(lw)
+    c = mem["contexts"][-1]
+    held = [min(c, w - 1) if w else c for w in lw]
+    share = sum(h for h, w in zip(held, lw, strict=True) if not w) / sum(held)
+    return [f"{len(sl)} of {len(lw)} layers are sliding-window layers (W = {W}): each holds at most {W - 1} tokens, "
+            f"so the figures below count them at min(context, {W - 1}) tokens and the {len(lw) - len(sl)} global "
+            f"layers hold {share:.0%} of the cached tokens at {c:,} tokens. vLLM 0.33 reserves a sliding layer its "
+            "window plus the in-flight tokens (max_num_batched_tokens, 2,048 by default) and one block "
+            "(`SlidingWindowSpec.max_admission_blocks_per_request`; `kvcal memory --format vllm:<dtype>`)."]
+
+
 def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict, tensors: dict | None = None) -> dict | None:
     rep.add(Heading("Memory: cache bytes per token and capacity"))
     mem = D.memory_summary(meta, batches=reg["batches"] or None, tensors=tensors)
@@ -366,6 +385,7 @@ def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict, tensors: dict |
         "Exact accounting (`kvcal.formats.memory.cache_bytes`): payload, scales/zero points, 16-bit window and "
         "sinks, per-layer metadata. Weights and activations are not included (see `kvcal plan`).",
         *_skip_memory(meta),
+        *_sliding_memory(meta, mem),
     ]))
     rows = []
     show_ctx = reg["contexts"] or [c for c in mem["contexts"] if c >= 1024]
