@@ -193,3 +193,130 @@ def test_recommend_output_is_read_for_its_choice(tmp_path, tiny_export):
     with pytest.raises(KvcalError, match="pass --model-dir HF_DIR"):
         from_recommend(rec, None, tmp_path)
     assert from_recommend(rec, str(tiny_export), tmp_path, log=lambda s: None) == (str(tiny_export), "fp8", (1,))
+
+
+def _fake_vllm(vocab: int, calls: list):
+    """A stand-in for ``vllm`` (the runner's whole interface to it): each "engine" maps a prompt to logit rows that
+    depend on the token ids and on ``kv_cache_dtype``; the model's ``logits_processor`` sees the sampling step's row
+    first, then the prompt's rows (the order vLLM-CPU uses), and ``prompt_logprobs`` are the rows' log-softmax."""
+    import types
+
+    from torch import nn
+
+    mod = types.ModuleType("vllm")
+    mod.__version__ = "fake"
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class Lp:
+        def __init__(self, x):
+            self.logprob = x
+
+    class Out:
+        def __init__(self, plp):
+            self.prompt_logprobs = plp
+
+    def rows_for(ids, dtype):
+        g = torch.Generator().manual_seed(1000 * len(ids) + int(sum(ids)) % 997)
+        base = 3 * torch.randn(len(ids), vocab, generator=g)
+        if dtype != "auto":
+            base = base + 0.05 * torch.randn(len(ids), vocab, generator=torch.Generator().manual_seed(7 + ids[0]))
+        return base
+
+    class LLM:
+        def __init__(self, model, kv_cache_dtype, **kw):
+            self.dtype = kv_cache_dtype
+            self.m = nn.Module()
+            self.m.logits_processor = nn.Identity()
+            calls.append(kv_cache_dtype)
+
+        def apply_model(self, fn):
+            return [fn(self.m)]
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            ids = prompts[0]["prompt_token_ids"]
+            r = rows_for(ids, self.dtype)
+            self.m.logits_processor(r[-1:].clone())  # the sampling step
+            self.m.logits_processor(r[:-1].clone())  # the prompt
+            lp = torch.log_softmax(r[:-1].double(), -1)
+            return [Out([None] + [{ids[i + 1]: Lp(float(lp[i, ids[i + 1]]))} for i in range(len(ids) - 1)])]
+
+    mod.LLM, mod.SamplingParams, mod.rows_for = LLM, SamplingParams, rows_for
+    return mod
+
+
+def test_runner_streams_the_reference_and_keeps_the_kl_exact(tmp_path, monkeypatch):
+    """The runner in kvcal's Python against a stand-in vLLM: with 5-position chunks and the reference's
+    log-probabilities in a scratch file, every per-token NLL, KL and top-1 equals the same figures computed here at
+    once over whole windows in float64 (KL(P_ref ‖ P) with P_ref stored in float32, as the runner keeps it). Every
+    operation is row-wise, so the only difference allowed is float64 summation order within a row: 1e-12 relative
+    (the rows' KL is ~1e-3, their sums over 300 terms carry ~1e-16 relative error each). The scratch file is gone
+    afterwards."""
+    import importlib.util
+
+    from kvcal.verify import RUNNER
+
+    calls: list = []
+    vocab = 300
+    fake = _fake_vllm(vocab, calls)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    spec = importlib.util.spec_from_file_location("kvcal_vllm_runner_under_test", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, vocab, (3, 12), generator=g).tolist()
+    req = {"windows": windows, "max_model_len": 12, "runs": [
+        {"name": "16-bit", "model_dir": "x", "kv_cache_dtype": "auto"},
+        {"name": "fp8", "model_dir": "x", "kv_cache_dtype": "fp8"}], "reference": "16-bit", "top_k": 5, "chunk_rows": 5}
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "req.json").write_text(json.dumps(req))
+    runner.main(str(work / "req.json"), str(work / "res.json"))
+    assert sorted(p.name for p in work.iterdir()) == ["req.json", "res.json"]  # no scratch file left
+    res = json.loads((work / "res.json").read_text())
+    assert calls == ["auto", "fp8"]
+    for wi, w in enumerate(windows):
+        tgt = torch.tensor(w[1:])
+        lr = torch.log_softmax(fake.rows_for(w, "auto")[:-1].double(), -1)
+        lp = torch.log_softmax(fake.rows_for(w, "fp8")[:-1].double(), -1)
+        lr32 = lr.float().double()
+        kl = (lr32.exp() * (lr32 - lp)).sum(-1)
+        got = res["runs"]["fp8"]
+        assert got["kl"][wi] == pytest.approx(kl.tolist(), rel=1e-12, abs=0)
+        assert got["nll"][wi] == pytest.approx((-lp.gather(-1, tgt[:, None])[:, 0]).tolist(), rel=1e-12, abs=0)
+        assert got["top1"][wi] == (lr32.argmax(-1) == lp.argmax(-1)).int().tolist()
+        assert res["runs"]["16-bit"]["nll"][wi] == pytest.approx((-lr.gather(-1, tgt[:, None])[:, 0]).tolist(),
+                                                                rel=1e-12, abs=0)
+    assert min(min(r) for r in res["runs"]["fp8"]["kl"]) > 0
+    assert res["runs"]["fp8"]["align_max_abs"] < 1e-12
+
+
+def test_prediction_chunks_give_the_whole_window_figures():
+    """predict() in chunks of 4 positions equals the same figures computed here over whole windows (float32
+    log-softmax, float64 reductions), on a tiny random model with a quantizing plan: row-wise operations, so equal
+    up to float64 summation order (1e-12 relative)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcal.evaluate.protocol_a import protocol_a_logits
+    from kvcal.verify import predict
+    from kvcal.vllm_plan import VllmKVPlan
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=97, max_position_embeddings=64)).eval()
+    wins = torch.randint(0, 97, (2, 11))
+    plan = VllmKVPlan("fp8", 2, backend="cpu")
+    got = predict(m, wins, {"p": plan}, chunk_rows=4)
+    with torch.no_grad():
+        for wi, w in enumerate(wins):
+            tgt = w[1:]
+            lr = torch.log_softmax(protocol_a_logits(m, w[None], None)[0].float(), -1).double()
+            lp = torch.log_softmax(protocol_a_logits(m, w[None], plan)[0].float(), -1).double()
+            kl = (lr.exp() * (lr - lp)).sum(-1)
+            assert got["p"]["kl"][wi] == pytest.approx(kl.tolist(), rel=1e-12, abs=1e-18)
+            assert got["p"]["nll"][wi] == pytest.approx((-lp.gather(-1, tgt[:, None])[:, 0]).tolist(), rel=1e-12)
+            assert got["16-bit"]["nll"][wi] == pytest.approx((-lr.gather(-1, tgt[:, None])[:, 0]).tolist(), rel=1e-12)
+            assert got["p"]["top1"][wi] == (lr.argmax(-1) == lp.argmax(-1)).int().tolist()
+    assert max(max(r) for r in got["p"]["kl"]) > 0
