@@ -471,7 +471,7 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
         sk = [str(i) for i in skip]
         runs = [{"name": "16-bit", "model_dir": str(view), "kv_cache_dtype": "auto"}]
         if has_scales:
-            runs.append({"name": f"{dtype} checkpoint scales", "model_dir": str(ck.path), "kv_cache_dtype": dtype,
+            runs.append({"name": f"{dtype} checkpoint scales", "model_dir": os.path.abspath(ck.path), "kv_cache_dtype": dtype,
                          "skip_layers": sk})
         runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype, "skip_layers": sk})
         log(f"engine: {len(runs)} runs x {len(wins)} windows x {cfg.context} tokens in {engine_python}")

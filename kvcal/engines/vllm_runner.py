@@ -89,6 +89,25 @@ def _peak_rss_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def _cpu_fp8_refusal(torch, dtypes: list) -> str | None:
+    """vLLM-CPU's own condition for an FP8 cache (``cpu_attn.py`` ``_get_attn_isa``: AVX-512 or AMX on x86), checked
+    up front; ``None`` where it holds, on other platforms, or when no run asks for FP8. Its AVX2 build has no FP8
+    attention kernel (measured: past the Python check it stops with "Unsupported CPU attention configuration")."""
+    if not any(str(d).startswith("fp8") for d in dtypes):
+        return None
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or not hasattr(torch.cpu, "_is_avx512_supported"):
+            return None
+        if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+            return None
+    except Exception:
+        return None
+    return "this CPU has neither AVX-512 nor AMX (vLLM-CPU serves FP8 only with one of them; its AVX2 build has no " \
+           "FP8 attention kernel)"
+
+
 def main(req_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -103,6 +122,9 @@ def main(req_path: str, out_path: str) -> None:
         from vllm import LLM, SamplingParams
     except Exception as e:  # not an engine interpreter
         _fail(out_path, f"cannot import vllm in this Python ({type(e).__name__}: {e})")
+    why = _cpu_fp8_refusal(torch, [r["kv_cache_dtype"] for r in req["runs"]])
+    if why:  # before the 16-bit run, not minutes into the request
+        _fail(out_path, f"vLLM {vllm.__version__} cannot serve an FP8 KV cache here: {why}")
     windows = req["windows"]
     top_k = int(req.get("top_k", 5))
     chunk = max(1, int(req.get("chunk_rows", CHUNK_ROWS)))
