@@ -190,6 +190,11 @@ class VllmTarget(Target):
             ctx.notes.append("q_scale is used on SM100 (FlashInfer trtllm-gen, FP8 queries); on SM80/90/120 "
                              "(FlashInfer fa2) vLLM keeps NVFP4-cache queries in the model dtype and ignores it")
             ctx.manifest["kv_cache_dtype"] = d
+        if p.format != "nvfp4" and not (isinstance(vm, dict) and vm.get("fp8_write") == "truncate"):
+            # the write path decides which scales are best (docs/results.md, Gemma 3 in vLLM-CPU)
+            ctx.notes.append("these scales were searched for a round-to-nearest FP8 write (vLLM's GPU kernels); vLLM's "
+                             "CPU build writes FP8 by truncation: for it, calibrate with --engine vllm --backend cpu "
+                             "(docs/serving.md#served-vs-predicted)")
         if isinstance(vm, dict) and vm.get("skip_layers"):  # calibrate --engine vllm --skip-layers: 16-bit layers
             from kvcal.search.skip_layers import serve_skip_arg
 
