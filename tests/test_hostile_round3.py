@@ -335,7 +335,7 @@ def test_a_decompression_bomb_is_refused_at_the_bound(tmp_path, no_model, monkey
     import gzip
     import time
 
-    import kvcal.corpus as C
+    import kvcal.corpus.sources as C
 
     monkeypatch.setattr(C, "MAX_DECOMPRESSED_BYTES", 1 << 20)
     p = tmp_path / "bomb.jsonl.gz"
