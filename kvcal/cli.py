@@ -510,7 +510,7 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
                      vllm_dtypes=vllm_dtypes, backend=backend)
     inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
     if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
-        from kvcal.artifact import check_output_file
+        from kvcal.outputs import check_output_file
 
         check_output_file(json_path, "evaluation", inputs, KvcalError, "--json")
     if quiet:
@@ -520,7 +520,7 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
     for note in doc["notes"]:
         click.echo(f"note: {note}")
     if json_path:
-        from kvcal.artifact import write_file_atomically
+        from kvcal.outputs import write_file_atomically
 
         click.echo(f"wrote {write_file_atomically(json_path, to_json(doc), 'evaluation', inputs, KvcalError, '--json')}")
     click.echo(f"artifact: {'PASS' if doc['passed'] else 'FAIL'}")
@@ -645,7 +645,7 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
                        timeout_s=timeout_s, skip_layers=skip, model_dir=model_dir, text_field=text_field,
                        messages_field=messages_field, split=split)
     if json_path:
-        from kvcal.artifact import check_output_file
+        from kvcal.outputs import check_output_file
 
         check_output_file(json_path, "verification", {"--corpus": corpus}, KvcalError, "--json")
     quiet_libraries()
@@ -654,7 +654,7 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
     if json_path:
         import json
 
-        from kvcal.artifact import write_file_atomically
+        from kvcal.outputs import write_file_atomically
 
         click.echo(f"wrote {write_file_atomically(json_path, json.dumps(doc, indent=2), 'verification', {'--corpus': corpus}, KvcalError, '--json')}")
     if not doc["passed"]:

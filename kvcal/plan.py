@@ -83,7 +83,7 @@ def tensor_name(layer: int, side: str, kind: str = "scale") -> str:
 
     The one naming rule for every per-layer artifact tensor (``kind``: ``scale``, ``zero_point``,
     ``clip_ratio``, ``mean``, ``rounding``, ``channel_bits``, ``levels``, ``trellis``,
-    ``scale_base``); also exported as :func:`kvcal.artifact.tensor_name`.
+    ``scale_base``).
     Raises ``ValueError`` for a side other than ``"k"`` / ``"v"``."""
     if side not in SIDES:
         raise ValueError(f"side must be 'k' or 'v', got {side!r}")

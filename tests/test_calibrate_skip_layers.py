@@ -284,7 +284,8 @@ def test_artifact_naming_a_layer_past_the_model_is_refused(auto_artifact, tmp_pa
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from kvcal.artifact import CONTENT_HASH_KEY, ArtifactError, content_sha256, load_artifact
+    from kvcal.artifact import CONTENT_HASH_KEY, content_sha256, load_artifact
+    from kvcal.errors import ArtifactError
 
     out, _ = auto_artifact
     bad = tmp_path / "bad"

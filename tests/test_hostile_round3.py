@@ -181,7 +181,7 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
 
     from export_helpers import make_artifact
 
-    import kvcal.artifact
+    import kvcal.outputs
 
     art, _ = make_artifact(tmp_path / "art")
     work = tmp_path / "work"
@@ -194,7 +194,7 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
         os.kill(os.getpid(), sig)
         return real_replace(src, dst)
 
-    monkeypatch.setattr(kvcal.artifact.os, "replace", killed)
+    monkeypatch.setattr(kvcal.outputs.os, "replace", killed)
     args = (["export", "--artifact", str(art), "--target", "vllm", "--out", str(work / "out")] if command == "export"
             else ["report", "--artifact", str(art), "--out", str(work / "out")])
     r = CliRunner().invoke(main, args)
@@ -437,7 +437,7 @@ def test_recommend_recognises_its_own_output_and_offers_overwrite(corpus, tmp_pa
     one_error_line(r, "model loader reached")  # every check passed: the run would replace it
     assert no_model and (out / "deploy.json").is_file()  # untouched until a new output is complete
     assert "--overwrite" in {o for p in main.commands["recommend"].params for o in p.opts}
-    from kvcal.artifact import RECOMMEND_DOC, RECOMMEND_SCHEMA_PREFIX
+    from kvcal.outputs import RECOMMEND_DOC, RECOMMEND_SCHEMA_PREFIX
     from kvcal.recommend import SCHEMA
 
     assert SCHEMA.startswith(RECOMMEND_SCHEMA_PREFIX) and RECOMMEND_DOC == "deploy.json"  # what recommend writes

@@ -93,9 +93,9 @@ def test_evaluate_json_never_overwrites_an_input_or_a_foreign_file(tmp_path, tin
 
 
 def test_single_file_writer_refusals(tmp_path):
-    """The one single-file writer every command uses (kvcal.artifact.write_file_atomically)."""
-    from kvcal.artifact import check_output_file, kvcal_file_kind, write_file_atomically
+    """The one single-file writer every command uses (kvcal.outputs.write_file_atomically)."""
     from kvcal.errors import KvcalError
+    from kvcal.outputs import check_output_file, kvcal_file_kind, write_file_atomically
 
     doc = json.dumps({"schema": "kvcal-eval/1", "kvcal_version": "0", "results": []})
     p = write_file_atomically(tmp_path / "a" / "e.json", doc, kind="evaluation", flag="--json")
@@ -134,7 +134,7 @@ def test_report_never_overwrites_a_users_report(tmp_path):
     """Tester: ``kvcal report --out DIR`` replaced the user's report.md / report.html."""
     from export_helpers import make_artifact
 
-    from kvcal.artifact import kvcal_file_kind
+    from kvcal.outputs import kvcal_file_kind
     from kvcal.report.disclosure import write_report
 
     art = make_artifact(tmp_path / "art")[0]
@@ -212,8 +212,8 @@ def test_refusals_never_suggest_overwrite_on_committed_or_foreign_files(tracked_
     artifact directory with a stray user file (``--overwrite`` would have deleted it)."""
     from export_helpers import make_artifact
 
-    from kvcal.artifact import check_output_dir, foreign_files
     from kvcal.errors import KvcalError
+    from kvcal.outputs import check_output_dir, foreign_files
 
     repo, ex = tracked_example
     before = {p: _sha(p) for p in ex.rglob("*") if p.is_file()}
@@ -370,8 +370,8 @@ def test_single_file_writers_never_replace_a_committed_file(tracked_example):
     """Tester: ``evaluate --json artifacts/smollm2-135m-fp8/eval_1024.json`` and ``report --out
     artifacts/smollm2-135m-fp8`` replaced committed files (exit 0). Every single-file writer refuses a file git
     tracks, even one kvcal wrote; an untracked kvcal file beside it is still replaced."""
-    from kvcal.artifact import check_output_file, write_file_atomically
     from kvcal.errors import KvcalError
+    from kvcal.outputs import check_output_file, write_file_atomically
 
     repo, ex = tracked_example
     (ex / "report.md").write_text("# committed report\n")
@@ -421,7 +421,8 @@ def test_overwrite_replaces_only_an_output_of_the_same_kind(tmp_path):
     export (exit 0). Export replaces only an export, calibrate (write_artifact) only an artifact."""
     from export_helpers import make_artifact
 
-    from kvcal.artifact import check_output_dir, write_artifact
+    from kvcal.artifact import write_artifact
+    from kvcal.outputs import check_output_dir
 
     a = make_artifact(tmp_path / "a", seed=0)[0]
     b = make_artifact(tmp_path / "b", seed=1)[0]

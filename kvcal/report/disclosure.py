@@ -575,9 +575,9 @@ code{background:#f3f3f3;padding:0 3px}"""
 
 def to_html(rep: Report) -> str:
     """Self-contained HTML (figures as base64 PNG ``<img>``); the ``<head>`` names kvcal as its generator
-    (:data:`kvcal.artifact.REPORT_HTML_MARK`), which is how ``kvcal report`` knows the file as its own."""
+    (:data:`kvcal.outputs.REPORT_HTML_MARK`), which is how ``kvcal report`` knows the file as its own."""
     from kvcal import __version__
-    from kvcal.artifact import REPORT_HTML_MARK
+    from kvcal.outputs import REPORT_HTML_MARK
 
     out = ["<!DOCTYPE html>", f'<html lang="en"><head><meta charset="utf-8">{REPORT_HTML_MARK} {__version__}">',
            f"<title>{html.escape(rep.title)}</title><style>{_CSS}</style></head><body>",
@@ -630,8 +630,9 @@ def check_out_holds_no_other_artifact(art_dir: Path, od: Path) -> None:
     ``art_dir`` (compared by :func:`kvcal.artifact.artifact_sha256`, as ``--eval`` is): its report.md,
     report.html and figures describe that artifact, and a report of another one would replace them.
     Raises :class:`KvcalError`; an identical copy of the artifact is accepted."""
-    from kvcal.artifact import SCALES_FILE, artifact_sha256
+    from kvcal.artifact import artifact_sha256
     from kvcal.errors import KvcalError
+    from kvcal.outputs import SCALES_FILE
 
     other = od / SCALES_FILE
     if not other.exists() or od.resolve() == Path(art_dir).resolve():
@@ -650,12 +651,13 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
     (default: the artifact directory; ``report.md`` there is replaced by this fuller report).
     Returns ``{"markdown", "html", "figures": [paths]}``. Raises :class:`KvcalError` for a bad
     artifact or evaluation file, an unwritable location, or when a file it would write is an input or
-    exists and is not a report / figure kvcal wrote (:func:`kvcal.artifact.check_output_file`: every
+    exists and is not a report / figure kvcal wrote (:func:`kvcal.outputs.check_output_file`: every
     target is checked before the first is written); each file is written atomically and carries kvcal's
-    mark (``report.md`` ends with :data:`kvcal.artifact.REPORT_MD_MARK`)."""
+    mark (``report.md`` ends with :data:`kvcal.outputs.REPORT_MD_MARK`)."""
     from kvcal import __version__
-    from kvcal.artifact import REPORT_MD_MARK, check_output_file, load_artifact, write_file_atomically
+    from kvcal.artifact import load_artifact
     from kvcal.errors import KvcalError
+    from kvcal.outputs import REPORT_MD_MARK, check_output_file, write_file_atomically
 
     art = load_artifact(artifact)
     ev = eval_json if isinstance(eval_json, dict) or eval_json is None else D.load_eval(eval_json)

@@ -636,8 +636,9 @@ def test_config_that_differs_from_the_calibrated_one_is_warned(tmp_path, sharded
     artifact records the calibrated config's sha256, so a mismatch is a warning (shapes still must match)."""
     import shutil
 
-    from kvcal.artifact import config_hash, load_artifact, write_artifact
+    from kvcal.artifact import load_artifact, write_artifact
     from kvcal.export.checkpoint import text_config
+    from kvcal.weights import config_hash
 
     cfg = json.loads((sharded_ckpt / "config.json").read_text())
     path, _ = make_artifact(tmp_path / "art")

@@ -126,8 +126,9 @@ def test_tampered_int_artifacts_are_refused_on_load(tmp_path, tiny_capture, edit
     prints one line and exits 2."""
     from click.testing import CliRunner
 
-    from kvcal.artifact import ArtifactError, load_artifact, write_artifact
+    from kvcal.artifact import load_artifact, write_artifact
     from kvcal.cli import main
+    from kvcal.errors import ArtifactError
 
     _, cap = tiny_capture
     r = search_int(cap, preset="int4", max_queries=8, progress=False, budget_context=256)

@@ -246,7 +246,8 @@ def test_artifact_validator_refuses_bad_q_scale(vllm_artifact, tmp_path):
     naming the shape."""
     from safetensors.torch import load_file, save_file
 
-    from kvcal.artifact import ArtifactError, load_artifact
+    from kvcal.artifact import load_artifact
+    from kvcal.errors import ArtifactError
 
     out, _ = vllm_artifact
     import shutil
