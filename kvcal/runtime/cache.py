@@ -72,20 +72,10 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.errors import ArtifactError
+from kvcal.formats.codes import TRELLIS_UNIT, check_channel_bits, check_levels, check_trellis, unit_rounding
 from kvcal.formats.fp8 import FP8_FORMATS
-from kvcal.formats.quant import (
-    TRELLIS_UNIT,
-    QuantizedTensor,
-    check_channel_bits,
-    check_levels,
-    check_scale_base,
-    check_trellis,
-    dequantize,
-    nvfp4_global_scale,
-    params_from_range,
-    quantize,
-    unit_rounding,
-)
+from kvcal.formats.quant import QuantizedTensor, dequantize, quantize
+from kvcal.formats.scales import check_scale_base, nvfp4_global_scale, params_from_range
 from kvcal.formats.spec import DEFAULTS, LOG8, QFormat
 from kvcal.formats.transforms import apply_transform
 from kvcal.formats.variants import QuantTables

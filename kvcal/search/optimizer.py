@@ -43,16 +43,9 @@ from typing import NamedTuple
 
 import torch
 
+from kvcal.formats.codes import TRELLIS_UNIT, check_levels, check_trellis
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerTokenGroup
-from kvcal.formats.quant import (
-    TRELLIS_UNIT,
-    check_levels,
-    check_trellis,
-    log8_base,
-    log8_decode,
-    log8_encode,
-    params_from_range,
-)
+from kvcal.formats.scales import log8_base, log8_decode, log8_encode, params_from_range
 from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.transforms import apply_transform
 from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding
@@ -178,15 +171,15 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
 
 def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
     """Query-aware rounding matrix ``Ũ [H_kv, D, D]`` (float32, unit diagonal, float8-e4m3 ratios
-    above it, as the runtime stores it: :func:`kvcal.formats.quant.unit_rounding`) for a key side,
+    above it, as the runtime stores it: :func:`kvcal.formats.codes.unit_rounding`) for a key side,
     from the calibration sequences' queries.
 
     ``Σ_h = Σ q qᵀ`` over every position of every query head reading KV head ``h`` (GQA group),
     in the domain the keys are quantized in (``pre_rope``: queries un-rotated at their positions,
     so ``Σ`` ignores the relative rotation between query and key; ``hadamard``: rotated), then
-    :func:`kvcal.formats.quant.rounding_matrix`. Rounding keys to minimize ``E[(qᵀΔk)²]`` is the
+    :func:`kvcal.formats.codes.rounding_matrix`. Rounding keys to minimize ``E[(qᵀΔk)²]`` is the
     OPTQ objective with the query as the layer input (Frantar et al. 2023)."""
-    from kvcal.formats.quant import rounding_matrix, unit_rounding
+    from kvcal.formats.codes import rounding_matrix, unit_rounding
 
     return unit_rounding(rounding_matrix(_query_moment(caches, transform, rope)))
 
@@ -293,7 +286,7 @@ def log8_scale_base(caches: list[SequenceCache], side: str, spec: TensorQuantSpe
                     rope=None, sinks: int = 0, levels: bool = False) -> torch.Tensor:
     """Per-head base ``float32 [H]`` of log8 scales: the top code 16× above the largest per-group
     scale of the calibration split (after ``transform``, sinks excluded; ``absmax / qmax``, or
-    ``absmax`` with non-uniform levels) — :func:`kvcal.formats.quant.log8_base`."""
+    ``absmax`` with non-uniform levels) — :func:`kvcal.formats.scales.log8_base`."""
     H = (caches[0].k if side == "k" else caches[0].v).shape[0]
     top = torch.zeros(H, dtype=torch.float64)
     for x in _quantized_domain(caches, side, transform, rope, sinks):
@@ -317,7 +310,7 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
     6.1e-3 / 5.1e-3 vs 4.9e-3, 2 × 1024 wikitext windows, exploratory probe, script not kept): tokens with
     small values are often the attended ones. ``scale_base``: with log8 scales, ``u`` is taken
     relative to the stored (rounded-up) scale, as quantization will see it. Raises ``ValueError`` for specs
-    :func:`~kvcal.formats.quant.check_levels` refuses or when the caches hold no tokens after the sinks."""
+    :func:`~kvcal.formats.codes.check_levels` refuses or when the caches hold no tokens after the sinks."""
     n = 2**spec.bits
     H0 = caches[0].v.shape[0] if caches else 1
     check_levels(uniform_levels(spec.bits), spec, H0)  # spec check (message names the rule)
@@ -356,7 +349,7 @@ def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, tra
     :func:`kvcal.formats.trellis.fit_table` fits the table (QTIP's bitshift trellis, Tseng et al.
     2024; Lloyd iterations as in TCQ codebook design, Marcellin & Fischer 1990), which is then
     rounded to the int8 grid the runtime stores. Rows of zeros are left out. Raises ``ValueError``
-    for specs :func:`~kvcal.formats.quant.check_trellis` refuses or when no value rows remain."""
+    for specs :func:`~kvcal.formats.codes.check_trellis` refuses or when no value rows remain."""
     from kvcal.formats import trellis as tr
 
     D0 = caches[0].v.shape[-1] if caches else 0

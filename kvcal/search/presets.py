@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import NamedTuple
 
+from kvcal.formats.codes import TRELLIS_MAX_NU
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import TRELLIS_MAX_NU
 from kvcal.formats.spec import PRESETS, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS
 from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, ScaleCoding

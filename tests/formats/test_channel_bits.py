@@ -7,9 +7,10 @@ import itertools
 import pytest
 import torch
 
+from kvcal.formats.codes import rounding_matrix, unit_rounding
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken
 from kvcal.formats.packing import pack, pack_channels, unpack_channels
-from kvcal.formats.quant import dequantize, fake_quant, quantize, rounding_matrix, unit_rounding
+from kvcal.formats.quant import dequantize, fake_quant, quantize
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.optimizer import channel_bit_allocation, water_fill_bits

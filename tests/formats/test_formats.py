@@ -18,14 +18,8 @@ from kvcal.formats.granularity import (
     PerToken,
     PerTokenGroup,
 )
-from kvcal.formats.quant import (
-    E2M1_VALUES,
-    dequantize,
-    fake_quant,
-    params_from_range,
-    quant_step,
-    quantize,
-)
+from kvcal.formats.quant import dequantize, fake_quant, quant_step, quantize
+from kvcal.formats.scales import E2M1_VALUES, params_from_range
 from kvcal.formats.spec import PRESETS, KVCacheConfig, QFormat, TensorQuantSpec, preset
 
 INT_FORMATS = ["int8", "int6", "int5", "int4", "int3", "int2"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcal.formats.codes import check_levels
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import check_levels, dequantize, fake_quant, quant_step, quantize
+from kvcal.formats.quant import dequantize, fake_quant, quant_step, quantize
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.optimizer import fit_levels, search_side, uniform_levels

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvcal.formats.granularity import PerToken, PerTokenGroup
-from kvcal.formats.quant import fake_quant, log8_decode, log8_encode
+from kvcal.formats.quant import fake_quant
+from kvcal.formats.scales import log8_decode, log8_encode
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.optimizer import fit_levels, log8_scale_base, search_side

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerToken, PerTokenGroup
-from kvcal.formats.quant import dequantize, fake_quant, log8_base, log8_decode, log8_encode, quantize
+from kvcal.formats.quant import dequantize, fake_quant, quantize
+from kvcal.formats.scales import log8_base, log8_decode, log8_encode
 from kvcal.formats.spec import TensorQuantSpec
 
 V8 = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")

@@ -288,7 +288,8 @@ def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
 def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
     """Identity rounding matrix gives nearest rounding; rounding_matrix is the damped Cholesky factor
     (float32 bound); feedback cuts float64 score error below 0.7× nearest; fp8 and a wrong shape are refused."""
-    from kvcal.formats.quant import dequantize, quantize, rounding_matrix
+    from kvcal.formats.codes import rounding_matrix
+    from kvcal.formats.quant import dequantize, quantize
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, H, 24, D, generator=g) * 3
@@ -327,7 +328,7 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
 def test_unit_rounding_keeps_the_ratios_rounding_uses():
     """Ũ = U / diag(U), ratios in float8 e4m3: codes identical to U's when U's ratios are
     e4m3-exact (hand-built U = diag(d)·R), idempotent, and the storage limit is enforced."""
-    from kvcal.formats.quant import unit_rounding
+    from kvcal.formats.codes import unit_rounding
 
     g = torch.Generator().manual_seed(3)
     # R: unit upper triangle with entries k/8 in [-2, 2] (exact in e4m3), d: arbitrary positive scales
@@ -359,7 +360,7 @@ def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
     Protocol A here: the keys are per-channel token groups, whose open group is re-quantized as it fills."""
     from plan_helpers import decode_stores_quantize_of_inputs
 
-    from kvcal.formats.quant import rounding_matrix
+    from kvcal.formats.codes import rounding_matrix
 
     plan = transform_plan(model, sinks=1)
     g = torch.Generator().manual_seed(4)

@@ -173,7 +173,8 @@ def test_quant_trellis_with_log8_scales():
     """With log8 scales each row's scale is its RMS rounded up by at most one log8 step (2^(1/16)), and
     fake_quant == dequantize(quantize)."""
     from kvcal.formats.granularity import PerToken
-    from kvcal.formats.quant import dequantize, fake_quant, log8_decode, quantize
+    from kvcal.formats.quant import dequantize, fake_quant, quantize
+    from kvcal.formats.scales import log8_decode
     from kvcal.formats.spec import TensorQuantSpec
 
     spec = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcal.formats.codes import rounding_matrix
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import fake_quant, quantize, rounding_matrix
+from kvcal.formats.quant import fake_quant, quantize
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding
 from kvcal.plan import SidePlan
