@@ -22,15 +22,15 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   (``H·D(D−1)/2`` bytes per layer, counted as per-layer metadata);
 * ``channel_bits`` (asymmetric int, per-channel token groups, optional): per-channel payload widths
   ``[H,D]`` (int64, 1–8 bits, each head summing to ``bits·D``: the row keeps its size;
-  :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata;
+  :func:`kvcal.search.tables.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata;
 * ``scale_base`` (log8 scales only): ``float32 [H]``, the per-head base of the 8-bit log-coded
   per-token scales (:func:`kvcal.formats.scales.log8_base`);
 * ``levels`` (symmetric int2–int6, per-token / per-token-group, optional): non-uniform levels
   ``float32 [H, 2^b]`` in units of each group's absmax (:func:`kvcal.formats.codes.check_levels`;
-  fitted by :func:`kvcal.search.optimizer.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata;
+  fitted by :func:`kvcal.search.tables.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata;
 * ``trellis`` (symmetric int2–int4 values, per-token, optional): a trellis table ``float32 [2^(ν+b)]``
   of int8 multiples of 1/32 (:func:`kvcal.formats.codes.check_trellis`; fitted by
-  :func:`kvcal.search.optimizer.fit_trellis`), ``2^(ν+b)`` bytes of per-layer metadata; the side then
+  :func:`kvcal.search.tables.fit_trellis`), ``2^(ν+b)`` bytes of per-layer metadata; the side then
   has no ``clip_ratio`` (the row's RMS is its scale).
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored

@@ -167,7 +167,7 @@ def check_trellis(trellis, spec: TensorQuantSpec, D: int) -> torch.Tensor:
     k = T * TRELLIS_UNIT
     if not bool(torch.isfinite(T).all()) or bool((k != k.round()).any()) or bool((k.abs() > 127).any()):
         raise ValueError(f"trellis entries must be multiples of 1/{TRELLIS_UNIT} within ±127/{TRELLIS_UNIT} "
-                         "(an int8 table; round with kvcal.search.optimizer.fit_trellis)")
+                         "(an int8 table; round with kvcal.search.tables.fit_trellis)")
     return T
 
 

@@ -48,7 +48,7 @@ Per-channel bit widths (``channel_bits=W``, asymmetric int, per-channel token gr
 ``(h, c)`` uses ``W[h, c]`` bits (1–8), i.e. ``2^W − 1`` in place of ``2^b − 1`` in the asymmetric
 formulas above, while every head's row keeps the spec's size (``Σ_c W[h, c] = b·D``; packing:
 :func:`kvcal.formats.packing.pack_channels`; widths chosen by
-:func:`kvcal.search.optimizer.channel_bit_allocation`).
+:func:`kvcal.search.tables.channel_bit_allocation`).
 
 Non-uniform levels (``levels=L``, symmetric int, per-token or per-token-group): the ``2^b`` codes
 index a calibrated, non-decreasing table ``L [H, 2^b]`` in ``[-1, 1]`` instead of the uniform grid:
@@ -76,7 +76,7 @@ dtype or log8 code; an all-zero row gets scale 0) — and Viterbi-encoded agains
 the same ``b`` bits per element as plain codes (stored unsigned, packed as usual). ``T`` has
 ``2^(ν+b)`` entries, ``b ≤ ν ≤ 10``, each a multiple of 1/32 in ``[-127/32, 127/32]`` — an int8 table
 in units of 1/32 of the scale, which is what the memory accounting counts (``2^(ν+b)`` bytes per
-layer; :data:`TRELLIS_UNIT`). Fitted per layer by :func:`kvcal.search.optimizer.fit_trellis`.
+layer; :data:`TRELLIS_UNIT`). Fitted per layer by :func:`kvcal.search.tables.fit_trellis`.
 
 Errors: ``ValueError`` for a non-4D or non-float input, NaN/Inf inputs (counted in the message;
 quantizing them would silently poison a whole group), non-positive / non-finite scales or clip

@@ -13,7 +13,7 @@ from kvcal.formats.packing import pack, pack_channels, unpack_channels
 from kvcal.formats.quant import dequantize, fake_quant, quantize
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import channel_bit_allocation, water_fill_bits
+from kvcal.search.tables import channel_bit_allocation, water_fill_bits
 
 K4 = TensorQuantSpec("int4", PerChannelTokenGroup(16), symmetric=False)
 

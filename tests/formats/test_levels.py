@@ -10,7 +10,8 @@ from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGr
 from kvcal.formats.quant import dequantize, fake_quant, quant_step, quantize
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import fit_levels, search_side, uniform_levels
+from kvcal.search.optimizer import search_side
+from kvcal.search.tables import fit_levels, uniform_levels
 
 V4 = TensorQuantSpec("int4", PerToken(), symmetric=True)
 #: 16 levels exactly representable in binary (so midpoints and ties are exact)

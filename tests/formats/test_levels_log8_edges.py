@@ -10,7 +10,8 @@ from kvcal.formats.quant import fake_quant
 from kvcal.formats.scales import log8_decode, log8_encode
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import fit_levels, log8_scale_base, search_side
+from kvcal.search.optimizer import search_side
+from kvcal.search.tables import fit_levels, log8_scale_base
 
 V4 = TensorQuantSpec("int4", PerToken(), symmetric=True)
 V8 = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")

@@ -303,7 +303,8 @@ def test_fit_trellis_and_search_side_guard():
     held-out error beats the levels fit (zero table loses); trellis without levels or on group scales is refused."""
     from kvcal.formats.granularity import PerToken, PerTokenGroup
     from kvcal.formats.spec import TensorQuantSpec
-    from kvcal.search.optimizer import fit_trellis, search_side, side_error
+    from kvcal.search.optimizer import search_side, side_error
+    from kvcal.search.tables import fit_trellis
 
     spec = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
     cal, held = _caches(1, D=64, T=100), _caches(2, D=64, T=100)  # the model's head_dim (absmax scales do

@@ -200,7 +200,7 @@ def test_kernel_dispatcher_takes_tables_and_keeps_the_reference_contract():
     trellis-coded or query-aware-rounded side (no keyword for them in the dispatcher before) reads back
     exactly as formats.quant.fake_quant computes it."""
     from kvcal import kernels
-    from kvcal.search.optimizer import uniform_levels
+    from kvcal.search.tables import uniform_levels
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, H, 6, D, generator=g)

@@ -8,8 +8,9 @@ import torch
 
 from kvcal.formats.granularity import PerTokenGroup
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.plan import quantize_seq
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import make_plan, quantize_seq, side_error
+from kvcal.search.optimizer import make_plan, side_error
 
 
 def _seq(seed=0, Hq=4, Hk=2, T=9, D=8):
