@@ -206,7 +206,8 @@ def test_report_and_export_state_the_layers(auto_artifact, tmp_path):
     from click.testing import CliRunner
 
     from kvcal.cli import main
-    from kvcal.report.disclosure import build_report, to_markdown
+    from kvcal.report.disclosure import build_report
+    from kvcal.report.document import to_markdown
 
     out, art = auto_artifact
     skip = art.metadata["vllm"]["skip_layers"]

@@ -12,7 +12,8 @@ from test_report_fixtures import make_artifact, make_eval, make_meta, make_tenso
 
 from kvcal.artifact import load_artifact
 from kvcal.report import data as D
-from kvcal.report.disclosure import build_report, to_html, to_markdown, write_report
+from kvcal.report.disclosure import build_report, write_report
+from kvcal.report.document import to_html, to_markdown
 
 FIGS = {"kv_ranges", "clip_vs_absmax", "layer_errors", "quality_vs_context", "memory"}
 

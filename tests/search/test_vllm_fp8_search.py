@@ -305,7 +305,8 @@ def test_disclosure_report_states_engine_and_q_scale(vllm_artifact):
     """The disclosure report states the engine, dtype, no skipped layers, the static fp8 query scale and
     its max, and drops the 'queries stay unquantized' sentence."""
     from kvcal.artifact import load_artifact
-    from kvcal.report.disclosure import build_report, to_markdown
+    from kvcal.report.disclosure import build_report
+    from kvcal.report.document import to_markdown
 
     out, gran = vllm_artifact
     art = load_artifact(out)
