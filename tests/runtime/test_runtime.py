@@ -103,7 +103,7 @@ def test_decode_open_key_group_keeps_its_raw_range(clip):
     from kvcal.formats.granularity import PerChannelTokenGroup
     from kvcal.formats.quant import fake_quant
     from kvcal.plan import SidePlan
-    from kvcal.runtime.cache import _Side
+    from kvcal.runtime.side import SideStorage
 
     g, T = 8, 40
     spec = TensorQuantSpec("int4", PerChannelTokenGroup(g), symmetric=False)
@@ -111,7 +111,7 @@ def test_decode_open_key_group_keeps_its_raw_range(clip):
     x[:, :, 0::g] = -1.5  # each group's min, first
     x[:, :, 1::g] = 1.5  # and max, second
     sp = SidePlan(spec, clip_ratio=torch.full((H,), clip))
-    side = _Side(sp, H, D, 0, 0)
+    side = SideStorage(sp, H, D, 0, 0)
     side.init(1, "cpu", torch.float32)
     side.reserve(T)
     for t in range(T):
@@ -120,7 +120,7 @@ def test_decode_open_key_group_keeps_its_raw_range(clip):
     assert torch.equal(side.read(), fake_quant(x, spec, clip_ratio=sp.clip_ratio))
     # random keys (ranges keep growing): at most one extra rounding per member, no compounding
     y = torch.randn(1, H, T, D, generator=torch.Generator().manual_seed(6))
-    side = _Side(sp, H, D, 0, 0)
+    side = SideStorage(sp, H, D, 0, 0)
     side.init(1, "cpu", torch.float32)
     side.reserve(T)
     for t in range(T):
@@ -261,7 +261,7 @@ def test_generate_batch2_left_padding(model):
     assert cache.get_seq_length() == 51 and cache.allocated_bytes() == cache.expected_bytes()
 
 
-BATCH_BUFFERS = ("sink", "win", "data", "scale", "zp", "open_rng")  # _Side's per-sequence tensors (dim 0 = batch)
+BATCH_BUFFERS = ("sink", "win", "data", "scale", "zp", "open_rng")  # SideStorage's per-sequence tensors (dim 0 = batch)
 
 
 def _cache_state(cache: QuantizedKVCache) -> dict:
