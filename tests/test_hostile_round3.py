@@ -73,7 +73,7 @@ def test_evaluate_refuses_bars_it_cannot_judge(corpus, tmp_path, no_model, args,
 
 def test_evaluate_decode_only_may_judge_greedy_agreement():
     """With --mode decode alone (greedy tokens on, no vLLM rows) every row carries greedy agreement."""
-    from kvcal.cli import evaluate_bar
+    from kvcal.cli.quality import evaluate_bar
 
     assert evaluate_bar("greedy_agree>=0.5,kl_mean<=1e-2", ("decode",), 32, ()) == [
         ("greedy_agree", ">=", 0.5), ("kl_mean", "<=", 1e-2)]
@@ -165,7 +165,7 @@ def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_c
 
 # ---- SIGTERM / SIGHUP clean up like Ctrl-C --------------------------------------------------------------------
 def test_every_command_handles_errors_and_signals():
-    """Every command runs under kvcal.cli.user_errors, which turns SIGTERM / SIGHUP into the Ctrl-C path."""
+    """Every command runs under kvcal.cli.common.user_errors, which turns SIGTERM / SIGHUP into the Ctrl-C path."""
     assert [n for n, c in main.commands.items() if not getattr(c.callback, "kvcal_user_errors", False)] == []
 
 
