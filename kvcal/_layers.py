@@ -18,8 +18,8 @@ Layers, lowest first::
     3 stages    kvcal.capture, kvcal.search, kvcal.kernels, and the inputs they read:
                 kvcal.corpus, kvcal.models, kvcal.weights
     4 products  kvcal.artifact, kvcal.runtime, kvcal.evaluate
-    5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity
-                (kvcal.planner: deprecated alias), kvcal.inspect, kvcal.recommend, kvcal.vllm_skip,
+    5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity,
+                kvcal.inspect, kvcal.recommend, kvcal.vllm_skip,
                 kvcal.verify, kvcal.engines (vllm_runner: runs in the engine's Python, imports no kvcal)
     6 cli       kvcal.cli, kvcal.__main__
 """
@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "kvcal.weights")),
     ("products", ("kvcal.artifact", "kvcal.runtime", "kvcal.evaluate")),
     ("front", ("kvcal.export", "kvcal.report", "kvcal.api", "kvcal.calibrate", "kvcal.capacity",
-               "kvcal.planner", "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip", "kvcal.verify",
+               "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip", "kvcal.verify",
                "kvcal.engines")),
     ("cli", ("kvcal.cli", "kvcal.__main__")),
 )

@@ -219,17 +219,3 @@ def test_real_smollm2_config_matches_hand_count():
     except KvcalError as e:
         pytest.skip(str(e))
     assert param_count(conf)["total"] == SMOL_PARAMS
-
-
-def test_planner_module_is_a_deprecated_alias_of_capacity(monkeypatch):
-    """Claim: ``kvcal.planner`` (renamed ``kvcal.capacity``) still imports, warns, and hands out the same objects."""
-    import importlib
-    import sys
-
-    import kvcal.capacity as capacity
-
-    monkeypatch.delitem(sys.modules, "kvcal.planner", raising=False)
-    with pytest.warns(DeprecationWarning, match="kvcal.capacity"):
-        planner = importlib.import_module("kvcal.planner")
-    for name in capacity.__all__:
-        assert getattr(planner, name) is getattr(capacity, name)
