@@ -2,7 +2,9 @@
 
 Each function takes the command's options as keyword arguments (the CLI's defaults), runs it and
 returns its result; bad input raises :class:`kvcal.errors.KvcalError` with a one-line message (the CLI
-prints it as ``error: ...``). The CLI (:mod:`kvcal.cli`) parses options, calls these and renders.
+prints it as ``error: ...``). The CLI (:mod:`kvcal.cli`) calls :func:`memory` for ``kvcal memory``; its
+other commands call the library functions these wrap directly (the "CLI" column names the command that
+does the same work), and ``kvcal inspect`` / ``report`` / ``verify`` have no function here yet.
 
 ======================  =========================================  ==============================
 function                CLI                                        returns
