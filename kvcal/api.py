@@ -1,4 +1,4 @@
-"""kvcal's Python API: one function per command, the same work the CLI does, no printing.
+"""kvcal's Python API: a function for each command in the table below, the same work the CLI does, no printing.
 
 Each function takes the command's options as keyword arguments (the CLI's defaults), runs it and
 returns its result; bad input raises :class:`kvcal.errors.KvcalError` with a one-line message (the CLI
