@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import H_KV, D, H, L, make_artifact
+from helpers.export import H_KV, D, H, L, make_artifact
 from safetensors import safe_open
 from safetensors.torch import save_file
 

@@ -145,7 +145,7 @@ def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_c
     suggested --headroom is accepted."""
     import re
 
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export
@@ -179,7 +179,7 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
     import os
     import signal
 
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     import kvcal.outputs
 
@@ -416,7 +416,7 @@ def test_triton_kernels_asked_for_without_triton_is_named(monkeypatch):
 def _fake_recommend_output(d):
     import json
 
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     make_artifact(d / "artifact")  # recommend writes its artifact, then deploy.json
     (d / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1", "passed": True}) + "\n")
@@ -452,7 +452,7 @@ def test_recommend_recognises_its_own_output_and_offers_overwrite(corpus, tmp_pa
 def test_recommend_overwrite_keeps_the_contract(corpus, tmp_path, no_model, case, words):
     """The same --overwrite contract as calibrate/export: never a directory holding a file kvcal did not write,
     never an output of another kind, never a new output nested inside one."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     out = tmp_path / "rec"
     if case == "foreign_file":
@@ -476,7 +476,7 @@ def test_recommend_overwrite_keeps_the_contract(corpus, tmp_path, no_model, case
 
 
 def test_export_does_not_overwrite_a_recommend_output(tmp_path):
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     rec = _fake_recommend_output(tmp_path / "rec")
     art, _ = make_artifact(tmp_path / "art")

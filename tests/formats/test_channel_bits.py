@@ -229,14 +229,14 @@ def test_plan_artifact_round_trip_and_validation(tmp_path):
 def test_runtime_with_channel_bits_equals_protocol_a_and_accounting():
     """Runtime cache with key channel widths and rounding: prefill logits equal Protocol A exactly; the cache
     holds exactly L·H·D more bytes (uint8 widths table), as cache_bytes says; and every one of 28 decode steps
-    stores exactly quantize() of the keys/values it handed the cache (plan_helpers.decode_stores_quantize_of_inputs:
+    stores exactly quantize() of the keys/values it handed the cache (helpers.plans.decode_stores_quantize_of_inputs:
     the new token's packed codes and its token group's scale / zero point). Decode logits are not compared with
     Protocol A here: the keys are per-channel token groups, whose open group is re-quantized as it fills."""
-    from plan_helpers import decode_stores_quantize_of_inputs
-    from test_transforms import D as TD
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import prefill_matches_protocol_a, tiny_model, transform_plan
+    from helpers.plans import decode_stores_quantize_of_inputs
+    from helpers.transforms import D as TD
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import prefill_matches_protocol_a, tiny_model, transform_plan
 
     from kvcal.formats.memory import cache_bytes
     from kvcal.runtime import QuantizedKVCache

@@ -210,12 +210,12 @@ def test_plan_artifact_round_trip_and_validation():
 def test_runtime_with_levels_equals_protocol_a_and_accounting():
     """Runtime cache with value levels: prefill logits equal Protocol A exactly, decode within 1e-5, every
     decode step stores exactly quantize() of the keys/values it handed the cache (codes and scales;
-    plan_helpers.decode_stores_quantize_of_inputs), and the cache holds exactly L·H·16·4 bytes more (float32
+    helpers.plans.decode_stores_quantize_of_inputs), and the cache holds exactly L·H·16·4 bytes more (float32
     tables), as cache_bytes says."""
-    from plan_helpers import decode_stores_quantize_of_inputs
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import (
+    from helpers.plans import decode_stores_quantize_of_inputs
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import (
         decode_and_protocol_a,
         prefill_matches_protocol_a,
         tiny_model,

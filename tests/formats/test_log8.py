@@ -61,7 +61,7 @@ def test_log8_quantization_against_float64_reference(spec):
     assert bool((s >= s_exact.float().double() * (1 - 1e-6)).all()) and bool((s < s_exact * 2 ** (1 / 16) * (1 + 1e-6)).all())
     ref = (xg / s).round().clamp(-spec.qmax, spec.qmax) * s
     # codes equal except within float32 rounding of a tie (the library divides in float32)
-    from test_formats import assert_codes_match_up_to_ties
+    from helpers.codes import assert_codes_match_up_to_ties
 
     t = xg / s
     assert_codes_match_up_to_ties(y.double(), ref.reshape(2, H, 9, D), t.reshape(2, H, 9, D),
@@ -109,10 +109,10 @@ def test_log8_memory_accounting():
 def test_log8_plan_artifact_and_runtime_equal_protocol_a():
     """log8 values with levels: runtime prefill equals Protocol A exactly; hand-worked byte difference vs fp16
     scales; the plan survives from_artifact; a missing, misplaced (key) or negative scale_base is refused by name."""
-    from plan_helpers import artifact_round_trip, assert_refused
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import prefill_matches_protocol_a, tiny_model, transform_plan
+    from helpers.plans import artifact_round_trip, assert_refused
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import prefill_matches_protocol_a, tiny_model, transform_plan
 
     from kvcal.runtime import QuantizedKVCache
 

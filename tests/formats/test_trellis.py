@@ -218,7 +218,7 @@ def test_quant_trellis_refusals():
 def test_plan_artifact_round_trip_and_refusals():
     """A value trellis survives KVPlan -> tensors -> from_artifact (same fake_quant, 256 entries); a table
     off the 1/32 grid, a key trellis, or a clip_ratio beside a trellis is refused naming the tensor."""
-    from plan_helpers import artifact_round_trip, assert_refused
+    from helpers.plans import artifact_round_trip, assert_refused
 
     from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
     from kvcal.formats.spec import TensorQuantSpec
@@ -241,12 +241,17 @@ def test_plan_artifact_round_trip_and_refusals():
 def test_runtime_with_trellis_equals_protocol_a_and_accounting():
     """Runtime cache with value trellises: prefill logits equal Protocol A exactly, decode within 1e-5,
     every decode step stores exactly quantize() of the keys/values it handed the cache (trellis codes and
-    scales; plan_helpers.decode_stores_quantize_of_inputs), and the cache holds exactly L·256 bytes more
+    scales; helpers.plans.decode_stores_quantize_of_inputs), and the cache holds exactly L·256 bytes more
     (int8 tables) than the plain plan, as cache_bytes says."""
-    from plan_helpers import decode_stores_quantize_of_inputs
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import decode_and_protocol_a, prefill_matches_protocol_a, tiny_model, transform_plan
+    from helpers.plans import decode_stores_quantize_of_inputs
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import (
+        decode_and_protocol_a,
+        prefill_matches_protocol_a,
+        tiny_model,
+        transform_plan,
+    )
 
     from kvcal.formats.granularity import PerToken
     from kvcal.formats.memory import cache_bytes
