@@ -127,8 +127,7 @@ class SidePlan:
     (codebook: uniform / ``levels`` / ``trellis``; ``rounding`` matrix; per-channel widths
     ``channel_bits``; log8 ``scale_base``), read as :attr:`codebook`, :attr:`rounding_mode`,
     :attr:`channel_widths`, :attr:`scale_coding`. Each table is also an attribute
-    (``sp.levels``, ``sp.rounding``, ...; assigning one replaces it in ``tables``, checked), and the
-    constructor takes them as keywords, the older form of ``tables=`` (not both).
+    (``sp.levels``, ``sp.rounding``, ...; assigning one replaces it in ``tables``, checked).
 
     Raises ``ValueError`` (one line) when built with a combination no quantizer defines:
     ``tables`` combinations refused by :class:`~kvcal.formats.variants.QuantTables`; a levels or
@@ -147,9 +146,7 @@ class SidePlan:
     def __init__(self, spec: TensorQuantSpec, scale: torch.Tensor | None = None,
                  zero_point: torch.Tensor | None = None, clip_ratio: torch.Tensor | None = None,
                  mean: torch.Tensor | None = None, transform: str = "none", rope: RopeTable | None = None,
-                 rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None,
-                 levels: torch.Tensor | None = None, scale_base: torch.Tensor | None = None,
-                 trellis: torch.Tensor | None = None, *, tables: QuantTables | None = None):
+                 *, tables: QuantTables | None = None):
         self.spec = spec
         self.scale = scale
         self.zero_point = zero_point
@@ -157,8 +154,7 @@ class SidePlan:
         self.mean = mean
         self.transform = transform
         self.rope = rope
-        self.tables = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
-                                                scale_base=scale_base, trellis=trellis)
+        self.tables = QuantTables.coerce(tables)
         self._check_variants()
         self.check_transform()
 

@@ -176,11 +176,6 @@ def quantize(
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
     tables: QuantTables | None = None,
-    rounding: torch.Tensor | None = None,
-    channel_bits: torch.Tensor | None = None,
-    levels: torch.Tensor | None = None,
-    scale_base: torch.Tensor | None = None,
-    trellis: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x [B, H_kv, S, D]`` (any float dtype) to packed storage.
 
@@ -191,8 +186,7 @@ def quantize(
     ``check_finite=False`` skips the NaN/Inf check (results for non-finite inputs are then
     undefined). ``tables``: the side's calibrated tables as one
     :class:`~kvcal.formats.variants.QuantTables` (codebook, rounding, channel widths, log8 base; it
-    refuses undefined combinations when built). The five keywords below are the deprecated form of
-    ``tables`` (kept as a thin adapter; not together with ``tables``):
+    refuses undefined combinations when built), each table being:
     ``rounding``: ``U [H, D, D]`` for query-aware rounding (int formats; module
     docstring). ``channel_bits``: per-channel widths ``[H, D]`` (asymmetric int, per-channel token
     groups, each head summing to ``spec.bits · D``; :func:`check_channel_bits`); explicit ``scale`` /
@@ -210,8 +204,7 @@ def quantize(
     if not spec.is_quantized:
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return QuantizedTensor(x.to(dt), None, None, shape, spec, x.dtype)
-    t = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
-                                  scale_base=scale_base, trellis=trellis)
+    t = QuantTables.coerce(tables)
     rounding, scale_base = t.rounding, t.scale_base
     lay = _Layout(spec, shape)
     w = None if t.channel_bits is None else check_channel_bits(t.channel_bits, spec, lay.H, lay.D)
@@ -304,11 +297,6 @@ def fake_quant(
     global_scale: torch.Tensor | float | None = None,
     check_finite: bool = True,
     tables: QuantTables | None = None,
-    rounding: torch.Tensor | None = None,
-    channel_bits: torch.Tensor | None = None,
-    levels: torch.Tensor | None = None,
-    scale_base: torch.Tensor | None = None,
-    trellis: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` computed without packing (the fast path for search).
 
@@ -318,8 +306,7 @@ def fake_quant(
     if not spec.is_quantized:
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return x.to(dt).to(x.dtype)
-    t = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
-                                  scale_base=scale_base, trellis=trellis)
+    t = QuantTables.coerce(tables)
     rounding, scale_base = t.rounding, t.scale_base
     lay = _Layout(spec, tuple(x.shape))
     cb = t.channel_bits

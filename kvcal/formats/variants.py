@@ -126,20 +126,16 @@ class QuantTables:
         return replace(self, **changes)
 
     def as_kwargs(self) -> dict:
-        """``{name: tensor}`` of the tables present (for messages and the deprecated keyword forms)."""
+        """``{name: tensor}`` of the tables present (for messages and per-head views)."""
         return {n: getattr(self, n) for n in _TABLE_NAMES if getattr(self, n) is not None}
 
     @classmethod
-    def from_keywords(cls, tables: QuantTables | None = None, **legacy) -> QuantTables:
-        """``tables``, or one built from the deprecated keyword forms (``rounding=``,
-        ``channel_bits=``, ``levels=``, ``trellis=``, ``scale_base=``); ``ValueError`` when both are given."""
-        given = {k: v for k, v in legacy.items() if v is not None}
+    def coerce(cls, tables: QuantTables | None) -> QuantTables:
+        """``tables``, or the empty tables for ``None``; ``ValueError`` for anything else."""
         if tables is None:
-            return cls(**given) if given else _NONE
+            return _NONE
         if not isinstance(tables, QuantTables):
             raise ValueError(f"tables must be a QuantTables, got {type(tables).__name__}")
-        if given:
-            raise ValueError(f"pass the tables either as tables= or as {', '.join(f'{k}=' for k in given)}, not both")
         return tables
 
 

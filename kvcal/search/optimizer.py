@@ -133,9 +133,7 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
               mean: torch.Tensor | None = None, transform: str = "none", rope=None,
-              tables: QuantTables | None = None, rounding: torch.Tensor | None = None,
-              channel_bits: torch.Tensor | None = None, levels: torch.Tensor | None = None,
-              scale_base: torch.Tensor | None = None) -> SidePlan:
+              tables: QuantTables | None = None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
     ``family="clip"`` (dynamic specs): ``clip_ratio = t``; ``"shrink"`` / ``"std"`` (static
@@ -143,14 +141,13 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
     ``mean`` ``[H, D]``: key centering (rows of zeros = off for that head). ``transform`` /
     ``rope``: see :class:`~kvcal.plan.SidePlan` (dynamic specs only: the capture statistics that
     static ranges come from are of the untransformed tensor). ``tables``: the side's variant tables
-    (:class:`~kvcal.formats.variants.QuantTables`); the four keywords below are its deprecated form
-    (not together with it). ``rounding``: ``U [H, D, D]`` for
-    query-aware rounding (see :func:`query_rounding`). ``channel_bits``: per-channel widths ``[H, D]``
-    (dynamic asymmetric per-channel specs; see :func:`channel_bit_allocation`). ``levels``:
-    non-uniform levels ``[H, 2^b]`` (dynamic symmetric per-token specs; see :func:`fit_levels`).
-    ``scale_base``: ``[H]`` base of log8 scales (see :func:`log8_scale_base`)."""
-    tables = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
-                                       scale_base=scale_base)
+    (:class:`~kvcal.formats.variants.QuantTables`): ``rounding`` ``U [H, D, D]`` for
+    query-aware rounding (see :func:`~kvcal.search.tables.query_rounding`), ``channel_bits`` per-channel widths
+    ``[H, D]`` (dynamic asymmetric per-channel specs; :func:`~kvcal.search.tables.channel_bit_allocation`),
+    ``levels`` non-uniform levels ``[H, 2^b]`` (dynamic symmetric per-token specs;
+    :func:`~kvcal.search.tables.fit_levels`), ``scale_base`` ``[H]`` base of log8 scales
+    (:func:`~kvcal.search.tables.log8_scale_base`)."""
+    tables = QuantTables.coerce(tables)
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
@@ -172,7 +169,7 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
     else:
         scale, zp = params_from_range(spec, amax=hi, amin=lo)
     return SidePlan(spec, scale=scale.float(), zero_point=None if zp is None else zp.float(), mean=m,
-                    rounding=tables.rounding)
+                    tables=QuantTables(rounding=tables.rounding))
 
 
 @dataclass
@@ -285,28 +282,11 @@ class _Candidate(NamedTuple):
     f: torch.Tensor
 
 
-def _legacy_choice(spec: TensorQuantSpec, transform: str | None, rounding: bool | None, channel_bits: bool | None,
-                   levels: bool | None, trellis_nu: int | None):
-    """The :class:`~kvcal.search.presets.SideChoice` that :func:`search_side`'s deprecated keyword form
-    (bare spec + variant flags) names; ``ValueError`` as ``SideChoice`` raises it."""
-    if not isinstance(spec, TensorQuantSpec):
-        raise ValueError(f"search_side needs a SideChoice or a TensorQuantSpec, got {type(spec).__name__}")
-    if spec.format.kind != "int":
-        raise ValueError(f"search_side handles integer specs; {spec.format.value} is searched elsewhere")
-    if trellis_nu and not levels:
-        raise ValueError("a trellis side is searched as an alternative to non-uniform levels (levels=True)")
-    codebook = Codebook.TRELLIS if trellis_nu else Codebook.LEVELS if levels else Codebook.UNIFORM
-    return SideChoice(spec, transform=transform or "none",
-                      rounding=Rounding.QUERY_AWARE if rounding else Rounding.NEAREST,
-                      channel_widths=ChannelWidths.ALLOCATED if channel_bits else ChannelWidths.SPEC,
-                      codebook=codebook, trellis_nu=int(trellis_nu or 0))
-
-
 def search_side(
     calib: list[SequenceCache],
     heldout: list[SequenceCache],
     side: str,
-    choice: SideChoice | TensorQuantSpec,
+    choice: SideChoice,
     *,
     stats: dict | None = None,
     sinks: int = 0,
@@ -315,19 +295,12 @@ def search_side(
     refine: bool = True,
     rope=None,
     grid: tuple[float, ...] | None = None,
-    transform: str | None = None,
-    rounding: bool | None = None,
-    channel_bits: bool | None = None,
-    levels: bool | None = None,
-    trellis_nu: int | None = None,
 ) -> SideSearch:
     """Choose the parameters of one layer's K (``side='k'``) or V (``'v'``) for an integer side choice.
 
     ``choice``: a :class:`~kvcal.search.presets.SideChoice` — the int spec and its variants (transform,
     rounding, clip search, channel widths, codebook), checked when it was built and against ``side``
-    here (:meth:`~kvcal.search.presets.SideChoice.check_side`). A bare ``TensorQuantSpec`` is read with the
-    deprecated keyword form of the variants, ``transform`` / ``rounding`` / ``channel_bits`` /
-    ``levels`` / ``trellis_nu`` (a thin adapter building the ``SideChoice``; not with a ``SideChoice``).
+    here (:meth:`~kvcal.search.presets.SideChoice.check_side`); anything else is a ``ValueError``.
 
     ``calib`` / ``heldout``: per-sequence caches of this layer (held-out may be empty: then the
     calibration split is reused and the guard is only a calibration-split check). ``stats``:
@@ -353,13 +326,8 @@ def search_side(
     when the trellis plan's held-out error is lower (``extra`` records both held-out errors; the
     guard against min/max still holds).
     """
-    if isinstance(choice, SideChoice):
-        legacy = {k: v for k, v in (("transform", transform), ("rounding", rounding), ("channel_bits", channel_bits),
-                                    ("levels", levels), ("trellis_nu", trellis_nu)) if v is not None}
-        if legacy:
-            raise ValueError(f"pass the variants in the SideChoice, not as {', '.join(f'{k}=' for k in legacy)}")
-    else:
-        choice = _legacy_choice(choice, transform, rounding, channel_bits, levels, trellis_nu)
+    if not isinstance(choice, SideChoice):
+        raise ValueError(f"search_side needs a SideChoice (kvcal.search.presets), got {type(choice).__name__}")
     choice.check_side(side)
     if not choice.clip_search:
         if grid is not None and tuple(grid) != (1.0,):
@@ -477,7 +445,7 @@ def search_side(
     extra = {"centered_heads": [h for h in range(H) if labels[h].endswith("center")]}
     if trellis_nu:  # the levels plan's held-out error against a trellis table's, for the whole layer
         T = fit_trellis(calib, spec, trellis_nu, transform, sinks, scale_base=base)
-        tplan = SidePlan(spec, transform=transform, scale_base=base, trellis=T)
+        tplan = SidePlan(spec, transform=transform, tables=QuantTables(scale_base=base, trellis=T))
         tn, td = side_error(held, side, tplan, objective, sinks)
         evals[0] += len(held) / max(len(calib), 1)
         extra.update(trellis_heldout=float(tn.sum() / td.sum()), trellis_levels_heldout=float(n.sum() / d.sum()))

@@ -24,6 +24,7 @@ from kvcal.formats.granularity import PerToken
 from kvcal.formats.quant import fake_quant
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.formats.transforms import RopeTable, apply_transform, fwht, hadamard_matrix
+from kvcal.formats.variants import QuantTables
 from kvcal.models import rope_table
 from kvcal.plan import KVPlan, LayerPlan, SidePlan
 from kvcal.runtime import QuantizedKVCache
@@ -233,7 +234,7 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, H, 24, D, generator=g) * 3
     eye = torch.eye(D).expand(H, D, D)
-    assert torch.equal(fake_quant(x, K_SPEC, rounding=eye), fake_quant(x, K_SPEC))
+    assert torch.equal(fake_quant(x, K_SPEC, tables=QuantTables(rounding=eye)), fake_quant(x, K_SPEC))
     # anisotropic queries: a few strong directions
     basis = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
     w = torch.tensor([30.0, 10.0, 5.0] + [0.3] * (D - 3), dtype=torch.float64)
@@ -247,7 +248,7 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
     err = (u.T @ u @ m - torch.eye(D, dtype=torch.float64)).abs()
     assert bool((err <= 2 * torch.finfo(torch.float32).eps * (u.abs().T @ u.abs() @ m.abs())).all())
     for spec in (K_SPEC, TensorQuantSpec("int4", PerToken(), symmetric=True)):
-        near, fb = fake_quant(x, spec), fake_quant(x, spec, rounding=U)
+        near, fb = fake_quant(x, spec), fake_quant(x, spec, tables=QuantTables(rounding=U))
         # float64 score error E[(q·Δk)^2] over the query sample, independently of the library
         e_near = ((near - x).double() @ q.T).pow(2).mean()
         e_fb = ((fb - x).double() @ q.T).pow(2).mean()
@@ -256,12 +257,12 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
         # ulp-level differences, and fails for feedback that is a no-op (ratio 1) or mis-ordered
         assert e_fb < 0.7 * e_near
         # same grid: every code is a representable value (the packed round trip agrees exactly)
-        qt = quantize(x, spec, rounding=U)
+        qt = quantize(x, spec, tables=QuantTables(rounding=U))
         assert torch.equal(dequantize(qt), fb)
     with pytest.raises(ValueError, match="int formats"):
-        fake_quant(x, TensorQuantSpec("fp8_e4m3"), scale=torch.ones(1), rounding=U)
+        fake_quant(x, TensorQuantSpec("fp8_e4m3"), scale=torch.ones(1), tables=QuantTables(rounding=U))
     with pytest.raises(ValueError, match="rounding must be"):
-        fake_quant(x, K_SPEC, rounding=torch.eye(D)[None].expand(5, D, D))
+        fake_quant(x, K_SPEC, tables=QuantTables(rounding=torch.eye(D)[None].expand(5, D, D)))
 
 
 def test_unit_rounding_keeps_the_ratios_rounding_uses():
@@ -278,7 +279,7 @@ def test_unit_rounding_keeps_the_ratios_rounding_uses():
     torch.testing.assert_close(Ut, R, rtol=0, atol=0)
     assert torch.equal(unit_rounding(Ut), Ut)
     x = torch.randn(2, H, 24, D, generator=g) * 3
-    assert torch.equal(fake_quant(x, K_SPEC, rounding=U), fake_quant(x, K_SPEC, rounding=Ut))
+    assert torch.equal(fake_quant(x, K_SPEC, tables=QuantTables(rounding=U)), fake_quant(x, K_SPEC, tables=QuantTables(rounding=Ut)))
     # a ratio that is not e4m3-exact is rounded to the nearest e4m3 value (0.3 -> 0.3125: 1.25 * 2^-2)
     U2 = torch.eye(D).repeat(H, 1, 1)
     U2[:, 0, 1] = 0.3
