@@ -151,7 +151,7 @@ def test_search_side_takes_only_a_side_choice():
     spec = TensorQuantSpec("int4", PerToken(), symmetric=True)
     a = search_side(cal, held, "v", SideChoice(spec, codebook=Codebook.LEVELS, clip_search=False), refine=False)
     assert a.plan.levels is not None and torch.equal(a.plan.clip_ratio, torch.ones(H))
-    _refused(ValueError, "search_side needs a SideChoice", lambda: search_side(cal, held, "v", SideChoice(spec)))
+    _refused(ValueError, "search_side needs a SideChoice", lambda: search_side(cal, held, "v", spec))
 
 
 def test_artifact_side_with_tables_that_do_not_combine_is_refused_on_load():
