@@ -47,7 +47,7 @@ from kvcal.formats.granularity import PerChannel
 from kvcal.formats.scales import params_from_range
 from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding
-from kvcal.plan import SidePlan, quantize_seq  # quantize_seq: re-exported (moved to kvcal.plan)
+from kvcal.plan import SidePlan, quantize_seq
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.presets import SideChoice
 from kvcal.search.tables import (
