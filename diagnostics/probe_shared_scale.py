@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import load_artifact, tensor_name, write_artifact
+from kvcal.artifact import load_artifact, write_artifact
 from kvcal.evaluate import EvalConfig, evaluate
 from kvcal.models import load_model, load_tokenizer
+from kvcal.plan import tensor_name
 
 
 def variants(src) -> dict[str, dict[str, torch.Tensor]]:

@@ -12,14 +12,14 @@ module that no prefix covers fails the test until it is placed here.
 Layers, lowest first::
 
     0 base      kvcal (package root: __version__), kvcal.errors, kvcal._layers, kvcal.options (option values,
-                environment variables: pure Python)
+                environment variables), kvcal.outputs (output-path safety, atomic writes): pure Python
     1 formats   kvcal.formats           numeric formats, quantize/dequantize (torch only)
     2 plan      kvcal.plan, kvcal.vllm_plan   per-layer plans built from formats
     3 stages    kvcal.capture, kvcal.search, kvcal.kernels, and the inputs they read:
                 kvcal.corpus, kvcal.models, kvcal.weights
     4 products  kvcal.artifact, kvcal.runtime, kvcal.evaluate
-    5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity
-                (kvcal.planner: deprecated alias), kvcal.inspect, kvcal.recommend, kvcal.vllm_skip,
+    5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity,
+                kvcal.inspect, kvcal.recommend, kvcal.vllm_skip,
                 kvcal.verify, kvcal.engines (vllm_runner: runs in the engine's Python, imports no kvcal)
     6 cli       kvcal.cli, kvcal.__main__
 """
@@ -28,14 +28,14 @@ from __future__ import annotations
 
 #: ``(layer name, module prefixes)``, lowest layer first; index = layer number.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("kvcal", "kvcal.errors", "kvcal._layers", "kvcal.options")),
+    ("base", ("kvcal", "kvcal.errors", "kvcal._layers", "kvcal.options", "kvcal.outputs")),
     ("formats", ("kvcal.formats",)),
     ("plan", ("kvcal.plan", "kvcal.vllm_plan")),
     ("stages", ("kvcal.capture", "kvcal.search", "kvcal.kernels", "kvcal.corpus", "kvcal.models",
-                "kvcal.weights", "kvcal.checkpoint", "kvcal.distributed")),
+                "kvcal.weights")),
     ("products", ("kvcal.artifact", "kvcal.runtime", "kvcal.evaluate")),
     ("front", ("kvcal.export", "kvcal.report", "kvcal.api", "kvcal.calibrate", "kvcal.capacity",
-               "kvcal.planner", "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip", "kvcal.verify",
+               "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip", "kvcal.verify",
                "kvcal.engines")),
     ("cli", ("kvcal.cli", "kvcal.__main__")),
 )

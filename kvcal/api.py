@@ -1,8 +1,10 @@
-"""kvcal's Python API: one function per command, the same work the CLI does, no printing.
+"""kvcal's Python API: a function for each command in the table below, the same work the CLI does, no printing.
 
 Each function takes the command's options as keyword arguments (the CLI's defaults), runs it and
 returns its result; bad input raises :class:`kvcal.errors.KvcalError` with a one-line message (the CLI
-prints it as ``error: ...``). The CLI (:mod:`kvcal.cli`) parses options, calls these and renders.
+prints it as ``error: ...``). The CLI (:mod:`kvcal.cli`) calls :func:`memory` for ``kvcal memory``; its
+other commands call the library functions these wrap directly (the "CLI" column names the command that
+does the same work), and ``kvcal inspect`` / ``report`` / ``verify`` have no function here yet.
 
 ======================  =========================================  ==============================
 function                CLI                                        returns

@@ -27,7 +27,7 @@ class ModelLoadError(KvcalError):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP (``timeout``, ``kill``, ``docker stop``, Kubernetes, a closed terminal), raised in the main
-    thread by the handler :func:`kvcal.cli.user_errors` installs. A :class:`KeyboardInterrupt`, so every cleanup
+    thread by the handler :func:`kvcal.cli.common.user_errors` installs. A :class:`KeyboardInterrupt`, so every cleanup
     that runs on Ctrl-C (temporary outputs removed, checkpoints kept) runs on it too."""
 
     def __init__(self, signum: int):

@@ -17,20 +17,20 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   the head dimension before quantizing) — see :mod:`kvcal.formats.transforms`. Centering and a
   transform do not combine (``mean`` must be ``None`` when ``transform != "none"``);
 * ``rounding`` (int sides, optional): ``U`` ``[H,D,D]`` float32 for query-aware rounding in the
-  quantized (transformed) domain (:func:`kvcal.formats.quant.rounding_matrix`); it is used, and
-  the runtime keeps it, in its 8-bit unit-diagonal form :func:`kvcal.formats.quant.unit_rounding`
+  quantized (transformed) domain (:func:`kvcal.formats.codes.rounding_matrix`); it is used, and
+  the runtime keeps it, in its 8-bit unit-diagonal form :func:`kvcal.formats.codes.unit_rounding`
   (``H·D(D−1)/2`` bytes per layer, counted as per-layer metadata);
 * ``channel_bits`` (asymmetric int, per-channel token groups, optional): per-channel payload widths
   ``[H,D]`` (int64, 1–8 bits, each head summing to ``bits·D``: the row keeps its size;
-  :func:`kvcal.search.optimizer.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata;
+  :func:`kvcal.search.tables.channel_bit_allocation`), ``H·D`` bytes of per-layer metadata;
 * ``scale_base`` (log8 scales only): ``float32 [H]``, the per-head base of the 8-bit log-coded
-  per-token scales (:func:`kvcal.formats.quant.log8_base`);
+  per-token scales (:func:`kvcal.formats.scales.log8_base`);
 * ``levels`` (symmetric int2–int6, per-token / per-token-group, optional): non-uniform levels
-  ``float32 [H, 2^b]`` in units of each group's absmax (:func:`kvcal.formats.quant.check_levels`;
-  fitted by :func:`kvcal.search.optimizer.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata;
+  ``float32 [H, 2^b]`` in units of each group's absmax (:func:`kvcal.formats.codes.check_levels`;
+  fitted by :func:`kvcal.search.tables.fit_levels`), ``4·H·2^b`` bytes of per-layer metadata;
 * ``trellis`` (symmetric int2–int4 values, per-token, optional): a trellis table ``float32 [2^(ν+b)]``
-  of int8 multiples of 1/32 (:func:`kvcal.formats.quant.check_trellis`; fitted by
-  :func:`kvcal.search.optimizer.fit_trellis`), ``2^(ν+b)`` bytes of per-layer metadata; the side then
+  of int8 multiples of 1/32 (:func:`kvcal.formats.codes.check_trellis`; fitted by
+  :func:`kvcal.search.tables.fit_trellis`), ``2^(ν+b)`` bytes of per-layer metadata; the side then
   has no ``clip_ratio`` (the row's RMS is its scale).
 
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
@@ -45,15 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcal.formats.codes import check_channel_bits, check_levels, check_trellis, unit_rounding
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
-from kvcal.formats.quant import (
-    check_channel_bits,
-    check_levels,
-    check_scale_base,
-    check_trellis,
-    fake_quant,
-    unit_rounding,
-)
+from kvcal.formats.quant import fake_quant
+from kvcal.formats.scales import check_scale_base
 from kvcal.formats.spec import DTYPE_NAMES, LOG8, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
 from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding
@@ -83,7 +78,7 @@ def tensor_name(layer: int, side: str, kind: str = "scale") -> str:
 
     The one naming rule for every per-layer artifact tensor (``kind``: ``scale``, ``zero_point``,
     ``clip_ratio``, ``mean``, ``rounding``, ``channel_bits``, ``levels``, ``trellis``,
-    ``scale_base``, ``rope_inv_freq``); also exported as :func:`kvcal.artifact.tensor_name`.
+    ``scale_base``, ``rope_inv_freq``).
     Raises ``ValueError`` for a side other than ``"k"`` / ``"v"``."""
     if side not in SIDES:
         raise ValueError(f"side must be 'k' or 'v', got {side!r}")
@@ -132,8 +127,7 @@ class SidePlan:
     (codebook: uniform / ``levels`` / ``trellis``; ``rounding`` matrix; per-channel widths
     ``channel_bits``; log8 ``scale_base``), read as :attr:`codebook`, :attr:`rounding_mode`,
     :attr:`channel_widths`, :attr:`scale_coding`. Each table is also an attribute
-    (``sp.levels``, ``sp.rounding``, ...; assigning one replaces it in ``tables``, checked), and the
-    constructor takes them as keywords, the older form of ``tables=`` (not both).
+    (``sp.levels``, ``sp.rounding``, ...; assigning one replaces it in ``tables``, checked).
 
     Raises ``ValueError`` (one line) when built with a combination no quantizer defines:
     ``tables`` combinations refused by :class:`~kvcal.formats.variants.QuantTables`; a levels or
@@ -152,9 +146,7 @@ class SidePlan:
     def __init__(self, spec: TensorQuantSpec, scale: torch.Tensor | None = None,
                  zero_point: torch.Tensor | None = None, clip_ratio: torch.Tensor | None = None,
                  mean: torch.Tensor | None = None, transform: str = "none", rope: RopeTable | None = None,
-                 rounding: torch.Tensor | None = None, channel_bits: torch.Tensor | None = None,
-                 levels: torch.Tensor | None = None, scale_base: torch.Tensor | None = None,
-                 trellis: torch.Tensor | None = None, *, tables: QuantTables | None = None):
+                 *, tables: QuantTables | None = None):
         self.spec = spec
         self.scale = scale
         self.zero_point = zero_point
@@ -162,8 +154,7 @@ class SidePlan:
         self.mean = mean
         self.transform = transform
         self.rope = rope
-        self.tables = QuantTables.from_keywords(tables, rounding=rounding, channel_bits=channel_bits, levels=levels,
-                                                scale_base=scale_base, trellis=trellis)
+        self.tables = QuantTables.coerce(tables)
         self._check_variants()
         self.check_transform()
 

@@ -43,7 +43,7 @@ def config_hash(config_dict: dict) -> str:
     Only fields that change the shapes or meaning of K/V are hashed, so a model re-saved by a
     different transformers version still matches its artifacts. Recorded as the artifact's
     ``model.config_sha256`` (by :func:`kvcal.models.model_metadata`) and checked by
-    ``kvcal export --model-dir``; also importable as :func:`kvcal.artifact.config_hash`.
+    ``kvcal export --model-dir``.
     """
     sub = config_identity(config_dict)
     return hashlib.sha256(json.dumps(sub, sort_keys=True, default=str).encode()).hexdigest()

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcal.errors import ModelLoadError
+pytest.register_assert_rewrite("helpers")  # before any test module imports a helper
+
+from kvcal.errors import ModelLoadError  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

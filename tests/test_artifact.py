@@ -8,8 +8,10 @@ import os
 import pytest
 import torch
 
-from kvcal.artifact import SCALES_FILE, check_model_match, load_artifact, tensor_name, write_artifact
+from kvcal.artifact import check_model_match, load_artifact, write_artifact
 from kvcal.errors import ArtifactError
+from kvcal.outputs import SCALES_FILE
+from kvcal.plan import tensor_name
 
 META = {"model": {"id": "t", "num_layers": 2, "num_kv_heads": 3, "head_dim": 8, "config_sha256": "abc"},
         "kv": {"k": {"format": "fp8_e4m3", "granularity": "tensor", "dynamic": False},
@@ -61,7 +63,7 @@ def test_overwrite_replaces_only_kvcal_outputs_and_never_an_input(tmp_path):
     """``--overwrite`` must not wipe a directory kvcal did not write (a mistyped ``--out .``), nor an
     ``--out`` that is or contains an input; an empty directory or an artifact / export is fine;
     a parent that is a file is refused before any work."""
-    from kvcal.artifact import check_output_dir, is_kvcal_output
+    from kvcal.outputs import check_output_dir, is_kvcal_output
 
     user = tmp_path / "mine"
     user.mkdir()

@@ -11,20 +11,15 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import H_KV, D, H, L, make_artifact
+from helpers.export import H_KV, D, H, L, make_artifact
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvcal.artifact import (
-    CONTENT_HASH_KEY,
-    SCALES_FILE,
-    content_sha256,
-    load_artifact,
-    tensor_name,
-    write_artifact,
-)
+from kvcal.artifact import CONTENT_HASH_KEY, content_sha256, load_artifact, write_artifact
 from kvcal.cli import main
 from kvcal.errors import ArtifactError
+from kvcal.outputs import SCALES_FILE
+from kvcal.plan import tensor_name
 
 
 def _read(path):

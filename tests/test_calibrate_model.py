@@ -9,9 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvcal.artifact import load_artifact, tensor_name
+from kvcal.artifact import load_artifact
 from kvcal.calibrate import CalibrateConfig, calibrate
 from kvcal.cli import main
+from kvcal.plan import tensor_name
 
 pytestmark = pytest.mark.model
 

@@ -206,7 +206,8 @@ def test_report_and_export_state_the_layers(auto_artifact, tmp_path):
     from click.testing import CliRunner
 
     from kvcal.cli import main
-    from kvcal.report.disclosure import build_report, to_markdown
+    from kvcal.report.disclosure import build_report
+    from kvcal.report.document import to_markdown
 
     out, art = auto_artifact
     skip = art.metadata["vllm"]["skip_layers"]
@@ -284,7 +285,8 @@ def test_artifact_naming_a_layer_past_the_model_is_refused(auto_artifact, tmp_pa
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from kvcal.artifact import CONTENT_HASH_KEY, ArtifactError, content_sha256, load_artifact
+    from kvcal.artifact import CONTENT_HASH_KEY, content_sha256, load_artifact
+    from kvcal.errors import ArtifactError
 
     out, _ = auto_artifact
     bad = tmp_path / "bad"

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import click
 import pytest
-import torch
 from click.testing import CliRunner
 from conftest import TINY_LLAMA_8, LoaderCalled, save_tiny_llama
+from helpers.cli import fp8_artifact
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from kvcal.cli import main
 
@@ -25,24 +27,6 @@ def tiny_dir(tmp_path_factory, smollm_tokenizer):
     return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny", vocab_size=len(smollm_tokenizer), **TINY_LLAMA_8)
 
 
-def _artifact(root: Path, tiny_dir: Path, **overrides) -> Path:
-    from transformers import AutoConfig
-
-    from kvcal.artifact import write_artifact
-    from kvcal.formats.spec import preset
-    from kvcal.models import model_metadata
-    from kvcal.plan import KVPlan
-
-    plan = KVPlan.uniform(2, preset("fp8"))
-    for lp in plan.layers:
-        lp.k.scale = torch.full((1, 1, 1, 1), 0.01)
-        lp.v.scale = torch.full((1, 1, 1, 1), 0.01)
-    mm = model_metadata(AutoConfig.from_pretrained(tiny_dir))
-    mm.update(overrides)
-    return write_artifact(root / ("art" + "".join(f"-{k}" for k in overrides)), plan.to_tensors(),
-                          {"model": mm, "kv": plan.kv_metadata(), "layers": []})
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, tiny_dir):
     """Valid inputs every case starts from."""
@@ -52,7 +36,7 @@ def files(tmp_path_factory, tiny_dir):
     (d / "long.txt").write_text("Once upon a time a model cached keys and values. " * 40, encoding="utf-8")
     (d / "short.txt").write_text("Too short.\n", encoding="utf-8")
     return {"dir": d, "corpus": d / "c.jsonl", "long": d / "long.txt", "short": d / "short.txt",
-            "art": _artifact(d, tiny_dir), "other_art": _artifact(d, tiny_dir, num_kv_heads=3)}
+            "art": fp8_artifact(d, tiny_dir), "other_art": fp8_artifact(d, tiny_dir, num_kv_heads=3)}
 
 
 def _ok(r) -> None:
@@ -209,8 +193,6 @@ def test_range_message_names_the_option_and_range(files, tiny_dir, tmp_path, fla
 # ---------------------------------------------------------------------------------------------- fuzz
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 KEYS = ["text", "prompt", "completion", "response", "messages", "turns", "role", "content", "type", "tool_calls",
         "image_url", "id"]

@@ -174,9 +174,9 @@ def test_txt_without_headings_splits_on_blank_lines(tok, tmp_path):
 def test_txt_document_split_at_size_limit(tok, tmp_path, monkeypatch):
     """A document over MAX_DOCUMENT_CHARS (patched to 30) is split at a line boundary into pieces encoded
     independently."""
-    import kvcal.corpus as corpus
+    import kvcal.corpus.txt as corpus_txt
 
-    monkeypatch.setattr(corpus, "MAX_DOCUMENT_CHARS", 30)
+    monkeypatch.setattr(corpus_txt, "MAX_DOCUMENT_CHARS", 30)
     p = tmp_path / "big.txt"
     p.write_text("= T =\nline one is here\nline two is here\nline three here\n", encoding="utf-8")
     c = load_corpus(p, tok, max_seq_len=512)

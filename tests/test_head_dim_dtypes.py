@@ -42,10 +42,10 @@ def test_check_head_dim(name, ok, bad):
 @pytest.fixture(scope="module")
 def tiny8(tmp_path_factory, smollm_tokenizer):
     """TINY_LLAMA_8: 2 layers, 2 KV heads x head_dim 8 (32 hidden / 4 heads), with an FP8 artifact for it."""
-    from test_cli_inputs import _artifact
+    from helpers.cli import fp8_artifact
 
     d = save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-llama-hd8", vocab_size=49152, **TINY_LLAMA_8)
-    return d, _artifact(tmp_path_factory.mktemp("hd8-art"), d)
+    return d, fp8_artifact(tmp_path_factory.mktemp("hd8-art"), d)
 
 
 @pytest.mark.parametrize("command", ["calibrate", "recommend", "evaluate"])

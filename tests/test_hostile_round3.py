@@ -73,7 +73,7 @@ def test_evaluate_refuses_bars_it_cannot_judge(corpus, tmp_path, no_model, args,
 
 def test_evaluate_decode_only_may_judge_greedy_agreement():
     """With --mode decode alone (greedy tokens on, no vLLM rows) every row carries greedy agreement."""
-    from kvcal.cli import evaluate_bar
+    from kvcal.cli.quality import evaluate_bar
 
     assert evaluate_bar("greedy_agree>=0.5,kl_mean<=1e-2", ("decode",), 32, ()) == [
         ("greedy_agree", ">=", 0.5), ("kl_mean", "<=", 1e-2)]
@@ -145,7 +145,7 @@ def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_c
     suggested --headroom is accepted."""
     import re
 
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export
@@ -165,7 +165,7 @@ def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_c
 
 # ---- SIGTERM / SIGHUP clean up like Ctrl-C --------------------------------------------------------------------
 def test_every_command_handles_errors_and_signals():
-    """Every command runs under kvcal.cli.user_errors, which turns SIGTERM / SIGHUP into the Ctrl-C path."""
+    """Every command runs under kvcal.cli.common.user_errors, which turns SIGTERM / SIGHUP into the Ctrl-C path."""
     assert [n for n, c in main.commands.items() if not getattr(c.callback, "kvcal_user_errors", False)] == []
 
 
@@ -179,9 +179,9 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
     import os
     import signal
 
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
-    import kvcal.artifact
+    import kvcal.outputs
 
     art, _ = make_artifact(tmp_path / "art")
     work = tmp_path / "work"
@@ -194,7 +194,7 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
         os.kill(os.getpid(), sig)
         return real_replace(src, dst)
 
-    monkeypatch.setattr(kvcal.artifact.os, "replace", killed)
+    monkeypatch.setattr(kvcal.outputs.os, "replace", killed)
     args = (["export", "--artifact", str(art), "--target", "vllm", "--out", str(work / "out")] if command == "export"
             else ["report", "--artifact", str(art), "--out", str(work / "out")])
     r = CliRunner().invoke(main, args)
@@ -335,7 +335,7 @@ def test_a_decompression_bomb_is_refused_at_the_bound(tmp_path, no_model, monkey
     import gzip
     import time
 
-    import kvcal.corpus as C
+    import kvcal.corpus.sources as C
 
     monkeypatch.setattr(C, "MAX_DECOMPRESSED_BYTES", 1 << 20)
     p = tmp_path / "bomb.jsonl.gz"
@@ -416,7 +416,7 @@ def test_triton_kernels_asked_for_without_triton_is_named(monkeypatch):
 def _fake_recommend_output(d):
     import json
 
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     make_artifact(d / "artifact")  # recommend writes its artifact, then deploy.json
     (d / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1", "passed": True}) + "\n")
@@ -437,7 +437,7 @@ def test_recommend_recognises_its_own_output_and_offers_overwrite(corpus, tmp_pa
     one_error_line(r, "model loader reached")  # every check passed: the run would replace it
     assert no_model and (out / "deploy.json").is_file()  # untouched until a new output is complete
     assert "--overwrite" in {o for p in main.commands["recommend"].params for o in p.opts}
-    from kvcal.artifact import RECOMMEND_DOC, RECOMMEND_SCHEMA_PREFIX
+    from kvcal.outputs import RECOMMEND_DOC, RECOMMEND_SCHEMA_PREFIX
     from kvcal.recommend import SCHEMA
 
     assert SCHEMA.startswith(RECOMMEND_SCHEMA_PREFIX) and RECOMMEND_DOC == "deploy.json"  # what recommend writes
@@ -452,7 +452,7 @@ def test_recommend_recognises_its_own_output_and_offers_overwrite(corpus, tmp_pa
 def test_recommend_overwrite_keeps_the_contract(corpus, tmp_path, no_model, case, words):
     """The same --overwrite contract as calibrate/export: never a directory holding a file kvcal did not write,
     never an output of another kind, never a new output nested inside one."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     out = tmp_path / "rec"
     if case == "foreign_file":
@@ -476,7 +476,7 @@ def test_recommend_overwrite_keeps_the_contract(corpus, tmp_path, no_model, case
 
 
 def test_export_does_not_overwrite_a_recommend_output(tmp_path):
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     rec = _fake_recommend_output(tmp_path / "rec")
     art, _ = make_artifact(tmp_path / "art")

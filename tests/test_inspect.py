@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import L, make_artifact, make_checkpoint
+from helpers.export import L, make_artifact, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kvcal.cli import main

@@ -162,9 +162,12 @@ def test_no_import_cycle_between_units():
     ("kvcal", "base"), ("kvcal.formats.quant", "formats"), ("kvcal.plan", "plan"),
     ("kvcal.search.optimizer", "stages"), ("kvcal.kernels.attn_error", "stages"),
     ("kvcal.artifact", "products"), ("kvcal.export.vllm", "front"), ("kvcal.cli", "cli"),
-    ("kvcal.planning", None),
+    ("kvcal.outputs", "base"), ("kvcal.corpus.jsonl", "stages"), ("kvcal.artifact.io", "products"),
+    ("kvcal.cli.quality", "cli"), ("kvcal.planning", None), ("kvcal.checkpoint", None),
 ])
 def test_layer_map_places_by_longest_prefix(module, layer):
-    """``kvcal.planning`` must not fall into ``kvcal.plan`` (prefix match is by whole components)."""
+    """Each module falls in the layer of its longest prefix: the split packages (outputs, corpus, artifact, cli) where
+    _layers.py places them, ``kvcal.planning`` not in ``kvcal.plan`` (prefix match is by whole components), and
+    ``kvcal.checkpoint`` (no such module) nowhere."""
     i = layer_of(module)
     assert (LAYERS[i][0] if i is not None else None) == layer

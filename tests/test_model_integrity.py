@@ -311,7 +311,8 @@ def test_one_sample_report_does_not_call_calibration_data_held_out(tmp_path):
     rep = (tmp_path / "art" / "report.md").read_text()
     assert "held-out" not in rep.lower().replace("no held-out split", "")
     assert "no held-out split: 1 sample" in rep
-    from kvcal.report.disclosure import build_report, to_markdown
+    from kvcal.report.disclosure import build_report
+    from kvcal.report.document import to_markdown
 
     text = to_markdown(build_report(res["metadata"], figures=False))
     assert "held-out" not in text.lower().replace("no held-out split", "") and "no held-out split: 1 sample" in text
@@ -323,7 +324,8 @@ def test_one_sample_report_does_not_call_calibration_data_held_out(tmp_path):
 def test_one_sample_int_report_and_disclosure_are_labelled(tmp_path):
     """An int8 calibration on one sample calls nothing held-out in report.md, the summary table or the
     disclosure Markdown, and the disclosure states no held-out split: 1 sample."""
-    from kvcal.report.disclosure import build_report, to_markdown
+    from kvcal.report.disclosure import build_report
+    from kvcal.report.document import to_markdown
 
     d = save_tiny(tmp_path / "m", num_hidden_layers=2)
     res = _calibrate(tmp_path, d, samples=1, preset="int8", probe_tokens=0, sink_tokens=1)  # seconds, not a minute

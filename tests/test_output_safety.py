@@ -93,9 +93,9 @@ def test_evaluate_json_never_overwrites_an_input_or_a_foreign_file(tmp_path, tin
 
 
 def test_single_file_writer_refusals(tmp_path):
-    """The one single-file writer every command uses (kvcal.artifact.write_file_atomically)."""
-    from kvcal.artifact import check_output_file, kvcal_file_kind, write_file_atomically
+    """The one single-file writer every command uses (kvcal.outputs.write_file_atomically)."""
     from kvcal.errors import KvcalError
+    from kvcal.outputs import check_output_file, kvcal_file_kind, write_file_atomically
 
     doc = json.dumps({"schema": "kvcal-eval/1", "kvcal_version": "0", "results": []})
     p = write_file_atomically(tmp_path / "a" / "e.json", doc, kind="evaluation", flag="--json")
@@ -132,9 +132,9 @@ def test_single_file_writer_refusals(tmp_path):
 
 def test_report_never_overwrites_a_users_report(tmp_path):
     """Tester: ``kvcal report --out DIR`` replaced the user's report.md / report.html."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
-    from kvcal.artifact import kvcal_file_kind
+    from kvcal.outputs import kvcal_file_kind
     from kvcal.report.disclosure import write_report
 
     art = make_artifact(tmp_path / "art")[0]
@@ -175,7 +175,7 @@ def tracked_example(tmp_path):
     """A git checkout holding a committed worked example at artifacts/smollm2-135m-fp8 (as this repo does)."""
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -210,10 +210,10 @@ def test_refusals_never_suggest_overwrite_on_committed_or_foreign_files(tracked_
     """``--out`` on the committed example: refused with and without ``--overwrite`` (git tracks it), and the
     message does not suggest ``--overwrite``; same for a directory holding files kvcal did not write — also an
     artifact directory with a stray user file (``--overwrite`` would have deleted it)."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
-    from kvcal.artifact import check_output_dir, foreign_files
     from kvcal.errors import KvcalError
+    from kvcal.outputs import check_output_dir, foreign_files
 
     repo, ex = tracked_example
     before = {p: _sha(p) for p in ex.rglob("*") if p.is_file()}
@@ -246,7 +246,7 @@ def test_export_records_its_files_and_overwrite_keeps_a_stray_file(tmp_path):
     """The export's kvcal-export.json lists exactly the files export wrote, and export --overwrite over a
     directory holding a stray user file (README.txt) is refused with an ExportError naming it, the file left
     unchanged."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     from kvcal.export import export
     from kvcal.export.base import ExportError
@@ -333,7 +333,7 @@ def test_resume_refuses_a_malformed_checkpoint_in_one_line(tmp_path, tiny_dir, m
 def test_export_refuses_index_entries_outside_the_model_dir(tmp_path):
     """Tester: an index mapping weights to ``../outside/w.safetensors`` made ``export --out O/x`` write
     O/outside/w.safetensors, replacing a user's file outside --out. Every such entry is refused in one line."""
-    from export_helpers import make_artifact, make_checkpoint
+    from helpers.export import make_artifact, make_checkpoint
 
     from kvcal.export.base import ExportError
     from kvcal.export.checkpoint import staged_path
@@ -370,8 +370,8 @@ def test_single_file_writers_never_replace_a_committed_file(tracked_example):
     """Tester: ``evaluate --json artifacts/smollm2-135m-fp8/eval_1024.json`` and ``report --out
     artifacts/smollm2-135m-fp8`` replaced committed files (exit 0). Every single-file writer refuses a file git
     tracks, even one kvcal wrote; an untracked kvcal file beside it is still replaced."""
-    from kvcal.artifact import check_output_file, write_file_atomically
     from kvcal.errors import KvcalError
+    from kvcal.outputs import check_output_file, write_file_atomically
 
     repo, ex = tracked_example
     (ex / "report.md").write_text("# committed report\n")
@@ -396,7 +396,7 @@ def test_single_file_writers_never_replace_a_committed_file(tracked_example):
 def test_report_never_replaces_another_artifacts_report(tmp_path):
     """Tester: ``report --artifact A --out B`` with B another artifact directory replaced B's report.md / html /
     figures with A's report (exit 0). Refused by artifact sha256; a byte-identical copy of A is accepted."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     from kvcal.report.disclosure import write_report
 
@@ -419,9 +419,10 @@ def test_report_never_replaces_another_artifacts_report(tmp_path):
 def test_overwrite_replaces_only_an_output_of_the_same_kind(tmp_path):
     """Tester: ``export --out B --overwrite`` with B a calibration artifact deleted the artifact and wrote an
     export (exit 0). Export replaces only an export, calibrate (write_artifact) only an artifact."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
-    from kvcal.artifact import check_output_dir, write_artifact
+    from kvcal.artifact import write_artifact
+    from kvcal.outputs import check_output_dir
 
     a = make_artifact(tmp_path / "a", seed=0)[0]
     b = make_artifact(tmp_path / "b", seed=1)[0]
@@ -451,7 +452,7 @@ def test_overwrite_replaces_only_an_output_of_the_same_kind(tmp_path):
 def test_no_output_is_nested_inside_another_kvcal_output(tracked_example, tmp_path):
     """Tester: ``calibrate --out artifacts/smollm2-135m-fp8/sub`` and ``export --out <artifact>/sub`` wrote a new
     output inside the committed example / an artifact. An --out inside an artifact or an export is refused."""
-    from export_helpers import make_artifact
+    from helpers.export import make_artifact
 
     repo, ex = tracked_example
     before = sorted(p.name for p in ex.iterdir())

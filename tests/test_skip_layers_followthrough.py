@@ -80,7 +80,8 @@ def test_calibrate_report_md_states_the_16bit_layers_and_the_outer_scales(given)
 def test_disclosure_report_counts_vllm_bytes_with_the_16bit_layers(given):
     """kvcal report's memory section states vLLM's bytes per token with layer 1 at 16 bits (236) beside its
     every-layer figures, and the quantized-tensors paragraph excludes layer 1."""
-    from kvcal.report.disclosure import build_report, to_markdown
+    from kvcal.report.disclosure import build_report
+    from kvcal.report.document import to_markdown
 
     _, art = given
     rep = to_markdown(build_report(art.metadata, figures=False), figure_dir=None)

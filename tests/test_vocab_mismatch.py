@@ -20,7 +20,7 @@ VOCAB = 49000  # the embedded SmolLM2 tokenizer has 49152 tokens: ids 49000.. ha
 def setup(tmp_path_factory, smollm_tokenizer):
     """A tiny random Llama with ``VOCAB`` embedding rows saved with the 49152-token SmolLM2 tokenizer, a
     word the tokenizer encodes as one id >= VOCAB, and a JSONL (word on line 3) and a .txt (line 2) corpus."""
-    from test_cli_inputs import _artifact
+    from helpers.cli import fp8_artifact
 
     tok = smollm_tokenizer
     assert len(tok) > VOCAB
@@ -35,7 +35,7 @@ def setup(tmp_path_factory, smollm_tokenizer):
     (data / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     (data / "c.txt").write_text(f"First line of plain text.\nSecond line with{word} inside.\n"
                                 + "Filler text that goes on. " * 40 + "\n", encoding="utf-8")
-    return {"model": d, "token_id": tid, "art": _artifact(data, d), "jsonl": (data / "c.jsonl", 3),
+    return {"model": d, "token_id": tid, "art": fp8_artifact(data, d), "jsonl": (data / "c.jsonl", 3),
             "txt": (data / "c.txt", 2)}
 
 

@@ -81,7 +81,7 @@ def export(
     if not isinstance(tp, int) or tp < 1:
         raise ExportError(f"--tp must be a positive integer, got {tp!r}")
     out = Path(out)
-    from kvcal.artifact import check_output_dir
+    from kvcal.outputs import check_output_dir
 
     inputs = {"--artifact": art.path, "--model-dir": model_dir}
     check_output_dir(out, overwrite, inputs, ExportError, kind="export")

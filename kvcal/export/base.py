@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import EXPORT_MANIFEST, Artifact, tensor_name
+from kvcal.artifact import Artifact
 from kvcal.errors import KvcalError
+from kvcal.outputs import EXPORT_MANIFEST
+from kvcal.plan import tensor_name
 
 FP8_E4M3_MAX = 448.0  # OCP float8_e4m3fn, the convention of every engine's checkpoint scales
 FP8_E4M3FNUZ_MAX = 240.0  # AMD float8_e4m3fnuz
@@ -514,10 +516,10 @@ def stage_output(out: Path, overwrite: bool, fill, inputs: dict | None = None) -
     """Create ``out`` atomically: ``fill(staging_dir)`` populates a temporary sibling directory
     which replaces ``out`` only if ``fill`` returns normally; on any error nothing is left.
 
-    Raises :class:`ExportError` for the refusals of :func:`kvcal.artifact.check_output_dir`
+    Raises :class:`ExportError` for the refusals of :func:`kvcal.outputs.check_output_dir`
     (``out`` exists without ``overwrite``, is not a kvcal export, is or contains one of
     ``inputs``, lies inside a kvcal output) or on OS errors.
     """
-    from kvcal.artifact import write_dir_atomically
+    from kvcal.outputs import write_dir_atomically
 
     write_dir_atomically(out, fill, overwrite, ExportError, inputs, kind="export")

@@ -18,7 +18,8 @@ from kvcal.formats.granularity import (
     granularity_from_name,
 )
 from kvcal.formats.memory import ModelShape, bytes_per_token, cache_bytes, memory_report, model_shape
-from kvcal.formats.quant import QuantizedTensor, dequantize, fake_quant, params_from_range, quantize
+from kvcal.formats.quant import QuantizedTensor, dequantize, fake_quant, quantize
+from kvcal.formats.scales import params_from_range
 from kvcal.formats.spec import PRESETS, KVCacheConfig, QFormat, TensorQuantSpec, preset
 
 __all__ = [

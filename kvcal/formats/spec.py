@@ -300,13 +300,13 @@ class KVCacheConfig:
     per-channel mean (``float32 [1,H,1,D]`` per layer, counted as per-layer metadata).
     ``key_rounding`` / ``value_rounding``: the side is quantized with query-aware rounding, whose
     matrix the runtime keeps as the float8 strict upper triangle ``[H, D(D-1)/2]`` per layer (counted as
-    per-layer metadata; :func:`kvcal.formats.quant.unit_rounding`). ``key_channel_bits`` /
+    per-layer metadata; :func:`kvcal.formats.codes.unit_rounding`). ``key_channel_bits`` /
     ``value_channel_bits``: the side has per-channel payload widths (``uint8 [H, D]`` per layer,
     counted as per-layer metadata; the rows keep the spec's size). ``key_levels`` /
     ``value_levels``: the side uses non-uniform levels (``float32 [H, 2^b]`` per layer, counted as
-    per-layer metadata; :func:`kvcal.formats.quant.check_levels`). ``value_trellis``: the values are
+    per-layer metadata; :func:`kvcal.formats.codes.check_levels`). ``value_trellis``: the values are
     trellis-coded with a table of this many int8 entries per layer (0 = no trellis; counted as per-layer
-    metadata; :func:`kvcal.formats.quant.check_trellis`). Raises
+    metadata; :func:`kvcal.formats.codes.check_trellis`). Raises
     ``ValueError`` on negative windows or another 16-bit dtype.
     """
 

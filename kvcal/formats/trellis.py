@@ -1,7 +1,7 @@
 """Trellis-coded quantization of rows with a bitshift trellis (torch reference).
 
 The ``int4`` preset's values use it (:func:`kvcal.formats.quant.quantize` ``trellis=``; the table is
-fitted per layer by :func:`kvcal.search.optimizer.fit_trellis`).
+fitted per layer by :func:`kvcal.search.tables.fit_trellis`).
 
 A row ``u [N]`` (e.g. one token's Hadamard-rotated value head divided by its scale) is stored as
 ``N`` codes of ``b`` bits — the same payload as plain ``b``-bit codes — but a code does not index a

@@ -19,9 +19,9 @@ independent axes; each axis is a value here instead of a loose boolean or an opt
 (:class:`kvcal.plan.SidePlan`) and the runtime cache; it refuses at construction the combinations
 no quantizer defines (a levels or trellis codebook with query-aware rounding or per-channel widths,
 levels with trellis). Which spec each table needs (symmetric / asymmetric, granularity, bits) is checked
-against the spec where the tables are used (:func:`kvcal.formats.quant.check_levels`,
-:func:`~kvcal.formats.quant.check_trellis`, :func:`~kvcal.formats.quant.check_channel_bits`,
-:func:`~kvcal.formats.quant.check_scale_base`). Errors: ``ValueError`` with a one-line message.
+against the spec where the tables are used (:func:`kvcal.formats.codes.check_levels`,
+:func:`~kvcal.formats.codes.check_trellis`, :func:`~kvcal.formats.codes.check_channel_bits`,
+:func:`~kvcal.formats.scales.check_scale_base`). Errors: ``ValueError`` with a one-line message.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Codebook(str, Enum):
 
 class ScaleCoding(str, Enum):
     """How per-group scales are stored: ``float`` (the spec's scale dtype) or ``log8`` (one byte,
-    ``base_h · 2^(code/16)``; :func:`kvcal.formats.quant.log8_decode`)."""
+    ``base_h · 2^(code/16)``; :func:`kvcal.formats.scales.log8_decode`)."""
 
     FLOAT = "float"
     LOG8 = "log8"
@@ -58,7 +58,7 @@ class ScaleCoding(str, Enum):
 
 class Rounding(str, Enum):
     """``nearest`` code (round half to even), or ``query_aware`` channel-ordered rounding with error
-    feedback (OPTQ/GPTQ-style, :func:`kvcal.formats.quant.rounding_matrix`)."""
+    feedback (OPTQ/GPTQ-style, :func:`kvcal.formats.codes.rounding_matrix`)."""
 
     NEAREST = "nearest"
     QUERY_AWARE = "query_aware"
@@ -66,7 +66,7 @@ class Rounding(str, Enum):
 
 class ChannelWidths(str, Enum):
     """Every channel at the spec's width (``spec``), or ``allocated`` per-channel widths
-    (:func:`kvcal.formats.quant.check_channel_bits`)."""
+    (:func:`kvcal.formats.codes.check_channel_bits`)."""
 
     SPEC = "spec"
     ALLOCATED = "allocated"
@@ -126,20 +126,16 @@ class QuantTables:
         return replace(self, **changes)
 
     def as_kwargs(self) -> dict:
-        """``{name: tensor}`` of the tables present (for messages and the deprecated keyword forms)."""
+        """``{name: tensor}`` of the tables present (for messages and per-head views)."""
         return {n: getattr(self, n) for n in _TABLE_NAMES if getattr(self, n) is not None}
 
     @classmethod
-    def from_keywords(cls, tables: QuantTables | None = None, **legacy) -> QuantTables:
-        """``tables``, or one built from the deprecated keyword forms (``rounding=``,
-        ``channel_bits=``, ``levels=``, ``trellis=``, ``scale_base=``); ``ValueError`` when both are given."""
-        given = {k: v for k, v in legacy.items() if v is not None}
+    def coerce(cls, tables: QuantTables | None) -> QuantTables:
+        """``tables``, or the empty tables for ``None``; ``ValueError`` for anything else."""
         if tables is None:
-            return cls(**given) if given else _NONE
+            return _NONE
         if not isinstance(tables, QuantTables):
             raise ValueError(f"tables must be a QuantTables, got {type(tables).__name__}")
-        if given:
-            raise ValueError(f"pass the tables either as tables= or as {', '.join(f'{k}=' for k in given)}, not both")
         return tables
 
 

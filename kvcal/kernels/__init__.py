@@ -24,6 +24,7 @@ import torch
 
 from kvcal.formats import quant as _ref
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
+from kvcal.formats.layout import _check_input, _clip_view
 from kvcal.formats.quant import QuantizedTensor
 from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.variants import QuantTables
@@ -111,17 +112,14 @@ def quantize(
     clip_ratio: torch.Tensor | float | None = None,
     global_scale: torch.Tensor | float | None = None,
     tables: QuantTables | None = None,
-    levels: torch.Tensor | None = None,
-    scale_base: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> QuantizedTensor:
     """Same contract as :func:`kvcal.formats.quant.quantize`, dispatched to Triton when supported
     (dynamic int layouts without given parameters, uniform grids, float scales; a side with variant
     ``tables`` — :class:`~kvcal.formats.variants.QuantTables`: levels, trellis, rounding, widths, log8
-    base — runs on the torch reference). ``levels`` / ``scale_base``: the deprecated keyword form of
-    ``tables``. Raises ``ValueError`` like the reference."""
-    _ref._check_input(x)
-    t = QuantTables.from_keywords(tables, levels=levels, scale_base=scale_base)
+    base — runs on the torch reference). Raises ``ValueError`` like the reference."""
+    _check_input(x)
+    t = QuantTables.coerce(tables)
     use = "torch"
     if scale is None and zero_point is None and global_scale is None and not t.as_kwargs():
         use = _resolve(backend, x.device, spec, tuple(x.shape))
@@ -131,7 +129,7 @@ def quantize(
     from kvcal.kernels.triton_quant import quantize_triton
 
     H = x.shape[1]
-    c = _ref._clip_view(clip_ratio, H, 4, x.device)
+    c = _clip_view(clip_ratio, H, 4, x.device)
     c = torch.ones(H, device=x.device) if c is None else c.reshape(-1).expand(H).contiguous()
     return quantize_triton(x, spec, c)
 

@@ -10,7 +10,7 @@ For one layer and sequence, with ``q [H_q, T, D]`` (evaluated positions ``qpos [
   ``[H_kv, G, T_q, T]`` score tensors.
 * **triton**: one program per (query head, block of queries) streams key blocks once, quantizes
   them in registers (static affine per channel, or dynamic per token with a clip ratio, fp16
-  parameters rounded like :func:`kvcal.formats.quant.params_from_range`), and keeps an online
+  parameters rounded like :func:`kvcal.formats.scales.params_from_range`), and keeps an online
   log-sum-exp for both the exact and quantized scores plus ``a = Σ e^{s−m}(s − ŝ)`` so that
   ``KL_i = a/l − (m + log l) + (m̂ + log l̂)`` — no ``T_q × T`` tensor is written.
   Rounding uses ``floor(x + ½)`` where torch rounds half to even: ties (rare in real data) may
@@ -203,7 +203,7 @@ def key_kl_triton(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, scaling:
     """Triton path of :func:`key_kl` (float64 ``[H_kv]``). ``q [H_q, T, D]``, ``k [H_kv, T, D]``."""
     import triton
 
-    from kvcal.formats.quant import zero_point_limit
+    from kvcal.formats.scales import zero_point_limit
 
     global _KERNEL
     if _KERNEL is None:

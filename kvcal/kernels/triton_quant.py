@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kvcal.formats.granularity import PerChannelTokenGroup
-from kvcal.formats.quant import QuantizedTensor, zero_point_limit
+from kvcal.formats.quant import QuantizedTensor
+from kvcal.formats.scales import zero_point_limit
 from kvcal.formats.spec import PACK_UNITS, TensorQuantSpec
 
 _SCALE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -2,7 +2,7 @@
 
 :func:`build_report` turns artifact metadata (+ an optional evaluation JSON) into a list of blocks
 (:class:`Heading`, :class:`Para`, :class:`Bullets`, :class:`Table`, :class:`Figure`, :class:`Pre`);
-:func:`to_markdown` / :func:`to_html` render them; :func:`write_report` writes both files (the
+:func:`~kvcal.report.document.to_markdown` / :func:`~kvcal.report.document.to_html` render them; :func:`write_report` writes both files (the
 markdown links ``figures/*.png`` written beside it; the HTML is self-contained).
 
 What it states (the issue's acceptance list): which tensors are quantized and each one's format
@@ -14,75 +14,12 @@ capacity gained vs 16-bit; quality figures with baselines and PASS/FAIL; and the
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import os
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcal.report import data as D
-
-
-@dataclass
-class Heading:
-    text: str
-    level: int = 2
-
-
-@dataclass
-class Para:
-    text: str
-
-
-@dataclass
-class Bullets:
-    items: list[str]
-
-
-@dataclass
-class Table:
-    header: list[str]
-    rows: list[list[str]]
-
-
-@dataclass
-class Figure:
-    name: str
-    caption: str
-    png: bytes
-
-
-@dataclass
-class Pre:
-    text: str
-
-
-@dataclass
-class Report:
-    """A rendered-independent report: ``title`` and ordered ``blocks``; ``figures`` by name."""
-
-    title: str
-    blocks: list = field(default_factory=list)
-
-    @property
-    def figures(self) -> dict[str, Figure]:
-        return {b.name: b for b in self.blocks if isinstance(b, Figure)}
-
-    def add(self, *blocks) -> None:
-        self.blocks.extend(b for b in blocks if b is not None)
-
-    def section(self, heading: str) -> Report:
-        """The blocks from the level-2 heading starting with ``heading`` up to the next one, as a
-        title-less :class:`Report` (empty when absent) — used by the review notebook."""
-        out, inside = Report(""), False
-        for b in self.blocks:
-            if isinstance(b, Heading) and b.level <= 2:
-                inside = b.text.startswith(heading)
-            if inside:
-                out.blocks.append(b)
-        return out
+from kvcal.report.document import Bullets, Figure, Heading, Para, Pre, Report, Table, to_html, to_markdown
 
 
 # ---- formatting helpers ----------------------------------------------------------------------
@@ -548,85 +485,6 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
     return rep
 
 
-# ---- renderers -------------------------------------------------------------------------------
-def _md_cell(s: str) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
-
-
-def to_markdown(rep: Report, figure_dir: str | None = "figures") -> str:
-    """Markdown text; figures link ``{figure_dir}/{name}.png`` (or are embedded as data URIs when
-    ``figure_dir`` is None)."""
-    out = [f"# {rep.title}", ""] if rep.title else []
-    for b in rep.blocks:
-        if isinstance(b, Heading):
-            out += ["#" * b.level + " " + b.text, ""]
-        elif isinstance(b, Para):
-            out += [b.text, ""]
-        elif isinstance(b, Bullets):
-            out += [f"- {i}" for i in b.items] + [""]
-        elif isinstance(b, Table):
-            out.append("| " + " | ".join(_md_cell(h) for h in b.header) + " |")
-            out.append("|" + "---|" * len(b.header))
-            out += ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in b.rows]
-            out.append("")
-        elif isinstance(b, Figure):
-            src = (f"{figure_dir}/{b.name}.png" if figure_dir
-                   else "data:image/png;base64," + base64.b64encode(b.png).decode())
-            out += [f"![{b.name}]({src})", "", f"*{b.caption}*", ""]
-        elif isinstance(b, Pre):
-            out += ["```", b.text, "```", ""]
-    return "\n".join(out)
-
-
-def _inline(s: str) -> str:
-    s = html.escape(s, quote=False)
-    s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
-    s = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", s)
-    s = re.sub(r"(?<![\w*])\*([^*]+)\*(?![\w*])", r"<em>\1</em>", s)
-    return s
-
-
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.6em 0;font-size:.85em}th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
-th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}pre{background:#f7f7f7;padding:.6em;overflow-x:auto;
-font-size:.75em}figure{margin:1em 0}img{max-width:100%}figcaption{font-size:.85em;color:#555}
-code{background:#f3f3f3;padding:0 3px}"""
-
-
-def to_html(rep: Report) -> str:
-    """Self-contained HTML (figures as base64 PNG ``<img>``); the ``<head>`` names kvcal as its generator
-    (:data:`kvcal.artifact.REPORT_HTML_MARK`), which is how ``kvcal report`` knows the file as its own."""
-    from kvcal import __version__
-    from kvcal.artifact import REPORT_HTML_MARK
-
-    out = ["<!DOCTYPE html>", f'<html lang="en"><head><meta charset="utf-8">{REPORT_HTML_MARK} {__version__}">',
-           f"<title>{html.escape(rep.title)}</title><style>{_CSS}</style></head><body>",
-           f"<h1>{html.escape(rep.title)}</h1>"]
-    for b in rep.blocks:
-        if isinstance(b, Heading):
-            out.append(f"<h{b.level}>{_inline(b.text)}</h{b.level}>")
-        elif isinstance(b, Para):
-            out.append(f"<p>{_inline(b.text)}</p>")
-        elif isinstance(b, Bullets):
-            out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in b.items) + "</ul>")
-        elif isinstance(b, Table):
-            out.append("<table><thead><tr>" + "".join(f"<th>{_inline(h)}</th>" for h in b.header) + "</tr></thead><tbody>")
-            for r in b.rows:
-                cls = ""
-                if "**FAIL**" in r:
-                    cls = ' style="background:#fde8e8"'
-                out.append(f"<tr{cls}>" + "".join(f"<td>{_inline(str(c))}</td>" for c in r) + "</tr>")
-            out.append("</tbody></table>")
-        elif isinstance(b, Figure):
-            data = base64.b64encode(b.png).decode()
-            out.append(f'<figure id="{b.name}"><img alt="{b.name}" src="data:image/png;base64,{data}">'
-                       f"<figcaption>{_inline(b.caption)}</figcaption></figure>")
-        elif isinstance(b, Pre):
-            out.append(f"<pre>{html.escape(b.text)}</pre>")
-    out.append("</body></html>")
-    return "\n".join(out)
-
-
 def check_eval_matches(art, ev: dict, source) -> None:
     """Refuse an evaluation of another artifact: its recorded ``artifact.sha256`` (evaluations
     written since it was recorded) must equal the artifact file's, else (older files) its recorded
@@ -650,8 +508,9 @@ def check_out_holds_no_other_artifact(art_dir: Path, od: Path) -> None:
     ``art_dir`` (compared by :func:`kvcal.artifact.artifact_sha256`, as ``--eval`` is): its report.md,
     report.html and figures describe that artifact, and a report of another one would replace them.
     Raises :class:`KvcalError`; an identical copy of the artifact is accepted."""
-    from kvcal.artifact import SCALES_FILE, artifact_sha256
+    from kvcal.artifact import artifact_sha256
     from kvcal.errors import KvcalError
+    from kvcal.outputs import SCALES_FILE
 
     other = od / SCALES_FILE
     if not other.exists() or od.resolve() == Path(art_dir).resolve():
@@ -670,12 +529,13 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
     (default: the artifact directory; ``report.md`` there is replaced by this fuller report).
     Returns ``{"markdown", "html", "figures": [paths]}``. Raises :class:`KvcalError` for a bad
     artifact or evaluation file, an unwritable location, or when a file it would write is an input or
-    exists and is not a report / figure kvcal wrote (:func:`kvcal.artifact.check_output_file`: every
+    exists and is not a report / figure kvcal wrote (:func:`kvcal.outputs.check_output_file`: every
     target is checked before the first is written); each file is written atomically and carries kvcal's
-    mark (``report.md`` ends with :data:`kvcal.artifact.REPORT_MD_MARK`)."""
+    mark (``report.md`` ends with :data:`kvcal.outputs.REPORT_MD_MARK`)."""
     from kvcal import __version__
-    from kvcal.artifact import REPORT_MD_MARK, check_output_file, load_artifact, write_file_atomically
+    from kvcal.artifact import load_artifact
     from kvcal.errors import KvcalError
+    from kvcal.outputs import REPORT_MD_MARK, check_output_file, write_file_atomically
 
     art = load_artifact(artifact)
     ev = eval_json if isinstance(eval_json, dict) or eval_json is None else D.load_eval(eval_json)

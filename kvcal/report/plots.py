@@ -33,12 +33,12 @@ def _context_axis(ax, xs) -> None:
 
 
 def fig_to_png(fig, dpi: int = 100) -> bytes:
-    """PNG bytes of ``fig``; its ``Software`` text chunk names kvcal (:data:`kvcal.artifact.PNG_SOFTWARE`),
+    """PNG bytes of ``fig``; its ``Software`` text chunk names kvcal (:data:`kvcal.outputs.PNG_SOFTWARE`),
     which is how ``kvcal report`` knows the file as its own."""
     import io
 
     from kvcal import __version__
-    from kvcal.artifact import PNG_SOFTWARE
+    from kvcal.outputs import PNG_SOFTWARE
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": f"{PNG_SOFTWARE}{__version__} (matplotlib)"})

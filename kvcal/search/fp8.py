@@ -13,7 +13,7 @@ from kvcal.search.result import ERROR_DATA, SearchResult
 
 def search_scales(cap: CaptureResult, fmt_name: str, per_head: bool, max_queries: int = 128,
                   progress: bool = True) -> list[dict]:
-    """Per layer: choose K and V static scales. Returns ``[{"layer", "k": SideChoice, "v": SideChoice}]``."""
+    """Per layer: choose K and V static scales. Returns ``[{"layer", "k": ScaleChoice, "v": ScaleChoice}]``."""
     from tqdm.auto import tqdm
 
     from kvcal.formats.fp8 import get_fp8_format

@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import NamedTuple
 
+from kvcal.formats.codes import TRELLIS_MAX_NU
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import TRELLIS_MAX_NU
 from kvcal.formats.spec import PRESETS, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import TRANSFORMS
 from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, ScaleCoding
@@ -62,15 +62,15 @@ class SideChoice:
     * ``transform``: applied before quantizing (``"none"``, ``"pre_rope"``, ``"hadamard"``;
       :mod:`kvcal.formats.transforms`);
     * ``rounding``: :class:`~kvcal.formats.variants.Rounding` — ``query_aware`` (keys, dynamic specs:
-      :func:`kvcal.search.optimizer.query_rounding`) or ``nearest``;
+      :func:`kvcal.search.tables.query_rounding`) or ``nearest``;
     * ``clip_search``: ``False`` keeps dynamic ranges at min/max (clip ratio 1) instead of searching them;
     * ``channel_widths``: :class:`~kvcal.formats.variants.ChannelWidths` — ``allocated`` (keys, dynamic
-      asymmetric per-channel-token-group specs: :func:`kvcal.search.optimizer.channel_bit_allocation`)
+      asymmetric per-channel-token-group specs: :func:`kvcal.search.tables.channel_bit_allocation`)
       or ``spec``;
     * ``codebook``: :class:`~kvcal.formats.variants.Codebook` — ``uniform``; ``levels`` (values: a fitted
-      non-uniform grid, :func:`kvcal.search.optimizer.fit_levels`); or ``trellis`` (values: the levels
+      non-uniform grid, :func:`kvcal.search.tables.fit_levels`); or ``trellis`` (values: the levels
       search, then a trellis table with ``2^trellis_nu`` states replaces the levels in the layers where it
-      measures lower held-out error, :func:`kvcal.search.optimizer.fit_trellis`);
+      measures lower held-out error, :func:`kvcal.search.tables.fit_trellis`);
     * ``trellis_nu``: trellis state bits, ``spec.bits ≤ ν ≤ 10`` with the ``trellis`` codebook, else 0.
 
     Raises ``ValueError`` (one line) at construction for a combination the search does not define:

@@ -28,7 +28,7 @@ class SearchResult:
     for the integer search also preset, bit budget, average bits, sinks, allocation, ``search_seconds``);
     ``selection``: how the guard picks, with :data:`ERROR_DATA` where the data it measured on is named;
     ``timing``: fields written after the shared ones (the static searches' ``search_seconds``);
-    ``rows``: the static searches' per-layer ``{"layer", "k": SideChoice, "v": SideChoice[, "q"]}``
+    ``rows``: the static searches' per-layer ``{"layer", "k": ScaleChoice, "v": ScaleChoice[, "q"]}``
     records, which the vLLM exporters of the artifact read (``None`` for the integer search)."""
 
     plan: object

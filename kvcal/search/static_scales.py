@@ -34,8 +34,9 @@ OTF_RANGE = {"k": 200.0, "v": 100.0}
 
 
 @dataclass
-class SideChoice:
-    """Result for one layer and side. ``scale`` float32 ``[1]`` or ``[H_kv]``; errors are the
+class ScaleChoice:
+    """The static scale chosen for one layer and side (what a static search returns; what an integer search is
+    asked to store is a :class:`kvcal.search.presets.SideChoice`). ``scale`` float32 ``[1]`` or ``[H_kv]``; errors are the
     normalized objective (keys: mean KL per query, nats; values: relative output error
     ``Σ‖PΔV‖²/Σ‖PV‖²``) for the chosen / absmax / unity scales on held-out and calibration data."""
 
@@ -95,7 +96,7 @@ def choose_static_fp8(
     fmt: FP8Format,
     per_head: bool,
     fake_quant=None,
-) -> SideChoice:
+) -> ScaleChoice:
     """Choose the static FP8 scale of one layer's keys (``side='k'``) or values (``'v'``).
 
     ``amax_head`` ``[H_kv]``: observed absmax per KV head on the calibration split.
@@ -139,5 +140,5 @@ def choose_static_fp8(
         lab = [labels[final]]
         amax_out = amax[:1].float()
     clip = (scale.double() * fmt.max / amax_out.double()).float()
-    return SideChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=heldout_fig,
+    return ScaleChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=heldout_fig,
                       calib=calib_fig, amax=amax_out)

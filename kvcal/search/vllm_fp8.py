@@ -50,7 +50,7 @@ from kvcal.formats.vllm_dtypes import (
 )
 from kvcal.search.guard import guarded_tensor_choice
 from kvcal.search.objectives import SequenceCache, sequence_caches
-from kvcal.search.static_scales import SideChoice, candidate_scales, choose_static_fp8
+from kvcal.search.static_scales import ScaleChoice, candidate_scales, choose_static_fp8
 
 #: vLLM dtypes whose static scales this module calibrates (queries quantized for both).
 SUPPORTED_DTYPES = ("fp8", "fp8_e4m3")
@@ -128,7 +128,7 @@ def _errors(caches: list[SequenceCache], which: str, scales: torch.Tensor, other
 
 
 def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, quantize_other: bool,
-            per_head: bool, backend: str = "cuda") -> SideChoice:
+            per_head: bool, backend: str = "cuda") -> ScaleChoice:
     """One selection (calibration best, then held-out guard among {best, absmax, unity}); ``amax``
     ``[H_kv]`` (already reduced to what one scale covers). Errors normalized per evaluated query."""
     H = amax.numel()
@@ -161,11 +161,11 @@ def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, qu
         lab = [labels[final]]
         amax_out = amax[:1].float()
     clip = (scale.double() * fmt.max / amax_out.double()).float()
-    return SideChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=fig_h, calib=fig_c, amax=amax_out)
+    return ScaleChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=fig_h, calib=fig_c, amax=amax_out)
 
 
 def choose_key_scale(calib: list[SequenceCache], heldout: list[SequenceCache], k_head_absmax: torch.Tensor,
-                     q_scale: torch.Tensor | None, per_head: bool, backend: str = "cuda") -> SideChoice:
+                     q_scale: torch.Tensor | None, per_head: bool, backend: str = "cuda") -> ScaleChoice:
     """The ``k_scale`` (``[1]`` or ``[H_kv]``) that minimizes the attention KL vLLM serves when the queries are
     FP8 with ``q_scale`` (float ``[1]``/``[H_kv]``; ``None``: exact queries, as a backend without query
     quantization). ``k_head_absmax`` ``[H_kv]``. ``backend``: whose key write is scored (``cpu``: truncation).
@@ -177,7 +177,7 @@ def choose_key_scale(calib: list[SequenceCache], heldout: list[SequenceCache], k
 
 
 def choose_query_scale(calib: list[SequenceCache], heldout: list[SequenceCache], q_group_absmax: torch.Tensor,
-                       k_scale: torch.Tensor | None, per_head: bool) -> SideChoice:
+                       k_scale: torch.Tensor | None, per_head: bool) -> ScaleChoice:
     """The ``q_scale`` (``[1]`` or ``[H_kv]``, one per KV-head group) minimizing the attention KL with FP8 queries
     and keys FP8 at ``k_scale`` (``None``: exact keys). ``q_group_absmax`` ``[H_kv]`` (:func:`group_absmax`).
     Candidates: :func:`~kvcal.search.static_scales.candidate_scales` on the query absmax (the on-the-fly
@@ -200,14 +200,14 @@ def group_absmax(q_head_absmax: torch.Tensor, num_kv_heads: int) -> torch.Tensor
 
 @dataclass
 class VllmFP8Choice:
-    """The scales of one layer: ``q``, ``k``, ``v`` :class:`SideChoice` (``q``'s errors: KL with quantized
+    """The scales of one layer: ``q``, ``k``, ``v`` :class:`ScaleChoice` (``q``'s errors: KL with quantized
     queries and exact keys on the first pass, then with the chosen keys; ``k``'s: the joint KL with the
     step-1 queries). ``q_only``: held-out KL per query that query quantization alone adds at the chosen
     ``q_scale`` (exact keys); ``kv_only``: with the chosen ``k_scale`` and exact queries."""
 
-    q: SideChoice
-    k: SideChoice
-    v: SideChoice
+    q: ScaleChoice
+    k: ScaleChoice
+    v: ScaleChoice
     q_only: float
     kv_only: float
 
@@ -235,7 +235,7 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
     else:  # the K search of kvcal.search.static_scales (exact queries); q at the absmax rule
         k = choose_key_scale(calib, heldout, k_head_absmax, None, per_head, backend)
         a = (qa if per_head else qa.max().reshape(1)).float()
-        q = SideChoice(scale=a / FP8_E4M3_MAX, label=["absmax"] * a.numel(), clip_ratio=torch.ones_like(a),
+        q = ScaleChoice(scale=a / FP8_E4M3_MAX, label=["absmax"] * a.numel(), clip_ratio=torch.ones_like(a),
                        heldout={}, calib={}, amax=a)
     v = choose_static_fp8(calib, heldout, v_head_absmax, "v", get_fp8_format("fp8_e4m3"), per_head,
                           write_path(backend))
@@ -250,7 +250,7 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
 def search_vllm_fp8(cap, per_head: bool, max_queries: int = 96, progress: bool = True,
                     quantize_query: bool | None = None, backend: str = "cuda") -> list[dict]:
     """:func:`choose_layer` for every layer of a :class:`~kvcal.capture.run.CaptureResult`. Returns rows
-    ``{"layer", "k", "v", "q": SideChoice, "q_only", "kv_only"}`` (``k``/``v`` as
+    ``{"layer", "k", "v", "q": ScaleChoice, "q_only", "kv_only"}`` (``k``/``v`` as
     :func:`kvcal.search.fp8.search_scales` rows, so :func:`kvcal.search.fp8.plan_from_choices` builds the plan)."""
     from tqdm.auto import tqdm
 
@@ -268,7 +268,7 @@ def search_vllm_fp8(cap, per_head: bool, max_queries: int = 96, progress: bool =
     return out
 
 
-def q_scale_tensor(choice: SideChoice, per_head: bool, num_kv_heads: int) -> torch.Tensor:
+def q_scale_tensor(choice: ScaleChoice, per_head: bool, num_kv_heads: int) -> torch.Tensor:
     """The artifact tensor ``model.layers.{i}.self_attn.q_scale``: float32 ``[1]`` (per tensor) or
     ``[H_kv, 1, 1]`` (one per KV-head group; exported to vLLM as ``[H_q, 1, 1]``)."""
     s = choice.scale.float().reshape(-1)

@@ -63,7 +63,7 @@ import torch
 from kvcal.formats.vllm_dtypes import E2M1_MAX, FP8_E4M3_MAX, NVFP4_BLOCK, nvfp4_fake_quant, nvfp4_quantize
 from kvcal.search.guard import guarded_tensor_choice
 from kvcal.search.objectives import SequenceCache, sequence_caches
-from kvcal.search.static_scales import SideChoice
+from kvcal.search.static_scales import ScaleChoice
 from kvcal.search.vllm_fp8 import VllmFP8Choice, choose_query_scale, group_absmax, joint_key_kl, query_codes
 
 #: vLLM dtypes whose outer scales this module calibrates.
@@ -138,20 +138,20 @@ def _value_errors(caches: list[SequenceCache], rows: torch.Tensor) -> torch.Tens
     return num
 
 
-def _side_choice(labels, rows, pick, amax: float, divisor: float) -> SideChoice:
+def _side_choice(labels, rows, pick, amax: float, divisor: float) -> ScaleChoice:
     scale = rows[pick.index, :1].float().clone()
     a = torch.tensor([float(amax)], dtype=torch.float32)
     clip = (scale.double() * divisor / a.double().clamp_min(torch.finfo(torch.float32).tiny)).float()
-    return SideChoice(scale=scale, label=[labels[pick.index]], clip_ratio=clip, heldout=pick.heldout,
+    return ScaleChoice(scale=scale, label=[labels[pick.index]], clip_ratio=clip, heldout=pick.heldout,
                       calib=pick.calib, amax=a)
 
 
 def choose_outer_scale(calib: list[SequenceCache], heldout: list[SequenceCache], amax: float, side: str,
-                       q_scale: torch.Tensor | None = None) -> SideChoice:
+                       q_scale: torch.Tensor | None = None) -> ScaleChoice:
     """The per-tensor NVFP4 outer scale of one layer's keys (``side='k'``: attention KL per evaluated query,
     nats, with FP8 queries at ``q_scale`` ``[1]``/``[H_kv]``, ``None`` for exact queries) or values
     (``'v'``: relative attention-output error). ``amax``: the side's calibration absmax (all heads).
-    ``SideChoice.clip_ratio`` is ``scale · 2688 / amax`` (1 for the amax rule). ``heldout`` empty: the
+    ``ScaleChoice.clip_ratio`` is ``scale · 2688 / amax`` (1 for the amax rule). ``heldout`` empty: the
     guard runs on the calibration split."""
     H = calib[0].k.shape[0]
     labels, rows = outer_candidates(amax, H)
@@ -171,7 +171,7 @@ def choose_outer_scale(calib: list[SequenceCache], heldout: list[SequenceCache],
 
 
 def choose_query_scale_nvfp4(calib: list[SequenceCache], heldout: list[SequenceCache], q_amax: float,
-                             k_outer: torch.Tensor) -> SideChoice:
+                             k_outer: torch.Tensor) -> ScaleChoice:
     """The per-tensor ``q_scale`` minimizing the attention KL with FP8 queries and NVFP4 keys at outer scale
     ``k_outer`` (``[1]``). Candidates: :func:`kvcal.search.static_scales.candidate_scales` on the query
     absmax (as for the fp8 cache); the same guard."""
@@ -190,7 +190,7 @@ def choose_query_scale_nvfp4(calib: list[SequenceCache], heldout: list[SequenceC
 
 
 #: One layer's choices, the same record as the FP8 search's: ``k``/``v`` (here the NVFP4 outer scales) and
-#: ``q`` (:class:`SideChoice`, per tensor); ``q_only``: held-out KL per query that FP8 queries alone add at the
+#: ``q`` (:class:`ScaleChoice`, per tensor); ``q_only``: held-out KL per query that FP8 queries alone add at the
 #: chosen ``q_scale`` (exact keys); ``kv_only``: the NVFP4 keys at the chosen outer scale with exact queries
 #: (what the SM80/90/120 fa2 path serves).
 VllmNVFP4Choice = VllmFP8Choice
@@ -215,7 +215,7 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
     else:
         k = choose_outer_scale(calib, heldout, ka, "k", None)
         a = torch.tensor([qa], dtype=torch.float32)
-        q = SideChoice(scale=a / FP8_E4M3_MAX, label=["absmax"], clip_ratio=torch.ones(1), heldout={}, calib={}, amax=a)
+        q = ScaleChoice(scale=a / FP8_E4M3_MAX, label=["absmax"], clip_ratio=torch.ones(1), heldout={}, calib={}, amax=a)
     v = choose_outer_scale(calib, heldout, va, "v")
     held = heldout if heldout else calib
     nq = float(sum(c.num_queries for c in held)) * H
@@ -228,7 +228,7 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
 
 def search_vllm_nvfp4(cap, max_queries: int = 96, progress: bool = True, quantize_query: bool = True) -> list[dict]:
     """:func:`choose_layer` for every layer of a :class:`~kvcal.capture.run.CaptureResult`. Returns rows
-    ``{"layer", "k", "v", "q": SideChoice, "q_only", "kv_only"}`` (``k``/``v``: the outer scales)."""
+    ``{"layer", "k", "v", "q": ScaleChoice, "q_only", "kv_only"}`` (``k``/``v``: the outer scales)."""
     from tqdm.auto import tqdm
 
     out = []

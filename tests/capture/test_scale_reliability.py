@@ -177,7 +177,8 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
     error is a one-line KvcalError."""
     import errno
 
-    from kvcal.calibrate import Checkpointing, _save_checkpoint
+    from kvcal.calibrate import _save_checkpoint
+    from kvcal.capture.checkpoint import Checkpointing
     from kvcal.errors import KvcalError
 
     ck = Checkpointing(str(tmp_path / "run.checkpoint.pt"), every=1)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TINY_LLAMA_8, save_tiny_llama
-from test_runtime import make_plan, tiny_model, write_tiny_artifact
+from helpers.runtime import make_plan, tiny_model, write_tiny_artifact
+from helpers.tokenizers import CharTok
 
 from kvcal.errors import KvcalError
 from kvcal.evaluate import (
@@ -27,16 +28,6 @@ TOP_KEYS = {"schema", "artifact", "corpus", "model", "regimes", "results", "per_
             "methods", "description", "passed", "exit_code"}
 ROW_KEYS = {"method", "mode", "context", "batch", "ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree",
             "greedy_agree", "greedy_prefix", "tokens", "windows", "status", "criteria", "failed"}
-
-
-class CharTok:
-    """Minimal tokenizer stand-in: one id per character (ids 1..127)."""
-
-    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
-        class R:
-            input_ids = torch.tensor([[ord(c) % 127 + 1 for c in text]])
-
-        return R()
 
 
 def test_parse_accept_table():

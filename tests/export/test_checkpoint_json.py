@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from export_helpers import make_artifact, make_checkpoint
+from helpers.export import make_artifact, make_checkpoint
 
 from kvcal.cli import main
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import H_KV, L, make_artifact, make_checkpoint
+from helpers.export import H_KV, L, make_artifact, make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -636,8 +636,9 @@ def test_config_that_differs_from_the_calibrated_one_is_warned(tmp_path, sharded
     artifact records the calibrated config's sha256, so a mismatch is a warning (shapes still must match)."""
     import shutil
 
-    from kvcal.artifact import config_hash, load_artifact, write_artifact
+    from kvcal.artifact import load_artifact, write_artifact
     from kvcal.export.checkpoint import text_config
+    from kvcal.weights import config_hash
 
     cfg = json.loads((sharded_ckpt / "config.json").read_text())
     path, _ = make_artifact(tmp_path / "art")

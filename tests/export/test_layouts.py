@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import H, make_artifact
+from helpers.export import H, make_artifact
 from safetensors.torch import load_file, save_file
 
 from kvcal.cli import main

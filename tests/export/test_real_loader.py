@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import H_KV, L, make_artifact, make_checkpoint
+from helpers.export import H_KV, L, make_artifact, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kvcal.cli import main

@@ -7,12 +7,14 @@ import itertools
 import pytest
 import torch
 
+from kvcal.formats.codes import rounding_matrix, unit_rounding
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken
 from kvcal.formats.packing import pack, pack_channels, unpack_channels
-from kvcal.formats.quant import dequantize, fake_quant, quantize, rounding_matrix, unit_rounding
+from kvcal.formats.quant import dequantize, fake_quant, quantize
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.variants import QuantTables
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import channel_bit_allocation, water_fill_bits
+from kvcal.search.tables import channel_bit_allocation, water_fill_bits
 
 K4 = TensorQuantSpec("int4", PerChannelTokenGroup(16), symmetric=False)
 
@@ -76,12 +78,12 @@ def test_channel_bits_hand_worked_codes():
     x = torch.tensor([[[[0.0, 0.0, 0.0, 0.0], [255.0, 15.0, 3.0, 3.0]]]])
     x3 = torch.tensor([[[[0.0, 0.0, 0.0, 0.0], [255.0, 15.0, 3.0, 3.0], [100.3, 7.4, 1.6, 0.4]]]])
     w = torch.tensor([[8, 4, 2, 2]])
-    y = fake_quant(x, spec, channel_bits=w)
+    y = fake_quant(x, spec, tables=QuantTables(channel_bits=w))
     assert torch.equal(y, x)  # the extremes are codes
     spec3 = TensorQuantSpec("int4", PerChannelTokenGroup(3), symmetric=False)
-    y3 = fake_quant(x3, spec3, channel_bits=w)
+    y3 = fake_quant(x3, spec3, tables=QuantTables(channel_bits=w))
     assert y3[0, 0, 2].tolist() == [100.0, 7.0, 2.0, 0.0]
-    qt = quantize(x3, spec3, channel_bits=w)
+    qt = quantize(x3, spec3, tables=QuantTables(channel_bits=w))
     assert qt.data.shape == (1, 1, 3, 2) and qt.payload_nbytes == quantize(x3, spec3).payload_nbytes
     # row 2: 100 | 7<<8 | 2<<12 | 0<<14 = 100 + 1792 + 8192
     assert qt.data[0, 0, 2].tolist() == [100, (1792 + 8192) >> 8]
@@ -93,8 +95,8 @@ def test_channel_bits_against_float64_reference_and_round_trip():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, 8, generator=g) * torch.tensor([5.0, 1, 0.1, 2, 3, 0.5, 1, 1]) + 3
     w = torch.tensor([[8, 6, 1, 4, 4, 3, 3, 3], [4] * 8, [2, 2, 2, 2, 6, 6, 6, 6]])
-    y = fake_quant(x, K4, channel_bits=w)
-    qt = quantize(x, K4, channel_bits=w)
+    y = fake_quant(x, K4, tables=QuantTables(channel_bits=w))
+    qt = quantize(x, K4, tables=QuantTables(channel_bits=w))
     assert torch.equal(dequantize(qt), y)
     assert torch.equal(qt.channel_bits, w)
     # float64 reference: step = (max - min) / (2^w - 1) per 16-token group and channel
@@ -106,11 +108,11 @@ def test_channel_bits_against_float64_reference_and_round_trip():
     # grid (and cannot push a group's extreme past the top code while |zp| < 1024), plus float32 rounding ≪ 1e-3
     assert float(err.max()) <= 0.5 * (1 + 2e-3)
     # uniform widths reproduce the plain quantizer bit for bit
-    assert torch.equal(fake_quant(x, K4, channel_bits=torch.full((3, 8), 4)), fake_quant(x, K4))
+    assert torch.equal(fake_quant(x, K4, tables=QuantTables(channel_bits=torch.full((3, 8), 4))), fake_quant(x, K4))
     # with query-aware rounding: still the packed round trip
     a = torch.randn(3, 8, 8, generator=g)
     U = unit_rounding(rounding_matrix(a @ a.transpose(1, 2)))
-    assert torch.equal(dequantize(quantize(x, K4, channel_bits=w, rounding=U)), fake_quant(x, K4, channel_bits=w, rounding=U))
+    assert torch.equal(dequantize(quantize(x, K4, tables=QuantTables(channel_bits=w, rounding=U))), fake_quant(x, K4, tables=QuantTables(channel_bits=w, rounding=U)))
 
 
 def test_channel_bits_refused_for_static_ranges():
@@ -120,9 +122,9 @@ def test_channel_bits_refused_for_static_ranges():
     x = torch.linspace(0, 1, 2 * 8 * 4).reshape(1, 2, 8, 4)
     w = torch.tensor([[6, 6, 2, 2], [4, 4, 4, 4]])
     with pytest.raises(ValueError, match="per-channel token groups"):
-        fake_quant(x, spec, channel_bits=w)
+        fake_quant(x, spec, tables=QuantTables(channel_bits=w))
     with pytest.raises(ValueError, match="per-channel token groups"):
-        quantize(x, spec, scale=torch.full((1, 2, 1, 4), 0.1), zero_point=torch.zeros(1, 2, 1, 4), channel_bits=w)
+        quantize(x, spec, scale=torch.full((1, 2, 1, 4), 0.1), zero_point=torch.zeros(1, 2, 1, 4), tables=QuantTables(channel_bits=w))
 
 
 def test_channel_bits_refused_where_undefined():
@@ -131,23 +133,23 @@ def test_channel_bits_refused_where_undefined():
     x = torch.randn(1, 2, 8, 4)
     w = torch.full((2, 4), 4)
     with pytest.raises(ValueError, match="asymmetric int"):
-        fake_quant(x, TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=True), channel_bits=w)
+        fake_quant(x, TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=True), tables=QuantTables(channel_bits=w))
     with pytest.raises(ValueError, match="per-channel token groups"):
-        fake_quant(x, TensorQuantSpec("int4", PerToken(), symmetric=False), channel_bits=w)
+        fake_quant(x, TensorQuantSpec("int4", PerToken(), symmetric=False), tables=QuantTables(channel_bits=w))
     with pytest.raises(ValueError, match="integers"):
-        fake_quant(x, K4, channel_bits=torch.full((2, 4), 4.7))
+        fake_quant(x, K4, tables=QuantTables(channel_bits=torch.full((2, 4), 4.7)))
     with pytest.raises(ValueError, match="integers"):
-        fake_quant(x, K4, channel_bits=torch.tensor([[4.5, 3.5, 4, 4], [4, 4, 4, 4]]))
+        fake_quant(x, K4, tables=QuantTables(channel_bits=torch.tensor([[4.5, 3.5, 4, 4], [4, 4, 4, 4]])))
     with pytest.raises(ValueError, match="integers"):
-        fake_quant(x, K4, channel_bits=torch.ones(2, 4, dtype=torch.bool))
+        fake_quant(x, K4, tables=QuantTables(channel_bits=torch.ones(2, 4, dtype=torch.bool)))
     with pytest.raises(ValueError, match="integer tensor"):
-        fake_quant(x, K4, channel_bits="4")
+        fake_quant(x, K4, tables=QuantTables(channel_bits="4"))
     with pytest.raises(ValueError, match="do not sum to 4·D"):
-        fake_quant(x, K4, channel_bits=torch.tensor([[4, 4, 4, 4], [5, 4, 4, 4]]))
+        fake_quant(x, K4, tables=QuantTables(channel_bits=torch.tensor([[4, 4, 4, 4], [5, 4, 4, 4]])))
     with pytest.raises(ValueError, match="1..8"):
-        fake_quant(x, K4, channel_bits=torch.tensor([[0, 8, 4, 4], [4, 4, 4, 4]]))
+        fake_quant(x, K4, tables=QuantTables(channel_bits=torch.tensor([[0, 8, 4, 4], [4, 4, 4, 4]])))
     with pytest.raises(ValueError, match="does not fit"):
-        fake_quant(x, K4, channel_bits=torch.full((3, 4), 4))
+        fake_quant(x, K4, tables=QuantTables(channel_bits=torch.full((3, 4), 4)))
 
 
 # ---- allocation ----------------------------------------------------------------------------------------
@@ -206,7 +208,7 @@ def test_plan_artifact_round_trip_and_validation(tmp_path):
     H, D = 2, 8
     spec = TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=False)
     w = torch.tensor([[8, 4, 4, 4, 4, 4, 2, 2], [4] * 8])
-    plan = KVPlan([LayerPlan(SidePlan(spec, clip_ratio=torch.ones(H), channel_bits=w),
+    plan = KVPlan([LayerPlan(SidePlan(spec, clip_ratio=torch.ones(H), tables=QuantTables(channel_bits=w)),
                              SidePlan(TensorQuantSpec("int4", PerToken(), symmetric=True)))])
     meta = {"model": {"num_layers": 1, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
     t = plan.to_tensors()
@@ -228,14 +230,14 @@ def test_plan_artifact_round_trip_and_validation(tmp_path):
 def test_runtime_with_channel_bits_equals_protocol_a_and_accounting():
     """Runtime cache with key channel widths and rounding: prefill logits equal Protocol A exactly; the cache
     holds exactly L·H·D more bytes (uint8 widths table), as cache_bytes says; and every one of 28 decode steps
-    stores exactly quantize() of the keys/values it handed the cache (plan_helpers.decode_stores_quantize_of_inputs:
+    stores exactly quantize() of the keys/values it handed the cache (helpers.plans.decode_stores_quantize_of_inputs:
     the new token's packed codes and its token group's scale / zero point). Decode logits are not compared with
     Protocol A here: the keys are per-channel token groups, whose open group is re-quantized as it fills."""
-    from plan_helpers import decode_stores_quantize_of_inputs
-    from test_transforms import D as TD
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import prefill_matches_protocol_a, tiny_model, transform_plan
+    from helpers.plans import decode_stores_quantize_of_inputs
+    from helpers.transforms import D as TD
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import prefill_matches_protocol_a, tiny_model, transform_plan
 
     from kvcal.formats.memory import cache_bytes
     from kvcal.runtime import QuantizedKVCache

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers.codes import assert_codes_match_up_to_ties
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,14 +19,8 @@ from kvcal.formats.granularity import (
     PerToken,
     PerTokenGroup,
 )
-from kvcal.formats.quant import (
-    E2M1_VALUES,
-    dequantize,
-    fake_quant,
-    params_from_range,
-    quant_step,
-    quantize,
-)
+from kvcal.formats.quant import dequantize, fake_quant, quant_step, quantize
+from kvcal.formats.scales import E2M1_VALUES, params_from_range
 from kvcal.formats.spec import PRESETS, KVCacheConfig, QFormat, TensorQuantSpec, preset
 
 INT_FORMATS = ["int8", "int6", "int5", "int4", "int3", "int2"]
@@ -39,18 +34,6 @@ def _near_tie(t: torch.Tensor, ties: torch.Tensor, slack: torch.Tensor) -> torch
     """Elements of float64 ``t`` within ``slack`` of one of the rounding ``ties`` (midpoints of a
     non-uniform grid): where float32 and float64 arithmetic may round apart."""
     return ((t[..., None] - ties).abs() <= slack[..., None]).any(-1)
-
-
-def assert_codes_match_up_to_ties(got, ref, t, step, slack):
-    """Integer-grid codes from the library (float32) against a float64 reference, compared through their
-    dequantized values ``got``/``ref`` (float64): ``t`` is the float64 value the reference rounds (x/s, +zp),
-    ``step`` the code step s, ``slack`` the float32 rounding bound of ``t``. A correctly rounded float32
-    quotient is within that slack of the float64 one, so a code may differ only where ``t`` lies within it of
-    a half-integer tie, and then by one step; any other difference is a real defect."""
-    near = (t - t.floor() - 0.5).abs() <= slack
-    diff = (got - ref).abs() > step / 2  # a different code moves the value by a whole step
-    assert not bool((diff & ~near).any())
-    assert bool(((got - ref).abs()[diff] <= step[diff] * (1 + 1e-6)).all())
 
 
 def _x(shape=(2, 3, 19, 32), seed=0, dtype=torch.float32):

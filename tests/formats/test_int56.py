@@ -36,7 +36,7 @@ def test_uniform_int56_against_float64_reference(bits, sym):
         zp = (-lo / s).float().double()  # floating-point zero point, stored like the scale (fp32)
         ref = (torch.round(xg / s + zp).clamp(0, qmax) - zp) * s
     # float32 library vs float64 reference: codes equal except within float32 rounding of a tie
-    from test_formats import assert_codes_match_up_to_ties
+    from helpers.codes import assert_codes_match_up_to_ties
 
     t = xg / s + (0 if sym else zp)
     eps32 = torch.finfo(torch.float32).eps
@@ -69,9 +69,14 @@ def test_int56_memory_accounting_and_levels_tables():
 def test_int56_levels_plan_artifact_and_runtime_equal_protocol_a():
     """int5/int6 log8 values with levels: runtime prefill equals Protocol A exactly, decode within 1e-5;
     the plan survives to_tensors/from_artifact; an int4-sized levels table is refused naming its shape."""
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import decode_and_protocol_a, prefill_matches_protocol_a, tiny_model, transform_plan
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import (
+        decode_and_protocol_a,
+        prefill_matches_protocol_a,
+        tiny_model,
+        transform_plan,
+    )
 
     from kvcal.plan import KVPlan
 
@@ -140,9 +145,9 @@ def test_triton_entry_points_refuse_int56():
 def test_unquantized_side_sinks_keep_the_side_dtype(dtype16):
     """Protocol A == runtime when one side is kept in 16 bits and sinks are on: the sink tokens of an
     unquantized side are in that side's own dtype (fp16 or bf16), as the runtime cache stores them."""
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import prefill_matches_protocol_a, tiny_model
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import prefill_matches_protocol_a, tiny_model
 
     from kvcal.plan import KVPlan, LayerPlan, SidePlan
 
@@ -157,9 +162,9 @@ def test_plan_and_report_count_an_artifacts_per_layer_metadata(tmp_path):
     """``kvcal plan --kv-config ARTIFACT`` and the report's memory section count the per-layer tables an
     artifact carries (levels, rounding, widths, centering means) exactly: the same bytes as the runtime plan's
     configs, more than the specs alone by exactly those tables."""
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import tiny_model, transform_plan
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import tiny_model, transform_plan
 
     from kvcal.artifact import load_artifact, write_artifact
     from kvcal.capacity import artifact_kv_config, resolve_option

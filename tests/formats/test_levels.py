@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcal.formats.codes import check_levels
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import check_levels, dequantize, fake_quant, quant_step, quantize
+from kvcal.formats.quant import dequantize, fake_quant, quant_step, quantize
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import fit_levels, search_side, uniform_levels
+from kvcal.search.optimizer import search_side
+from kvcal.search.presets import SideChoice
+from kvcal.search.tables import fit_levels, uniform_levels
 
 V4 = TensorQuantSpec("int4", PerToken(), symmetric=True)
 #: 16 levels exactly representable in binary (so midpoints and ties are exact)
@@ -21,14 +25,14 @@ def test_levels_hand_worked_codes_bytes_and_values():
     """Hand-worked: [1, -0.3, 0.1, -0.03125] with the EXACT levels gives codes 15, 4, 9, 6 (a midpoint
     goes to the lower level), packed bytes [79, 105], scale 1 and values [1, -0.25, 0.125, -0.0625]."""
     x = torch.tensor([1.0, -0.3, 0.1, -0.03125]).reshape(1, 1, 1, 4)
-    qt = quantize(x, V4, levels=EXACT)
+    qt = quantize(x, V4, tables=QuantTables(levels=EXACT))
     # scale = absmax = 1; -0.3 lies above the -0.3125 midpoint -> -0.25 (code 4); 0.1 above 0.09375 -> 0.125
     # (code 9); -0.03125 is exactly the midpoint of -0.0625 / 0 -> the lower level (code 6). Codes are
     # unsigned, element 0 in the low nibble: 15 | 4<<4 = 79, 9 | 6<<4 = 105.
     assert qt.data.flatten().tolist() == [79, 105]
     assert qt.scale.flatten().tolist() == [1.0]
     assert dequantize(qt).flatten().tolist() == [1.0, -0.25, 0.125, -0.0625]
-    assert torch.equal(fake_quant(x, V4, levels=EXACT), dequantize(qt))
+    assert torch.equal(fake_quant(x, V4, tables=QuantTables(levels=EXACT)), dequantize(qt))
 
 
 @pytest.mark.parametrize("spec", [V4, TensorQuantSpec("int2", PerTokenGroup(8), symmetric=True),
@@ -44,9 +48,9 @@ def test_levels_against_float64_reference_and_round_trip(spec):
     L = torch.sort(torch.rand(H, n, generator=g) * 2 - 1).values
     x = torch.randn(2, H, 7, D, generator=g) * torch.tensor([0.1, 1.0, 30.0]).reshape(1, H, 1, 1)
     clip = torch.tensor([1.0, 0.9, 0.8])
-    qt = quantize(x, spec, levels=L, clip_ratio=clip)
+    qt = quantize(x, spec, tables=QuantTables(levels=L), clip_ratio=clip)
     y = dequantize(qt)
-    assert torch.equal(fake_quant(x, spec, levels=L, clip_ratio=clip), y)
+    assert torch.equal(fake_quant(x, spec, tables=QuantTables(levels=L), clip_ratio=clip), y)
     # reference: scale = clip * group absmax rounded up to fp16; nearest level (argmin, first on ties)
     gsz = D if isinstance(spec.granularity, PerToken) else spec.granularity.group_size
     xg = x.double().reshape(2, H, 7, D // gsz, gsz)
@@ -77,7 +81,7 @@ def test_uniform_levels_row_is_plain_symmetric_quantization():
     k = torch.randint(-7, 7, (1, 2, 5, 16), generator=g).float()
     x = k + torch.where(torch.rand(k.shape, generator=g) < 0.5, 0.2, 0.7)
     x[..., 0] = 7.0
-    assert torch.equal(fake_quant(x, V4, levels=uniform_levels(4)), fake_quant(x, V4))
+    assert torch.equal(fake_quant(x, V4, tables=QuantTables(levels=uniform_levels(4))), fake_quant(x, V4))
     # float32 k/7: within eps32/2 relative of the float64 value (assert_close's float64 rtol 1e-7 > 6e-8)
     torch.testing.assert_close(uniform_levels(4)[:3].double(), torch.tensor([-1.0, -1.0, -6 / 7], dtype=torch.float64))
 
@@ -87,27 +91,27 @@ def test_levels_refused_where_undefined():
     shape, entries outside [-1, 1], decreasing, NaN or integer tables, an explicit scale, a rounding matrix, quant_step."""
     x = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="symmetric int2–int6"):
-        fake_quant(x, TensorQuantSpec("int4", PerToken(), symmetric=False), levels=EXACT)
+        fake_quant(x, TensorQuantSpec("int4", PerToken(), symmetric=False), tables=QuantTables(levels=EXACT))
     with pytest.raises(ValueError, match="symmetric int2–int6"):
-        fake_quant(x, TensorQuantSpec("int8", PerToken(), symmetric=True), levels=torch.linspace(-1, 1, 256))
+        fake_quant(x, TensorQuantSpec("int8", PerToken(), symmetric=True), tables=QuantTables(levels=torch.linspace(-1, 1, 256)))
     with pytest.raises(ValueError, match="per-token or per-token-group"):
-        fake_quant(x, TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=True), levels=EXACT)
+        fake_quant(x, TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=True), tables=QuantTables(levels=EXACT))
     with pytest.raises(ValueError, match=r"do not fit \[H, 2\^b\]"):
-        fake_quant(x, V4, levels=EXACT[:8])
+        fake_quant(x, V4, tables=QuantTables(levels=EXACT[:8]))
     with pytest.raises(ValueError, match="lie in"):
-        fake_quant(x, V4, levels=EXACT * 1.5)
+        fake_quant(x, V4, tables=QuantTables(levels=EXACT * 1.5))
     with pytest.raises(ValueError, match="non-decreasing"):
-        fake_quant(x, V4, levels=EXACT.flip(0))
+        fake_quant(x, V4, tables=QuantTables(levels=EXACT.flip(0)))
     with pytest.raises(ValueError, match="finite"):
-        fake_quant(x, V4, levels=torch.where(EXACT == 0, float("nan"), EXACT))
+        fake_quant(x, V4, tables=QuantTables(levels=torch.where(EXACT == 0, float("nan"), EXACT)))
     with pytest.raises(ValueError, match="float tensor"):
-        fake_quant(x, V4, levels=torch.arange(16))
+        fake_quant(x, V4, tables=QuantTables(levels=torch.arange(16)))
     with pytest.raises(ValueError, match="pass clip_ratio, not scale"):
-        quantize(x, V4, levels=EXACT, scale=torch.ones(1, 2, 4, 1))
+        quantize(x, V4, tables=QuantTables(levels=EXACT), scale=torch.ones(1, 2, 4, 1))
     with pytest.raises(ValueError, match="do not combine"):
-        fake_quant(x, V4, levels=EXACT, rounding=torch.eye(8).repeat(2, 1, 1))
+        fake_quant(x, V4, tables=QuantTables(levels=EXACT, rounding=torch.eye(8).repeat(2, 1, 1)))
     with pytest.raises(ValueError, match="uniform grids"):
-        quant_step(quantize(x, V4, levels=EXACT))
+        quant_step(quantize(x, V4, tables=QuantTables(levels=EXACT)))
     assert check_levels(EXACT, V4, 3).shape == (3, 16)
 
 
@@ -137,7 +141,7 @@ def test_fit_levels_recovers_a_discrete_grid():
     torch.testing.assert_close(L, EXACT.expand(H, 16), rtol=0, atol=1e-6)
     # lossless up to the per-token scale, absmax < 2 rounded up to fp16 (≤ one fp16 ulp = 2⁻¹⁰ absolute
     # below 2, times |level| ≤ 1): 9.8e-4 < 1e-3; one wrong level is ≥ 1/16 off
-    torch.testing.assert_close(fake_quant(v[None], V4, levels=L), v[None], rtol=0, atol=1e-3)
+    torch.testing.assert_close(fake_quant(v[None], V4, tables=QuantTables(levels=L)), v[None], rtol=0, atol=1e-3)
 
 
 def test_fit_levels_beats_uniform_grid_on_gaussian_rows():
@@ -149,7 +153,7 @@ def test_fit_levels_beats_uniform_grid_on_gaussian_rows():
     v = torch.randn(2, 512, 64, generator=g)
     L = fit_levels([_value_cache(v)], V4)
     x = torch.randn(1, 2, 4096, 64, generator=g)
-    mse_l = float(((fake_quant(x, V4, levels=L) - x) ** 2).mean())
+    mse_l = float(((fake_quant(x, V4, tables=QuantTables(levels=L)) - x) ** 2).mean())
     mse_u = float(((fake_quant(x, V4) - x) ** 2).mean())
     # statistical: 5.2e5 elements, per-element squared error sd ≈ 1.5·mse -> the sample mean's sd ≈ 2.4e-5, so
     # the window 0.0116 ± 0.0006 is > 20 sd (and the data are seeded); a wrong grid (int3/int5) is 4x off
@@ -163,7 +167,7 @@ def test_search_side_levels_guard_and_fallback_rows():
     g = torch.Generator().manual_seed(3)
     calib = [_value_cache(torch.randn(3, 96, 64, generator=g), seed=i) for i in range(2)]
     held = [_value_cache(torch.randn(3, 96, 64, generator=g), seed=5)]
-    r = search_side(calib, held, "v", V4, levels=True, grid=(1.0,))
+    r = search_side(calib, held, "v", SideChoice(V4, codebook=Codebook.LEVELS), grid=(1.0,))
     assert r.plan.levels is not None and r.plan.levels.shape == (3, 16)
     assert r.heldout <= r.heldout_minmax
     for h, lab in enumerate(r.label):
@@ -171,9 +175,9 @@ def test_search_side_levels_guard_and_fallback_rows():
         assert torch.equal(r.plan.levels[h], want)
     assert "levels" in r.to_meta()
     with pytest.raises(ValueError, match="fitted for values"):
-        search_side(calib, held, "k", V4, levels=True)
+        search_side(calib, held, "k", SideChoice(V4, codebook=Codebook.LEVELS))
     with pytest.raises(ValueError, match="symmetric per-token"):
-        search_side(calib, held, "v", TensorQuantSpec("int4", PerToken(), symmetric=False), levels=True)
+        search_side(calib, held, "v", SideChoice(TensorQuantSpec("int4", PerToken(), symmetric=False), codebook=Codebook.LEVELS))
 
 
 def test_plan_artifact_round_trip_and_validation():
@@ -184,7 +188,7 @@ def test_plan_artifact_round_trip_and_validation():
     H, D = 2, 8
     kspec = TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=False)
     plan = KVPlan([LayerPlan(SidePlan(kspec, clip_ratio=torch.ones(H)),
-                             SidePlan(V4, clip_ratio=torch.ones(H), levels=EXACT.expand(H, 16).clone()))])
+                             SidePlan(V4, clip_ratio=torch.ones(H), tables=QuantTables(levels=EXACT.expand(H, 16).clone())))])
     meta = {"model": {"num_layers": 1, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
     t = plan.to_tensors()
     assert t["model.layers.0.self_attn.v_levels"].shape == (H, 16)
@@ -208,12 +212,12 @@ def test_plan_artifact_round_trip_and_validation():
 def test_runtime_with_levels_equals_protocol_a_and_accounting():
     """Runtime cache with value levels: prefill logits equal Protocol A exactly, decode within 1e-5, every
     decode step stores exactly quantize() of the keys/values it handed the cache (codes and scales;
-    plan_helpers.decode_stores_quantize_of_inputs), and the cache holds exactly L·H·16·4 bytes more (float32
+    helpers.plans.decode_stores_quantize_of_inputs), and the cache holds exactly L·H·16·4 bytes more (float32
     tables), as cache_bytes says."""
-    from plan_helpers import decode_stores_quantize_of_inputs
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import (
+    from helpers.plans import decode_stores_quantize_of_inputs
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import (
         decode_and_protocol_a,
         prefill_matches_protocol_a,
         tiny_model,
@@ -252,12 +256,12 @@ def test_search_side_refuses_undefined_combinations():
     calib = [_value_cache(torch.randn(2, 32, 16, generator=g))]
     k4 = TensorQuantSpec("int4", PerChannelTokenGroup(8), symmetric=False)
     with pytest.raises(ValueError, match="query-aware rounding is defined for keys"):
-        search_side(calib, [], "v", V4, rounding=True)
+        search_side(calib, [], "v", SideChoice(V4, rounding=Rounding.QUERY_AWARE))
     with pytest.raises(ValueError, match="per-channel bit widths are defined for keys"):
-        search_side(calib, [], "v", k4, channel_bits=True)
+        search_side(calib, [], "v", SideChoice(k4, channel_widths=ChannelWidths.ALLOCATED))
     with pytest.raises(ValueError, match="per-channel bit widths are searched for dynamic key specs only"):
-        search_side(calib, [], "k", TensorQuantSpec("int4", PerChannel(), symmetric=False), channel_bits=True)
+        search_side(calib, [], "k", SideChoice(TensorQuantSpec("int4", PerChannel(), symmetric=False), channel_widths=ChannelWidths.ALLOCATED))
     with pytest.raises(ValueError, match="no calibration sequences"):
-        search_side([], [], "v", TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8"))
+        search_side([], [], "v", SideChoice(TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")))
     with pytest.raises(ValueError, match="no calibration sequences"):
-        search_side([], [], "v", V4, levels=True)
+        search_side([], [], "v", SideChoice(V4, codebook=Codebook.LEVELS))

@@ -6,10 +6,14 @@ import pytest
 import torch
 
 from kvcal.formats.granularity import PerToken, PerTokenGroup
-from kvcal.formats.quant import fake_quant, log8_decode, log8_encode
+from kvcal.formats.quant import fake_quant
+from kvcal.formats.scales import log8_decode, log8_encode
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.variants import Codebook, QuantTables
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import fit_levels, log8_scale_base, search_side
+from kvcal.search.optimizer import search_side
+from kvcal.search.presets import SideChoice
+from kvcal.search.tables import fit_levels, log8_scale_base
 
 V4 = TensorQuantSpec("int4", PerToken(), symmetric=True)
 V8 = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
@@ -30,14 +34,14 @@ def test_levels_all_zero_group_dequantizes_to_zero():
     x = torch.zeros(1, 1, 2, 8)
     x[0, 0, 1] = 1e-3 * torch.arange(8)
     assert torch.equal(fake_quant(x, V4)[0, 0, 0], torch.zeros(8))
-    y = fake_quant(x, V4, levels=torch.linspace(-1, 1, 16))
+    y = fake_quant(x, V4, tables=QuantTables(levels=torch.linspace(-1, 1, 16)))
     assert torch.equal(y[0, 0, 0], torch.zeros(8)), y[0, 0, 0]  # actual: all -0.0667 (66x the row-1 max)
     # same with calibrated log8 scales: the zero row's fallback scale 1 is log8-coded too
     g = torch.Generator().manual_seed(0)
     cal = [_cache(1e-3 * torch.randn(1, 64, 8, generator=g))]
     L = fit_levels(cal, V4)
     base = log8_scale_base(cal, "v", V8, levels=True)
-    y = fake_quant(x, V8, levels=L, scale_base=base)
+    y = fake_quant(x, V8, tables=QuantTables(levels=L, scale_base=base))
     assert torch.equal(y[0, 0, 0], torch.zeros(8)), y[0, 0, 0]
 
 
@@ -50,9 +54,9 @@ def test_fit_levels_and_search_with_group_not_dividing_head_dim(g, D):
     # Hadamard, which already refuses non-power-of-two head_dim, so only direct API use reaches this.
     spec = TensorQuantSpec("int4", PerTokenGroup(g), symmetric=True)
     v = torch.randn(2, 16, D, generator=torch.Generator().manual_seed(1))
-    assert fake_quant(v[None], spec, levels=torch.linspace(-1, 1, 16)).shape == (1, 2, 16, D)  # supported
+    assert fake_quant(v[None], spec, tables=QuantTables(levels=torch.linspace(-1, 1, 16))).shape == (1, 2, 16, D)  # supported
     assert fit_levels([_cache(v)], spec).shape == (2, 16)
-    r = search_side([_cache(v)], [_cache(v, 1)], "v", spec, levels=True, grid=(1.0,))
+    r = search_side([_cache(v)], [_cache(v, 1)], "v", SideChoice(spec, codebook=Codebook.LEVELS), grid=(1.0,))
     assert r.heldout <= r.heldout_minmax
 
 
@@ -77,8 +81,8 @@ def test_kernels_quantize_keeps_the_reference_contract_for_levels_and_log8():
     x = torch.randn(1, 2, 3, 16)
     L = torch.linspace(-1, 1, 16)
     base = torch.tensor([1e-3, 1e-3])
-    assert torch.equal(kernels.dequantize(kernels.quantize(x, V8, levels=L, scale_base=base)),
-                       fake_quant(x, V8, levels=L, scale_base=base))
+    assert torch.equal(kernels.dequantize(kernels.quantize(x, V8, tables=QuantTables(levels=L, scale_base=base))),
+                       fake_quant(x, V8, tables=QuantTables(levels=L, scale_base=base)))
 
 
 def test_log8_plan_without_base_is_refused_when_written(tmp_path):

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from kvcal.formats.granularity import PerChannel, PerToken, PerTokenGroup
-from kvcal.formats.quant import dequantize, fake_quant, log8_base, log8_decode, log8_encode, quantize
+from kvcal.formats.quant import dequantize, fake_quant, quantize
+from kvcal.formats.scales import log8_base, log8_decode, log8_encode
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.variants import QuantTables
 
 V8 = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
 
@@ -48,10 +50,10 @@ def test_log8_quantization_against_float64_reference(spec):
     H, D = 3, 32
     x = torch.randn(2, H, 9, D, generator=g) * torch.tensor([0.01, 1.0, 50.0]).reshape(1, H, 1, 1)
     base = torch.tensor([1e-5, 1e-3, 1e-1])
-    qt = quantize(x, spec, scale_base=base, clip_ratio=torch.tensor([1.0, 0.9, 1.0]))
+    qt = quantize(x, spec, tables=QuantTables(scale_base=base), clip_ratio=torch.tensor([1.0, 0.9, 1.0]))
     assert qt.scale.dtype == torch.uint8 and torch.equal(qt.scale_base, base)
     y = dequantize(qt)
-    assert torch.equal(y, fake_quant(x, spec, scale_base=base, clip_ratio=torch.tensor([1.0, 0.9, 1.0])))
+    assert torch.equal(y, fake_quant(x, spec, tables=QuantTables(scale_base=base), clip_ratio=torch.tensor([1.0, 0.9, 1.0])))
     gs = D if isinstance(spec.granularity, PerToken) else spec.granularity.group_size
     xg = x.double().reshape(2, H, 9, D // gs, gs)
     a = xg.abs().amax(-1, keepdim=True) * torch.tensor([1.0, 0.9, 1.0], dtype=torch.float64).reshape(1, H, 1, 1, 1)
@@ -60,7 +62,7 @@ def test_log8_quantization_against_float64_reference(spec):
     assert bool((s >= s_exact.float().double() * (1 - 1e-6)).all()) and bool((s < s_exact * 2 ** (1 / 16) * (1 + 1e-6)).all())
     ref = (xg / s).round().clamp(-spec.qmax, spec.qmax) * s
     # codes equal except within float32 rounding of a tie (the library divides in float32)
-    from test_formats import assert_codes_match_up_to_ties
+    from helpers.codes import assert_codes_match_up_to_ties
 
     t = xg / s
     assert_codes_match_up_to_ties(y.double(), ref.reshape(2, H, 9, D), t.reshape(2, H, 9, D),
@@ -80,15 +82,15 @@ def test_log8_refusals_and_spec_round_trip():
     with pytest.raises(ValueError, match="scale_base="):
         quantize(x, V8)
     with pytest.raises(ValueError, match="scale_base is for log8"):
-        quantize(x, TensorQuantSpec("int4", PerToken(), symmetric=True), scale_base=torch.ones(2))
+        quantize(x, TensorQuantSpec("int4", PerToken(), symmetric=True), tables=QuantTables(scale_base=torch.ones(2)))
     with pytest.raises(ValueError, match="one value per KV head"):
-        quantize(x, V8, scale_base=torch.ones(3))
+        quantize(x, V8, tables=QuantTables(scale_base=torch.ones(3)))
     with pytest.raises(ValueError, match="finite and > 0"):
-        quantize(x, V8, scale_base=torch.tensor([1.0, 0.0]))
+        quantize(x, V8, tables=QuantTables(scale_base=torch.tensor([1.0, 0.0])))
     with pytest.raises(ValueError, match="scale_base must be a number or a float tensor"):
-        quantize(x, V8, scale_base="a")
+        quantize(x, V8, tables=QuantTables(scale_base="a"))
     with pytest.raises(ValueError, match="overflows float32 at the top log8 code"):
-        quantize(x, V8, scale_base=torch.tensor([3e38, 1.0]))
+        quantize(x, V8, tables=QuantTables(scale_base=torch.tensor([3e38, 1.0])))
 
 
 def test_log8_memory_accounting():
@@ -108,10 +110,10 @@ def test_log8_memory_accounting():
 def test_log8_plan_artifact_and_runtime_equal_protocol_a():
     """log8 values with levels: runtime prefill equals Protocol A exactly; hand-worked byte difference vs fp16
     scales; the plan survives from_artifact; a missing, misplaced (key) or negative scale_base is refused by name."""
-    from plan_helpers import artifact_round_trip, assert_refused
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import prefill_matches_protocol_a, tiny_model, transform_plan
+    from helpers.plans import artifact_round_trip, assert_refused
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import prefill_matches_protocol_a, tiny_model, transform_plan
 
     from kvcal.runtime import QuantizedKVCache
 

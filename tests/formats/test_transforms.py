@@ -6,43 +6,33 @@ import math
 
 import pytest
 import torch
+from helpers.transforms import (
+    K_SPEC,
+    V_SPEC,
+    D,
+    H,
+    L,
+    decode_and_protocol_a,
+    prefill_matches_protocol_a,
+    tiny_model,
+    transform_plan,
+)
 
 from kvcal.capture.hooks import attention_hook
 from kvcal.evaluate.protocol_a import plan_hook
-from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
+from kvcal.formats.granularity import PerToken
 from kvcal.formats.quant import fake_quant
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.formats.transforms import RopeTable, apply_transform, fwht, hadamard_matrix
+from kvcal.formats.variants import QuantTables
 from kvcal.models import rope_table
 from kvcal.plan import KVPlan, LayerPlan, SidePlan
 from kvcal.runtime import QuantizedKVCache
-
-H, D, L = 2, 16, 2
-K_SPEC = TensorQuantSpec("int4", PerChannelTokenGroup(8), symmetric=False)
-V_SPEC = TensorQuantSpec("int4", PerToken(), symmetric=True)
-
-
-def tiny_model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=L,
-                      num_attention_heads=4, num_key_value_heads=H, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=None, eos_token_id=None, rope_theta=500.0)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
-
-
-def transform_plan(model, sinks=1, k_tr="pre_rope", v_tr="hadamard", clip=0.9, k_spec=K_SPEC) -> KVPlan:
-    rope = rope_table(model)
-    layers = [LayerPlan(SidePlan(k_spec, clip_ratio=torch.full((H,), clip), transform=k_tr,
-                                 rope=rope if k_tr == "pre_rope" else None),
-                        SidePlan(V_SPEC, transform=v_tr)) for _ in range(L)]
-    return KVPlan(layers, sink_tokens=sinks)
 
 
 def test_hadamard_matches_scipy_and_is_orthogonal():
@@ -168,56 +158,6 @@ def test_transform_errors():
         apply_transform("hadamard", torch.randn(1, 1, 2, 12))
 
 
-def prefill_matches_protocol_a(model, plan, ids) -> QuantizedKVCache:
-    """Prefill ``ids`` through the runtime cache: logits equal Protocol A's (fp32 rounding of the
-    rotations) and the allocated bytes equal the accounting. Returns the cache."""
-    with torch.no_grad():
-        cache = QuantizedKVCache(plan, model.config)
-        a = model(ids, cache=cache, use_cache=True).logits
-        with attention_hook(model, plan_hook(plan)):
-            b = model(ids, use_cache=False).logits
-    assert torch.equal(a, b)  # same [B, T] forward, same fake-quant on the same K/V: shared arithmetic
-    assert cache.allocated_bytes() == cache.expected_bytes()
-    return cache
-
-
-def decode_and_protocol_a(model, plan, ids, prefill: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill ``ids[:, :prefill]`` through the runtime cache, then decode token by token up to
-    ``end``; returns ``(decode logits, Protocol A logits)`` for positions ``prefill-1 .. end-1``.
-
-    The Protocol A reference reads, at the decoded positions, the keys/values the decode steps
-    themselves handed the cache (substituted before fake-quantization). A decode step computes its
-    token's K/V with a 1-row matmul and the reference with a whole-sequence one; an ulp between
-    them can cross a rounding boundary and move a code by a whole step on one CPU and not another.
-    With the same inputs, per-token quantization (and the elementwise RoPE / butterfly Hadamard
-    transforms) gives the same codes, so what is left between the two logits is fp32 reassociation
-    of the attention and MLP sums — the tolerance callers use (5e-5 on this 2-layer, hidden-64
-    model's O(1) logits: ~n·2⁻²⁴·Σ|terms| with n ≤ 256) covers that and not a single moved code."""
-    received: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    with torch.no_grad():
-        cache = QuantizedKVCache(plan, model.config)
-        outs = [model(ids[:, :prefill], cache=cache, use_cache=True).logits[:, -1]]
-        for i, layer in enumerate(cache.layers):
-            def update(k, v, *args, _orig=layer.update, _i=i, **kwargs):
-                received.setdefault(_i, []).append((k.clone(), v.clone()))
-                return _orig(k, v, *args, **kwargs)
-
-            layer.update = update
-        for t in range(prefill, end):
-            outs.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
-
-        def substituted(module, q, k, v, mask, kwargs):
-            i = module.layer_idx
-            k, v = k.clone(), v.clone()
-            k[:, :, prefill:] = torch.cat([r[0] for r in received[i]], dim=2)
-            v[:, :, prefill:] = torch.cat([r[1] for r in received[i]], dim=2)
-            return plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
-
-        with attention_hook(model, substituted):
-            ref = model(ids[:, :end], use_cache=False).logits[:, prefill - 1 :]
-    return torch.stack(outs, 1), ref
-
-
 def test_runtime_prefill_and_decode_equal_protocol_a(model):
     """Runtime cache with pre-RoPE/Hadamard plans: prefill logits equal Protocol A exactly, per-token
     decode within 5e-5 (fp32 reassociation); the transforms change the logits by more than 1e-3."""
@@ -288,12 +228,13 @@ def test_artifact_roundtrip_and_export_refusal(tmp_path, model):
 def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
     """Identity rounding matrix gives nearest rounding; rounding_matrix is the damped Cholesky factor
     (float32 bound); feedback cuts float64 score error below 0.7× nearest; fp8 and a wrong shape are refused."""
-    from kvcal.formats.quant import dequantize, quantize, rounding_matrix
+    from kvcal.formats.codes import rounding_matrix
+    from kvcal.formats.quant import dequantize, quantize
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, H, 24, D, generator=g) * 3
     eye = torch.eye(D).expand(H, D, D)
-    assert torch.equal(fake_quant(x, K_SPEC, rounding=eye), fake_quant(x, K_SPEC))
+    assert torch.equal(fake_quant(x, K_SPEC, tables=QuantTables(rounding=eye)), fake_quant(x, K_SPEC))
     # anisotropic queries: a few strong directions
     basis = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
     w = torch.tensor([30.0, 10.0, 5.0] + [0.3] * (D - 3), dtype=torch.float64)
@@ -307,7 +248,7 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
     err = (u.T @ u @ m - torch.eye(D, dtype=torch.float64)).abs()
     assert bool((err <= 2 * torch.finfo(torch.float32).eps * (u.abs().T @ u.abs() @ m.abs())).all())
     for spec in (K_SPEC, TensorQuantSpec("int4", PerToken(), symmetric=True)):
-        near, fb = fake_quant(x, spec), fake_quant(x, spec, rounding=U)
+        near, fb = fake_quant(x, spec), fake_quant(x, spec, tables=QuantTables(rounding=U))
         # float64 score error E[(q·Δk)^2] over the query sample, independently of the library
         e_near = ((near - x).double() @ q.T).pow(2).mean()
         e_fb = ((fb - x).double() @ q.T).pow(2).mean()
@@ -316,18 +257,18 @@ def test_rounding_identity_is_nearest_and_feedback_lowers_score_error():
         # ulp-level differences, and fails for feedback that is a no-op (ratio 1) or mis-ordered
         assert e_fb < 0.7 * e_near
         # same grid: every code is a representable value (the packed round trip agrees exactly)
-        qt = quantize(x, spec, rounding=U)
+        qt = quantize(x, spec, tables=QuantTables(rounding=U))
         assert torch.equal(dequantize(qt), fb)
     with pytest.raises(ValueError, match="int formats"):
-        fake_quant(x, TensorQuantSpec("fp8_e4m3"), scale=torch.ones(1), rounding=U)
+        fake_quant(x, TensorQuantSpec("fp8_e4m3"), scale=torch.ones(1), tables=QuantTables(rounding=U))
     with pytest.raises(ValueError, match="rounding must be"):
-        fake_quant(x, K_SPEC, rounding=torch.eye(D)[None].expand(5, D, D))
+        fake_quant(x, K_SPEC, tables=QuantTables(rounding=torch.eye(D)[None].expand(5, D, D)))
 
 
 def test_unit_rounding_keeps_the_ratios_rounding_uses():
     """Ũ = U / diag(U), ratios in float8 e4m3: codes identical to U's when U's ratios are
     e4m3-exact (hand-built U = diag(d)·R), idempotent, and the storage limit is enforced."""
-    from kvcal.formats.quant import unit_rounding
+    from kvcal.formats.codes import unit_rounding
 
     g = torch.Generator().manual_seed(3)
     # R: unit upper triangle with entries k/8 in [-2, 2] (exact in e4m3), d: arbitrary positive scales
@@ -338,7 +279,7 @@ def test_unit_rounding_keeps_the_ratios_rounding_uses():
     torch.testing.assert_close(Ut, R, rtol=0, atol=0)
     assert torch.equal(unit_rounding(Ut), Ut)
     x = torch.randn(2, H, 24, D, generator=g) * 3
-    assert torch.equal(fake_quant(x, K_SPEC, rounding=U), fake_quant(x, K_SPEC, rounding=Ut))
+    assert torch.equal(fake_quant(x, K_SPEC, tables=QuantTables(rounding=U)), fake_quant(x, K_SPEC, tables=QuantTables(rounding=Ut)))
     # a ratio that is not e4m3-exact is rounded to the nearest e4m3 value (0.3 -> 0.3125: 1.25 * 2^-2)
     U2 = torch.eye(D).repeat(H, 1, 1)
     U2[:, 0, 1] = 0.3
@@ -354,12 +295,12 @@ def test_unit_rounding_keeps_the_ratios_rounding_uses():
 def test_runtime_with_rounding_equals_protocol_a_and_accounting(model):
     """Runtime cache with key rounding matrices: prefill logits equal Protocol A exactly; the cache holds
     exactly L·H·D(D−1)/2 more bytes (float8 strict triangle); and every one of 28 decode steps stores
-    exactly quantize() of the keys/values it handed the cache (plan_helpers.decode_stores_quantize_of_inputs:
+    exactly quantize() of the keys/values it handed the cache (helpers.plans.decode_stores_quantize_of_inputs:
     the new token's codes and its token group's scale / zero point). Decode logits are not compared with
     Protocol A here: the keys are per-channel token groups, whose open group is re-quantized as it fills."""
-    from plan_helpers import decode_stores_quantize_of_inputs
+    from helpers.plans import decode_stores_quantize_of_inputs
 
-    from kvcal.formats.quant import rounding_matrix
+    from kvcal.formats.codes import rounding_matrix
 
     plan = transform_plan(model, sinks=1)
     g = torch.Generator().manual_seed(4)

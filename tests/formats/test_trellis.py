@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from kvcal.formats.trellis import decode, distortion, encode, fit_table, windows
+from kvcal.formats.variants import Codebook, QuantTables
+from kvcal.search.presets import SideChoice
 
 
 def _window_by_string(codes: list[int], i: int, bits: int, nu: int) -> int:
@@ -156,12 +158,12 @@ def test_quant_trellis_against_float64_reference_and_packed_round_trip(bits, nu)
     u = torch.where(s32 > 0, x.float() / torch.where(s32 > 0, s32, torch.ones_like(s32)), torch.zeros_like(s32))
     rows = u.reshape(-1, 16)
     ref = (decode(encode(rows, T, bits), T, bits).double().reshape(x.shape) * s)
-    qt = quantize(x.float(), spec, trellis=T)
+    qt = quantize(x.float(), spec, tables=QuantTables(trellis=T))
     assert qt.data.dtype == torch.uint8 and qt.data.shape == (2, 3, 5, 16 * bits // 8)
     assert torch.equal(qt.scale.double(), s.to(torch.float16).double())
     # the same codes: dequantize's float32 product table·scale is within eps32/2 of the float64 one
     torch.testing.assert_close(dequantize(qt).double(), ref, rtol=torch.finfo(torch.float32).eps, atol=0)
-    assert torch.equal(fake_quant(x.float(), spec, trellis=T), dequantize(qt))
+    assert torch.equal(fake_quant(x.float(), spec, tables=QuantTables(trellis=T)), dequantize(qt))
     assert torch.equal(dequantize(qt)[0, 1, 2], torch.zeros(16))
     # a fitted table beats the uniform symmetric grid of the same spec on these (Gaussian) rows
     err_t = (dequantize(qt).double() - x).pow(2).sum()
@@ -173,18 +175,19 @@ def test_quant_trellis_with_log8_scales():
     """With log8 scales each row's scale is its RMS rounded up by at most one log8 step (2^(1/16)), and
     fake_quant == dequantize(quantize)."""
     from kvcal.formats.granularity import PerToken
-    from kvcal.formats.quant import dequantize, fake_quant, log8_decode, quantize
+    from kvcal.formats.quant import dequantize, fake_quant, quantize
+    from kvcal.formats.scales import log8_decode
     from kvcal.formats.spec import TensorQuantSpec
 
     spec = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
     T = _table(4, 4)
     x = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(2))
     base = torch.tensor([0.01, 0.02])
-    qt = quantize(x, spec, trellis=T, scale_base=base)
+    qt = quantize(x, spec, tables=QuantTables(trellis=T, scale_base=base))
     s = log8_decode(qt.scale, base.reshape(1, 2, 1, 1))
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
     assert bool((s >= rms).all()) and bool((s < rms * 2 ** (1 / 16) * (1 + 1e-6)).all())  # one log8 step up
-    assert torch.equal(fake_quant(x, spec, trellis=T, scale_base=base), dequantize(qt))
+    assert torch.equal(fake_quant(x, spec, tables=QuantTables(trellis=T, scale_base=base)), dequantize(qt))
 
 
 def test_quant_trellis_refusals():
@@ -201,23 +204,23 @@ def test_quant_trellis_refusals():
                       (TensorQuantSpec("int5", PerToken(), symmetric=True), "symmetric int2–int4"),
                       (TensorQuantSpec("int4", PerTokenGroup(4), symmetric=True), "per-token scales")]:
         with pytest.raises(ValueError, match=msg):
-            fake_quant(x, spec, trellis=T)
+            fake_quant(x, spec, tables=QuantTables(trellis=T))
     with pytest.raises(ValueError, match="nu must lie in 4..10"):
-        fake_quant(x, v4, trellis=_table(4, 2))
+        fake_quant(x, v4, tables=QuantTables(trellis=_table(4, 2)))
     with pytest.raises(ValueError, match="multiples of 1/32"):
-        fake_quant(x, v4, trellis=T + 0.001)
+        fake_quant(x, v4, tables=QuantTables(trellis=T + 0.001))
     with pytest.raises(ValueError, match="1-D"):
-        fake_quant(x, v4, trellis=T.reshape(16, 16))
+        fake_quant(x, v4, tables=QuantTables(trellis=T.reshape(16, 16)))
     with pytest.raises(ValueError, match="neither scale nor clip_ratio"):
-        fake_quant(x, v4, trellis=T, clip_ratio=0.9)
+        fake_quant(x, v4, tables=QuantTables(trellis=T), clip_ratio=0.9)
     with pytest.raises(ValueError, match="does not combine"):
-        fake_quant(x, v4, trellis=T, levels=torch.linspace(-1, 1, 16))
+        fake_quant(x, v4, tables=QuantTables(trellis=T, levels=torch.linspace(-1, 1, 16)))
 
 
 def test_plan_artifact_round_trip_and_refusals():
     """A value trellis survives KVPlan -> tensors -> from_artifact (same fake_quant, 256 entries); a table
     off the 1/32 grid, a key trellis, or a clip_ratio beside a trellis is refused naming the tensor."""
-    from plan_helpers import artifact_round_trip, assert_refused
+    from helpers.plans import artifact_round_trip, assert_refused
 
     from kvcal.formats.granularity import PerChannelTokenGroup, PerToken
     from kvcal.formats.spec import TensorQuantSpec
@@ -227,7 +230,7 @@ def test_plan_artifact_round_trip_and_refusals():
     kspec = TensorQuantSpec("int4", PerChannelTokenGroup(4), symmetric=False)
     vspec = TensorQuantSpec("int4", PerToken(), symmetric=True)
     T = _table(4, 4)
-    plan = KVPlan([LayerPlan(SidePlan(kspec, clip_ratio=torch.ones(H)), SidePlan(vspec, trellis=T))])
+    plan = KVPlan([LayerPlan(SidePlan(kspec, clip_ratio=torch.ones(H)), SidePlan(vspec, tables=QuantTables(trellis=T)))])
     t, meta = artifact_round_trip(plan, H, D)
     assert t["model.layers.0.self_attn.v_trellis"].shape == (256,)
     assert plan.kv_config(0).value_trellis == 256
@@ -240,12 +243,17 @@ def test_plan_artifact_round_trip_and_refusals():
 def test_runtime_with_trellis_equals_protocol_a_and_accounting():
     """Runtime cache with value trellises: prefill logits equal Protocol A exactly, decode within 1e-5,
     every decode step stores exactly quantize() of the keys/values it handed the cache (trellis codes and
-    scales; plan_helpers.decode_stores_quantize_of_inputs), and the cache holds exactly L·256 bytes more
+    scales; helpers.plans.decode_stores_quantize_of_inputs), and the cache holds exactly L·256 bytes more
     (int8 tables) than the plain plan, as cache_bytes says."""
-    from plan_helpers import decode_stores_quantize_of_inputs
-    from test_transforms import H as TH
-    from test_transforms import L as TL
-    from test_transforms import decode_and_protocol_a, prefill_matches_protocol_a, tiny_model, transform_plan
+    from helpers.plans import decode_stores_quantize_of_inputs
+    from helpers.transforms import H as TH
+    from helpers.transforms import L as TL
+    from helpers.transforms import (
+        decode_and_protocol_a,
+        prefill_matches_protocol_a,
+        tiny_model,
+        transform_plan,
+    )
 
     from kvcal.formats.granularity import PerToken
     from kvcal.formats.memory import cache_bytes
@@ -281,7 +289,7 @@ def test_kernel_dispatch_dequantizes_trellis_on_the_torch_reference():
 
     spec = TensorQuantSpec("int4", PerToken(), symmetric=True)
     x = torch.randn(1, 2, 3, 16, generator=torch.Generator().manual_seed(0))
-    qt = quantize(x, spec, trellis=_table(4, 4))
+    qt = quantize(x, spec, tables=QuantTables(trellis=_table(4, 4)))
     assert torch.equal(kdeq(qt, backend="triton"), dequantize(qt))
 
 
@@ -299,18 +307,19 @@ def _caches(seed, n=4, H=2, T=100, D=64):
 
 def test_fit_trellis_and_search_side_guard():
     """fit_trellis gives a 256-entry table on the 1/32 grid; search_side keeps the trellis only when its
-    held-out error beats the levels fit (zero table loses); trellis without levels or on group scales is refused."""
+    held-out error beats the levels fit (zero table loses); a trellis_nu without the trellis codebook, or a trellis on group scales, is refused."""
     from kvcal.formats.granularity import PerToken, PerTokenGroup
     from kvcal.formats.spec import TensorQuantSpec
-    from kvcal.search.optimizer import fit_trellis, search_side, side_error
+    from kvcal.search.optimizer import search_side, side_error
+    from kvcal.search.tables import fit_trellis
 
     spec = TensorQuantSpec("int4", PerToken(), symmetric=True, scale_dtype="log8")
     cal, held = _caches(1, D=64, T=100), _caches(2, D=64, T=100)  # the model's head_dim (absmax scales do
     # better than the trellis's RMS on rows as short as 16)
     T = fit_trellis(cal, spec, 4, "hadamard", sinks=1, scale_base=torch.tensor([1e-3, 1e-3]), iters=4)
     assert T.shape == (256,) and torch.equal(T * 32, (T * 32).round()) and float(T.abs().max()) <= 127 / 32
-    r = search_side(cal, held, "v", spec, sinks=1, transform="hadamard", grid=(1.0,), levels=True, trellis_nu=4)
-    lv = search_side(cal, held, "v", spec, sinks=1, transform="hadamard", grid=(1.0,), levels=True)
+    r = search_side(cal, held, "v", SideChoice(spec, transform="hadamard", codebook=Codebook.TRELLIS, trellis_nu=4), sinks=1, grid=(1.0,))
+    lv = search_side(cal, held, "v", SideChoice(spec, transform="hadamard", codebook=Codebook.LEVELS), sinks=1, grid=(1.0,))
     tr_err, lv_err = r.extra["trellis_heldout"], r.extra["trellis_levels_heldout"]
     assert lv_err == lv.heldout  # the same levels fit and held-out error, computed the same way
     # near-Gaussian rotated rows: the trellis wins on held-out, and the plan is the trellis one
@@ -327,12 +336,11 @@ def test_fit_trellis_and_search_side_guard():
     orig = opt.fit_trellis
     opt.fit_trellis = lambda *a, **k: torch.zeros(256)
     try:
-        r0 = search_side(cal, held, "v", spec, sinks=1, transform="hadamard", grid=(1.0,), levels=True, trellis_nu=4)
+        r0 = search_side(cal, held, "v", SideChoice(spec, transform="hadamard", codebook=Codebook.TRELLIS, trellis_nu=4), sinks=1, grid=(1.0,))
     finally:
         opt.fit_trellis = orig
     assert r0.plan.trellis is None and r0.plan.levels is not None and r0.heldout == lv.heldout
-    with pytest.raises(ValueError, match="levels=True"):
-        search_side(cal, held, "v", spec, transform="hadamard", trellis_nu=4)
+    with pytest.raises(ValueError, match="trellis_nu=4 needs codebook=Codebook.TRELLIS"):
+        search_side(cal, held, "v", SideChoice(spec, transform="hadamard", trellis_nu=4))
     with pytest.raises(ValueError, match="per-token int2–int4"):
-        search_side(cal, held, "v", TensorQuantSpec("int4", PerTokenGroup(8), symmetric=True), levels=True,
-                    trellis_nu=4)
+        search_side(cal, held, "v", SideChoice(TensorQuantSpec("int4", PerTokenGroup(8), symmetric=True), codebook=Codebook.TRELLIS, trellis_nu=4))

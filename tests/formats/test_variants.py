@@ -1,14 +1,14 @@
 """Side variants as typed values (kvcal.formats.variants, SidePlan, SideChoice): invalid combinations
-are refused when the value is built, with a one-line error, and the typed forms compute exactly what the
-deprecated keyword forms compute."""
+are refused when the value is built, with a one-line error."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvcal.formats.codes import rounding_matrix
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
-from kvcal.formats.quant import fake_quant, quantize, rounding_matrix
+from kvcal.formats.quant import fake_quant
 from kvcal.formats.spec import TensorQuantSpec
 from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding
 from kvcal.plan import SidePlan
@@ -41,10 +41,8 @@ def _refused(exc, match, build):
 ])
 def test_quant_tables_refuse_undefined_combinations_at_construction(tables, match):
     """A levels or trellis codebook with query-aware rounding or per-channel widths (or levels with
-    trellis) cannot be built as QuantTables: one-line ValueError at construction, and the same
-    combination through quantize's keyword form is refused with the same message."""
+    trellis) cannot be built as QuantTables: one-line ValueError at construction."""
     _refused(ValueError, match, lambda: QuantTables(**tables))
-    _refused(ValueError, match, lambda: fake_quant(torch.randn(1, H, 4, D), V4, **tables))
 
 
 def test_quant_tables_name_their_variants():
@@ -57,33 +55,13 @@ def test_quant_tables_name_their_variants():
     assert ScaleCoding.of(V4_LOG8) is ScaleCoding.LOG8 and ScaleCoding.of(V4) is ScaleCoding.FLOAT
 
 
-def test_tables_keyword_equals_deprecated_keywords_bit_for_bit():
-    """quantize / fake_quant with tables= compute exactly what the deprecated keywords compute (same
-    arithmetic: the keywords only build the QuantTables), for a log8 levels side and a query-aware
-    rounded side with allocated widths; giving both forms at once is refused."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, H, 8, D, generator=g)
-    base = torch.tensor([1e-3, 2e-3])
-    t = QuantTables(levels=LEVELS, scale_base=base)
-    a, b = quantize(x, V4_LOG8, tables=t), quantize(x, V4_LOG8, levels=LEVELS, scale_base=base)
-    assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
-    assert torch.equal(fake_quant(x, V4_LOG8, tables=t), fake_quant(x, V4_LOG8, levels=LEVELS, scale_base=base))
-    a_ = torch.randn(H, D, D, generator=g)
-    Uq = rounding_matrix(a_ @ a_.transpose(1, 2))
-    w = torch.tensor([[6, 2] * (D // 2)] * H)
-    t2 = QuantTables(rounding=Uq, channel_bits=w)
-    assert torch.equal(fake_quant(x, K4, tables=t2), fake_quant(x, K4, rounding=Uq, channel_bits=w))
-    assert not torch.equal(fake_quant(x, K4, tables=t2), fake_quant(x, K4))  # the tables are used
-    _refused(ValueError, "not both", lambda: fake_quant(x, V4_LOG8, tables=t, levels=LEVELS))
-
 
 @pytest.mark.parametrize("build,match", [
-    (lambda: SidePlan(V4, scale=torch.ones(1, 1, 1, 1), levels=LEVELS), "pass clip_ratio, not a calibrated scale"),
-    (lambda: SidePlan(V4, clip_ratio=torch.ones(H), trellis=TRELLIS), "takes no clip_ratio"),
-    (lambda: SidePlan(TensorQuantSpec("fp8_e4m3"), scale=torch.ones(1, 1, 1, 1), rounding=U), "need an int spec"),
-    (lambda: SidePlan(V4, clip_ratio=torch.ones(H), scale_base=torch.ones(H)), "scale_base is for log8"),
-    (lambda: SidePlan(V4, levels=LEVELS, rounding=U), "do not combine"),
-    (lambda: SidePlan(V4, tables=QuantTables(levels=LEVELS), levels=LEVELS), "not both"),
+    (lambda: SidePlan(V4, scale=torch.ones(1, 1, 1, 1), tables=QuantTables(levels=LEVELS)), "pass clip_ratio, not a calibrated scale"),
+    (lambda: SidePlan(V4, clip_ratio=torch.ones(H), tables=QuantTables(trellis=TRELLIS)), "takes no clip_ratio"),
+    (lambda: SidePlan(TensorQuantSpec("fp8_e4m3"), scale=torch.ones(1, 1, 1, 1), tables=QuantTables(rounding=U)), "need an int spec"),
+    (lambda: SidePlan(V4, clip_ratio=torch.ones(H), tables=QuantTables(scale_base=torch.ones(H))), "scale_base is for log8"),
+    (lambda: SidePlan(V4, tables=QuantTables(levels=LEVELS, rounding=U)), "do not combine"),
     (lambda: SidePlan(V4, transform="pre_rope"), "RoPE table"),
 ])
 def test_side_plan_refuses_invalid_combinations_at_construction(build, match):
@@ -95,7 +73,7 @@ def test_side_plan_refuses_invalid_combinations_at_construction(build, match):
 def test_side_plan_assignment_is_checked_and_leaves_the_plan_unchanged():
     """Assigning a table that makes an undefined combination is refused and the plan keeps its tables;
     a valid assignment shows in the typed views."""
-    sp = SidePlan(V4, clip_ratio=torch.ones(H), levels=LEVELS)
+    sp = SidePlan(V4, clip_ratio=torch.ones(H), tables=QuantTables(levels=LEVELS))
     assert sp.codebook is Codebook.LEVELS and sp.rounding_mode is Rounding.NEAREST
     _refused(ValueError, "do not combine", lambda: setattr(sp, "rounding", U))
     assert sp.rounding is None and sp.levels is LEVELS
@@ -162,9 +140,9 @@ def _value_cache(v: torch.Tensor, seed: int) -> SequenceCache:
     return SequenceCache(torch.randn(2 * h, T, d, generator=g), torch.randn(h, T, d, generator=g), v, d**-0.5, None)
 
 
-def test_search_side_choice_equals_the_deprecated_keyword_form():
-    """search_side with a SideChoice computes the same plan as the deprecated keywords naming the same
-    variants (levels codebook, min/max ranges); giving both is refused."""
+def test_search_side_takes_only_a_side_choice():
+    """search_side with a SideChoice searches the variants it names (a levels codebook here); a bare
+    TensorQuantSpec is refused in one line naming the type it needs."""
     from kvcal.search.optimizer import search_side
 
     g = torch.Generator().manual_seed(3)
@@ -172,10 +150,8 @@ def test_search_side_choice_equals_the_deprecated_keyword_form():
     held = [_value_cache(torch.randn(H, 24, 16, generator=g), 2)]
     spec = TensorQuantSpec("int4", PerToken(), symmetric=True)
     a = search_side(cal, held, "v", SideChoice(spec, codebook=Codebook.LEVELS, clip_search=False), refine=False)
-    b = search_side(cal, held, "v", spec, levels=True, grid=(1.0,), refine=False)
-    assert torch.equal(a.plan.levels, b.plan.levels) and torch.equal(a.plan.clip_ratio, b.plan.clip_ratio)
-    assert a.heldout == b.heldout
-    _refused(ValueError, "not as levels=", lambda: search_side(cal, held, "v", SideChoice(spec), levels=True))
+    assert a.plan.levels is not None and torch.equal(a.plan.clip_ratio, torch.ones(H))
+    _refused(ValueError, "search_side needs a SideChoice", lambda: search_side(cal, held, "v", spec))
 
 
 def test_artifact_side_with_tables_that_do_not_combine_is_refused_on_load():
@@ -185,7 +161,7 @@ def test_artifact_side_with_tables_that_do_not_combine_is_refused_on_load():
     from kvcal.plan import KVPlan, LayerPlan
 
     plan = KVPlan([LayerPlan(SidePlan(K4, clip_ratio=torch.ones(H)),
-                             SidePlan(V4, clip_ratio=torch.ones(H), levels=LEVELS))])
+                             SidePlan(V4, clip_ratio=torch.ones(H), tables=QuantTables(levels=LEVELS)))])
     meta = {"model": {"num_layers": 1, "num_kv_heads": H, "head_dim": D}, "kv": plan.kv_metadata()}
     t = plan.to_tensors()
     assert KVPlan.from_artifact(t, meta).layers[0].v.codebook is Codebook.LEVELS
@@ -199,7 +175,7 @@ def test_kernel_dispatcher_takes_tables_and_keeps_the_reference_contract():
     trellis-coded or query-aware-rounded side (no keyword for them in the dispatcher before) reads back
     exactly as formats.quant.fake_quant computes it."""
     from kvcal import kernels
-    from kvcal.search.optimizer import uniform_levels
+    from kvcal.search.tables import uniform_levels
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, H, 6, D, generator=g)
@@ -210,4 +186,4 @@ def test_kernel_dispatcher_takes_tables_and_keeps_the_reference_contract():
     tr = QuantTables(rounding=rounding_matrix(a @ a.transpose(1, 2)))
     assert torch.equal(kernels.dequantize(kernels.quantize(x, K4, tables=tr)), fake_quant(x, K4, tables=tr))
     tl = QuantTables(levels=uniform_levels(4))
-    assert torch.equal(kernels.dequantize(kernels.quantize(x, V4, levels=tl.levels)), fake_quant(x, V4, tables=tl))
+    assert torch.equal(kernels.dequantize(kernels.quantize(x, V4, tables=QuantTables(levels=tl.levels))), fake_quant(x, V4, tables=tl))

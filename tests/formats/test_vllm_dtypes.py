@@ -747,8 +747,8 @@ def test_vllm_plan_layers_and_sides(name):
 def test_kvcal_evaluate_runs_vllm_dtypes(tmp_path):
     """`kvcal evaluate --vllm-dtype`: teacher-forced rows vllm:<dtype>; fp8 takes the artifact's k/v
     scales (q_scale 1.0) — the same figures as the plan built by hand; vLLM's page bytes."""
-    from test_evaluate_decode import CharTok
-    from test_runtime import make_plan, tiny_model, write_tiny_artifact
+    from helpers.runtime import make_plan, tiny_model, write_tiny_artifact
+    from helpers.tokenizers import CharTok
 
     from kvcal.evaluate import EvalConfig, evaluate, teacher_forced, text_windows
     from kvcal.vllm_plan import VllmKVPlan

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from test_report_fixtures import make_artifact, make_eval
+from helpers.report import make_artifact, make_eval
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "calibration_review.ipynb"
 

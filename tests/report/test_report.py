@@ -8,11 +8,12 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from test_report_fixtures import make_artifact, make_eval, make_meta, make_tensors
+from helpers.report import make_artifact, make_eval, make_meta, make_tensors
 
 from kvcal.artifact import load_artifact
 from kvcal.report import data as D
-from kvcal.report.disclosure import build_report, to_html, to_markdown, write_report
+from kvcal.report.disclosure import build_report, write_report
+from kvcal.report.document import to_html, to_markdown
 
 FIGS = {"kv_ranges", "clip_vs_absmax", "layer_errors", "quality_vs_context", "memory"}
 
@@ -255,7 +256,7 @@ def test_integer_artifact_report():
     """An int4 artifact (per-channel static K, token-group dynamic V, 4 sinks) is reported with its formats,
     scale dtypes, sinks and average bits, per-layer chosen vs min/max held-out errors from the metadata, V
     clip ratios, and the range plot listed as not drawn while clip and layer-error plots are."""
-    from test_report_fixtures import make_int_meta, make_int_tensors
+    from helpers.report import make_int_meta, make_int_tensors
 
     meta, tensors = make_int_meta(), make_int_tensors()
     rep = build_report(meta, make_eval(), tensors)
@@ -278,7 +279,7 @@ def test_integer_report_states_transforms_and_rounding():
     """The report states pre-rope keys, K and V transforms, query-aware rounding, per-channel bit widths,
     non-uniform V levels and log8 V scales with the number of layers each applies to, and a plain int4 report
     mentions none of them."""
-    from test_report_fixtures import make_int_meta, make_int_tensors
+    from helpers.report import make_int_meta, make_int_tensors
 
     meta, tensors = make_int_meta(), make_int_tensors()
     L = len(meta["layers"])

@@ -11,45 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.runtime import D, H, L, make_plan, tiny_model, write_tiny_artifact
 
 from kvcal.capture.hooks import attention_hook
 from kvcal.errors import ArtifactError
 from kvcal.evaluate.protocol_a import plan_hook
 from kvcal.formats.memory import cache_bytes
-from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec, preset
+from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
 from kvcal.plan import KVPlan
 from kvcal.runtime import QuantizedKVCache
 
-H, D, L = 2, 16, 2
 DECODE_TOL = 1e-5
-
-
-def tiny_model(seed: int = 0, **kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=L,
-                      num_attention_heads=4, num_key_value_heads=H, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=None, eos_token_id=None, **kw)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def make_plan(name: str, sinks: int = 0, window: int = 0, num_layers: int = L, seed: int = 0) -> KVPlan:
-    """A uniform plan; static sides get seeded positive scales (and zero points) of the right shape."""
-    kv = preset(name) if name in ("bf16", "fp16") else preset(name, sink_tokens=sinks, residual_window=window)
-    plan = KVPlan.uniform(num_layers, kv)
-    g = torch.Generator().manual_seed(seed)
-    for lp in plan.layers:
-        for sp in (lp.k, lp.v):
-            if sp.spec.is_quantized and not sp.spec.dynamic:
-                shape = sp.spec.granularity.scale_shape(1, H, 1, D)
-                if sp.spec.format.kind == "fp8":
-                    sp.scale = 0.004 * (1 + torch.rand(shape, generator=g))
-                else:
-                    sp.scale = 0.1 * (1 + torch.rand(shape, generator=g))
-                if sp.spec.has_zero_point:
-                    sp.zero_point = torch.full(shape, float(sp.spec.qmax // 2))
-    return plan
 
 
 PREFILL_PRESETS = ["fp8", "fp8_head", "int8", "int4_static", "kivi4", "kivi2", "kivi3", "nvfp4", "bf16"]
@@ -103,7 +75,7 @@ def test_decode_open_key_group_keeps_its_raw_range(clip):
     from kvcal.formats.granularity import PerChannelTokenGroup
     from kvcal.formats.quant import fake_quant
     from kvcal.plan import SidePlan
-    from kvcal.runtime.cache import _Side
+    from kvcal.runtime.side import SideStorage
 
     g, T = 8, 40
     spec = TensorQuantSpec("int4", PerChannelTokenGroup(g), symmetric=False)
@@ -111,7 +83,7 @@ def test_decode_open_key_group_keeps_its_raw_range(clip):
     x[:, :, 0::g] = -1.5  # each group's min, first
     x[:, :, 1::g] = 1.5  # and max, second
     sp = SidePlan(spec, clip_ratio=torch.full((H,), clip))
-    side = _Side(sp, H, D, 0, 0)
+    side = SideStorage(sp, H, D, 0, 0)
     side.init(1, "cpu", torch.float32)
     side.reserve(T)
     for t in range(T):
@@ -120,7 +92,7 @@ def test_decode_open_key_group_keeps_its_raw_range(clip):
     assert torch.equal(side.read(), fake_quant(x, spec, clip_ratio=sp.clip_ratio))
     # random keys (ranges keep growing): at most one extra rounding per member, no compounding
     y = torch.randn(1, H, T, D, generator=torch.Generator().manual_seed(6))
-    side = _Side(sp, H, D, 0, 0)
+    side = SideStorage(sp, H, D, 0, 0)
     side.init(1, "cpu", torch.float32)
     side.reserve(T)
     for t in range(T):
@@ -261,7 +233,7 @@ def test_generate_batch2_left_padding(model):
     assert cache.get_seq_length() == 51 and cache.allocated_bytes() == cache.expected_bytes()
 
 
-BATCH_BUFFERS = ("sink", "win", "data", "scale", "zp", "open_rng")  # _Side's per-sequence tensors (dim 0 = batch)
+BATCH_BUFFERS = ("sink", "win", "data", "scale", "zp", "open_rng")  # SideStorage's per-sequence tensors (dim 0 = batch)
 
 
 def _cache_state(cache: QuantizedKVCache) -> dict:
@@ -360,18 +332,6 @@ def test_capacity_and_shape_errors(model):
     unscaled = KVPlan.uniform(L, KVCacheConfig(TensorQuantSpec("fp8_e4m3"), TensorQuantSpec("fp8_e4m3")))
     with pytest.raises(ValueError, match="no scale"):
         QuantizedKVCache(unscaled, model.config)
-
-
-# ---- strict loading from artifacts -----------------------------------------------------------------
-
-def write_tiny_artifact(tmp_path, model, plan, name="art", **model_overrides):
-    from kvcal.artifact import write_artifact
-    from kvcal.models import model_metadata
-
-    mm = model_metadata(model.config)
-    mm.update(model_overrides)
-    meta = {"model": mm, "kv": plan.kv_metadata(), "layers": []}
-    return write_artifact(tmp_path / name, plan.to_tensors(), meta)
 
 
 def test_from_artifact_roundtrip(tmp_path, model):

@@ -6,16 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcal.calibrate import (
-    CalibrateConfig,
-    plan_from_choices,
-    run_capture,
-    search_int,
-    search_scales,
-    split_heldout,
-)
+from kvcal.calibrate import CalibrateConfig
+from kvcal.capture.run import run_capture, split_heldout
 from kvcal.errors import KvcalError
 from kvcal.evaluate.protocol_a import teacher_forced
+from kvcal.search.fp8 import plan_from_choices, search_scales
+from kvcal.search.integer import search_int
 
 transformers = pytest.importorskip("transformers")
 
@@ -126,8 +122,9 @@ def test_tampered_int_artifacts_are_refused_on_load(tmp_path, tiny_capture, edit
     prints one line and exits 2."""
     from click.testing import CliRunner
 
-    from kvcal.artifact import ArtifactError, load_artifact, write_artifact
+    from kvcal.artifact import load_artifact, write_artifact
     from kvcal.cli import main
+    from kvcal.errors import ArtifactError
 
     _, cap = tiny_capture
     r = search_int(cap, preset="int4", max_queries=8, progress=False, budget_context=256)
@@ -160,7 +157,7 @@ def test_config_validation_and_budget_errors(tiny_capture):
                       budget_context=64).summary["average_bits"] <= need
     # the same refusal from the config alone, before any capture (reviewer: `--bits 2.0` used to load the
     # model, capture, search and probe before saying so); its bound never exceeds the allocation's
-    from kvcal.calibrate import bits_precheck
+    from kvcal.search.integer import bits_precheck
 
     with pytest.raises(KvcalError, match="raise --bits to at least") as e0:
         bits_precheck(2.0, tiny_capture[0].config, 64, None, 0)

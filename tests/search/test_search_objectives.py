@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
+from helpers.objectives import fp32_bounds
 
 from kvcal.formats.granularity import PerTokenGroup
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.plan import quantize_seq
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.optimizer import make_plan, quantize_seq, side_error
+from kvcal.search.optimizer import make_plan, side_error
 
 
 def _seq(seed=0, Hq=4, Hk=2, T=9, D=8):
@@ -47,66 +49,9 @@ def _brute(q, k, v, kh, vh, scaling, window=0):
     return res
 
 
-def _fp32_bounds(q, k, v, kh, vh, scaling, window=0):
-    """First-order worst-case bounds ``[5, H_kv]`` (float64) on how far :class:`SequenceCache`'s float32
-    results can be from :func:`_brute`'s float64 ones, whatever the summation order (Higham's γ_n = n·u
-    per n-term sum, u = eps32; first-order terms, with 2x slack on the whole):
-
-    - scores: a D-term dot and one scaling product, |δs_j| ≤ (D+1)·u·A_j with A_j = scaling·Σ|q_d k_jd|;
-      Δ = the row's largest score error (keys and quantized keys);
-    - log-probabilities ``s_j − lse``: |δa_j| ≤ 2Δ + 4u·(|s_j − max| + log n + 1) (the log_softmax argument
-      of test_optimizer_presets._kl64_and_fp32_bound) =: e_j; probabilities: |δp_j| ≤ p_j·(e_j + (n+4)·u);
-    - KL row Σ p_j(a_j − b_j): Σ |δp_j||a_j − b_j| + p_j(e_j + ê_j) + (n+2)·u·Σ p_j|a_j − b_j|;
-    - centered row Σ(d_j − m)², d = ŝ − s: |δd_j| ≤ δs_j + δŝ_j + u|d_j|, |δm| ≤ max δd + n·u·mean|d|;
-    - outputs Σ_j w_j x_j (w = p, p̂ − p; x = v, v̂ − v), then ‖·‖²: Σ_j |δw_j||x_j| + (n+1)·u·Σ|w_j||x_j| per
-      element, 2|o|·δo + δo² + (D+1)·u·o² for the square; the per-head float32 total adds (#terms)·u·Σ.
-    What this catches is in the test using it."""
-    u = torch.finfo(torch.float32).eps
-    Hq, T, D = q.shape
-    Hk = k.shape[0]
-    G = Hq // Hk
-    b = torch.zeros(5, Hk, dtype=torch.float64)
-    tot = torch.zeros(5, Hk, dtype=torch.float64)  # Σ|terms| for the final float32 per-head sums
-    cnt = 0
-    for hq in range(Hq):
-        h = hq // G
-        for i in range(T):
-            lo = max(0, i - window + 1) if window else 0
-            n = i + 1 - lo
-            cnt += n
-            qd = q[hq, i].double()
-            kk, kkh = k[h, lo : i + 1].double(), kh[h, lo : i + 1].double()
-            s, sh = kk @ qd * scaling, kkh @ qd * scaling
-            A, Ah = (kk * qd).abs().sum(-1) * scaling, (kkh * qd).abs().sum(-1) * scaling
-            ds, dsh = (D + 1) * u * A, (D + 1) * u * Ah
-            big = float(torch.maximum(ds, dsh).max())
-            lse, lseh = torch.logsumexp(s, 0), torch.logsumexp(sh, 0)
-            a, bh = s - lse, sh - lseh
-            p, ph = a.exp(), bh.exp()
-            e = 2 * big + 4 * u * ((s - s.max()).abs() + math.log(n) + 1)
-            eh = 2 * big + 4 * u * ((sh - sh.max()).abs() + math.log(n) + 1)
-            dp, dph = p * (e + (n + 4) * u) * 1.01, ph * (eh + (n + 4) * u) * 1.01
-            t = (p * (a - bh)).abs()
-            b[0, h] += (dp * (a - bh).abs() + p * (e + eh)).sum() + (n + 2) * u * t.sum()
-            tot[0, h] += t.sum()
-            d = sh - s
-            dd = ds + dsh + u * d.abs()
-            dm = dd.max() + n * u * d.abs().mean()
-            c = d - d.mean()
-            b[1, h] += (2 * c.abs() * (dd + dm) + (dd + dm) ** 2).sum() + (n + 2) * u * (c * c).sum()
-            tot[1, h] += (c * c).sum()
-            vv, dv = v[h, lo : i + 1].double(), (vh[h, lo : i + 1] - v[h, lo : i + 1]).double()
-            for idx, w, dw, x in ((2, ph - p, dp + dph + u * (ph - p).abs(), vv), (3, p, dp, dv), (4, p, dp, vv)):
-                o = w @ x
-                do = dw @ x.abs() + (n + 1) * u * (w.abs() @ x.abs())
-                b[idx, h] += (2 * o.abs() * do + do * do).sum() + (D + 1) * u * (o * o).sum()
-                tot[idx, h] += (o * o).sum()
-    return 2 * (b + cnt * D * u * tot)
-
-
 def test_objectives_match_float64_brute_force():
     """float32 SequenceCache vs the float64 loops, within the worst-case float32 bounds computed from the
-    data (_fp32_bounds; an rtol 1e-4 stood here, 65x the error measured but with no argument behind it).
+    data (fp32_bounds; an rtol 1e-4 stood here, 65x the error measured but with no argument behind it).
     Two perturbation sizes: at 0.1 the bounds are 3 % (KL) and ≤ 0.2 % (the rest) of the values — a missing
     causal mask or a 1/D scaling is far outside; at 1.0 the KL bound is 0.12 % while the reverse KL
     KL(P̂‖P) is 11 % away, so the direction of the KL is checked too."""
@@ -116,7 +61,7 @@ def test_objectives_match_float64_brute_force():
         g = torch.Generator().manual_seed(1)
         kh, vh = k + amp * torch.randn(k.shape, generator=g), v + amp * torch.randn(v.shape, generator=g)
         ref = _brute(q, k, v, kh, vh, 8**-0.5)
-        bound = _fp32_bounds(q, k, v, kh, vh, 8**-0.5)
+        bound = fp32_bounds(q, k, v, kh, vh, 8**-0.5)
         num, den = c.key_output_error(kh)
         vnum, vden = c.value_error(vh)
         got = torch.stack([c.key_kl(kh), c.key_centered(kh), num, vnum, den])
@@ -126,7 +71,7 @@ def test_objectives_match_float64_brute_force():
 
 def test_sliding_window_objectives_match_float64_brute_force():
     """A sliding-window layer's objectives (SequenceCache(window=W)) equal the float64 loops that read only
-    keys i-W+1..i, within the same worst-case float32 bounds (_fp32_bounds with the window); and they are
+    keys i-W+1..i, within the same worst-case float32 bounds (fp32_bounds with the window); and they are
     NOT the full-causal values: at T = 9, W = 3 the full-causal KL differs by far more than its bound, so a
     window that is dropped or off by one (W vs W-1 keys: checked separately) is caught."""
     q, k, v = _seq(seed=3)
@@ -136,7 +81,7 @@ def test_sliding_window_objectives_match_float64_brute_force():
     g = torch.Generator().manual_seed(4)
     kh, vh = k + 0.3 * torch.randn(k.shape, generator=g), v + 0.3 * torch.randn(v.shape, generator=g)
     ref = _brute(q, k, v, kh, vh, 8**-0.5, window=W)
-    bound = _fp32_bounds(q, k, v, kh, vh, 8**-0.5, window=W)
+    bound = fp32_bounds(q, k, v, kh, vh, 8**-0.5, window=W)
     num, den = c.key_output_error(kh)
     vnum, _ = c.value_error(vh)
     got = torch.stack([c.key_kl(kh), c.key_centered(kh), num, vnum, den])
@@ -164,7 +109,7 @@ def test_key_centering_is_exact_under_softmax():
     # per-row constant that softmax removes), so the float32 figure is within its computed rounding bound
     # (was: < 1e-5, no argument; the bound is ~9e-3 here). Comparing raw scores instead of log-probabilities
     # (no softmax normalisation) would give Σ p·q·μ ~ O(1)
-    assert bool((c.key_kl(k + mu[:, None]).abs() <= _fp32_bounds(q, k, v, k + mu[:, None], v, 0.25)[0]).all())
+    assert bool((c.key_kl(k + mu[:, None]).abs() <= fp32_bounds(q, k, v, k + mu[:, None], v, 0.25)[0]).all())
     # quantizing (k + mu) with centering mu gives the same attention KL as quantizing k uncentered
     spec = TensorQuantSpec("int4", PerTokenGroup(64), symmetric=False, scale_dtype=torch.float32)
     plain = make_plan(spec, torch.ones(2))
@@ -172,12 +117,12 @@ def test_key_centering_is_exact_under_softmax():
     kl_plain = side_error([c], "k", plain, "kl")[0]
     kl_centered = side_error([c_shift], "k", centered, "kl")[0]
     # the same codes (dyadic data above): in exact arithmetic both KLs are KL(q·k, q·k̂) — the centered one
-    # up to the float32 rounding of k̂ + μ (≤ eps32/2 per element, a score error below _fp32_bounds' Δ). So
+    # up to the float32 rounding of k̂ + μ (≤ eps32/2 per element, a score error below fp32_bounds' Δ). So
     # they differ by at most the two float32 bounds, the centered one counted twice for that rounding (was:
     # rtol 1e-3, no argument). Here ≤ 0.067 against KL sums 0.20 / 0.12; a centering ignored (quantizing
     # k + μ directly, as `plain` does below) gives 0.70 / 0.75 — far outside
-    b_plain = _fp32_bounds(q, k, v, quantize_seq(plain, k), v, 0.25)[0]
-    b_cent = _fp32_bounds(q, k + mu[:, None], v, quantize_seq(centered, k + mu[:, None]), v, 0.25)[0]
+    b_plain = fp32_bounds(q, k, v, quantize_seq(plain, k), v, 0.25)[0]
+    b_cent = fp32_bounds(q, k + mu[:, None], v, quantize_seq(centered, k + mu[:, None]), v, 0.25)[0]
     assert bool(((kl_centered - kl_plain).abs() <= b_plain + 2 * b_cent).all())
     # and centering beats quantizing the offset keys directly
     assert float(side_error([c_shift], "k", plain, "kl")[0].sum()) > 2 * float(kl_centered.sum())

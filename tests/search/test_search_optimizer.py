@@ -14,7 +14,7 @@ from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
 from kvcal.search import allocate as al
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.optimizer import search_side
-from kvcal.search.presets import ALLOC_MENU
+from kvcal.search.presets import ALLOC_MENU, SideChoice
 
 
 def _outlier_seqs(n, seed, Hq=4, Hk=2, T=48, D=16):
@@ -48,7 +48,7 @@ def test_clip_search_beats_minmax_on_heavy_tails(fmt, gain):
     """On seeded Laplace values the clip search learns clips < 0.95 and beats min-max held-out by the
     margins in the comment (int4 < 0.97x, int2 < 0.6x; ACIQ's MSE-optimal clipping)."""
     cal, held = _laplace_seqs(4, 0), _laplace_seqs(2, 1)
-    r = search_side(cal, held, "v", TensorQuantSpec(fmt, PerToken(), symmetric=True))
+    r = search_side(cal, held, "v", SideChoice(TensorQuantSpec(fmt, PerToken(), symmetric=True)))
     # seeded Laplace rows (the same up to ulps on any CPU): MSE-optimal clipping of Laplace data at 4 / 2 bits
     # sits well inside the per-token absmax (ACIQ, Banner et al. 2019); seen: clips 0.92/0.89 (int4),
     # 0.42/0.45 (int2), held-out ratios 0.950 and 0.515 against 0.97 and 0.6. Neighbouring grid clips differ by
@@ -62,7 +62,7 @@ def test_clip_search_never_worse_than_minmax_when_outliers_matter():
     than min-max."""
     # rare huge value spikes carry attention output: clipping them hurts, the guard keeps min/max
     cal, held = _outlier_seqs(4, 0), _outlier_seqs(2, 1)
-    r = search_side(cal, held, "v", TensorQuantSpec("int4", PerToken(), symmetric=True))
+    r = search_side(cal, held, "v", SideChoice(TensorQuantSpec("int4", PerToken(), symmetric=True)))
     assert r.heldout <= r.heldout_minmax
 
 
@@ -70,15 +70,15 @@ def test_centering_and_static_ranges_guarded_on_heldout():
     """Dynamic group keys with offsets get centering and static per-channel int2 keys get [1, H, 1, D]
     scale/zero point, both no worse than min-max held-out; an fp8 spec is refused ('integer')."""
     cal, held = _outlier_seqs(2, 2, T=32), _outlier_seqs(1, 3, T=32)
-    dyn = search_side(cal, held, "k", TensorQuantSpec("int4", PerTokenGroup(64), symmetric=False),
+    dyn = search_side(cal, held, "k", SideChoice(TensorQuantSpec("int4", PerTokenGroup(64), symmetric=False)),
                       stats=_stats(cal, "k"))
     assert dyn.heldout <= dyn.heldout_minmax
     assert dyn.plan.mean is not None and dyn.extra["centered_heads"]  # offsets make centering pay
-    st = search_side(cal, held, "k", TensorQuantSpec("int2", PerChannel(), symmetric=False), stats=_stats(cal, "k"))
+    st = search_side(cal, held, "k", SideChoice(TensorQuantSpec("int2", PerChannel(), symmetric=False)), stats=_stats(cal, "k"))
     assert st.heldout <= st.heldout_minmax
     assert st.plan.scale.shape == (1, 2, 1, 16) and st.plan.zero_point.shape == (1, 2, 1, 16)
     with pytest.raises(ValueError, match="integer"):
-        search_side(cal, held, "k", TensorQuantSpec("fp8_e4m3"))
+        search_side(cal, held, "k", SideChoice(TensorQuantSpec("fp8_e4m3")))
 
 
 def test_allocation_respects_budget_exactly():

@@ -43,10 +43,10 @@ def test_objectives_match_float64_reference():
     c = SequenceCache(q, k, v, 8**-0.5, max_queries=None)
     kl_ref, num_ref, den_ref = brute(q, k, v, k_hat, v_hat, 8**-0.5)
     # float32 library vs float64 reference within the worst-case float32 bounds computed from the data
-    # (test_search_objectives._fp32_bounds; rtol 1e-4 / 1e-5 stood here without an argument)
-    from test_search_objectives import _fp32_bounds
+    # (helpers.objectives.fp32_bounds; rtol 1e-4 / 1e-5 stood here without an argument)
+    from helpers.objectives import fp32_bounds
 
-    bound = _fp32_bounds(q, k, v, k_hat, v_hat, 8**-0.5)
+    bound = fp32_bounds(q, k, v, k_hat, v_hat, 8**-0.5)
     num, den = c.value_error(v_hat)
     assert bool(((c.key_kl(k_hat) - kl_ref).abs() <= bound[0]).all())
     assert bool(((num - num_ref).abs() <= bound[3]).all()) and bool(((den - den_ref).abs() <= bound[4]).all())

@@ -246,7 +246,8 @@ def test_artifact_validator_refuses_bad_q_scale(vllm_artifact, tmp_path):
     naming the shape."""
     from safetensors.torch import load_file, save_file
 
-    from kvcal.artifact import ArtifactError, load_artifact
+    from kvcal.artifact import load_artifact
+    from kvcal.errors import ArtifactError
 
     out, _ = vllm_artifact
     import shutil
@@ -304,7 +305,8 @@ def test_disclosure_report_states_engine_and_q_scale(vllm_artifact):
     """The disclosure report states the engine, dtype, no skipped layers, the static fp8 query scale and
     its max, and drops the 'queries stay unquantized' sentence."""
     from kvcal.artifact import load_artifact
-    from kvcal.report.disclosure import build_report, to_markdown
+    from kvcal.report.disclosure import build_report
+    from kvcal.report.document import to_markdown
 
     out, gran = vllm_artifact
     art = load_artifact(out)

@@ -281,7 +281,8 @@ def test_validator_accepts_outer_scales_only_where_nvfp4(nvfp4_artifact):
     requires them for every layer there, and refuses a wrong shape or an implausible value (one line each)."""
     import copy
 
-    from kvcal.artifact import ArtifactError, load_artifact, validate_tensors
+    from kvcal.artifact import load_artifact, validate_tensors
+    from kvcal.errors import ArtifactError
 
     art = load_artifact(nvfp4_artifact)
     f = Path("kv_scales.safetensors")

@@ -44,7 +44,8 @@ def _reference_quantize(sp, raw: torch.Tensor, start: int):
     as the side plan ``sp`` defines them (its transform or key-centering mean, then its spec, clip ratio /
     static parameters and tables; a rounding matrix in its stored unit form) — built from the plan, not
     from the runtime cache."""
-    from kvcal.formats.quant import quantize, unit_rounding
+    from kvcal.formats.codes import unit_rounding
+    from kvcal.formats.quant import quantize
     from kvcal.formats.transforms import apply_transform
 
     x = raw

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import tensor_name, write_artifact
+from kvcal.artifact import write_artifact
+from kvcal.plan import tensor_name
 
 FMT_MAX = {"fp8_e4m3": 448.0, "fp8_e4m3fnuz": 240.0, "fp8_e5m2": 57344.0, "int8": 127.0, "int4": 7.0}
 L, H_KV, H, D = 4, 2, 4, 16  # tiny Llama: 4 layers, 4 query heads, 2 KV heads, head_dim 16 (hidden 64)

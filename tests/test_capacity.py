@@ -146,7 +146,7 @@ def test_plan_with_artifact_kv_config(tmp_path):
     """An artifact as --kv-config is planned with 11,520 bytes/token plus its 720 bytes of per-head fp32
     scales (hand-computed concurrency 7 at 8192 tokens), and an artifact of another model (4 layers) raises
     KvcalError naming num_layers=4."""
-    from test_report_fixtures import make_artifact
+    from helpers.report import make_artifact
 
     art = make_artifact(tmp_path / "a", num_layers=30, num_kv_heads=3, head_dim=64, per_head=True)
     plan = plan_capacity(SMOL, PlanConfig("1GiB", kv_configs=f"fp8,{art}"))
@@ -163,7 +163,7 @@ def test_plan_options_sharing_a_name_keep_their_own_numbers(tmp_path, monkeypatc
     """Reviewer: an artifact directory named like a preset (or two artifacts with one basename)
     overwrote each other's columns. Each option keeps its own capacity, labelled by the path
     given; an option listed twice and a bare name that is both a preset and a directory are refused."""
-    from test_report_fixtures import make_artifact, make_meta, make_tensors
+    from helpers.report import make_artifact, make_meta, make_tensors
 
     from kvcal.artifact import write_artifact
 
@@ -219,17 +219,3 @@ def test_real_smollm2_config_matches_hand_count():
     except KvcalError as e:
         pytest.skip(str(e))
     assert param_count(conf)["total"] == SMOL_PARAMS
-
-
-def test_planner_module_is_a_deprecated_alias_of_capacity(monkeypatch):
-    """Claim: ``kvcal.planner`` (renamed ``kvcal.capacity``) still imports, warns, and hands out the same objects."""
-    import importlib
-    import sys
-
-    import kvcal.capacity as capacity
-
-    monkeypatch.delitem(sys.modules, "kvcal.planner", raising=False)
-    with pytest.warns(DeprecationWarning, match="kvcal.capacity"):
-        planner = importlib.import_module("kvcal.planner")
-    for name in capacity.__all__:
-        assert getattr(planner, name) is getattr(capacity, name)
