@@ -20,7 +20,7 @@ def test_rounding_searched_scales_get_the_note_truncation_searched_do_not(tmp_pa
 
     art = load_artifact(REPO / "artifacts" / "smollm2-135m-fp8")
     res = export(art, "vllm", tmp_path / "a")
-    assert any(NOTE in n and "--engine vllm --backend cpu" in n for n in res.notes), res.notes
+    assert any(NOTE in n and "`kvcal calibrate --engine vllm --kv-cache-dtype fp8 --backend cpu`" in n for n in res.notes), res.notes
     trunc = copy.copy(art)
     trunc.metadata = {**art.metadata, "vllm": {"engine": "vllm", "backend": "cpu", "fp8_write": "truncate",
                                                  "kv_cache_dtype": "fp8"}}
