@@ -194,7 +194,8 @@ class VllmTarget(Target):
             # the write path decides which scales are best (docs/results.md, Gemma 3 in vLLM-CPU)
             ctx.notes.append("these scales were searched for a round-to-nearest FP8 write (vLLM's GPU kernels); vLLM's "
                              "CPU build writes FP8 by truncation: for it, calibrate with `kvcal calibrate --engine vllm "
-                             "--kv-cache-dtype fp8 --backend cpu` (docs/serving.md#served-vs-predicted)")
+                             f"--kv-cache-dtype {vllm_fp8_dtype(ctx.artifact.metadata) or 'fp8'} --backend cpu` "
+                             "(docs/serving.md#served-vs-predicted)")
         if isinstance(vm, dict) and vm.get("skip_layers"):  # calibrate --engine vllm --skip-layers: 16-bit layers
             from kvcal.search.skip_layers import serve_skip_arg
 
