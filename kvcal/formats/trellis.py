@@ -97,22 +97,25 @@ def encode(u: torch.Tensor, table: torch.Tensor, bits: int) -> torch.Tensor:
 def _viterbi(u: torch.Tensor, table: torch.Tensor, bits: int, nu: int) -> torch.Tensor:
     R, N = u.shape
     S, C = 1 << nu, 1 << bits
-    T = table.view(C, S)  # entry h·2^ν + s': predecessor's top b bits h, new state s'
+    M = S // C
+    # table entry h·2^ν + s' (predecessor's top b bits h, new state s' = m·2^b + c), laid out [s', h] so the
+    # minimum over the C predecessors h·2^(ν−b) + m runs over the innermost, contiguous axis
+    Tt = table.view(C, S).t().reshape(1, S * C)
     cost = torch.full((R, S), float("inf"), device=u.device)
     cost[:, 0] = 0.0
     back = torch.empty((N, R, S), dtype=torch.uint8 if bits <= 8 else torch.int16, device=u.device)
     for i in range(N):
-        prev = cost.view(R, C, S // C)  # state s = h·2^(ν−b) + m
-        # new state s' = m·2^b + c comes from the C states h·2^(ν−b) + m
-        tot = prev.unsqueeze(-1).expand(R, C, S // C, C).reshape(R, C, S) + (u[:, i, None, None] - T) ** 2
-        cost, h = tot.min(1)
-        back[i] = h
+        prev = cost.view(R, C, M).transpose(1, 2).unsqueeze(2)  # [R, m, 1, h]: state h·2^(ν−b) + m
+        tot = (u[:, i, None] - Tt).square_().view(R, M, C, C).add_(prev)  # [R, m, c, h]
+        best, h = tot.min(-1)
+        cost = best.reshape(R, S)
+        back[i] = h.reshape(R, S)
     s = cost.argmin(1)
     codes = torch.empty((R, N), dtype=torch.long, device=u.device)
     for i in range(N - 1, -1, -1):
         codes[:, i] = s & (C - 1)
         h = back[i].gather(1, s[:, None])[:, 0].long()
-        s = h * (S // C) + (s >> bits)
+        s = h * M + (s >> bits)
     return codes
 
 

@@ -186,14 +186,16 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
 
 
 def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, transform: str = "none", sinks: int = 0,
-                scale_base: torch.Tensor | None = None, iters: int = 16, max_rows: int = 6000,
+                scale_base: torch.Tensor | None = None, iters: int = 16, max_elements: int = 384_000,
                 seed: int = 0) -> torch.Tensor:
     """Trellis table ``float32 [2^(ν+b)]`` (int8 multiples of ``1/TRELLIS_UNIT``) for a value side.
 
     The calibration values ``[H, T, D]`` (after ``transform``, first ``sinks`` tokens excluded) are
     cut into rows, each divided by its stored scale — the row's RMS, rounded as quantization rounds
-    it (log8 code with ``scale_base``, else float16 up) — ``max_rows`` rows are drawn (seeded), and
-    :func:`kvcal.formats.trellis.fit_table` fits the table (QTIP's bitshift trellis, Tseng et al.
+    it (log8 code with ``scale_base``, else float16 up) — at most ``max_elements // D`` rows are drawn
+    (seeded; the budget counts elements, which the table's entries are fitted to: 6,000 rows at head_dim
+    64 as before, 1,500 at 256, so a wide head does not pay 4x the Viterbi work for the same elements
+    per table entry), and :func:`kvcal.formats.trellis.fit_table` fits the table (QTIP's bitshift trellis, Tseng et al.
     2024; Lloyd iterations as in TCQ codebook design, Marcellin & Fischer 1990), which is then
     rounded to the int8 grid the runtime stores. Rows of zeros are left out. Raises ``ValueError``
     for specs :func:`~kvcal.formats.codes.check_trellis` refuses or when no value rows remain."""
@@ -212,6 +214,6 @@ def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, tra
     if u.shape[0] == 0:
         raise ValueError("no non-zero value rows after the sinks to fit a trellis table on")
     g = torch.Generator().manual_seed(seed)
-    u = u[torch.randperm(u.shape[0], generator=g)[:max_rows]]
+    u = u[torch.randperm(u.shape[0], generator=g)[:max(1, max_elements // max(D0, 1))]]
     t = tr.fit_table(u, spec.bits, nu, iters=iters, seed=seed)
     return (t * TRELLIS_UNIT).round().clamp(-127, 127) / TRELLIS_UNIT
