@@ -83,7 +83,9 @@ class MemoryResult:
     (tokens) and ``batch`` (sequences) of the total; ``bytes_16bit``: 16-bit K+V bytes per token.
     kvcal formats: ``kv`` (:class:`kvcal.formats.spec.KVCacheConfig`) and ``report``
     (:class:`kvcal.formats.memory.MemoryReport`). ``vllm:<dtype>``: ``vllm`` = ``{"dtype", "version",
-    "skip_layers", "bytes_per_token", "total", "block_size"}`` (pages as vLLM allocates them)."""
+    "skip_layers", "bytes_per_token", "total", "block_size"}`` (pages as vLLM allocates them). ``peak``:
+    ``(bytes, tokens)`` where the cache needs more on the way to ``context`` than at it (sliding-window layers
+    with token-group keys, :func:`kvcal.formats.memory.peak_cache_bytes`), else ``None``."""
 
     model: str
     format: str
@@ -94,6 +96,7 @@ class MemoryResult:
     kv: object = None
     report: object = None
     vllm: dict | None = None
+    peak: tuple | None = None
 
     def to_dict(self) -> dict:
         """The ``kvcal memory --json`` document."""
@@ -103,7 +106,10 @@ class MemoryResult:
                     "skip_layers": v["skip_layers"], "context": self.context, "batch": self.batch,
                     "block_size": v["block_size"], "bytes_per_token": v["bytes_per_token"],
                     "bytes": {"total": v["total"]}}
-        return {"model_id": self.model, "format": self.format, **self.report.to_dict()}
+        doc = {"model_id": self.model, "format": self.format, **self.report.to_dict()}
+        if self.peak is not None:
+            doc["peak"] = {"bytes": self.peak[0], "context": self.peak[1]}
+        return doc
 
 
 def model_shape_of(model: str):
@@ -143,7 +149,7 @@ def memory(model: str = "smollm2-135m", fmt: str = "fp8", *, granularity: str | 
 
 def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sinks, context, batch, skip_layers):
     from kvcal.formats.granularity import granularity_from_name
-    from kvcal.formats.memory import memory_report
+    from kvcal.formats.memory import memory_report, peak_cache_bytes
     from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
     from kvcal.search.presets import named_cache_config
 
@@ -196,7 +202,10 @@ def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sin
     if too_long:
         raise ValueError(f"a key group of {too_long[0]} tokens is longer than --context {ctx}: such a cache never "
                          "closes a group; choose --group-size <= the context")
-    return MemoryResult(model, fmt, shape, ctx, batch, b16, kv=cfg, report=memory_report(shape, cfg, ctx, batch))
+    rep = memory_report(shape, cfg, ctx, batch)
+    peak = peak_cache_bytes(shape, cfg, ctx, batch)
+    return MemoryResult(model, fmt, shape, ctx, batch, b16, kv=cfg, report=rep,
+                        peak=peak if peak[0] > rep.total else None)
 
 
 def _memory_vllm(model, shape, dtype, skip_layers, context, batch, b16) -> MemoryResult:

@@ -293,17 +293,24 @@ def resolve_option(name: str, shape) -> CacheOption:
 
 
 def max_context(shape, kv_config, batch: int, budget: int) -> int:
-    """Largest ``T`` with ``cache_bytes(shape, kv_config, T, batch) <= budget`` (0 if none; exact)."""
-    from kvcal.formats.memory import cache_bytes
+    """Largest ``T`` such that ``batch`` sequences growing to ``T`` tokens never need more than ``budget`` bytes:
+    :func:`kvcal.formats.memory.peak_cache_bytes` ``<= budget`` (0 if none; exact). The peak, not the bytes at
+    ``T``: a sliding-window layer with token-group keys holds up to ``g - 1`` tokens more at some positions
+    than at later ones, so ``cache_bytes`` alone is not monotone in ``T``; the peak is, which the binary
+    search needs."""
+    from kvcal.formats.memory import peak_cache_bytes
 
-    if budget < 0 or cache_bytes(shape, kv_config, 0, batch) > budget:
+    def fits(t: int) -> bool:
+        return peak_cache_bytes(shape, kv_config, t, batch)[0] <= budget
+
+    if budget < 0 or not fits(0):
         return 0
     lo, hi = 0, 1
-    while cache_bytes(shape, kv_config, hi, batch) <= budget:
+    while fits(hi):
         lo, hi = hi, hi * 2
-    while hi - lo > 1:  # invariant: fits(lo), not fits(hi); cache_bytes is non-decreasing in T
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi); the peak is non-decreasing in T
         mid = (lo + hi) // 2
-        if cache_bytes(shape, kv_config, mid, batch) <= budget:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
@@ -311,11 +318,12 @@ def max_context(shape, kv_config, batch: int, budget: int) -> int:
 
 
 def max_batch(shape, kv_config, context: int, budget: int) -> int:
-    """Largest ``B`` with ``cache_bytes(shape, kv_config, context, B) <= budget`` (0 if none; exact,
-    using that the cache is ``B x per-sequence + per-layer metadata``)."""
-    from kvcal.formats.memory import cache_bytes
+    """Largest ``B`` such that ``B`` sequences growing to ``context`` tokens fit ``budget`` bytes (0 if none;
+    exact): the peak bytes on the way (:func:`kvcal.formats.memory.peak_cache_bytes`) are
+    ``B x per-sequence + per-layer metadata``, with the peak at the same position for every ``B``."""
+    from kvcal.formats.memory import peak_cache_bytes
 
-    one, two = cache_bytes(shape, kv_config, context, 1), cache_bytes(shape, kv_config, context, 2)
+    one, two = peak_cache_bytes(shape, kv_config, context, 1)[0], peak_cache_bytes(shape, kv_config, context, 2)[0]
     per_seq, static = two - one, 2 * one - two
     if one > budget:
         return 0
@@ -408,7 +416,8 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
         sl = shape.sliding_layers
         notes.append(f"{len(sl)} of {shape.num_layers} layers are sliding-window layers (W = {max(shape.layer_windows)}): "
                      "each holds at most W - 1 tokens (as transformers' cache; whole token groups more for KIVI-style "
-                     "keys), counted so at every context; vLLM reserves W - 1 + in-flight tokens for them "
+                     "keys, so such a cache peaks before it ends: every figure is the peak on the way), counted so "
+                     "at every context; vLLM reserves W - 1 + in-flight tokens for them "
                      "(kvcal memory --format vllm:<dtype>)")
     if mmax:
         notes.append(f"max context is capped at the model's max_position_embeddings ({mmax}); 'fits' keeps "

@@ -77,6 +77,10 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
     click.echo(f"cache bytes (context {res.context}, batch {res.batch}): {rep.total} ({rep.total / 2**20:.2f} MiB)")
     click.echo(f"  payload {rep.payload}, scales/zero points {rep.params}, 16-bit window+sinks {rep.dense16}, "
                f"per-layer metadata {rep.static}")
+    if res.peak is not None:
+        click.echo(f"peak on the way: {res.peak[0]} bytes ({res.peak[0] / 2**20:.2f} MiB) after {res.peak[1]} tokens: "
+                   "a sliding layer keeps its oldest key group until the group's last token leaves the window, up "
+                   "to g - 1 tokens more than at the context; plan with the peak (kvcal plan does)")
 
 
 # ---- plan --------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ Example (SmolLM2-135M: 30 layers, 3 KV heads, D = 64): 16-bit = 2 sides x 30 x 3
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -411,6 +412,55 @@ def cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> int:
     return memory_report(model_config, kv_config, context, batch).total
 
 
+def peak_cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> tuple[int, int]:
+    """``(bytes, at)``: the most the runtime cache allocates for ``batch`` sequences on their way to ``context``
+    tokens, ``max(cache_bytes(t) for t <= context)``, and the first ``t`` where it does — what a sequence
+    that grows to ``context`` needs, the quantity to plan capacity with. Equal to ``cache_bytes(context)``
+    where the cache only grows; it differs on sliding-window layers with token-group sides (KIVI-style
+    keys): such a layer holds its ``W - 1`` tokens plus the unfinished part of its oldest group, up to
+    ``g - 1`` tokens more, so its bytes rise and fall with period ``g`` (:func:`sliding_held`).
+
+    Exact without scanning every ``t``: past ``t0 = max(W + sinks + residual_window) + p`` (``p`` the lcm of
+    the sliding token-group sizes) each sliding side's held counts depend on ``t mod g`` only and every other
+    term is non-decreasing in ``t``, so the maximum over ``t <= context`` is reached in the last ``p``
+    positions; below ``t0`` every position is evaluated (``t0 + p`` evaluations at most). Raises ``ValueError`` as :func:`cache_bytes`."""
+    import math
+
+    shp = model_shape(model_config)
+    if not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    cfgs = _layer_configs(shp, kv_config)
+    period, t0 = 1, 0
+    for i, c in enumerate(cfgs):
+        w = shp.window(i)
+        for spec in (c.key, c.value) if w else ():
+            if spec.is_quantized and spec.token_group:
+                period = math.lcm(period, spec.token_group)
+                t0 = max(t0, w + c.sink_tokens + c.residual_window)
+    if period == 1:
+        return cache_bytes(shp, cfgs, context, batch), context
+    t0 += period
+    static = cache_bytes(shp, cfgs, 0, batch) - sum(_side_total(shp, c, i, 0, batch) for i, c in enumerate(cfgs))
+    best, at = -1, 0
+    for t in [*range(min(context + 1, t0)), *range(max(t0, context - period + 1), context + 1)]:
+        b = static + sum(_side_total(shp, c, i, t, batch) for i, c in enumerate(cfgs))
+        if b > best:
+            best, at = b, t
+    return best, at
+
+
+def _side_total(shp: ModelShape, c: KVCacheConfig, layer: int, t: int, batch: int) -> int:
+    """Context-dependent bytes (payload, params, 16-bit buffers) of layer ``layer``'s K and V after ``t`` tokens."""
+    return sum(_side_bytes_cached(spec, shp.num_kv_heads, shp.head_dim, t, batch, c.residual_window, c.sink_tokens,
+                                  c.dtype16.itemsize, shp.window(layer)) for spec in (c.key, c.value))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _side_bytes_cached(spec, H, D, t, batch, residual_window, sink_tokens, dtype16_bytes, window) -> int:
+    part = side_cache_bytes(spec, H, D, t, batch, residual_window, sink_tokens, dtype16_bytes, sliding_window=window)
+    return part["payload"] + part["params"] + part["dense16"]
+
+
 def vllm_token_shares(model_config, context: int | None = None) -> tuple | None:
     """Per layer, the share of a ``context``-token sequence vLLM 0.33 holds pages for
     (:func:`vllm_layer_tokens` / ``context``, as exact :class:`fractions.Fraction`): 1 for full attention;
@@ -523,6 +573,6 @@ def vllm_cache_bytes(model_config, kv_cache_dtype: str, context: int, batch: int
 __all__ = [
     "vllm_bytes_per_token", "vllm_token_shares", "vllm_cache_bytes", "vllm_layer_tokens", "VLLM_MAX_NUM_BATCHED_TOKENS",
     "ModelShape", "model_shape", "bytes_per_token", "bytes_per_token_exact", "cache_bytes",
-    "memory_report", "MemoryReport", "side_bytes_per_token", "side_cache_bytes", "sliding_held", "side_static_bytes", "rounding_bytes", "levels_bytes",
+    "memory_report", "MemoryReport", "peak_cache_bytes", "side_bytes_per_token", "side_cache_bytes", "sliding_held", "side_static_bytes", "rounding_bytes", "levels_bytes",
     "side_extra_bytes",
 ]
