@@ -440,19 +440,35 @@ def peak_cache_bytes(model_config, kv_config, context: int, batch: int = 1) -> t
     if period == 1:
         return cache_bytes(shp, cfgs, context, batch), context
     t0 += period
-    static = cache_bytes(shp, cfgs, 0, batch) - sum(_side_total(shp, c, i, 0, batch) for i, c in enumerate(cfgs))
+    groups: dict = {}  # layers that hold alike: (config, window) -> count
+    for i, c in enumerate(cfgs):
+        groups[(c, shp.window(i))] = groups.get((c, shp.window(i)), 0) + 1
+    key = (shp.num_kv_heads, shp.head_dim, tuple(groups.items()))
+    static = cache_bytes(shp, cfgs, 0, batch) - _held_bytes(key, 0, batch)
+    best, at = _scan_peak(key, batch, 0, min(context + 1, t0))  # the same for every context >= t0
+    b, t = _scan_peak(key, batch, max(t0, context - period + 1), context + 1)
+    if b > best:
+        best, at = b, t
+    return static + best, at
+
+
+def _held_bytes(key: tuple, t: int, batch: int) -> int:
+    """Context-dependent bytes (payload, params, 16-bit buffers) of every layer after ``t`` tokens; ``key`` is
+    ``(H, D, ((config, window), layer count), ...)``."""
+    H, D, groups = key
+    return sum(n * _side_bytes_cached(spec, H, D, t, batch, c.residual_window, c.sink_tokens, c.dtype16.itemsize, w)
+               for (c, w), n in groups for spec in (c.key, c.value))
+
+
+@functools.lru_cache(maxsize=256)
+def _scan_peak(key: tuple, batch: int, start: int, stop: int) -> tuple[int, int]:
+    """``(max, first argmax)`` over ``t`` in ``[start, stop)`` of :func:`_held_bytes` (``(-1, 0)`` if empty)."""
     best, at = -1, 0
-    for t in [*range(min(context + 1, t0)), *range(max(t0, context - period + 1), context + 1)]:
-        b = static + sum(_side_total(shp, c, i, t, batch) for i, c in enumerate(cfgs))
+    for t in range(start, stop):
+        b = _held_bytes(key, t, batch)
         if b > best:
             best, at = b, t
     return best, at
-
-
-def _side_total(shp: ModelShape, c: KVCacheConfig, layer: int, t: int, batch: int) -> int:
-    """Context-dependent bytes (payload, params, 16-bit buffers) of layer ``layer``'s K and V after ``t`` tokens."""
-    return sum(_side_bytes_cached(spec, shp.num_kv_heads, shp.head_dim, t, batch, c.residual_window, c.sink_tokens,
-                                  c.dtype16.itemsize, shp.window(layer)) for spec in (c.key, c.value))
 
 
 @functools.lru_cache(maxsize=1 << 14)
