@@ -77,18 +77,6 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, qpos: torch.
     return s.masked_fill(mask, float("-inf"))
 
 
-def attention_kl(logp_ref: torch.Tensor, scores_hat: torch.Tensor) -> torch.Tensor:
-    """``Σ KL(P ‖ P̂)`` per KV head, nats, float64 ``[H_kv]``.
-
-    ``logp_ref``: exact log-probabilities ``[H_kv, G, Tq, T]`` (``-inf`` masked); ``scores_hat``:
-    masked scores with quantized keys, same shape.
-    """
-    logp_hat = torch.log_softmax(scores_hat, dim=-1)
-    p = logp_ref.exp()
-    diff = (logp_ref - logp_hat).masked_fill(p == 0, 0.0)
-    return (p * diff).sum(dim=(1, 2, 3)).double()
-
-
 def centered_score_error(scores_ref: torch.Tensor, scores_hat: torch.Tensor) -> torch.Tensor:
     """Σ over visible (query, key) of the squared score error minus its per-query mean; ``[H_kv]`` f64."""
     vis = torch.isfinite(scores_ref)
@@ -141,9 +129,18 @@ class SequenceCache:
         self.out_sq = (o * o).sum(dim=(1, 2, 3)).double()
 
     def key_kl(self, k_hat: torch.Tensor) -> torch.Tensor:
-        """``Σ KL(P ‖ P̂)`` per KV head, as :func:`attention_kl` (exact log-probabilities cached)."""
+        """``Σ KL(P ‖ P̂)`` per KV head (nats, float64 ``[H_kv]``) with keys ``k_hat`` ``[H_kv, T, D]``:
+        :meth:`scores_kl` of ``(q · k_hatᵀ) · scaling`` over the evaluated queries."""
         qg = self.q[:, self.qpos].float().reshape(self.k.shape[0], -1, self.qpos.numel(), self.q.shape[-1])
-        s = torch.einsum("hgqd,htd->hgqt", qg, k_hat.float()).mul_(self.scaling).masked_fill_(self.masked, float("-inf"))
+        return self.scores_kl(torch.einsum("hgqd,htd->hgqt", qg, k_hat.float()).mul_(self.scaling))
+
+    def scores_kl(self, s: torch.Tensor) -> torch.Tensor:
+        """The one attention-level KL: ``Σ KL(P ‖ softmax(s))`` per KV head (nats, float64 ``[H_kv]``) over the
+        evaluated queries, for unmasked scores ``s`` ``[H_kv, G, Tq, T]`` float32 (overwritten: masked in
+        place); ``P`` the exact attention, masked keys (causal, sliding window) contributing nothing.
+        Callers build ``s`` their way (quantized keys: :meth:`key_kl`; vLLM's folded q/k scales:
+        :func:`kvcal.search.vllm_fp8.joint_key_kl`)."""
+        s = s.masked_fill_(self.masked, float("-inf"))
         logp_hat = torch.log_softmax(s, dim=-1).masked_fill_(self.masked, 0.0)
         return (self.p * (self.logp0 - logp_hat)).sum(dim=(1, 2, 3)).double()
 

@@ -102,10 +102,7 @@ def joint_key_kl(cache: SequenceCache, q_hat: torch.Tensor | None, q_scale: torc
     if k_scale is not None:
         fold = fold * k_scale.float()
     qg = q.float().reshape(h_kv, -1, cache.qpos.numel(), q.shape[-1])
-    s = torch.einsum("hgqd,htd->hgqt", qg, k.float()).mul_(fold.view(-1, 1, 1, 1))
-    s = s.masked_fill_(cache.masked, float("-inf"))
-    logp_hat = torch.log_softmax(s, dim=-1).masked_fill_(cache.masked, 0.0)
-    return (cache.p * (cache.logp0 - logp_hat)).sum(dim=(1, 2, 3)).double()
+    return cache.scores_kl(torch.einsum("hgqd,htd->hgqt", qg, k.float()).mul_(fold.view(-1, 1, 1, 1)))
 
 
 def _errors(caches: list[SequenceCache], which: str, scales: torch.Tensor, other: torch.Tensor | None,
