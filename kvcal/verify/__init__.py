@@ -1,0 +1,262 @@
+"""``kvcal verify``: serve an exported checkpoint in a real engine and compare with kvcal's prediction.
+
+Pipeline (:func:`verify`):
+
+1. Read the checkpoint as vLLM would: ``config.json``'s ``kv_cache_scheme`` names the FP8 dtype and the
+   ``model.layers.{i}.self_attn.{k,v,q}_scale`` tensors of its safetensors files are the static scales
+   (:func:`read_checkpoint`). A ``kvcal recommend`` output is recognised and pointed at its export line.
+2. Build a scale-free view of the checkpoint (:func:`no_scale_view`: the same weight files, linked, with
+   ``quantization_config`` and the scale tensors left out): what a user serves without kvcal's scales.
+3. Cut the evaluation windows exactly as ``kvcal evaluate`` does (:func:`kvcal.evaluate.windows.corpus_stream`,
+   :func:`~kvcal.evaluate.windows.cut_windows`) and serve them in the engine's own Python
+   (``kvcal/engines/vllm_runner.py``, a subprocess): the engine's 16-bit cache (``auto`` on the view) is
+   the reference, then the dtype with the checkpoint's scales, then the dtype at 1.0 (the view).
+4. Predict the same runs with kvcal's emulation of that engine backend (:class:`~kvcal.vllm_plan.VllmKVPlan`,
+   the backend the engine reports: ``CPUAttentionBackendImpl`` → ``cpu``) on kvcal's own 16-bit model
+   (transformers, same weights), per token.
+5. Judge: PASS/FAIL against ``--accept`` on the *served* figures, and served = predicted within the
+   tolerance of :func:`agreement` (derived in ``docs/serving.md``: a paired t-interval over windows plus
+   the two implementations' 16-bit disagreement). Scales applied: every layer's loaded scale equals the
+   checkpoint's, and the served run differs from the run at 1.0.
+
+Raises :class:`~kvcal.errors.KvcalError` (one line) for every input or environment problem, including
+an engine that refuses the model or the dtype on this CPU.
+
+Modules: :mod:`~kvcal.verify.config` (options, ``--accept``), :mod:`~kvcal.verify.checkpoint` (reading the
+checkpoint, its scale-free view, a recommend output), :mod:`~kvcal.verify.engine` (running the engine) and
+:mod:`~kvcal.verify.figures` (kvcal's prediction and the agreement test); :func:`verify` and :func:`render` are
+here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+from kvcal.verify.checkpoint import Checkpoint, from_recommend, no_scale_view, read_checkpoint
+from kvcal.verify.config import VERIFY_METRICS, VerifyConfig, check_accept
+from kvcal.verify.engine import (
+    ALIGN_TOL,
+    IMPL_BACKEND,
+    RUNNER,
+    check_engine_python,
+    cpu_fp8_support,
+    run_engine,
+)
+from kvcal.verify.figures import CONFIDENCE, _window_means, agreement, predict, summarize, t_quantile
+
+
+def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
+    """Run ``kvcal verify`` (module doc). Returns the ``kvcal-verify/1`` document; ``doc["passed"]`` is
+    False when a served row fails ``--accept``, served ≠ predicted, or the scales were not applied."""
+    import datetime as _dt
+
+    from kvcal import __version__
+    from kvcal.evaluate.accept import DEFAULT_ACCEPT, judge
+    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend
+    from kvcal.vllm_plan import VllmKVPlan
+
+    crit_str = cfg.accept or DEFAULT_ACCEPT[8]
+    crit = check_accept(crit_str)
+    engine_python = check_engine_python(cfg.engine_python)
+    rec_tmp = None
+    skip = tuple(cfg.skip_layers)
+    if (Path(cfg.checkpoint) / "deploy.json").is_file() and not (Path(cfg.checkpoint) / "config.json").is_file():
+        rec_tmp = tempfile.TemporaryDirectory(prefix="kvcal-verify-recommend-")
+        path, rec_dtype, rec_skip = from_recommend(Path(cfg.checkpoint), cfg.model_dir, Path(rec_tmp.name), log)
+        if cfg.kv_cache_dtype is not None and cfg.kv_cache_dtype != rec_dtype:
+            raise KvcalError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the recommend output chose {rec_dtype}; drop "
+                             "--kv-cache-dtype")
+        ck, dtype, skip = read_checkpoint(path), rec_dtype, skip or rec_skip
+    else:
+        ck = read_checkpoint(cfg.checkpoint)
+        dtype = cfg.kv_cache_dtype or ck.kv_cache_dtype
+    if dtype is None:
+        raise KvcalError(f"checkpoint {ck.path} has no kv_cache_scheme; pass --kv-cache-dtype (fp8 or fp8_e5m2) to "
+                         "verify it at vLLM's default scales")
+    if dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise KvcalError(f"--kv-cache-dtype {dtype}: verify checks the static-scale FP8 dtypes (fp8, fp8_e4m3, "
+                         "fp8_e5m2)")
+    if dtype == "fp8_e5m2" and any(s is not None for s in ck.k_scales):
+        log("note: the checkpoint's scales were calibrated for e4m3; served here with fp8_e5m2 as vLLM would")
+    backend = cfg.backend
+    if backend is not None:
+        try:
+            backend = vllm_backend(backend).name
+            check_backend_serves(backend, dtype, ck.head_dim)
+        except VllmDTypeError as e:
+            raise KvcalError(f"--backend: {e}") from None
+    if backend in (None, "cpu"):
+        why = cpu_fp8_support()
+        if why is not None and backend == "cpu":
+            raise KvcalError(f"vLLM's CPU backend cannot serve --kv-cache-dtype {dtype} here: {why}")
+    if ck.num_layers < 1:
+        raise KvcalError(f"{ck.path / 'config.json'}: no num_hidden_layers")
+    bad = [i for i in skip if not 0 <= i < ck.num_layers]
+    if bad or len(skip) >= ck.num_layers:
+        raise KvcalError(f"--skip-layers {','.join(map(str, skip))}: the model has {ck.num_layers} layers (0 to "
+                         f"{ck.num_layers - 1}) and at least one must stay in {dtype}")
+    if any(s is None for s in ck.k_scales + ck.v_scales) and any(s is not None for s in ck.k_scales + ck.v_scales):
+        missing = [i for i, (a, b) in enumerate(zip(ck.k_scales, ck.v_scales, strict=True)) if a is None or b is None]
+        raise KvcalError(f"checkpoint {ck.path}: layers {missing[:8]} have no k_scale/v_scale while others do "
+                         "(vLLM would serve them at 1.0); re-export the checkpoint")
+    has_scales = all(s is not None for s in ck.k_scales + ck.v_scales)
+
+    from kvcal.corpus import check_corpus
+    from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
+    from kvcal.models import load_model, load_tokenizer
+
+    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
+    check_corpus(cfg.corpus, **corpus_opts)
+    max_pos = ck.text_config.get("max_position_embeddings")
+    if isinstance(max_pos, int) and cfg.context > max_pos:
+        raise KvcalError(f"--context {cfg.context} exceeds the model's max_position_embeddings {max_pos}")
+    with tempfile.TemporaryDirectory(prefix="kvcal-verify-") as td:
+        work = Path(td)
+        view = no_scale_view(ck, work / "no-scales")
+        tok = load_tokenizer(str(view))
+        ids, corpus_info = corpus_stream(cfg.corpus, tok, **corpus_opts)
+        bos = served_bos(tok)  # as kvcal evaluate: a window starts with the BOS the tokenizer adds, if any
+        wins = cut_windows(ids, cfg.context, cfg.windows, bos=bos)
+        if len(wins) < 2:
+            raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens: fewer than 2 windows of {cfg.context} "
+                             "(use a longer corpus or a smaller --context)")
+        sk = [str(i) for i in skip]
+        runs = [{"name": "16-bit", "model_dir": str(view), "kv_cache_dtype": "auto"}]
+        if has_scales:
+            runs.append({"name": f"{dtype} checkpoint scales", "model_dir": os.path.abspath(ck.path), "kv_cache_dtype": dtype,
+                         "skip_layers": sk})
+        runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype, "skip_layers": sk})
+        log(f"engine: {len(runs)} runs x {len(wins)} windows x {cfg.context} tokens in {engine_python}")
+        served = run_engine(engine_python, {"windows": wins.tolist(), "max_model_len": cfg.context, "dtype": "float32",
+                                            "runs": runs, "reference": "16-bit", "top_k": 5}, work, cfg.timeout_s)
+        impls = {i for r in served["runs"].values() for i in r.get("attention_impl", [])}
+        engine_backend = next((IMPL_BACKEND[i] for i in impls if i in IMPL_BACKEND), "cuda")
+        if backend is not None and backend != engine_backend:
+            raise KvcalError(f"--backend {backend}, but the engine ran {', '.join(sorted(impls))} ({engine_backend}); "
+                             "drop --backend or pass the engine's")
+        backend = engine_backend
+        align = max(r["align_max_abs"] for r in served["runs"].values())
+        if not align <= ALIGN_TOL:
+            raise KvcalError(f"the observed engine logits reproduce its served log-probabilities only to {align:.3g} "
+                             f"nats (> {ALIGN_TOL}); this vLLM computes prompt log-probabilities differently")
+        log(f"kvcal prediction: backend {backend}, {len(wins)} windows")
+        if model is None:
+            model = load_model(str(view))
+        L = ck.num_layers
+        plans = {}
+        qs = ck.q_scales if all(s is not None for s in ck.q_scales) else None  # read only where queries are FP8
+        # the engine's backend, and (for a backend that truncates) the same cache written by rounding to nearest with
+        # the queries left unquantized: the write path alone, what truncation costs
+        for alt in dict.fromkeys([backend, "cuda"]):
+            qq = None if alt == backend else False
+            if has_scales:
+                plans[(f"{dtype} checkpoint scales", alt)] = VllmKVPlan(
+                    dtype, L, k_scales=ck.k_scales, v_scales=ck.v_scales, q_scales=qs, backend=alt, quantize_query=qq,
+                    skip_layers=skip)
+            plans[(f"{dtype} scales 1.0", alt)] = VllmKVPlan(dtype, L, backend=alt, quantize_query=qq,
+                                                             skip_layers=skip)
+        pred = predict(model, wins, {f"{n}@{b}": p for (n, b), p in plans.items()})
+    if rec_tmp is not None:
+        rec_tmp.cleanup()
+    rows = []
+    s_ref, p_ref = served["runs"]["16-bit"], pred["16-bit"]
+    ref_served, ref_pred = summarize(s_ref, s_ref), summarize(p_ref, p_ref)
+    ppl16 = ref_served["ppl"]
+    floor_ppl = abs(ref_served["ppl"] - ref_pred["ppl"])
+    scale_check = []
+    for r in runs[1:]:
+        name = r["name"]
+        s_run, p_run = served["runs"][name], pred[f"{name}@{backend}"]
+        srv, prd = summarize(s_run, s_ref), summarize(p_run, p_ref)
+        # paired per-window differences: log-PPL changes (ΔPPL ≈ PPL16 · Δ log PPL) and mean KL
+        dl_s = [a - b for a, b in zip(_window_means(s_run["nll"]), _window_means(s_ref["nll"]), strict=True)]
+        dl_p = [a - b for a, b in zip(_window_means(p_run["nll"]), _window_means(p_ref["nll"]), strict=True)]
+        ag_ppl = agreement([ppl16 * x for x in dl_s], [ppl16 * x for x in dl_p], floor_ppl)
+        ag_ppl["diff"] = srv["delta_ppl"] - prd["delta_ppl"]
+        ag_ppl["ok"] = abs(ag_ppl["diff"]) <= ag_ppl["tol"]
+        ag_kl = agreement(_window_means(s_run["kl"]), _window_means(p_run["kl"]))
+        status, failed = judge(srv, crit)
+        row = {"run": name, "kv_cache_dtype": dtype, "scales": "checkpoint" if "checkpoint" in name else "1.0",
+               "skip_layers": list(skip),
+               "served": srv, "predicted": prd, "backend": backend, "ppl_agreement": ag_ppl, "kl_agreement": ag_kl,
+               "accept": status, "failed": failed, "agree": ag_ppl["ok"] and ag_kl["ok"]}
+        if backend != "cuda":
+            alt = summarize(pred[f"{name}@cuda"], p_ref)
+            row["predicted_if_rounding"] = alt
+        rows.append(row)
+        held = s_run["layer_scales"]
+        if "checkpoint" in name:
+            bad = [i for i, x in enumerate(held) if i < L and not (
+                math.isclose(x["k_scale"], ck.k_scales[i], rel_tol=2 ** -23) and
+                math.isclose(x["v_scale"], ck.v_scales[i], rel_tol=2 ** -23))]
+            scale_check.append({"what": "every layer's loaded k_scale/v_scale equals the checkpoint's",
+                                "ok": not bad and len(held) == L, "layers_differing": bad})
+        if skip:
+            kept = [i for i, x in enumerate(held) if (i in skip) != (x["kv_cache_dtype"] == "auto")]
+            scale_check.append({"what": f"{name}: layers {','.join(map(str, skip))} (and only they) hold a 16-bit cache",
+                                "ok": not kept, "layers_differing": kept})
+    if has_scales:
+        a, b = rows[0]["served"], rows[1]["served"]
+        differs = a["ppl"] != b["ppl"] or a["kl_mean"] != b["kl_mean"]
+        scale_check.append({"what": "the served run with the checkpoint's scales differs from the same dtype at 1.0",
+                            "ok": differs})
+    passed = all(r["accept"] == "PASS" and r["agree"] for r in rows) and all(c["ok"] for c in scale_check)
+    return {
+        "schema": "kvcal-verify/1", "kvcal_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "passed": passed, "checkpoint": str(ck.path), "engine": {
+            "python": str(engine_python), "vllm_version": served.get("vllm_version"),
+            "torch_version": served.get("torch_version"), "attention_impl": sorted(impls), "backend": backend,
+            "align_max_abs": align, "seconds": {n: {"start": r["engine_start_s"], "serve": r["serve_s"]}
+                                               for n, r in served["runs"].items()}},
+        "corpus": {**corpus_info, "context": cfg.context, "windows": len(wins),
+                   "bos_token_id": bos,
+                   "window_source": "as kvcal evaluate: consecutive windows from the start, "
+                                    + ("each starting with the BOS the tokenizer adds" if bos is not None else
+                                       "no BOS (the tokenizer adds none)")},
+        "reference": {"served_16bit_ppl": ref_served["ppl"], "predicted_16bit_ppl": ref_pred["ppl"]},
+        "accept": crit_str, "confidence": CONFIDENCE, "rows": rows, "scales_applied": scale_check,
+    }
+
+
+def render(doc: dict) -> str:
+    """The one table ``kvcal verify`` prints (plus its verdict lines)."""
+    e = doc["engine"]
+    lines = [f"engine: vLLM {e['vllm_version']} ({', '.join(e['attention_impl'])}; kvcal backend {e['backend']}), "
+             f"{doc['corpus']['windows']} x {doc['corpus']['context']} tokens of {doc['corpus']['path']}; "
+             + (f"layers {','.join(map(str, doc['rows'][0]['skip_layers']))} in the model dtype; "
+                if doc["rows"] and doc["rows"][0].get("skip_layers") else "")
+             + f"16-bit PPL served {doc['reference']['served_16bit_ppl']:.4f}, kvcal {doc['reference']['predicted_16bit_ppl']:.4f}",
+             "",
+             "| --kv-cache-dtype | scales | served ΔPPL | predicted | diff (tol) | served KL | predicted | diff (tol) "
+             f"| bar {doc['accept']} | served = predicted |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in doc["rows"]:
+        s, p, a, k = r["served"], r["predicted"], r["ppl_agreement"], r["kl_agreement"]
+        lines.append(f"| {r['kv_cache_dtype']} | {r['scales']} | {s['delta_ppl']:+.4f} | {p['delta_ppl']:+.4f} | "
+                     f"{a['diff']:+.4f} (±{a['tol']:.4f}) | {s['kl_mean']:.3e} | {p['kl_mean']:.3e} | "
+                     f"{k['diff']:+.2e} (±{k['tol']:.2e}) | {r['accept']}"
+                     f"{' (' + '; '.join(r['failed']) + ')' if r['failed'] else ''} | {'PASS' if r['agree'] else 'FAIL'} |")
+    for r in doc["rows"]:
+        if "predicted_if_rounding" in r:
+            q = r["predicted_if_rounding"]
+            lines.append(f"note: {r['run']}: written by rounding to nearest (the GPU kernels' write, queries "
+                         "unquantized), kvcal predicts "
+                         f"ΔPPL {q['delta_ppl']:+.4f}, KL {q['kl_mean']:.3e}; truncation costs "
+                         f"{r['predicted']['kl_mean'] / max(q['kl_mean'], 1e-30):.2f}x the KL of rounding here")
+    for c in doc["scales_applied"]:
+        lines.append(f"scales applied: {c['what']}: {'yes' if c['ok'] else 'NO'}")
+    lines.append(f"tolerance: {int(doc['confidence'] * 100)}% paired t-interval over windows (+ the 16-bit "
+                 "disagreement for ΔPPL); docs/serving.md#served-vs-predicted")
+    lines.append("verify: " + ("PASS" if doc["passed"] else "FAIL"))
+    return "\n".join(lines)
+
+
+__all__ = ["VerifyConfig", "verify", "render", "agreement", "read_checkpoint", "no_scale_view", "run_engine",
+           "cpu_fp8_support", "check_engine_python", "VERIFY_METRICS",
+           "ALIGN_TOL", "CONFIDENCE", "IMPL_BACKEND", "RUNNER", "Checkpoint", "check_accept", "from_recommend", "predict",
+           "summarize", "t_quantile"]

@@ -1,0 +1,5 @@
+"""``python -m kvcal.verify``: the command is ``kvcal verify``."""
+
+import sys
+
+sys.exit("use: kvcal verify --help")

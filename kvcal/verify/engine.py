@@ -1,0 +1,86 @@
+"""Running the engine: the interpreter check (:func:`check_engine_python`), whether this CPU can serve an FP8
+cache in vLLM's CPU build (:func:`cpu_fp8_support`), and one engine run of ``kvcal/engines/vllm_runner.py`` in
+a subprocess (:func:`run_engine`), with the engine-side constants verify reads its results by."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+
+RUNNER = Path(__file__).resolve().parents[1] / "engines" / "vllm_runner.py"
+
+
+#: engine attention implementation class → kvcal backend (:data:`kvcal.formats.vllm_dtypes.VLLM_BACKENDS`)
+IMPL_BACKEND = {"CPUAttentionBackendImpl": "cpu"}
+#: the served log-probability of each target token must equal log_softmax of the observed logit row to this
+#: (nats): float32 log-softmax over a 49k vocabulary agrees with a float64 one to ~1e-5
+ALIGN_TOL = 1e-3
+
+
+def check_engine_python(path: str) -> Path:
+    """The engine interpreter ``path`` if it is an executable file; else a one-line :class:`KvcalError`
+    saying how to build one (``make engine-venv``)."""
+    p = Path(os.path.abspath(path))  # absolute, not resolved: a venv's python is a link that must stay one
+    if not p.is_file() or not os.access(p, os.X_OK):
+        raise KvcalError(f"--engine-python {path}: no executable Python there; build vLLM's CPU build beside "
+                         "kvcal with `make engine-venv` (then --engine-python .venv-vllm-cpu/bin/python)")
+    return p
+
+
+def cpu_fp8_support(cpuinfo: str | None = None) -> str | None:
+    """``None`` when this x86 CPU has AVX-512 or AMX (what vLLM's CPU backend needs for an FP8 cache,
+    ``cpu_attn.py`` ``_get_attn_isa``), else the reason it cannot. ``cpuinfo``: the text of
+    ``/proc/cpuinfo`` (read when ``None``)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "cannot read /proc/cpuinfo to check for AVX-512 or AMX"
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[-1].split())
+    if "avx512f" in flags or "amx_tile" in flags:
+        return None
+    return "this CPU has neither AVX-512 nor AMX; vLLM's CPU backend serves an FP8 KV cache only with one of them"
+
+
+def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int = 1800) -> dict:
+    """Run :data:`RUNNER` in ``engine_python`` on ``request`` (module doc of ``vllm_runner``); return its
+    result. Raises :class:`KvcalError` with the engine's one-line refusal, a crash's last line, or a timeout."""
+    req, res = workdir / "request.json", workdir / "result.json"
+    req.write_text(json.dumps(request))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    # the engine runs as deployed: ATEN_CPU_CAPABILITY (kvcal's suite sets it to check its own arithmetic on other
+    # kernels) makes torch inductor inside vLLM 0.32 emit C++ that does not compile ("'at::vec' has not been
+    # declared") even with enforce_eager
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        proc = subprocess.run([str(engine_python), str(RUNNER), str(req), str(res)], capture_output=True, text=True,
+                              timeout=timeout_s, env=env, cwd=str(workdir))
+    except subprocess.TimeoutExpired:
+        raise KvcalError(f"the engine did not finish within {timeout_s} s (--timeout); use fewer --windows or a "
+                         "smaller --context") from None
+    except OSError as e:
+        raise KvcalError(f"--engine-python {engine_python}: cannot run it ({e.strerror or e})") from None
+    out = None
+    if res.is_file():
+        try:
+            out = json.loads(res.read_text())
+        except ValueError:
+            out = None
+    if isinstance(out, dict) and out.get("error"):
+        raise KvcalError(f"engine refused: {out['error']}")
+    if proc.returncode != 0 or not isinstance(out, dict):
+        tail = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        named = [ln for ln in tail if re.search(r"\w(Error|Exception|Failed)\b", ln)]  # the exception, not a hint
+        raise KvcalError(f"the engine exited with status {proc.returncode}: "
+                         f"{(named or tail or ['no message'])[-1][:400]} (--engine-python {engine_python})")
+    return out
