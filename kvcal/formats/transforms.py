@@ -43,16 +43,13 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (h / math.sqrt(d)).to(dtype)
 
 
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Normalized fast Walsh–Hadamard transform over the last dim: ``x @ hadamard_matrix(D)`` for
-    ``x [..., D]`` (same shape and dtype), by log2(D) butterfly stages of elementwise adds and
-    subtractions, then one multiply by ``1/√D``.
-
-    Why not the matrix product: a matmul's summation order depends on the BLAS kernel, which
-    differs between a 1-token decode step and a whole sequence and between CPUs (AVX2 / AVX-512 /
-    default), and an ulp of difference can move a quantized code across a rounding boundary.
-    Elementwise IEEE adds are exactly rounded, so every token row comes out bit-identical whatever
-    the batch, sequence length or CPU. Raises ``ValueError`` when ``D`` is not a power of two."""
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh–Hadamard transform (Sylvester order) over the last dim: ``x @ H_D`` for
+    ``x [..., D]``, ``H_D`` the ±1 Sylvester matrix (``√D ·`` :func:`hadamard_matrix`), by log2(D) stages of
+    elementwise radix-2 butterflies in ``x``'s dtype (same shape and dtype). kvcal's one Hadamard: the
+    ``hadamard`` transform (:func:`fwht`) and vLLM's rotations (``int4_per_token_head``'s blockwise randomized
+    Hadamard, TurboQuant's rotation; :mod:`kvcal.formats.vllm_dtypes`) all run these butterflies.
+    Raises ``ValueError`` when ``D`` is not a power of two."""
     d = x.shape[-1]
     if d < 1 or d & (d - 1):
         raise ValueError(f"the Hadamard transform needs a power-of-two head_dim, got {d}; use transform 'none'")
@@ -63,7 +60,19 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         a, b = y[..., 0, :], y[..., 1, :]
         x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, d)
         h *= 2
-    return x * (1.0 / math.sqrt(d))
+    return x
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Normalized fast Walsh–Hadamard transform over the last dim: ``x @ hadamard_matrix(D)`` for
+    ``x [..., D]`` (same shape and dtype): :func:`walsh_hadamard`, then one multiply by ``1/√D``.
+
+    Why not the matrix product: a matmul's summation order depends on the BLAS kernel, which
+    differs between a 1-token decode step and a whole sequence and between CPUs (AVX2 / AVX-512 /
+    default), and an ulp of difference can move a quantized code across a rounding boundary.
+    Elementwise IEEE adds are exactly rounded, so every token row comes out bit-identical whatever
+    the batch, sequence length or CPU. Raises ``ValueError`` when ``D`` is not a power of two."""
+    return walsh_hadamard(x) * (1.0 / math.sqrt(x.shape[-1]))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

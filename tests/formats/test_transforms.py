@@ -335,3 +335,21 @@ def test_calibrate_refuses_pre_rope_preset_on_partial_rotary(tmp_path, smollm_to
         calibrate(c, log=lambda s: None, progress=False, model=GPTNeoXForCausalLM(cfg).eval(),
                   tokenizer=smollm_tokenizer)
     assert not (tmp_path / "art").exists()
+
+
+def test_walsh_hadamard_is_the_sylvester_product_exactly():
+    """The one butterfly (`walsh_hadamard`, shared by the hadamard transform and vLLM's rotations) equals
+    ``x @ H_D`` with scipy's ±1 Sylvester matrix exactly: integer inputs below 2^10 keep every partial sum below
+    2^18, exact in float32; and `fwht` is it times 1/√D."""
+    from scipy.linalg import hadamard
+
+    from kvcal.formats.transforms import fwht, walsh_hadamard
+
+    g = torch.Generator().manual_seed(0)
+    for d in (1, 2, 16, 64, 256):
+        x = torch.randint(-1000, 1000, (5, 3, d), generator=g).float()
+        ref = (x.double() @ torch.tensor(hadamard(d), dtype=torch.float64)).float()
+        assert torch.equal(walsh_hadamard(x), ref)
+        assert torch.equal(fwht(x), walsh_hadamard(x) * (1.0 / d**0.5))
+    with pytest.raises(ValueError, match="power-of-two"):
+        walsh_hadamard(torch.zeros(3, 48))

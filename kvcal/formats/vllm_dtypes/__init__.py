@@ -82,7 +82,6 @@ from kvcal.formats.vllm_dtypes.registry import (
     vllm_dtype,
 )
 from kvcal.formats.vllm_dtypes.turboquant import (
-    hadamard,
     lloyd_max_centroids,
     turboquant_fake_quant,
     turboquant_key_dequantize,
@@ -134,7 +133,7 @@ __all__ = [
     "rht_signs", "rht", "int4_per_token_head_quantize", "int4_per_token_head_dequantize",
     "int4_per_token_head_fake_quant", "int4_query_fake_quant",
     "e2m1_round", "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_fake_quant",
-    "lloyd_max_centroids", "hadamard", "turboquant_key_quantize", "turboquant_key_dequantize",
+    "lloyd_max_centroids", "turboquant_key_quantize", "turboquant_key_dequantize",
     "turboquant_value_quantize", "turboquant_value_dequantize", "turboquant_fake_quant",
     "fake_quant_kv", "fake_quant_side", "fake_quant_query", "check_head_dim", "head_slot_bytes", "boundary_skip_layers", "layer_bytes_per_token",
     "FP8_E4M3_MAX", "FP8_E5M2_MAX", "E2M1_MAX", "NVFP4_BLOCK", "VllmBackend", "VLLM_BACKENDS", "BACKEND_ALIASES",

@@ -60,13 +60,3 @@ def _cast_fp8(y: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> torch.Tens
     return y.to(dtype)
 
 
-def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh–Hadamard transform (Sylvester order) along the last dim (power of 2),
-    radix-2 butterflies in ``x``'s dtype."""
-    d = x.shape[-1]
-    h = 1
-    while h < d:
-        v = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
-        x = torch.stack((v[..., 0, :] + v[..., 1, :], v[..., 0, :] - v[..., 1, :]), dim=-2).reshape(x.shape)
-        h *= 2
-    return x

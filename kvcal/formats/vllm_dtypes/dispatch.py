@@ -109,7 +109,7 @@ def fake_quant_query(name: str, q: torch.Tensor, *, q_scale=1.0, num_kv_heads: i
 def check_head_dim(name: str, head_dim: int) -> None:
     """Refuse a ``head_dim`` the dtype ``name`` cannot store, as vLLM 0.33 would: nvfp4* packs blocks of
     :data:`NVFP4_BLOCK` (16) channels (a multiple of 16); turboquant_* rotates by a Hadamard matrix (a power of
-    two). The emulation would otherwise fail mid-run (:func:`nvfp4_quantize`, :func:`hadamard`) or the page
+    two). The emulation would otherwise fail mid-run (:func:`nvfp4_quantize`, :func:`~kvcal.formats.vllm_dtypes.turboquant._rotate`) or the page
     bytes come out wrong (:func:`head_slot_bytes`). Raises :class:`VllmDTypeError` naming the dtype and head_dim."""
     D = int(head_dim)
     if name.startswith("nvfp4") and D % NVFP4_BLOCK:

@@ -9,6 +9,7 @@ from functools import lru_cache
 import torch
 
 from kvcal.formats import vllm_dtypes as _pkg  # the GPU-only choices (package constants), read at call time
+from kvcal.formats.transforms import walsh_hadamard
 from kvcal.formats.vllm_dtypes.common import (
     _INT4_MIN_SCALE,
     _PER_TOKEN_HEAD_MIN_SCALE,
@@ -17,7 +18,6 @@ from kvcal.formats.vllm_dtypes.common import (
     _cast_fp8,
     _check_4d,
     _fma,
-    _fwht,
 )
 from kvcal.formats.vllm_dtypes.registry import VllmDTypeError
 
@@ -76,7 +76,7 @@ def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     b = _largest_pow2_divisor(d)
     y = x.to(_pkg.INT4_RHT_WORK_DTYPE).reshape(*x.shape[:-1], d // b, b)
     s = rht_signs(b).to(y.dtype)
-    y = _fwht(y) * s if inverse else _fwht(y * s)
+    y = walsh_hadamard(y) * s if inverse else walsh_hadamard(y * s)
     return y.reshape(x.shape)
 
 

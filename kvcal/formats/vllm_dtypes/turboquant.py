@@ -8,6 +8,7 @@ from functools import lru_cache
 
 import torch
 
+from kvcal.formats.transforms import walsh_hadamard
 from kvcal.formats.vllm_dtypes.common import (
     _TQ_NC_EPS,
     _TQ_NORM_EPS,
@@ -16,7 +17,6 @@ from kvcal.formats.vllm_dtypes.common import (
     _cast_fp8,
     _check_4d,
     _fma,
-    _fwht,
 )
 from kvcal.formats.vllm_dtypes.registry import TQ_PRESETS, VllmDTypeError
 
@@ -61,26 +61,16 @@ def lloyd_max_centroids(d: int, bits: int) -> torch.Tensor:
     return torch.tensor(c, dtype=torch.float32)
 
 
-@lru_cache(maxsize=8)
-def hadamard(d: int) -> torch.Tensor:
-    """TurboQuant's rotation: the Sylvester Hadamard matrix divided by ``sqrt(d)``, fp32 [d, d],
-    symmetric and orthonormal, shared by every layer, no random signs (``turboquant_attn.py``
-    ``_build_hadamard_cached``). ``d`` must be a power of two."""
-    if d < 1 or d & (d - 1):
-        raise VllmDTypeError(f"turboquant needs a power-of-two head_dim (its Hadamard rotation), got {d}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(d)
-
-
 def _rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x @ hadamard(D)`` (fp32), computed as butterflies times ``1/sqrt(D)`` so each row's result
+    """TurboQuant's rotation ``x @ H/sqrt(D)`` (fp32): the Sylvester Hadamard matrix over ``sqrt(D)``, shared by
+    every layer, no random signs (``turboquant_attn.py`` ``_build_hadamard_cached``), computed as butterflies
+    (:func:`kvcal.formats.transforms.walsh_hadamard`) times ``1/sqrt(D)`` so each row's result
     does not depend on how many rows are rotated together (a BLAS matmul's rounding can). vLLM
     rotates with a cuBLAS fp32 GEMM; the two differ by float32 summation order only (GPU detail)."""
     D = x.shape[-1]
-    hadamard(D)  # validates D
-    return _fwht(x) * torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)
+    if D < 1 or D & (D - 1):
+        raise VllmDTypeError(f"turboquant needs a power-of-two head_dim (its Hadamard rotation), got {D}")
+    return walsh_hadamard(x) * torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)
 
 
 def turboquant_key_quantize(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
