@@ -14,7 +14,7 @@ Stages (each writes ``OUT/<stage>.json``; ``--stages`` picks some):
 * ``int4``: ``--preset int4`` (pre-RoPE keys, one RoPE table per layer type) on ``text.jsonl`` and Protocol A
   at 8 x 1,024 WikiText tokens with every baseline (KIVI-4 among them).
 
-    .venv/bin/python benchmarks/bench_gemma3.py [--out bench_out/gemma3] [--stages skip,window,int4]
+    .venv/bin/python benchmarks/bench_gemma3.py [--out bench_out/gemma3] [--stages skip,window,int4] [--reuse]
 
 Needs ``make gemma``. About 40 minutes on 2 shared CPU cores.
 """
@@ -32,6 +32,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 WIKI = REPO.parent / "shared" / "data" / "wikitext2_valid.txt"
 MODEL = "gemma3-270m"
+REUSE = False  # --reuse: a stage whose artifact exists evaluates it instead of calibrating again
 
 
 def types_of(model) -> list[str]:
@@ -125,9 +126,12 @@ def stage_int4(out: Path, model, tok) -> dict:
     from kvcal.evaluate.run import EvalConfig, evaluate
 
     t0 = time.perf_counter()
-    calibrate(CalibrateConfig(corpus=str(REPO / "calibration_sets" / "text.jsonl"), out=str(out / "int4"),
-                              model=MODEL, preset="int4", overwrite=True), log=print, progress=False, model=model,
-              tokenizer=tok)
+    if REUSE and (out / "int4" / "kv_scales.safetensors").is_file():
+        print(f"--reuse: evaluating the existing {out / 'int4'}")
+    else:
+        calibrate(CalibrateConfig(corpus=str(REPO / "calibration_sets" / "text.jsonl"), out=str(out / "int4"),
+                                  model=MODEL, preset="int4", overwrite=True), log=print, progress=False, model=model,
+                  tokenizer=tok)
     t1 = time.perf_counter()
     doc = evaluate(EvalConfig(artifact=str(out / "int4"), corpus=str(WIKI), model=MODEL, contexts=(1024,), windows=8,
                               modes=("teacher_forced",), accept="kl_mean<=1"), log=print, progress=False,
@@ -142,7 +146,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/gemma3")
     ap.add_argument("--stages", default="skip,window,int4")
+    ap.add_argument("--reuse", action="store_true", help="int4: evaluate an existing OUT/int4 artifact")
     a = ap.parse_args()
+    global REUSE
+    REUSE = a.reuse
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from kvcal.models import load_model, load_tokenizer
