@@ -50,7 +50,7 @@ def corpus_section(meta: dict, concurrency: str) -> str:
              f"sequences of at most {cal['search_tokens']} tokens. Give 2 or more samples so that some are kept out of the fit")
     return f"""## Calibration corpus and context regime
 - Corpus: `{corp["path"]}` (sha256 `{corp["sha256"][:16]}…`, format {corp["format"]}).
-- {corp["samples"]} samples, {corp["tokens"]} tokens; length p50 / p90 / p99 / max = {pct["p50"]} / {pct["p90"]} / {pct["p99"]} / {pct["max"]} tokens; {corp["truncated"]} truncated at {cal["max_seq_len"]} tokens.
+- {corp["samples"]} samples, {corp["tokens"]} tokens; length p50 / p90 / p99 / max = {round(pct["p50"], 1):g} / {round(pct["p90"], 1):g} / {round(pct["p99"], 1):g} / {round(pct["max"], 1):g} tokens; {corp["truncated"]} truncated at {cal["max_seq_len"]} tokens.
 - Split: {split}.
 - Context regime calibrated: {cal["context_regime"]}. {concurrency}
 """
