@@ -239,49 +239,10 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
 
     int_path = cfg.bits is not None or cfg.preset != "fp8"
-    out = output_dir(cfg)
-    from pathlib import Path
-
     rank, world = init_distributed(cfg.device)
     if rank != 0:
         log, progress = (lambda s: None), False
-    from kvcal.artifact import check_output_dir
-
-    check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError, kind="artifact")  # before the model loads: nothing to wait for
-    from kvcal.corpus import check_corpus
-
-    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
-    check_corpus(cfg.corpus, **corpus_opts)  # format and fields, before the tokenizer or model loads
-    if cfg.checkpoint_every and not cfg.resume:  # its checkpoint file is an output too (--resume checks it on load)
-        from kvcal.artifact import check_output_file
-
-        check_output_file(checkpoint_path(out), "checkpoint", _out_inputs(cfg), KvcalError, "--out")
-    from kvcal.models import check_max_positions, load_model_config, max_positions
-
-    if model is not None:
-        tconf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        max_pos = getattr(tconf, "max_position_embeddings", None)
-    else:
-        max_pos = max_positions(cfg.model)  # from the config / GGUF header: before any weight loads
-    check_max_positions(cfg.max_seq_len, max_pos, "--max-seq-len")
-    if cfg.bits is not None:  # an infeasible budget is known from the config alone
-        bits_precheck(cfg.bits, model.config if model is not None else load_model_config(cfg.model),
-                      cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
-    if cfg.engine == "vllm":  # a head_dim the dtype cannot store (nvfp4: multiple of 16): before any weight loads
-        from kvcal.formats.memory import model_shape
-        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
-
-        try:
-            check_head_dim(cfg.kv_cache_dtype, model_shape(model.config if model is not None else
-                                                           load_model_config(cfg.model)).head_dim)
-        except VllmDTypeError as e:
-            raise KvcalError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: {e}; choose fp8") from None
-    if cfg.skip_layers is not None:  # layer range and byte budget are known from the config alone
-        from kvcal.vllm_skip import check_skip_model
-
-        check_skip_model(cfg.skip_layers, cfg.kv_cache_dtype,
-                         model.config if model is not None else load_model_config(cfg.model), cfg.max_skip,
-                         cfg.max_bytes_per_token)
+    out, corpus_opts = preflight(cfg, model)
     torch.manual_seed(cfg.seed)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
@@ -339,6 +300,49 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     if ckpt is not None:
         Path(ckpt.path).unlink(missing_ok=True)
     return res
+
+
+def preflight(cfg: CalibrateConfig, model=None) -> tuple[str, dict]:
+    """Every check ``calibrate`` can make before the tokenizer or any weight loads, in one place, the model's
+    config resolved once: the output location (and checkpoint file), the corpus's format and fields, the
+    context against the model's maximum, an infeasible ``--bits`` budget, a head_dim the vLLM dtype cannot
+    store, the ``--skip-layers`` range and byte budget. Returns ``(out, corpus_opts)``: the artifact directory
+    and the corpus field options :func:`kvcal.corpus.load_corpus` takes. ``model``: an already-loaded model
+    (its config is used; nothing else loads). Raises :class:`KvcalError` with a one-line fix."""
+    from kvcal.artifact import check_output_dir, check_output_file
+    from kvcal.corpus import check_corpus
+    from kvcal.models import check_max_positions, load_model_config, max_positions
+
+    out = output_dir(cfg)
+    check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError, kind="artifact")
+    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
+    check_corpus(cfg.corpus, **corpus_opts)
+    if cfg.checkpoint_every and not cfg.resume:  # its checkpoint file is an output too (--resume checks it on load)
+        check_output_file(checkpoint_path(out), "checkpoint", _out_inputs(cfg), KvcalError, "--out")
+    if model is not None:
+        tconf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        max_pos = getattr(tconf, "max_position_embeddings", None)
+    else:
+        max_pos = max_positions(cfg.model)  # from the config / GGUF header
+    check_max_positions(cfg.max_seq_len, max_pos, "--max-seq-len")
+    if cfg.bits is None and cfg.engine != "vllm" and cfg.skip_layers is None:
+        return out, corpus_opts
+    mconf = model.config if model is not None else load_model_config(cfg.model)  # the config, once
+    if cfg.bits is not None:  # an infeasible budget is known from the config alone
+        bits_precheck(cfg.bits, mconf, cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
+    if cfg.engine == "vllm":  # a head_dim the dtype cannot store (nvfp4: multiple of 16)
+        from kvcal.formats.memory import model_shape
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
+
+        try:
+            check_head_dim(cfg.kv_cache_dtype, model_shape(mconf).head_dim)
+        except VllmDTypeError as e:
+            raise KvcalError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: {e}; choose fp8") from None
+    if cfg.skip_layers is not None:  # layer range and byte budget are known from the config alone
+        from kvcal.vllm_skip import check_skip_model
+
+        check_skip_model(cfg.skip_layers, cfg.kv_cache_dtype, mconf, cfg.max_skip, cfg.max_bytes_per_token)
+    return out, corpus_opts
 
 
 def output_dir(cfg: CalibrateConfig) -> str:
