@@ -2,9 +2,8 @@
 
 Each function takes the command's options as keyword arguments (the CLI's defaults), runs it and
 returns its result; bad input raises :class:`kvcal.errors.KvcalError` with a one-line message (the CLI
-prints it as ``error: ...``). The CLI (:mod:`kvcal.cli`) calls :func:`memory` for ``kvcal memory``; its
-other commands call the library functions these wrap directly (the "CLI" column names the command that
-does the same work), and ``kvcal inspect`` / ``report`` / ``verify`` have no function here yet.
+prints it as ``error: ...``). Every CLI command (:mod:`kvcal.cli`) runs through the function here; the CLI
+adds only option parsing, the checks that must come before torch imports, and printing.
 
 ======================  =========================================  ==============================
 function                CLI                                        returns
@@ -12,12 +11,14 @@ function                CLI                                        returns
 :func:`calibrate`       ``kvcal calibrate``                        ``{"out", "metadata", "table"}``
 :func:`evaluate`        ``kvcal evaluate``                         the ``kvcal-eval/1`` document
 :func:`export`          ``kvcal export``                           :class:`kvcal.export.ExportResult`
+:func:`inspect`         ``kvcal inspect``                          :class:`kvcal.inspect.Inspection`
+:func:`report`          ``kvcal report``                           ``{"markdown", "html", "figures"}``
 :func:`memory`          ``kvcal memory``                           :class:`MemoryResult`
 :func:`capacity`        ``kvcal plan``                             :class:`kvcal.capacity.CapacityPlan`
 :func:`recommend`       ``kvcal recommend``                        the ``kvcal-recommend/1`` document
+:func:`verify`          ``kvcal verify``                           the ``kvcal-verify/1`` document
 ======================  =========================================  ==============================
 """
-
 from __future__ import annotations
 
 import json
@@ -58,6 +59,22 @@ def export(artifact: str, target: str, out: str, **options):
     return run(artifact, target, out, **options)
 
 
+def inspect(path: str, tp: int | None = None):
+    """``kvcal inspect PATH``: what an artifact, export or checkpoint holds and what each engine would load
+    (:func:`kvcal.inspect.inspect_path`; :func:`kvcal.inspect.render` prints it). Reads only."""
+    from kvcal.inspect import inspect_path
+
+    return inspect_path(path, tp=tp)
+
+
+def report(artifact: str, eval_json: str | dict | None = None, out: str | None = None) -> dict:
+    """``kvcal report``: render report.md (+ figures) and report.html for an artifact
+    (:func:`kvcal.report.disclosure.write_report`); returns ``{"markdown", "html", "figures"}`` paths."""
+    from kvcal.report.disclosure import write_report
+
+    return write_report(artifact, eval_json, out)
+
+
 def capacity(model: str, gpu_mem: str | int, **options):
     """``kvcal plan``: max context per concurrency for 16-bit and each cache precision. ``options``:
     :class:`kvcal.capacity.PlanConfig` fields besides ``gpu_mem`` (``weights_dtype``, ``reserve``,
@@ -75,6 +92,17 @@ def recommend(corpus: str, engine: str, out: str, *, log: Callable[[str], None] 
     from kvcal.recommend import recommend as run
 
     return run(RecommendConfig(corpus=corpus, engine=engine, out=out, **options), log=log, progress=progress)
+
+
+def verify(checkpoint: str, corpus: str, engine_python: str, *, log: Callable[[str], None] = print,
+           **options) -> dict:
+    """``kvcal verify``: serve ``checkpoint`` in the engine (its own interpreter ``engine_python``) and compare
+    with kvcal's prediction; options are :class:`kvcal.verify.VerifyConfig` fields. Returns the
+    ``kvcal-verify/1`` document (``doc["passed"]``)."""
+    from kvcal.verify import VerifyConfig
+    from kvcal.verify import verify as run
+
+    return run(VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, **options), log=log)
 
 
 @dataclass(frozen=True)

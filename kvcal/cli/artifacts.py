@@ -28,9 +28,9 @@ from kvcal.cli.common import count, main, user_errors
 @user_errors
 def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clipped_scales):
     """Export an artifact in the exact form a serving engine loads (optionally merged into a checkpoint)."""
-    from kvcal.export import export
+    from kvcal import api
 
-    res = export(artifact, target, out, model_dir=model_dir, tp=tp, headroom=headroom, overwrite=overwrite,
+    res = api.export(artifact, target, out, model_dir=model_dir, tp=tp, headroom=headroom, overwrite=overwrite,
                  clipped_scales=clipped_scales)
     click.echo(f"wrote {res.out} ({res.target}): {', '.join(res.files)}")
     for note in res.notes:
@@ -53,9 +53,10 @@ def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clippe
 @user_errors
 def inspect_cmd(path, tp):
     """Show what an artifact, export or checkpoint holds and what vLLM / SGLang / TensorRT-LLM would load."""
-    from kvcal.inspect import inspect_path, render
+    from kvcal import api
+    from kvcal.inspect import render
 
-    click.echo(render(inspect_path(path, tp=tp)))
+    click.echo(render(api.inspect(path, tp=tp)))
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def inspect_cmd(path, tp):
 @user_errors
 def report_cmd(artifact, eval_json, out):
     """Render the disclosure report (report.md + figures/ and a self-contained report.html)."""
-    from kvcal.report.disclosure import write_report
+    from kvcal import api
 
-    res = write_report(artifact, eval_json, out)
+    res = api.report(artifact, eval_json, out)
     click.echo(f"wrote {res['markdown']} ({len(res['figures'])} figures) and {res['html']}")

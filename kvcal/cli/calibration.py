@@ -98,24 +98,24 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
     from kvcal.corpus import check_corpus
 
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
+    from kvcal import api
     from kvcal.calibrate import CalibrateConfig, checkpoint_path, output_dir
-    from kvcal.calibrate import calibrate as run
 
-    cfg = CalibrateConfig(corpus=corpus, out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
-                          format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
-                          strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
-                          residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
-                          probe_tokens=probe_tokens, device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
-                          search_tokens=search_tokens, text_field=text_field, messages_field=messages_field, split=split,
-                          engine=engine, kv_cache_dtype=kv_cache_dtype, skip_layers=skip_layers, max_skip=max_skip,
-                          max_bytes_per_token=max_bytes_per_token, backend=backend)
+    opts = dict(out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
+                format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
+                strict=strict, overwrite=overwrite, preset=preset, bits=bits, sink_tokens=sinks,
+                residual_window=residual_window, key_centering=key_centering, budget_context=budget_context,
+                probe_tokens=probe_tokens, device_map=device_map, checkpoint_every=checkpoint_every, resume=resume,
+                search_tokens=search_tokens, text_field=text_field, messages_field=messages_field, split=split,
+                engine=engine, kv_cache_dtype=kv_cache_dtype, skip_layers=skip_layers, max_skip=max_skip,
+                max_bytes_per_token=max_bytes_per_token, backend=backend)
     if quiet:
         quiet_libraries()
     try:
-        res = run(cfg, log=click.echo, progress=not quiet)
+        res = api.calibrate(corpus, log=click.echo, progress=not quiet, **opts)
     except KeyboardInterrupt as e:
         what, status = interruption(e)
-        ck = checkpoint_path(output_dir(cfg))
+        ck = checkpoint_path(output_dir(CalibrateConfig(corpus=corpus, **opts)))
         hint = (f"; resume with the same command plus --resume (checkpoint {ck})" if ck and Path(ck).exists()
                 else f" (stopped before the first checkpoint of --checkpoint-every {checkpoint_every})"
                 if checkpoint_every else "; add --checkpoint-every N to make long runs resumable")

