@@ -35,6 +35,7 @@ from kvcal.capture.checkpoint import Checkpointing
 from kvcal.capture.distributed import finish_distributed, init_distributed
 from kvcal.capture.run import CaptureResult, run_capture, split_heldout
 from kvcal.errors import KvcalError
+from kvcal.formats.vllm_dtypes import vllm_dtype
 from kvcal.report.markdown import render_int_report
 from kvcal.search.fp8 import plan_from_choices, search_scales
 from kvcal.search.integer import SINK_CANDIDATES, IntSearchResult, bits_precheck, search_int
@@ -393,7 +394,7 @@ def _search(cfg, cap, mmeta, progress, log, probe, int_path: bool) -> SearchResu
                           log=log, probe=probe if cfg.bits is not None else None,
                           sink_probe=probe.plans_kl if probe is not None and cfg.sink_tokens is None else None)
     t1 = time.perf_counter()
-    if cfg.engine == "vllm" and cfg.kv_cache_dtype.startswith("nvfp4"):  # outer scales (kvcal.search.vllm_nvfp4)
+    if cfg.engine == "vllm" and vllm_dtype(cfg.kv_cache_dtype).family == "nvfp4":  # outer scales (kvcal.search.vllm_nvfp4)
         from kvcal.search import vllm_nvfp4
 
         rows = vllm_nvfp4.search_vllm_nvfp4(cap, cfg.max_queries, progress)
@@ -442,7 +443,7 @@ def _add_vllm_sections(cfg, rows, tensors, meta, model, corpus, held_idx, mmeta,
     the 16-bit layers of ``--skip-layers`` (:func:`kvcal.vllm_skip.choose_skip_layers_for_artifact`)."""
     from kvcal.vllm_skip import choose_skip_layers_for_artifact
 
-    if cfg.kv_cache_dtype.startswith("nvfp4"):
+    if vllm_dtype(cfg.kv_cache_dtype).family == "nvfp4":
         from kvcal.search import vllm_nvfp4
 
         vllm_nvfp4.add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype)

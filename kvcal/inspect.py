@@ -203,15 +203,16 @@ def _has_kvcal_meta(f: Path) -> bool:
 
 
 def _inspect_artifact(p: Path) -> Inspection:
-    from kvcal.artifact import load_artifact
+    from kvcal.artifact import load_artifact, vllm_section
     from kvcal.export import target_names
-    from kvcal.export.base import get_target, vllm_nvfp4_dtype
+    from kvcal.export.base import get_target
     from kvcal.export.vllm import kv_only_quantization_config
 
     art = load_artifact(p)
     meta = art.metadata
     n = art.num_layers
-    nvfp4 = vllm_nvfp4_dtype(meta)  # calibrate --engine vllm --kv-cache-dtype nvfp4: per-layer outer scales
+    sec = vllm_section(meta)
+    nvfp4 = sec.nvfp4_dtype if sec else None  # calibrate --engine vllm --kv-cache-dtype nvfp4: per-layer outer scales
     kv = meta["kv"]
     k = kv.get("k") or {}
     ins = Inspection(art.path, "artifact", n, k.get("format"), k.get("granularity"),
@@ -224,12 +225,11 @@ def _inspect_artifact(p: Path) -> Inspection:
         q = art.tensors.get(f"model.layers.{i}.self_attn.q_scale")  # vLLM's FP8 query scale (calibrate --engine vllm)
         row["q"] = [float(x) for x in q.flatten().tolist()] if q is not None else None
         ins.layers.append(row)
-    if meta.get("vllm"):
-        vm = meta["vllm"]
-        ins.notes.append(f"calibrated for {vm.get('engine')} --kv-cache-dtype {vm.get('kv_cache_dtype')}, backend "
-                         f"{vm.get('backend', 'cuda')} (FP8 write: {vm.get('fp8_write', 'round to nearest even')}): "
-                         f"query quantization {vm.get('query_quantization')}; skipped layers "
-                         f"{vm.get('skip_layers') or 'none'}")
+    if sec:
+        ins.notes.append(f"calibrated for {sec.engine} --kv-cache-dtype {sec.kv_cache_dtype}, backend "
+                         f"{sec.backend} (FP8 write: {sec.fp8_write}): "
+                         f"query quantization {sec.query_quantization}; skipped layers "
+                         f"{list(sec.skip_layers) or 'none'}")
     nkv = meta["model"].get("num_kv_heads")
     qc = kv_only_quantization_config(k.get("granularity", "tensor"))
     scales = {name: t for name, t in art.tensors.items() if name.endswith(("k_scale", "v_scale"))}

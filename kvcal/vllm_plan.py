@@ -115,10 +115,10 @@ class VllmKVPlan:
         """Payload bits of every quantized (layer, side), as kvcal's acceptance bars read them:
         fp8* / int8 / fp8 per token-head 8, int4 per token-head and nvfp4* 4, turboquant its key
         bits (8 for k8) and value bits."""
-        name = self.kv_cache_dtype
-        if name.startswith("turboquant_"):
+        name, family = self.kv_cache_dtype, self.spec.family
+        if family == "turboquant":
             kb, vb = TQ_PRESETS[name][:2]
-        elif name.startswith("nvfp4") or name == "int4_per_token_head":
+        elif family == "nvfp4" or name == "int4_per_token_head":
             kb = vb = 4
         else:
             kb = vb = 8
@@ -131,7 +131,8 @@ class VllmKVPlan:
         per-tensor / per-head k/v scales when it has them (q_scale 1.0: kvcal artifacts carry
         none); vLLM's 1.0 otherwise. Returns ``(plan, note)`` with ``note`` saying which scales."""
         L = plan.num_layers
-        if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        family = vllm_dtype(kv_cache_dtype).family
+        if family == "fp8":
             sides = [(lp.k, lp.v) for lp in plan.layers]
             ok = all(sp.spec.format.value == "fp8_e4m3" and sp.spec.granularity.name in ("tensor", "head")
                      and sp.scale is not None and sp.transform == "none" and sp.mean is None and sp.rounding is None
@@ -152,11 +153,11 @@ class VllmKVPlan:
         note = (f"vllm:{kv_cache_dtype}: vLLM's defaults (static scales 1.0; no checkpoint scales)"
                 if vllm_dtype(kv_cache_dtype).static_scales else
                 f"vllm:{kv_cache_dtype}: scales computed at write time, as vLLM does")
-        if kv_cache_dtype.startswith("nvfp4") and kw.get("k_scales") is not None:
+        if family == "nvfp4" and kw.get("k_scales") is not None:
             note = (f"vllm:{kv_cache_dtype}: the artifact's NVFP4 outer scales (k_scale/v_scale) and q_scale "
                     "(calibrate --engine vllm --kv-cache-dtype nvfp4) as vLLM loads them, queries FP8-quantized "
                     "(SM100 FlashInfer trtllm-gen; SM80/90/120 keep them 16-bit)")
-        if kv_cache_dtype.startswith("turboquant_"):
+        if family == "turboquant":
             note += ("; first and last 2 layers at 16 bits (vLLM's boundary rule); vLLM's first-chunk prefill "
                      "attends to raw K/V, so these rows measure what decode steps read")
         p = cls(kv_cache_dtype, L, **kw)

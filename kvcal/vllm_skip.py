@@ -74,14 +74,14 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
     written (:func:`kvcal.search.vllm_fp8.add_to_artifact`). Bytes per token as
     :func:`kvcal.formats.vllm_dtypes.layer_bytes_per_token` counts vLLM's pages. Mutates ``meta``;
     returns the layers. Raises :class:`~kvcal.errors.KvcalError` when the probe has no samples."""
+    from kvcal.artifact.sections import vllm_section
     from kvcal.errors import KvcalError
     from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_scales
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token, vllm_token_shares
     from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
     from kvcal.search.skip_layers import budget_skip_layers
 
-    vm = meta["vllm"]
-    dtype = vm["kv_cache_dtype"]
+    dtype = vllm_section(meta).kv_cache_dtype
     shares = vllm_token_shares(model.config)  # None unless the model has sliding-window layers
     budget_ctx = model_shape(model.config).max_position_embeddings if shares is not None else None
     m = meta["model"]
@@ -110,6 +110,7 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
         choice.update(bytes_per_token=vllm_bytes_per_token(model.config, dtype, skip, context=budget_ctx),
                       bytes_per_token_16bit=vllm_bytes_per_token(model.config, dtype, range(L), context=budget_ctx),
                       bytes_per_token_context=budget_ctx)
+    vm = meta["vllm"]  # the section being written (a dict): record the layers in place
     vm["skip_layers"] = list(skip)
     vm["skip_layers_choice"] = choice
     log(f"16-bit layers (--kv-cache-dtype-skip-layers): {', '.join(map(str, skip)) or 'none'}; "

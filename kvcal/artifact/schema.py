@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kvcal.artifact.sections import vllm_section
 from kvcal.errors import ArtifactError
 
 SIDES = ("k", "v")
@@ -177,15 +178,16 @@ def validate_metadata_schema(f: Path, meta) -> None:
         _check_section(f, f"kv.transforms[{i}]", tr, {s: (_STR, False) for s in SIDES})
     if meta.get("corpus") is not None:
         _check_section(f, "corpus", meta["corpus"], _CORPUS_SCHEMA)
-    if meta.get("vllm") is not None:
+    if meta.get("vllm") is not None:  # checked as stored first; then read through the typed view
         _check_section(f, "vllm", meta["vllm"], _VLLM_SCHEMA)
-        bad = [x for x in meta["vllm"].get("skip_layers") or [] if x >= n]
+        sec = vllm_section(meta)
+        bad = [x for x in sec.skip_layers if x >= n]
         if bad:  # export would print a --kv-cache-dtype-skip-layers naming no layer of the model
             raise ArtifactError(f"{f}: metadata field vllm.skip_layers names layer(s) {bad} but the model has {n} "
                                 "layers (model.num_layers); fix the field or re-run calibration")
-        if n and len(set(meta["vllm"].get("skip_layers") or [])) >= n:  # every layer at 16 bits: nothing in the dtype
+        if n and len(set(sec.skip_layers)) >= n:  # every layer at 16 bits: nothing in the dtype
             raise ArtifactError(f"{f}: metadata field vllm.skip_layers keeps all {n} layers at 16 bits, so nothing would "
-                                f"be stored in --kv-cache-dtype {meta['vllm'].get('kv_cache_dtype')} (the 16-bit cache "
+                                f"be stored in --kv-cache-dtype {sec.kv_cache_dtype} (the 16-bit cache "
                                 "under its name); leave at least one layer out or re-run calibration")
     for j, lm in enumerate(meta.get("layers") or []):
         _check_section(f, f"layers[{j}]", lm, {"layer": ((lambda v: _is_int(v) and 0 <= v < n,

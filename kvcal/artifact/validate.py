@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvcal.artifact.schema import SIDES
+from kvcal.artifact.sections import vllm_section
 from kvcal.errors import ArtifactError
 from kvcal.plan import tensor_name
 
@@ -131,20 +132,16 @@ def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
             if bool(bad.any()):
                 raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales "
                                     f"({t[bad].flatten()[:3].tolist()}); re-run calibration")
-    if _nvfp4_dtype(meta):
+    sec = vllm_section(meta)
+    nvfp4 = sec.nvfp4_dtype if sec else None
+    if nvfp4:
         lost = [f"model.layers.{i}.self_attn.{s}_{_OUTER_KIND}" for i in range(n) for s in SIDES
                 if f"model.layers.{i}.self_attn.{s}_{_OUTER_KIND}" not in tensors]
         if lost:
-            raise ArtifactError(f"{f}: metadata says vllm.kv_cache_dtype {_nvfp4_dtype(meta)} but {len(lost)} NVFP4 "
+            raise ArtifactError(f"{f}: metadata says vllm.kv_cache_dtype {nvfp4} but {len(lost)} NVFP4 "
                                 f"outer scale(s) are missing (first: {lost[0]}); the file is incomplete — re-run "
                                 "calibration")
     _check_scale_ranges(f, meta, tensors)
-
-
-def _nvfp4_dtype(meta: dict) -> str | None:
-    """The vLLM nvfp4 dtype the artifact was calibrated for (``vllm.kv_cache_dtype``), else ``None``."""
-    d = (meta.get("vllm") or {}).get("kv_cache_dtype")
-    return d if isinstance(d, str) and d.startswith("nvfp4") else None
 
 
 def _check_outer_scale(f: Path, meta: dict, name: str, t: torch.Tensor, i: int, side: str) -> None:
@@ -152,8 +149,9 @@ def _check_outer_scale(f: Path, meta: dict, name: str, t: torch.Tensor, i: int, 
     :data:`SCALE_SANITY` of the amax rule for the calibration absmax ``layers[i].{side}.amax``
     (``[amax/2688/64, 64·max(1, amax/100)]``; the search's candidates — amax/2688 x 2^(-4/8..7/8) and
     1.0 — lie well inside). Raises :class:`ArtifactError` naming the tensor."""
-    if not _nvfp4_dtype(meta):
-        have = (meta.get("vllm") or {}).get("kv_cache_dtype")
+    sec = vllm_section(meta)
+    if not (sec and sec.nvfp4_dtype):
+        have = sec.kv_cache_dtype if sec else None
         raise ArtifactError(f"{f}: holds {name}, a vLLM NVFP4 outer scale, but the metadata says "
                             + (f"vllm.kv_cache_dtype {have!r}" if have else "no vllm nvfp4 calibration")
                             + "; kvcal writes outer scales only for --engine vllm --kv-cache-dtype nvfp4 — remove it "

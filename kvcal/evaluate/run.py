@@ -107,7 +107,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     import time
 
     from kvcal import __version__
-    from kvcal.artifact import artifact_sha256, check_model_match, load_artifact
+    from kvcal.artifact import artifact_sha256, check_model_match, load_artifact, vllm_section
     from kvcal.errors import ArtifactError, KvcalError
     from kvcal.formats.memory import model_shape
     from kvcal.models import check_max_positions, load_model, load_tokenizer, model_metadata
@@ -195,19 +195,20 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         notes.append(f"kivi4/kivi2 keep the {cfg.kivi_window} most recent tokens in 16 bits in decode mode "
                      "(KIVI's residual); teacher-forced rows quantize every key/value attention reads.")
     vllm_names = set()
+    sec = vllm_section(art.metadata)
     for d in dict.fromkeys(cfg.vllm_dtypes):
+        from kvcal.formats.vllm_dtypes import vllm_dtype
         from kvcal.vllm_plan import VllmKVPlan
 
         qt = [art.tensors.get(f"model.layers.{i}.self_attn.q_scale") for i in range(L)]  # calibrate --engine vllm
-        nv = (art.metadata.get("vllm") or {}).get("kv_cache_dtype")
-        nv = nv if isinstance(nv, str) and nv.startswith("nvfp4") else None  # --kv-cache-dtype nvfp4 artifact
+        nv = sec.nvfp4_dtype if sec else None  # --kv-cache-dtype nvfp4 artifact
         kw = ({"q_scales": [t.reshape(-1) if t.numel() > 1 else float(t.reshape(-1)[0]) for t in qt]}
-              if d in ("fp8", "fp8_e4m3") and all(t is not None for t in qt) and nv is None else {})
+              if vllm_dtype(d).family == "fp8" and all(t is not None for t in qt) and nv is None else {})
         if d == nv:  # its NVFP4 outer scales (vLLM's k_scale/v_scale) and q_scale, per tensor
             kw = {f"{s}_scales": [float(art.tensors[f"model.layers.{i}.self_attn.{s}_outer_scale"].reshape(-1)[0])
                                   for i in range(L)] for s in "kv"}
             kw["q_scales"] = [float(t.reshape(-1)[0]) for t in qt]
-        art_skip = _artifact_skip_layers(art.metadata, d)
+        art_skip = sec.skip_layers_for(d) if sec else ()
         if art_skip:  # calibrate --skip-layers / recommend: the 16-bit layers its export serves with
             kw["skip_layers"] = art_skip
         plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, backend=cfg.backend, **kw)
@@ -215,13 +216,12 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         vllm_names.add(f"vllm:{d}")
         notes.append(note + (f"; layers {', '.join(map(str, art_skip))} in the model dtype (the artifact's "
                              "--kv-cache-dtype-skip-layers)" if art_skip else ""))
-    skip_all = (art.metadata.get("vllm") or {}).get("skip_layers") if isinstance(art.metadata.get("vllm"), dict) else None
+    skip_all = sec.skip_layers if sec else None
     if skip_all:
-        dt = art.metadata["vllm"].get("kv_cache_dtype")
+        dt = sec.kv_cache_dtype
         notes.append(f"artifact rows: kvcal's runtime cache quantizes every layer; vLLM serves this artifact's export "
                      f"with layers {', '.join(map(str, skip_all))} in the model dtype (--kv-cache-dtype-skip-layers), "
-                     + ("measured in the vllm:* row of its dtype" if any(_artifact_skip_layers(art.metadata, d)
-                                                                        for d in cfg.vllm_dtypes)
+                     + ("measured in the vllm:* row of its dtype" if any(sec.skip_layers_for(d) for d in cfg.vllm_dtypes)
                         else f"which --vllm-dtype {dt} measures"))
     if vllm_names and "decode" in cfg.modes:
         notes.append("vllm:* rows are teacher-forced only: every vLLM dtype quantizes each token's K/V on its own "
@@ -329,18 +329,6 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                      + ", ".join(f"{T - 1} tokens decoded at context {T}" for T in short))
         doc["description"]["decode_tokens_by_context"] = {str(T): min(cfg.decode_tokens, T - 1) for T in contexts}
     return doc
-
-
-def _artifact_skip_layers(meta: dict, kv_cache_dtype: str) -> tuple[int, ...]:
-    """The 16-bit layers an artifact records for vLLM (``vllm.skip_layers``: ``kvcal calibrate --skip-layers``,
-    ``kvcal recommend``) when ``kv_cache_dtype`` is the dtype it was calibrated for (fp8 = fp8_e4m3); ``()``
-    otherwise."""
-    vm = meta.get("vllm")
-    if not isinstance(vm, dict) or not vm.get("skip_layers"):
-        return ()
-    fp8 = ("fp8", "fp8_e4m3")
-    same = vm.get("kv_cache_dtype") == kv_cache_dtype or (vm.get("kv_cache_dtype") in fp8 and kv_cache_dtype in fp8)
-    return tuple(int(i) for i in vm["skip_layers"]) if same else ()
 
 
 def window_source(kind: str, bos: int | None) -> str:

@@ -25,6 +25,7 @@ def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
     :class:`~kvcal.vllm_plan.VllmKVPlan` takes them) of a ``kvcal calibrate --engine vllm --kv-cache-dtype
     fp8`` artifact's ``tensors``/``metadata``: k/v as vLLM loads them, q from ``...self_attn.q_scale``
     (1.0 where absent), the backend it was calibrated for (``vllm.backend``; ``cuda`` before it was recorded). Used by recommend's probe and by calibrate's ``--skip-layers auto``."""
+    from kvcal.artifact.sections import vllm_section
     from kvcal.plan import KVPlan
     from kvcal.vllm_plan import VllmKVPlan
 
@@ -34,8 +35,8 @@ def vllm_fp8_scales(tensors: dict, metadata: dict, num_layers: int) -> dict:
         t = tensors.get(f"model.layers.{i}.self_attn.q_scale")
         t = t.float().reshape(-1) if t is not None else None
         q.append(1.0 if t is None else float(t[0]) if t.numel() == 1 else t)
-    vm = metadata.get("vllm") if isinstance(metadata.get("vllm"), dict) else {}
-    return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q, "backend": vm.get("backend", "cuda")}
+    sec = vllm_section(metadata)
+    return {"k_scales": vp.k_scales, "v_scales": vp.v_scales, "q_scales": q, "backend": sec.backend if sec else "cuda"}
 
 
 def vllm_nvfp4_scales(tensors: dict, num_layers: int) -> dict:
@@ -60,8 +61,12 @@ def vllm_scales(kv_cache_dtype: str, tensors: dict, metadata: dict, num_layers: 
     """The calibrated static scales of a ``kvcal calibrate --engine vllm`` artifact for the probe:
     :func:`vllm_nvfp4_scales` for ``nvfp4*``, :func:`vllm_fp8_scales` for ``fp8``/``fp8_e4m3``. Raises
     ``ValueError`` for a dtype with no calibrated scales."""
-    if kv_cache_dtype.startswith("nvfp4"):
+    from kvcal.formats.vllm_dtypes import VLLM_DTYPES
+
+    spec = VLLM_DTYPES.get(kv_cache_dtype)
+    family = spec.family if spec is not None else None
+    if family == "nvfp4":
         return vllm_nvfp4_scales(tensors, num_layers)
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+    if family == "fp8":
         return vllm_fp8_scales(tensors, metadata, num_layers)
     raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} has no calibrated scales")

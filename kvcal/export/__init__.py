@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 
 from kvcal import __version__
-from kvcal.artifact import Artifact, load_artifact
+from kvcal.artifact import Artifact, load_artifact, vllm_section
 from kvcal.export import modelopt, sglang, trtllm, vllm  # noqa: F401  (register the targets)
 from kvcal.export.base import (
     MANIFEST,
@@ -38,7 +38,6 @@ from kvcal.export.base import (
     stage_output,
     target_names,
     targets_that_can_load,
-    vllm_fp8_dtype,
 )
 
 __all__ = [
@@ -97,7 +96,8 @@ def export(
             raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
         ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path) + check_weights(art.metadata, ckpt)
     unsafe = t.non_saturating if art.metadata["kv"]["k"]["granularity"] == "tensor" else ()
-    if unsafe and t.name == "vllm" and vllm_fp8_dtype(art.metadata):
+    sec = vllm_section(art.metadata)
+    if unsafe and t.name == "vllm" and sec and sec.fp8_dtype:
         # calibrate --engine vllm: the k/v/q search scored vLLM's saturating FP8 write with exactly these scales
         # (and evaluate --vllm-dtype measures them), so the vLLM checkpoint keeps them as calibrated
         unsafe = ()

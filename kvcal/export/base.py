@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import Artifact
+from kvcal.artifact import Artifact, vllm_section
 from kvcal.errors import KvcalError
 from kvcal.outputs import EXPORT_MANIFEST
 from kvcal.plan import tensor_name
@@ -116,7 +116,8 @@ class Target:
     def can_load(self, meta: dict) -> str | None:
         """``None`` if this target's engines can load the artifact described by ``meta`` (the
         artifact metadata dict), else a one-line reason."""
-        d = vllm_nvfp4_dtype(meta)
+        sec = vllm_section(meta)
+        d = sec.nvfp4_dtype if sec else None
         if d is not None:
             return (f"the artifact holds vLLM NVFP4 outer scales (calibrate --engine vllm --kv-cache-dtype {d}), "
                     "which only vLLM's NVFP4 cache reads; use --target vllm")
@@ -197,22 +198,6 @@ def layer_kv_specs(meta: dict) -> list[tuple[str, dict]]:
     return [("", {"k": kv.get("k"), "v": kv.get("v")})]
 
 
-def vllm_fp8_dtype(meta: dict) -> str | None:
-    """The vLLM FP8 ``--kv-cache-dtype`` an artifact was calibrated for, under the spelling it was calibrated with
-    (``kvcal calibrate --engine vllm --kv-cache-dtype fp8|fp8_e4m3`` records it in ``vllm.kv_cache_dtype``; vLLM
-    takes both), else ``None``."""
-    d = (meta.get("vllm") or {}).get("kv_cache_dtype") if isinstance(meta.get("vllm"), dict) else None
-    return d if d in ("fp8", "fp8_e4m3") else None
-
-
-def vllm_nvfp4_dtype(meta: dict) -> str | None:
-    """The vLLM nvfp4 ``--kv-cache-dtype`` an artifact was calibrated for (``kvcal calibrate --engine vllm
-    --kv-cache-dtype nvfp4`` records it in ``vllm.kv_cache_dtype`` and writes per-layer outer scales
-    ``model.layers.{i}.self_attn.{k,v}_outer_scale``), else ``None``."""
-    d = (meta.get("vllm") or {}).get("kv_cache_dtype") if isinstance(meta.get("vllm"), dict) else None
-    return d if isinstance(d, str) and d.startswith("nvfp4") else None
-
-
 def _prepare_nvfp4(artifact: Artifact, headroom: float | None) -> PreparedScales:
     """:class:`PreparedScales` of an NVFP4 artifact: ``k``/``v`` the per-layer outer scales (float32 ``[1]``,
     vLLM's ``k_scale``/``v_scale`` for an NVFP4 cache: the dequantization multiplier, ``global_scale =
@@ -224,7 +209,7 @@ def _prepare_nvfp4(artifact: Artifact, headroom: float | None) -> PreparedScales
     fmax = FP8_E4M3_MAX * 6.0
     stats = {int(e["layer"]): e for e in meta.get("layers", []) if isinstance(e, dict) and "layer" in e}
     p = PreparedScales(n, "tensor", "nvfp4", {}, {}, {}, {}, fmax)
-    p.notes.append(f"vLLM --kv-cache-dtype {vllm_nvfp4_dtype(meta)}: k_scale/v_scale are the NVFP4 outer "
+    p.notes.append(f"vLLM --kv-cache-dtype {vllm_section(meta).nvfp4_dtype}: k_scale/v_scale are the NVFP4 outer "
                    "(global) scales, one per layer and side (vLLM's BaseKVCacheMethod takes per-tensor scales only)")
     raised = 0
     for i in range(n):
@@ -337,7 +322,8 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tu
     meta = artifact.metadata
     kv = meta["kv"]
     fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
-    nvfp4 = vllm_nvfp4_dtype(meta) is not None
+    sec = vllm_section(meta)
+    nvfp4 = sec is not None and sec.nvfp4_dtype is not None
     if headroom is not None and not (1.0 <= headroom <= MAX_HEADROOM):
         raise ExportError(
             f"--headroom must be a margin between 1.0 and {MAX_HEADROOM:g} (e.g. 1.25), got {headroom}: a margin of "

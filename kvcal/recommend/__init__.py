@@ -174,7 +174,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         for cd, uses, name, _ in calib:  # fp8 first, as before nvfp4 was calibrated (its figures unchanged)
             from kvcal.calibrate import CalibrateConfig, calibrate
 
-            fp8 = not cd.startswith("nvfp4")  # fp8 or fp8_e4m3, the menu's spelling (calibrations)
+            fp8 = vllm_dtype(cd).family == "fp8"  # fp8 or fp8_e4m3, the menu's spelling (calibrations)
             log(f"{cd}: calibrating {'k/v scales' if fp8 else 'NVFP4 outer scales'} and q_scale "
                 f"(kvcal calibrate --engine vllm --kv-cache-dtype {cd})")
             extra = cfg.fp8_kwargs if fp8 else cfg.nvfp4_kwargs

@@ -90,7 +90,7 @@ def scales_source(kv_cache_dtype: str, calibrated: bool) -> str:
         return (f"{what} calibrated on the corpus (kvcal calibrate --engine vllm --kv-cache-dtype {kv_cache_dtype}, "
                 f"{name}/)")
     if spec.static_scales:
-        kv = "outer scales" if kv_cache_dtype.startswith("nvfp4") else "k_scale/v_scale"
+        kv = "outer scales" if spec.family == "nvfp4" else "k_scale/v_scale"
         return (f"vLLM's defaults: {kv} 1.0{' and q_scale 1.0' if spec.quantizes_query else ''}, not calibrated "
                 f"(kvcal calibrate --engine vllm calibrates {', '.join(d for c in CALIBRATIONS for d in c[1])} only)")
     return WRITE_TIME

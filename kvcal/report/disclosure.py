@@ -61,15 +61,18 @@ def _gran(row: dict) -> str:
 def _what_is_quantized(rep: Report, meta: dict) -> None:
     kv = meta.get("kv") or {}
     m = meta.get("model") or {}
+    from kvcal.artifact.sections import vllm_section
+
+    sec = vllm_section(meta)
     rep.add(Heading("What is quantized (KV cache)"))
-    skip = (meta.get("vllm") or {}).get("skip_layers") if isinstance(meta.get("vllm"), dict) else None
+    skip = sec.skip_layers if sec else None
     rep.add(Para(f"**Quantized tensors: {D.quantized_label(meta)}** of every attention layer "
                  + (f"but layers {', '.join(map(str, skip))}, which vLLM keeps in the model dtype (section below) "
                     if skip else "")
                  + f"({_num(m.get('num_layers'))} layers × {_num(m.get('num_kv_heads'))} KV heads × head_dim "
                  f"{_num(m.get('head_dim'))}). "
                  + ("Queries are FP8 too on the serving engine (section below); all other activations stay in the model's "
-                    "compute precision." if (meta.get("vllm") or {}).get("q_scale") else
+                    "compute precision." if sec and sec.q_scale else
                     "Queries and all other activations stay in the model's compute precision.")))
     rows = []
     for r in D.side_rows(meta):
@@ -143,48 +146,51 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
 def _serving_engine(rep: Report, meta: dict) -> None:
     """Engine, ``--kv-cache-dtype``, skipped layers, query quantization and ``q_scale`` of an artifact
     calibrated with ``kvcal calibrate --engine vllm`` (its ``vllm`` metadata section); nothing otherwise."""
-    vm = meta.get("vllm")
-    if not isinstance(vm, dict):
+    from kvcal.artifact.sections import vllm_section
+
+    sec = vllm_section(meta)
+    if sec is None:
         return
     rep.add(Heading("Serving engine"))
-    qs = [x for row in vm.get("q_scale") or [] for x in (row if isinstance(row, list) else [row])]
-    skip = vm.get("skip_layers") or []
-    cpu = vm.get("backend") == "cpu"
-    items = [f"Engine: **{vm.get('engine')}** {vm.get('vllm_version', '')} with `--kv-cache-dtype "
-             f"{vm.get('kv_cache_dtype')}`, backend **{vm.get('backend', 'cuda')}** (FP8 written by "
-             f"{vm.get('fp8_write', 'round to nearest even')}); the scales were searched for what it serves.",
+    qs = [x for row in sec.q_scale for x in row]
+    skip = sec.skip_layers
+    cpu = sec.backend == "cpu"
+    qq = "none" if sec.query_quantization is None else sec.query_quantization
+    items = [f"Engine: **{sec.engine}** {sec.vllm_version} with `--kv-cache-dtype "
+             f"{sec.kv_cache_dtype}`, backend **{sec.backend}** (FP8 written by "
+             f"{sec.fp8_write}); the scales were searched for what it serves.",
              f"Layers kept in the model dtype (`--kv-cache-dtype-skip-layers`): "
              f"{', '.join(map(str, skip)) if skip else 'none (every layer quantized)'}.",
-             *_skip_choice(vm),
-             (f"Query quantization: **{vm.get('query_quantization', 'none')}** — vLLM's CPU backend attends with the "
+             *_skip_choice(sec),
+             (f"Query quantization: **{qq}** — vLLM's CPU backend attends with the "
               "model-dtype queries; the key search scored exact queries against the truncated FP8 keys." if cpu else
-              f"Query quantization: **{vm.get('query_quantization', 'none')}** — vLLM quantizes the post-RoPE queries "
+              f"Query quantization: **{qq}** — vLLM quantizes the post-RoPE queries "
               "to FP8 with the checkpoint's `q_scale` (1.0 when a checkpoint has none) and folds q_scale · k_scale "
               "into the softmax scale; the key search scored vLLM's scores with those FP8 queries.")]
     if qs:
-        items.append(f"q_scale: {len(vm['q_scale'])} layers, min {_num(min(qs))}, median "
+        items.append(f"q_scale: {len(sec.q_scale)} layers, min {_num(min(qs))}, median "
                      f"{_num(sorted(qs)[len(qs) // 2])}, max {_num(max(qs))} (exported as `...self_attn.q_scale`).")
     for side in ("k", "v"):  # --kv-cache-dtype nvfp4: the static outer scales (kvcal.search.vllm_nvfp4)
-        xs = vm.get(f"{side}_outer_scale")
+        xs = sec.outer_scale(side)
         if xs:
             items.append(f"NVFP4 outer {side}_scale: {len(xs)} layers, min {_num(min(xs))}, median "
                          f"{_num(sorted(xs)[len(xs) // 2])}, max {_num(max(xs))} (exported as `...self_attn.{side}_scale`; "
                          "the e4m3 block scales are computed at write time).")
-    for key, lab in (("heldout_kl_query_only", "query quantization alone"), ("heldout_kl_kv_only", "K/V alone"),
-                     ("heldout_kl_joint", "both")):
-        xs = vm.get(key)
+    for xs, lab in ((sec.heldout_kl_query_only, "query quantization alone"), (sec.heldout_kl_kv_only, "K/V alone"),
+                    (sec.heldout_kl_joint, "both")):
         if xs:
             items.append(f"Mean {D.heldout_word(meta)} attention KL per query over layers, {lab}: {_sci(sum(xs) / len(xs))} nats.")
     rep.add(Bullets(items))
 
 
-def _skip_choice(vm: dict) -> list[str]:
-    """How the 16-bit layers were chosen (``vllm.skip_layers_choice``, ``kvcal calibrate --skip-layers``):
-    a bullet with the method, the budget, the bytes per token and the serve argument; none without it."""
-    ch = vm.get("skip_layers_choice")
-    if not isinstance(ch, dict):
+def _skip_choice(sec) -> list[str]:
+    """How the 16-bit layers were chosen (``vllm.skip_layers_choice``, ``kvcal calibrate --skip-layers``) in
+    the artifact's :class:`~kvcal.artifact.sections.VllmSection` ``sec``: a bullet with the method, the budget,
+    the bytes per token and the serve argument; none without it."""
+    ch = sec.skip_layers_choice
+    if ch is None:
         return []
-    skip = vm.get("skip_layers") or []
+    skip = sec.skip_layers
     arg = f"`--kv-cache-dtype-skip-layers {' '.join(map(str, skip))}`" if skip else "no `--kv-cache-dtype-skip-layers`"
     if ch.get("method") == "auto":
         budget = ", ".join(f"{k} {ch[v]}" for k, v in (("--max-skip", "max_skip"),
@@ -192,7 +198,7 @@ def _skip_choice(vm: dict) -> list[str]:
                            if ch.get(v) is not None)
         pr = ch.get("probe") or {}
         how = (f"chosen by `--skip-layers auto` under {budget}: exact 0/1 knapsack of each layer's model-level KL "
-               f"when only it goes through `{vm.get('kv_cache_dtype')}` (probe on {_num(pr.get('samples'))} "
+               f"when only it goes through `{sec.kv_cache_dtype}` (probe on {_num(pr.get('samples'))} "
                f"{pr.get('source', '?')} samples, {_num(pr.get('tokens'))} tokens)")
     elif ch.get("method") == "recommend":  # kvcal recommend's chosen configuration (kvcal.recommend.record_skip_layers)
         how = (f"chosen by `kvcal recommend` (its {ch.get('choice', '?')} set: the cheapest configuration that "
@@ -280,11 +286,13 @@ def _regimes(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
 def _skip_memory(meta: dict) -> list[str]:
     """A memory bullet for an artifact whose ``vllm.skip_layers`` keeps layers in the model dtype: vLLM's
     bytes per token with them (``vllm.skip_layers_choice``) beside the every-layer figures of this section."""
-    vm = meta.get("vllm")
-    skip = vm.get("skip_layers") if isinstance(vm, dict) else None
+    from kvcal.artifact.sections import vllm_section
+
+    sec = vllm_section(meta)
+    skip = sec.skip_layers if sec else None
     if not skip:
         return []
-    ch = vm.get("skip_layers_choice") if isinstance(vm.get("skip_layers_choice"), dict) else {}
+    ch = sec.skip_layers_choice or {}
     nb = (f": {_num(ch.get('bytes_per_token'))} bytes per token as vLLM allocates pages "
           f"({_num(ch.get('bytes_per_token_16bit'))} at 16 bits)" if ch.get("bytes_per_token") else "")
     return [f"**Served by vLLM with layers {', '.join(map(str, skip))} in the model dtype** "

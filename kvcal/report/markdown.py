@@ -59,14 +59,16 @@ def corpus_section(meta: dict, concurrency: str) -> str:
 def _query_line(meta: dict) -> str:
     """What the report says about the queries: the model's precision, or for an artifact calibrated for vLLM
     (``kvcal calibrate --engine vllm``: a ``vllm`` section) how that engine quantizes them."""
-    eng = meta.get("vllm")
-    if not eng:
+    from kvcal.artifact.sections import vllm_section
+
+    sec = vllm_section(meta)
+    if not sec:
         return "queries stay in the model's precision"
-    qq = eng.get("query_quantization") or "none"
-    be = f", backend {eng['backend']}" if eng.get("backend", "cuda") != "cuda" else ""
-    return (f"queries as vLLM {eng.get('vllm_version', '')} serves --kv-cache-dtype {eng.get('kv_cache_dtype')}{be}: "
+    qq = sec.query_quantization or "none"
+    be = f", backend {sec.backend}" if sec.backend != "cuda" else ""
+    return (f"queries as vLLM {sec.vllm_version} serves --kv-cache-dtype {sec.kv_cache_dtype}{be}: "
             f"{qq} (q_scale calibrated with the keys)" if not qq.startswith("none") else
-            f"queries stay in the model's precision under vLLM --kv-cache-dtype {eng.get('kv_cache_dtype')}{be}")
+            f"queries stay in the model's precision under vLLM --kv-cache-dtype {sec.kv_cache_dtype}{be}")
 
 
 def _granularity(side: dict) -> str:
@@ -78,8 +80,11 @@ def _granularity(side: dict) -> str:
 def _scales_kind(meta: dict, side: str) -> str:
     """How ``side``'s scales are set: dynamic, static from calibration, or (``--kv-cache-dtype nvfp4``:
     ``vllm.{side}_outer_scale``) dynamic e4m3 block scales under the calibrated static outer scale."""
+    from kvcal.artifact.sections import vllm_section
+
     s = meta["kv"][side]
-    if (meta.get("vllm") or {}).get(f"{side}_outer_scale"):
+    sec = vllm_section(meta)
+    if sec and sec.outer_scale(side):
         return (f"dynamic {s.get('scale_dtype')} block scales under a static per-layer outer scale from calibration "
                 f"(the {side}_scale column)")
     return "dynamic" if s["dynamic"] else "static scales from calibration"
@@ -89,9 +94,11 @@ def _skip_line(meta: dict) -> str:
     """The report's bullet on the layers vLLM keeps in the model dtype (``vllm.skip_layers``, written by
     ``kvcal calibrate --skip-layers`` and ``kvcal recommend``): the layers, how they were chosen and the KV
     bytes per token as vLLM allocates pages; ``""`` for an artifact that records none."""
-    vm = meta.get("vllm") or {}
-    ch = vm.get("skip_layers_choice") if isinstance(vm.get("skip_layers_choice"), dict) else {}
-    skip = vm.get("skip_layers") or []
+    from kvcal.artifact.sections import vllm_section
+
+    sec = vllm_section(meta)
+    ch = (sec.skip_layers_choice if sec else None) or {}
+    skip = sec.skip_layers if sec else ()
     if not skip and not ch:
         return ""
     how = {"auto": "chosen by `--skip-layers auto` (per-layer KL probe under "
@@ -110,9 +117,11 @@ def _skip_line(meta: dict) -> str:
 def render_calibration_report(meta: dict) -> str:
     """``report.md`` text: what was quantized, how, on which data, and the held-out errors (labelled as
     calibration-data errors when there was no held-out split)."""
+    from kvcal.artifact.sections import vllm_section
     from kvcal.report.data import error_data_label, has_heldout
 
     m, kv, cal = meta["model"], meta["kv"], meta["calibration"]
+    sec = vllm_section(meta)
     title = "Held-out error per layer" if has_heldout(meta) else f"Error per layer on {error_data_label(meta)}"
     text = ("held-out calibration-domain text" if has_heldout(meta) else
             "the calibration samples themselves (no held-out split), so they are optimistic")
@@ -128,7 +137,7 @@ def render_calibration_report(meta: dict) -> str:
     return f"""# KV-cache calibration report
 
 ## What is quantized
-- **Tensors:** {", ".join("keys" if t == "k" else "values" for t in kv["quantized_tensors"])} of every attention layer{" but the 16-bit layers below" if (meta.get("vllm") or {}).get("skip_layers") else ""}
+- **Tensors:** {", ".join("keys" if t == "k" else "values" for t in kv["quantized_tensors"])} of every attention layer{" but the 16-bit layers below" if sec and sec.skip_layers else ""}
   ({m["num_layers"]} layers × {m["num_kv_heads"]} KV heads × head_dim {m["head_dim"]}); {_query_line(meta)}.
 - **Keys:** {k["format"]}, {_granularity(k)} granularity, {"symmetric" if k["symmetric"] else "asymmetric"}, {_scales_kind(meta, "k")}; quantized **{kv["key_position"].replace("_", "-")}** (what the cache stores).
 - **Values:** {v["format"]}, {_granularity(v)} granularity, {"symmetric" if v["symmetric"] else "asymmetric"}, {_scales_kind(meta, "v")}.

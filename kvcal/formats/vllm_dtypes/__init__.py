@@ -72,12 +72,15 @@ from kvcal.formats.vllm_dtypes.registry import (
     BACKEND_ALIASES,
     TQ_PRESETS,
     VLLM_BACKENDS,
+    VLLM_DTYPE_ALIASES,
+    VLLM_DTYPE_FAMILIES,
     VLLM_DTYPES,
     VLLM_VERSION,
     VllmBackend,
     VllmDTypeError,
     VllmKVDType,
     check_backend_serves,
+    same_vllm_dtype,
     vllm_backend,
     vllm_dtype,
 )
@@ -138,4 +141,5 @@ __all__ = [
     "fake_quant_kv", "fake_quant_side", "fake_quant_query", "check_head_dim", "head_slot_bytes", "boundary_skip_layers", "layer_bytes_per_token",
     "FP8_E4M3_MAX", "FP8_E5M2_MAX", "E2M1_MAX", "NVFP4_BLOCK", "VllmBackend", "VLLM_BACKENDS", "BACKEND_ALIASES",
     "vllm_backend", "check_backend_serves", "fp8_e4m3_truncate", "fp8_e5m2_truncate",
+    "VLLM_DTYPE_FAMILIES", "VLLM_DTYPE_ALIASES", "same_vllm_dtype",
 ]

@@ -16,6 +16,7 @@ from kvcal.formats.vllm_dtypes.per_token_head import (
 )
 from kvcal.formats.vllm_dtypes.registry import (
     TQ_PRESETS,
+    VLLM_DTYPE_FAMILIES,
     VllmBackend,
     VllmDTypeError,
     check_backend_serves,
@@ -54,7 +55,7 @@ def fake_quant_kv(name: str, k: torch.Tensor, v: torch.Tensor, *, k_scale=1.0, v
         return per_token_head_fake_quant(k, kind), per_token_head_fake_quant(v, kind)
     if name == "int4_per_token_head":
         return int4_per_token_head_fake_quant(k), int4_per_token_head_fake_quant(v)
-    if name.startswith("nvfp4"):
+    if spec.family == "nvfp4":
         f = name == "nvfp4_4over6"
         return nvfp4_fake_quant(k, k_scale, four_over_six=f), nvfp4_fake_quant(v, v_scale, four_over_six=f)
     return turboquant_fake_quant(name, k, v)
@@ -78,7 +79,7 @@ def fake_quant_side(name: str, side: str, x: torch.Tensor, scale=1.0, backend: s
         return per_token_head_fake_quant(x, name.split("_")[0])
     if name == "int4_per_token_head":
         return int4_per_token_head_fake_quant(x)
-    if name.startswith("nvfp4"):
+    if spec.family == "nvfp4":
         return nvfp4_fake_quant(x, scale, four_over_six=name == "nvfp4_4over6")
     kb, vb, nc = TQ_PRESETS[name]
     _check_4d(x, "x")
@@ -112,7 +113,7 @@ def check_head_dim(name: str, head_dim: int) -> None:
     two). The emulation would otherwise fail mid-run (:func:`nvfp4_quantize`, :func:`~kvcal.formats.vllm_dtypes.turboquant._rotate`) or the page
     bytes come out wrong (:func:`head_slot_bytes`). Raises :class:`VllmDTypeError` naming the dtype and head_dim."""
     D = int(head_dim)
-    if name.startswith("nvfp4") and D % NVFP4_BLOCK:
+    if VLLM_DTYPE_FAMILIES.get(name) == "nvfp4" and D % NVFP4_BLOCK:
         raise VllmDTypeError(f"{name} needs head_dim a multiple of {NVFP4_BLOCK} (NVFP4 blocks), this model's is {D}")
     if name.startswith("turboquant_") and (D < 1 or D & (D - 1)):
         raise VllmDTypeError(f"{name} needs a power-of-two head_dim (its Hadamard rotation), this model's is {D}")

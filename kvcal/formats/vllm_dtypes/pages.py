@@ -40,7 +40,7 @@ def head_slot_bytes(name: str, head_dim: int) -> int:
         return 2 * D + 8
     if name == "int4_per_token_head":
         return 2 * (D // 2) + 8
-    if name.startswith("nvfp4"):
+    if vllm_dtype(name).family == "nvfp4":
         return 2 * (D // 2 + D // 16)
     kb, vb, _ = TQ_PRESETS[name]
     key = D if kb == 8 else math.ceil(D * kb / 8) + 2

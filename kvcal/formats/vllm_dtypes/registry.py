@@ -1,6 +1,7 @@
 """The vLLM 0.33 ``--kv-cache-dtype`` values and attention backends kvcal emulates: :class:`VllmKVDType` and
 :data:`VLLM_DTYPES` (with :data:`TQ_PRESETS`), :class:`VllmBackend` and :data:`VLLM_BACKENDS`, their lookups
-(:func:`vllm_dtype`, :func:`vllm_backend`, :func:`check_backend_serves`) and :class:`VllmDTypeError`."""
+(:func:`vllm_dtype`, :func:`vllm_backend`, :func:`check_backend_serves`), the dtype families and aliases
+(:data:`VLLM_DTYPE_FAMILIES`, :data:`VLLM_DTYPE_ALIASES`, :func:`same_vllm_dtype`) and :class:`VllmDTypeError`."""
 
 from __future__ import annotations
 
@@ -98,6 +99,20 @@ class VllmKVDType:
     default_skip_boundary: bool
     source: str
 
+    @property
+    def family(self) -> str:
+        """The kind of cache this dtype is (:data:`VLLM_DTYPE_FAMILIES`): ``fp8`` (static per-tensor
+        e4m3 with checkpoint k/v/q scales: ``fp8`` and its alias ``fp8_e4m3``), ``fp8_e5m2``,
+        ``per_token_head`` (fp8/int8/int4 scales computed per token and head at write time), ``nvfp4``
+        (``nvfp4``, ``nvfp4_4over6``: E2M1 blocks under a static outer scale) or ``turboquant``."""
+        return VLLM_DTYPE_FAMILIES[self.name]
+
+    @property
+    def canonical(self) -> str:
+        """The name vLLM resolves this one to (:data:`VLLM_DTYPE_ALIASES`: ``fp8`` is ``fp8_e4m3``), else
+        the name itself."""
+        return VLLM_DTYPE_ALIASES.get(self.name, self.name)
+
 
 _TQ_SRC = ("model_executor/layers/quantization/turboquant/{config,centroids}.py, "
            "v1/attention/ops/triton_turboquant_{store,decode}.py, v1/attention/backends/turboquant_attn.py")
@@ -126,6 +141,25 @@ VLLM_DTYPES: dict[str, VllmKVDType] = {d.name: d for d in (
     VllmKVDType("turboquant_k3v4_nc", "TURBOQUANT_K3V4_NC", False, False, False, True, _TQ_SRC),
     VllmKVDType("turboquant_3bit_nc", "TURBOQUANT_3BIT_NC", False, False, False, True, _TQ_SRC),
 )}
+
+#: :attr:`VllmKVDType.family` of every emulated dtype
+VLLM_DTYPE_FAMILIES: dict[str, str] = {
+    "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2",
+    "fp8_per_token_head": "per_token_head", "int8_per_token_head": "per_token_head",
+    "int4_per_token_head": "per_token_head",
+    "nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4",
+    "turboquant_k8v4": "turboquant", "turboquant_4bit_nc": "turboquant", "turboquant_k3v4_nc": "turboquant",
+    "turboquant_3bit_nc": "turboquant",
+}
+#: names vLLM reads as another dtype (``--kv-cache-dtype fp8`` is e4m3: ``fp8_e4m3``)
+VLLM_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
+
+
+def same_vllm_dtype(a: str, b: str) -> bool:
+    """Whether vLLM reads ``--kv-cache-dtype`` names ``a`` and ``b`` as one dtype (equal, or aliases:
+    ``fp8`` = ``fp8_e4m3``, :data:`VLLM_DTYPE_ALIASES`); names it does not know compare as strings."""
+    return VLLM_DTYPE_ALIASES.get(a, a) == VLLM_DTYPE_ALIASES.get(b, b)
+
 
 #: TurboQuant presets (``turboquant/config.py`` ``TQ_PRESETS``): key bits (8 = raw FP8 keys),
 #: value bits, norm correction.
