@@ -1,4 +1,4 @@
-"""``kvcal calibrate --engine vllm --kv-cache-dtype D --skip-layers auto|0,1,...`` (issue 18, deliverable 3).
+"""``kvcal calibrate --engine vllm --kv-cache-dtype D --skip-layers auto|0,1,...``.
 
 Option validation (one-line errors before the model loads), the byte budget turned into the knapsack's
 bound (checked against every subset), and end to end on a tiny random Llama: the recorded layers are the

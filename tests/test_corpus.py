@@ -361,7 +361,7 @@ HOSTILE = [
     ("no_known_field", _write(GOOD + '{"content": "x", "id": 3}\n', "bad.jsonl"), 2,
      r"no known field \(keys: content, id\); use one of text, prompt"),
     ("completion_without_prompt", _write('{"completion": "x"}\n', "bad.jsonl"), 1, r'need a "prompt"'),
-    # reviewer: the 4-token prompt was used and the long text dropped without a word
+    # a record with both a prompt and a long text is refused, not read as the prompt alone
     ("prompt_and_text", _write(GOOD + '{"prompt": "Summarize.", "text": "a long document"}\n', "bad.jsonl"), 2,
      r"the record has both 'prompt' and 'text'; keep one sample field per line"),
     ("messages_and_text", _write('{"text": "x", "messages": [{"role": "user", "content": "hi"}]}\n', "bad.jsonl"), 1,

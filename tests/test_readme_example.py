@@ -1,9 +1,8 @@
-"""The README's own serving command on the committed worked example runs clean (issue 29).
+"""The README's own serving command on the committed worked example runs clean.
 
-``kvcal export --artifact artifacts/smollm2-135m-fp8 --target vllm --model-dir HF_DIR --out OUT`` printed a note
-that the artifact has no ``content_sha256`` and a warning that it records no weights fingerprint: the example
-predated both. It was regenerated with the same ``kvcal calibrate`` command (its 60 scales are unchanged);
-this test runs the README's line as written, with HF_DIR the embedded model's checkpoint."""
+``kvcal export --artifact artifacts/smollm2-135m-fp8 --target vllm --model-dir HF_DIR --out OUT``, run as the
+README writes it with HF_DIR the embedded model's checkpoint, prints no note that the artifact lacks a
+``content_sha256`` and no warning that it records no weights fingerprint."""
 
 from __future__ import annotations
 

@@ -331,7 +331,7 @@ def test_recommend_refuses_an_out_inside_the_model_directory(tiny, no_model):
     assert no_model == [] and not out.exists()
 
 
-# ---- issue 18 follow-up: no candidate stores nothing in its dtype; --max-skip in range; one dtype spelling --------
+# ---- no candidate stores nothing in its dtype; --max-skip in range; one dtype spelling --------
 REC = ["recommend", "--engine", "vllm", "--quiet", "--corpus", str(CHAT), "--context", "64", "--windows", "1",
        "--probe-tokens", "64"]
 

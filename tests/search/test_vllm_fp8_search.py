@@ -1,4 +1,4 @@
-"""Issue 18 (2, 5, 6): q_scale calibration and the key search with vLLM's FP8 queries; artifact, export,
+"""q_scale calibration and the key search with vLLM's FP8 queries; artifact, export,
 inspect and disclosure of the q scales. Tiny tensors and a tiny random Llama (seconds each)."""
 
 from __future__ import annotations
