@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.cli import main
 

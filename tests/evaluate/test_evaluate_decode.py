@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_8, save_tiny_llama
+from helpers.models import TINY_LLAMA_8, save_tiny_llama
 from helpers.runtime import make_plan, tiny_model, write_tiny_artifact
 from helpers.tokenizers import CharTok
 

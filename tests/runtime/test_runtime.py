@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.runtime import D, H, L, make_plan, tiny_model, write_tiny_artifact
+from helpers.runtime import D, H, L, make_plan, prefill_and_protocol_a, tiny_model, write_tiny_artifact
 
 from kvcal.capture.hooks import attention_hook
 from kvcal.errors import ArtifactError
@@ -38,11 +38,7 @@ def test_prefill_equals_protocol_a(model, name):
     same plan) exactly, and the cache reports 45 tokens."""
     plan = make_plan(name, sinks=0 if name == "bf16" else 3)
     ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(1))
-    cache = QuantizedKVCache(plan, model.config)
-    with torch.no_grad():
-        a = model(ids, cache=cache, use_cache=True).logits
-        with attention_hook(model, plan_hook(plan)):
-            b = model(ids, use_cache=False).logits
+    cache, a, b = prefill_and_protocol_a(model, plan, ids)
     assert torch.equal(a, b)
     assert cache.get_seq_length() == 45
 

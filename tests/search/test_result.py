@@ -2,7 +2,7 @@
 type, and the report is render_report of its metadata."""
 
 import pytest
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.search.result import ERROR_DATA, SearchResult
 

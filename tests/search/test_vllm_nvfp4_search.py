@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
 
 from kvcal.errors import KvcalError
 from kvcal.search import vllm_nvfp4 as N
