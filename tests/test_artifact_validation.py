@@ -191,7 +191,8 @@ def test_scale_bounds_admit_every_search_candidate(tmp_path):
                     "kv": {s: {"format": "fp8_e4m3", "granularity": "tensor"} for s in "kv"},
                     "layers": [{"layer": 0, "k": {"amax": [amax]}, "v": {"amax": [amax]}}]}
             t = {tensor_name(0, s): torch.tensor([scale]) for s in "kv"}
-            load_artifact(write_artifact(tmp_path / f"a{amax}_{scale}", t, meta))
+            back = load_artifact(write_artifact(tmp_path / f"a{amax}_{scale}", t, meta))
+            assert all(torch.equal(back.tensors[k], t[k]) for k in t)  # loaded as written, not adjusted
 
 
 def test_per_channel_scales_far_below_their_head_absmax_load(tmp_path):
