@@ -1,5 +1,4 @@
-"""One artifact validator for every command (issue 21 "Hardening, round 2", issue 22 "Hand-edited finite
-values pass every check"): a table of hand-edit classes, each run through every command that reads an
+"""One artifact validator for every command, hand-edited finite values included: a table of hand-edit classes, each run through every command that reads an
 artifact (export, evaluate, plan --kv-config, inspect, report), each answered with exit 2 and one line
 naming the field or tensor — never a traceback, never an export that loads."""
 
@@ -134,8 +133,8 @@ def test_every_command_refuses_each_class_in_one_line(good, tmp_path, case):
 
 
 def test_old_artifacts_without_a_content_hash_still_load(good, tmp_path):
-    """Artifacts written before the hash (the committed worked example until issue 29) load after every other check;
-    inspect and export say that edits to them cannot be detected."""
+    """Artifacts written before kvcal recorded a content hash load after every other check; inspect and export
+    say that edits to them cannot be detected, and the range check still refuses an absurd scale."""
     path, _ = good
     old = _edited(path, tmp_path / "old", lambda m, t: (m.pop(CONTENT_HASH_KEY), m.pop("tensor_names"),
                                                          m["model"].pop("weights", None)), resign=False)
@@ -152,8 +151,9 @@ def test_old_artifacts_without_a_content_hash_still_load(good, tmp_path):
 
 @pytest.mark.parametrize("marker", ["tensor_names", "model.weights"])
 def test_deleting_the_content_hash_of_a_hash_era_artifact_is_refused(good, tmp_path, marker):
-    """Tester: deleting content_sha256 and tripling a scale passed inspect/export with only the
-    'written before kvcal recorded one' note; fields only hash-recording writers produce give it away."""
+    """An artifact whose content_sha256 was deleted (and a scale tripled) is refused when it holds a field only
+    hash-recording writers produce (tensor_names, model.weights): load_artifact raises, inspect and export exit 2
+    with one line and write nothing."""
     path, _ = good
 
     def strip(m, t):
@@ -191,7 +191,8 @@ def test_scale_bounds_admit_every_search_candidate(tmp_path):
                     "kv": {s: {"format": "fp8_e4m3", "granularity": "tensor"} for s in "kv"},
                     "layers": [{"layer": 0, "k": {"amax": [amax]}, "v": {"amax": [amax]}}]}
             t = {tensor_name(0, s): torch.tensor([scale]) for s in "kv"}
-            load_artifact(write_artifact(tmp_path / f"a{amax}_{scale}", t, meta))
+            back = load_artifact(write_artifact(tmp_path / f"a{amax}_{scale}", t, meta))
+            assert all(torch.equal(back.tensors[k], t[k]) for k in t)  # loaded as written, not adjusted
 
 
 def test_per_channel_scales_far_below_their_head_absmax_load(tmp_path):

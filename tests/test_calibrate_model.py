@@ -147,11 +147,11 @@ def test_cli_refuses_existing_output(tmp_path):
     (["--preset", "int4", "--format", "fp8_e5m2"], "--format applies to --preset fp8 only"),
     (["--preset", "int8", "--granularity", "head"], "--granularity applies to --preset fp8 only"),
     (["--bits", "4", "--format", "fp8_e5m2"], "--bits 4 allocates integer formats per layer (drop --format)"),
-    # reviewer: an explicit option equal to its default, or --preset beside --bits, was silently dropped
+    # an explicit option equal to its default, or --preset beside --bits, is not silently dropped
     (["--preset", "int8", "--format", "fp8_e4m3", "--granularity", "tensor"],
      "--format/--granularity apply to --preset fp8 only"),
     (["--preset", "int4", "--bits", "4"], "replaces --preset; give one of them"),
-    # reviewer: an infeasible budget was refused only after capture, search and the sensitivity probe
+    # an infeasible budget is refused before capture, search and the sensitivity probe
     (["--bits", "2.0"], "raise --bits to at least 2.09"),
     (["--bits", "3", "--residual-window", "5000"], "above any allowed --bits (2-16)"),
     (["--budget-context", "0"], "Invalid value for '--budget-context': 0 is not in the range 1<=x"),
@@ -172,8 +172,8 @@ def test_cli_refuses_conflicting_or_invalid_options(tmp_path, args, match):
 
 
 def test_cli_overwrite_never_destroys_inputs_or_foreign_dirs(tmp_path):
-    """Reviewer's reproducers: ``--out`` holding the corpus, or a user directory, with
-    ``--overwrite`` — refused at once (before the model loads), nothing deleted."""
+    """``calibrate --overwrite`` with ``--out`` holding the corpus, or a directory kvcal did not write, is
+    refused at once (before the model loads) and deletes nothing; an ``--out`` below a file is refused too."""
     d = tmp_path / "cc"
     d.mkdir()
     corpus = d / "chat.jsonl"

@@ -1,4 +1,4 @@
-"""``kvcal calibrate --engine vllm --kv-cache-dtype D --skip-layers auto|0,1,...`` (issue 18, deliverable 3).
+"""``kvcal calibrate --engine vllm --kv-cache-dtype D --skip-layers auto|0,1,...``.
 
 Option validation (one-line errors before the model loads), the byte budget turned into the knapsack's
 bound (checked against every subset), and end to end on a tiny random Llama: the recorded layers are the
@@ -158,7 +158,7 @@ FP8_LAYER, B16_LAYER = 2 * 16 * 2, 2 * 16 * 2 * 2
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory, smollm_tokenizer):
-    from conftest import TINY_LLAMA_16, save_tiny_llama
+    from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-llama-skip", vocab_size=49152,
                            **{**TINY_LLAMA_16, "num_hidden_layers": L4})
@@ -280,24 +280,12 @@ def test_artifact_naming_a_layer_past_the_model_is_refused(auto_artifact, tmp_pa
     --kv-cache-dtype-skip-layers that matches no layer, one naming all four layers a deployment that stores nothing
     in fp8 (the 16-bit cache under its name; a recommend run of the last release wrote such artifacts): refused on
     load, naming the field — also when the content hash was recomputed after the edit (a writer other than kvcal)."""
-    import shutil
+    from helpers.export import edited_copy
 
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    from kvcal.artifact import CONTENT_HASH_KEY, content_sha256, load_artifact
+    from kvcal.artifact import load_artifact
     from kvcal.errors import ArtifactError
 
     out, _ = auto_artifact
-    bad = tmp_path / "bad"
-    shutil.copytree(out, bad)
-    f = bad / "kv_scales.safetensors"
-    with safe_open(str(f), "pt") as fh:
-        md = fh.metadata()
-    meta = json.loads(md["kvcal"])
-    meta["vllm"]["skip_layers"] = skip
-    tensors = load_file(str(f))
-    meta[CONTENT_HASH_KEY] = content_sha256(meta, tensors)
-    save_file(tensors, str(f), metadata={**md, "kvcal": json.dumps(meta)})
+    bad = edited_copy(out, tmp_path / "bad", lambda m, t: m["vllm"].__setitem__("skip_layers", skip), resign=True)
     with pytest.raises(ArtifactError, match=words):
         load_artifact(bad)

@@ -160,9 +160,9 @@ def test_plan_with_artifact_kv_config(tmp_path):
 
 
 def test_plan_options_sharing_a_name_keep_their_own_numbers(tmp_path, monkeypatch):
-    """Reviewer: an artifact directory named like a preset (or two artifacts with one basename)
-    overwrote each other's columns. Each option keeps its own capacity, labelled by the path
-    given; an option listed twice and a bare name that is both a preset and a directory are refused."""
+    """Plan options that share a name (an artifact directory named like a preset, two artifacts with one
+    basename) each keep their own capacity, labelled by the path given; an option listed twice and a bare
+    name that is both a preset and a directory are refused."""
     from helpers.report import make_artifact, make_meta, make_tensors
 
     from kvcal.artifact import write_artifact

@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_8, LoaderCalled, save_tiny_llama
-from helpers.cli import fp8_artifact
+from helpers.cli import LoaderCalled, fp8_artifact
+from helpers.models import TINY_LLAMA_8, save_tiny_llama
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

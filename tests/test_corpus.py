@@ -106,6 +106,17 @@ def test_single_format_files_report_their_format(tok, tmp_path, fmt):
     }[fmt]
     c = load_corpus(write_jsonl(tmp_path / "a.jsonl", [rec, rec]), tok, max_seq_len=512)
     assert c.format == fmt and len(c) == 2
+    # each sample is exactly the ids of an independent encode / apply_chat_template call (as in the mixed file)
+    want = {
+        "text": lambda: enc(tok, rec["text"]),
+        "prompt": lambda: enc(tok, rec["prompt"]),
+        "prompt_completion": lambda: chat_ids(tok, [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": " there"}], False),
+        "messages": lambda: chat_ids(tok, CHAT, True),
+        "turns": lambda: chat_ids(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                                        {"role": "user", "content": "and?"}], True),
+    }[fmt]()
+    assert ids(c) == [want, want]
 
 
 def test_prompt_completion_without_chat_template_concatenates(plain_tok, tmp_path):
@@ -361,7 +372,7 @@ HOSTILE = [
     ("no_known_field", _write(GOOD + '{"content": "x", "id": 3}\n', "bad.jsonl"), 2,
      r"no known field \(keys: content, id\); use one of text, prompt"),
     ("completion_without_prompt", _write('{"completion": "x"}\n', "bad.jsonl"), 1, r'need a "prompt"'),
-    # reviewer: the 4-token prompt was used and the long text dropped without a word
+    # a record with both a prompt and a long text is refused, not read as the prompt alone
     ("prompt_and_text", _write(GOOD + '{"prompt": "Summarize.", "text": "a long document"}\n', "bad.jsonl"), 2,
      r"the record has both 'prompt' and 'text'; keep one sample field per line"),
     ("messages_and_text", _write('{"text": "x", "messages": [{"role": "user", "content": "hi"}]}\n', "bad.jsonl"), 1,

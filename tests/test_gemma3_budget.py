@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 from click.testing import CliRunner
-from conftest import save_tiny_gemma3
+from helpers.models import save_tiny_gemma3
 
 from kvcal.cli import main
 

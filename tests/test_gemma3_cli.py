@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
-from conftest import save_tiny_gemma3
-
-from kvcal.cli import main
+from helpers.cli import run_cli as run
+from helpers.models import calibrate_tiny_gemma3, torch_threads
 
 TEXT = "calibration_sets/text.jsonl"
 PER_TOKEN_LAYER = 2 * 1 * 32 * 2
@@ -19,26 +17,11 @@ PER_TOKEN_LAYER = 2 * 1 * 32 * 2
 ACCEPT = "kl_mean<=1"  # bf16 bytes per token per layer: K and V, 1 KV head x 32
 
 
-def run(args):
-    r = CliRunner().invoke(main, args)
-    assert r.exit_code == 0 and r.exception is None, r.output
-    assert "Traceback" not in r.output
-    return r.output
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory, smollm_tokenizer):
-    """(model dir, fp8 artifact calibrated on 8 x 64 tokens)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    d = save_tiny_gemma3(tmp_path_factory, smollm_tokenizer, "tiny-gemma3")
-    art = tmp_path_factory.mktemp("g3art") / "art"
-    run(["calibrate", "--model", str(d), "--corpus", TEXT, "--max-samples", "8", "--max-seq-len", "64",
-         "--out", str(art), "--quiet"])
-    yield d, art
-    torch.set_num_threads(n)
+    """(model dir, fp8 artifact calibrated on 8 x 64 tokens); single-threaded for the module."""
+    with torch_threads(1):
+        yield calibrate_tiny_gemma3(tmp_path_factory, smollm_tokenizer, "tiny-gemma3")
 
 
 def test_calibrate_writes_every_layer(gemma):
@@ -83,7 +66,7 @@ def test_plan_inspect_export(gemma, tmp_path):
     assert "layer types: 3 sliding-window (W = 8: layers 0-1,3), 1 full attention (layers 2)" in out
     out = run(["export", "--artifact", str(art), "--target", "vllm", "--model-dir", str(d), "--out", str(tmp_path / "x")])
     assert "vllm serve" in out
-    from conftest import safetensors_dir
+    from helpers.models import safetensors_dir
 
     names = set(safetensors_dir(tmp_path / "x"))
     assert {f"model.layers.{i}.self_attn.{s}_scale" for i in range(4) for s in "kv"} <= names

@@ -1,9 +1,9 @@
-"""A vLLM KV dtype the model's head_dim cannot store: nvfp4 packs 16-channel blocks (head_dim a multiple of 16),
-turboquant rotates by a Hadamard matrix (a power of two). Before these tests, ``kvcal calibrate --engine vllm
---kv-cache-dtype nvfp4``, ``kvcal recommend`` (nvfp4 is in its default menu) and ``kvcal evaluate --vllm-dtype
-nvfp4`` on a head_dim-8 model ended in a ``VllmDTypeError`` traceback mid-search / mid-probe, and ``kvcal memory
---format vllm:nvfp4`` printed 32 bytes per token (no block scales counted). Now: one ``error:`` line before the
-model loads, nothing written; the default menu of ``recommend`` leaves such a dtype out with a note."""
+"""A vLLM KV dtype the model's head_dim cannot store (nvfp4 packs 16-channel blocks: head_dim a multiple of 16;
+turboquant rotates by a Hadamard matrix: a power of two) is refused on a head_dim-8 model by ``kvcal calibrate
+--engine vllm --kv-cache-dtype nvfp4``, ``kvcal recommend`` and ``kvcal evaluate --vllm-dtype nvfp4`` with one
+``error:`` line before the model loads, nothing written (never a ``VllmDTypeError`` traceback mid-search);
+``kvcal memory --format vllm:nvfp4`` refuses it rather than printing a size without block scales; and the
+default menu of ``recommend`` leaves such a dtype out with a note."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_8, save_tiny_llama
+from helpers.models import TINY_LLAMA_8, save_tiny_llama
 
 from kvcal.cli import main
 from kvcal.errors import KvcalError
@@ -72,7 +72,7 @@ def test_nvfp4_on_head_dim_8_is_one_line_before_the_model_loads(tiny8, no_model,
 
 
 def test_memory_refuses_nvfp4_on_head_dim_8(tiny8):
-    """kvcal memory --format vllm:nvfp4 on head_dim 8: one error line (was: 32 bytes per token)."""
+    """kvcal memory --format vllm:nvfp4 on head_dim 8 is refused in one error line (no size without block scales)."""
     r = CliRunner().invoke(main, ["memory", "--model", str(tiny8[0]), "--format", "vllm:nvfp4"])
     assert r.exit_code == 2 and r.output.strip() == (
         "error: nvfp4 needs head_dim a multiple of 16 (NVFP4 blocks), this model's is 8"), r.output

@@ -1,4 +1,4 @@
-"""Hostile input, round 3 (issue 29): acceptance bars, comma-separated options, signals, special files,
+"""Hostile input: acceptance bars, comma-separated options, signals, special files,
 environment variables and messages that tell the truth. Each case is refused in one line (exit 2) before
 any model loads, or handled as docs/bad-input.md says."""
 
@@ -45,9 +45,9 @@ def one_error_line(r, *words):
     ("kl_mean<=1e-2,kl_mean<=1e-2", ["is named twice"]),
 ])
 def test_recommend_refuses_bars_it_cannot_judge_before_the_model_loads(corpus, tmp_path, no_model, bar, words):
-    """Issue 29: recommend --accept "greedy_agree>=0.5" ran for minutes, then "no configuration passes"
-    (greedy_agree=None on every row); kl_mean<=-1 / top1_agree>=2 / kl_mean<=1e999 were judged only after the
-    run. All are refused in one line before the model loads, nothing written."""
+    """recommend refuses every --accept bar it cannot judge — a metric its rows never have (greedy_agree with
+    --engine vllm) or a bound outside the metric's range (kl_mean<=-1, top1_agree>=2, kl_mean<=1e999) — in one
+    line before the model loads, writing nothing."""
     out = tmp_path / "rec"
     r = CliRunner().invoke(main, ["recommend", "--engine", "vllm", "--corpus", str(corpus), "--out", str(out),
                                   "--accept", bar, "--quiet"])
@@ -116,8 +116,8 @@ def test_split_list_rules(value, words):
 ])
 @pytest.mark.parametrize("value", [",", "", "x,,y"])
 def test_every_comma_option_refuses_empty_lists_alike(corpus, tmp_path, no_model, cmd, opt, value):
-    """Issue 29: evaluate --vllm-dtype "," was silently ignored while recommend --dtypes "," was refused. Every
-    comma-separated option goes through kvcal.options.split_list: exit 2, one line naming the option."""
+    """Every comma-separated option refuses an empty list or an empty item alike (kvcal.options.split_list):
+    exit 2, one line naming the option, before the model loads, nothing written."""
     args = [a.format(c=corpus, o=tmp_path / "o") for a in cmd] + [opt, value]
     r = CliRunner().invoke(main, args)
     line = one_error_line(r, opt)
@@ -139,9 +139,8 @@ def _export_options() -> set[str]:
 
 @pytest.mark.parametrize("vllm_calibrated, clipped_scales", [(True, False), (True, True), (False, True)])
 def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_calibrated, clipped_scales):
-    """Issue 29: `kvcal export --target vllm` of a `calibrate --engine vllm` artifact warned "re-export without
-    --clipped-scales" although the flag was never given (that artifact keeps its clip by default). A suggestion
-    to drop a flag appears only when it was given; every option named is one `kvcal export` has, and the
+    """Export suggests dropping --clipped-scales only when it was given (a `calibrate --engine vllm` artifact
+    keeps its clip by default without it); every option its messages name is one `kvcal export` has, and the
     suggested --headroom is accepted."""
     import re
 
@@ -174,10 +173,10 @@ def test_every_command_handles_errors_and_signals():
 @pytest.mark.parametrize("signame, status", [("SIGTERM", 143), ("SIGHUP", 129)])
 @pytest.mark.parametrize("command", ["export", "report"])
 def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, monkeypatch, signame, status, command):
-    """Issue 29: SIGTERM (timeout, kill, docker stop, Kubernetes) killed `recommend` with no message and left a
-    hidden `.OUT.tmp-XXXXXXXX/` beside the user's files. The signal now arrives as kvcal.errors.Terminated (a
-    KeyboardInterrupt) while the temporary output exists: it is removed, one line says what happened, exit
-    128 + the signal number, and the handlers are restored afterwards."""
+    """A terminating signal (SIGTERM as from timeout, kill or docker stop) while a temporary output
+    `.OUT.tmp-XXXXXXXX/` exists arrives as kvcal.errors.Terminated (a KeyboardInterrupt): the temporary output
+    is removed, one line says what happened, the exit status is 128 + the signal number, and the handlers are
+    restored afterwards."""
     import os
     import signal
 
@@ -299,9 +298,9 @@ def _make(kind, d):
     ("text_as_parquet", ["is JSON lines text, not a Parquet file", ".jsonl extension"]),
 ])
 def test_binary_files_are_named_by_their_first_bytes(tmp_path, no_model, kind, words):
-    """Issue 29: a Parquet file named data.jsonl got "not valid UTF-8 ... re-encode ... `iconv -f latin1 -t utf-8`",
-    advice that corrupts it. Binary formats are recognised by their first bytes before any text is decoded, and
-    the message names what the file is; nothing suggests a latin1 re-encoding."""
+    """A binary corpus file (e.g. Parquet named data.jsonl) is recognised by its first bytes before any text is
+    decoded: the one-line message names what the file is, and nothing suggests a latin1 re-encoding (which would
+    corrupt it)."""
     path = _make(kind, tmp_path)
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(path), "--out", str(tmp_path / "o")])
     line = one_error_line(r, str(path), *words)
@@ -320,8 +319,8 @@ def test_non_utf8_text_is_not_told_to_assume_latin1(tmp_path):
 
 
 def test_a_zero_row_parquet_file_has_no_samples(tmp_path, no_model):
-    """Issue 29: a valid Parquet file with zero rows: "cannot read as parquet (ArrowInvalid: BatchSize must be
-    greater than 0) ... check that it is a valid parquet file". It is valid and has no samples."""
+    """A valid Parquet file with zero rows is refused by calibrate and recommend in one line as holding no
+    samples, not as an unreadable parquet file."""
     p = _parquet(tmp_path / "empty.parquet", [])
     for cmd in (["calibrate", "--corpus", str(p), "--out", str(tmp_path / "o")],
                 ["recommend", "--engine", "vllm", "--corpus", str(p), "--out", str(tmp_path / "o")]):
@@ -331,9 +330,9 @@ def test_a_zero_row_parquet_file_has_no_samples(tmp_path, no_model):
 
 
 def test_a_decompression_bomb_is_refused_at_the_bound(tmp_path, no_model, monkeypatch):
-    """Issue 29: a 20 MB .jsonl.gz expanding to 3 GB with --max-samples 2 was parsed to its last line (160 s). A
-    compressed corpus is read up to kvcal.corpus.MAX_DECOMPRESSED_BYTES (or MAX_EXPANSION x its size, whichever is
-    more); here the bound is lowered to 1 MiB so that the test writes 4 MiB, not gigabytes."""
+    """A compressed corpus is read only up to kvcal.corpus.MAX_DECOMPRESSED_BYTES (or MAX_EXPANSION x its size,
+    whichever is more): past it, one line within seconds (even with --max-samples 2), before the model loads;
+    within it, the file is read to its end. Here the bound is lowered to 1 MiB so that the test writes 4 MiB."""
     import gzip
     import time
 
@@ -370,8 +369,8 @@ TORCHRUN = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "1
     ({"KVCAL_KERNELS": "cuda"}, "KVCAL_KERNELS='cuda' is not one of auto, torch, triton"),
 ])
 def test_environment_variables_are_validated_in_one_line(corpus, tmp_path, monkeypatch, no_model, env, words):
-    """Issue 29: `WORLD_SIZE=abc kvcal calibrate ...` ended in a ValueError traceback. torchrun's variables and
-    kvcal's own are validated with one line naming the variable, before the model loads."""
+    """torchrun's environment variables (e.g. WORLD_SIZE=abc) and kvcal's own are validated before the model
+    loads, each refused in one line naming the variable."""
     for k in (*TORCHRUN, "LOCAL_WORLD_SIZE", "KVCAL_KERNELS"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
@@ -427,9 +426,8 @@ def _fake_recommend_output(d):
 
 
 def test_recommend_recognises_its_own_output_and_offers_overwrite(corpus, tmp_path, no_model):
-    """Issue 29: re-running `recommend --out O` onto its own earlier output said it "holds files kvcal did not
-    write" and pointed at --overwrite, which recommend did not have. Recommend's output is kvcal's output: without
-    --overwrite it is refused naming --overwrite; with it the run goes ahead (here: to the stubbed model loader)."""
+    """`recommend --out O` onto its own earlier output recognises it as kvcal's: without --overwrite it is
+    refused naming --overwrite; with it the run goes ahead (here: to the stubbed model loader)."""
     out = _fake_recommend_output(tmp_path / "rec")
     base = ["recommend", "--engine", "vllm", "--corpus", str(corpus), "--out", str(out), "--context", "16",
             "--probe-tokens", "16", "--windows", "1"]

@@ -1,4 +1,4 @@
-"""Messages for bad CLI / corpus input name the thing the user wrote (tester's reproducers)."""
+"""Messages for bad CLI / corpus input name the thing the user wrote."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _int_list_options():
 
 @pytest.mark.parametrize("value", ["128,,64", "1024,", ",1024"])
 def test_integer_list_with_an_empty_item_is_refused(value):
-    """Tester: `--context 128,,64` was read as 128,64 (the empty item silently dropped)."""
+    """An empty item in an integer-list option (`--context 128,,64`) is refused, not dropped."""
     opts = _int_list_options()
     assert any(p.name == "contexts" for _, p in opts)
     for _name, p in opts:
@@ -34,7 +34,8 @@ def test_integer_list_with_an_empty_item_is_refused(value):
 
 @pytest.mark.parametrize("name,content", [("empty.json", "[]"), ("header.csv", "text\n"), ("header2.csv", "id,text\n")])
 def test_a_corpus_without_rows_says_no_samples(tmp_path, name, content):
-    """Tester: an empty JSON array / header-only CSV said datasets' 'Instruction "train" corresponds to no data!'."""
+    """An empty JSON array / header-only CSV is refused in one line as having no samples (not with the
+    datasets library's 'corresponds to no data')."""
     from kvcal.corpus import check_corpus
     from kvcal.errors import CorpusError
 
@@ -48,8 +49,8 @@ def test_a_corpus_without_rows_says_no_samples(tmp_path, name, content):
 @pytest.mark.parametrize("name,content", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.txt", ""),
                                           ("blank.txt", "\n  \n\n")])
 def test_an_empty_file_says_no_samples_before_any_tokenizer(tmp_path, name, content):
-    """Tester: an empty .jsonl / .txt said "no samples" only after the tokenizer loaded (6-9 s); the
-    tokenizer-free check (what the CLI runs before importing torch) now says it."""
+    """An empty or blank .jsonl / .txt is refused as having no samples by the tokenizer-free check (what the CLI
+    runs before importing torch)."""
     from kvcal.corpus import check_corpus
     from kvcal.errors import CorpusError
 
@@ -60,7 +61,7 @@ def test_an_empty_file_says_no_samples_before_any_tokenizer(tmp_path, name, cont
 
 
 def test_text_field_of_the_wrong_type_names_the_field(tmp_path):
-    """Tester: `--text-field id` on an integer column said '"text" must be a string'."""
+    """`--text-field id` on an integer column is refused naming the row, the field and the type it holds."""
     from kvcal.corpus import check_corpus
     from kvcal.errors import CorpusError
 
@@ -72,7 +73,7 @@ def test_text_field_of_the_wrong_type_names_the_field(tmp_path):
 
 @pytest.mark.parametrize("kind", ["csv", "parquet"])
 def test_a_table_cell_over_the_line_limit_is_refused_like_a_jsonl_line(tmp_path, kind):
-    """Tester: JSONL refuses a line over MAX_LINE_BYTES (8 MiB) but a CSV / parquet cell of any size was read."""
+    """A CSV / parquet cell over MAX_LINE_BYTES (8 MiB) is refused, as a JSONL line over it is."""
     from kvcal.corpus import MAX_LINE_BYTES, check_corpus
     from kvcal.errors import CorpusError
 
@@ -97,7 +98,7 @@ def test_txt_token_bound_holds_and_refuses_a_short_corpus_before_anything_loads(
     """``txt_token_bound`` (3·bytes + 1) is an upper bound of what evaluate's tokenization gives —
     checked on real text, multi-byte characters and invalid bytes with the embedded tokenizer — and
     `kvcal evaluate` refuses a .txt shorter than one window from it, after the artifact's own checks
-    and before the tokenizer or model loads (tester: 6-9 s after the tokenizer loaded)."""
+    and before the tokenizer or model loads."""
     import kvcal.models
     from kvcal.corpus import txt_token_bound
 

@@ -148,8 +148,8 @@ def test_inspect_hand_written_json_with_bad_values(tmp_path):
 
 
 def test_inspect_standalone_export_without_config_says_so(tmp_path):
-    """Reviewer: a standalone trtllm-legacy export (no config.json at all) was reported as 'config.json has no
-    quantization_config'."""
+    """Inspect of a standalone trtllm-legacy export (no config.json) tells vLLM and SGLang that these are
+    TensorRT-LLM names, never that 'config.json has no quantization_config'."""
     path, _ = make_artifact(tmp_path / "art")
     export(path, "trtllm-legacy", tmp_path / "t")
     assert not (tmp_path / "t" / "config.json").exists()

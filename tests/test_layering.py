@@ -1,4 +1,4 @@
-"""Import direction of the kvcal package (issue 20, layering).
+"""Import direction of the kvcal package.
 
 Claim checked: every import of a ``kvcal`` module by a ``kvcal`` module — at top level or inside a
 function, class or ``if TYPE_CHECKING`` block — goes to the same layer or a lower one of the map in

@@ -1,4 +1,4 @@
-"""Issue 22, "wrong artifacts that load": a checkpoint with missing weights, a GGUF without tensors,
+"""Wrong inputs that would load are refused or disclosed: a checkpoint with missing weights, a GGUF without tensors,
 an export into a checkpoint whose weights differ from the calibrated ones, "held-out" figures with no
 held-out split, and ``--max-seq-len`` past the model's positions. Tiny random Llamas in ``tmp_path``
 (2–4 layers, hidden 64) with a byte-level tokenizer built here: no embedded model, seconds each."""
@@ -81,8 +81,8 @@ def _calibrate(tmp_path, model_dir, out="art", samples: int = 6, **kw):
 # ---- missing / unexpected weights at load --------------------------------------------------------
 
 def test_checkpoint_missing_layers_is_refused_naming_them(tmp_path):
-    """Tester's reproducer: a checkpoint without its last layers (config and tokenizer intact) loaded
-    as random layers and calibrated (exit 0). Now: one line naming the missing weights."""
+    """A checkpoint without its last layers' weights (config and tokenizer intact) is refused in one line
+    naming the missing weights, never loaded with random layers."""
     from kvcal.models import load_model
 
     d = drop_layers(save_tiny(tmp_path / "m"), {2, 3})
@@ -138,8 +138,8 @@ def _write_gguf(path, n_blocks: int, tensor_blocks: list[int]):
 
 
 def test_gguf_without_tensors_is_refused_before_building_the_model(tmp_path, monkeypatch):
-    """Tester: a GGUF with a vocabulary and no tensors built a random full-size model (OOM after
-    minutes, no message). Refused from the GGUF's tensor list, before transformers is asked."""
+    """A GGUF with a vocabulary and no tensors is refused from its tensor list, before transformers is asked to
+    build a (random, full-size) model."""
     import transformers
 
     from kvcal.models import load_model
@@ -259,9 +259,9 @@ def test_fingerprint_of_gguf_loaded_model_matches_its_hf_copy(tmp_path):
 
 
 def test_export_refuses_a_model_dir_with_other_weights_and_warns_for_old_artifacts(tmp_path):
-    """Tester: an artifact calibrated on a checkpoint missing layers 15-29 was exported into the real
-    checkpoint (same config hash) with scales 20-31x too small. The artifact now records a weight
-    fingerprint and export refuses a --model-dir whose weights differ, naming the layers."""
+    """The artifact records a weight fingerprint, and export refuses a --model-dir with the same config but other
+    weights in one line naming the layers; the calibrated checkpoint is accepted without warning, an artifact
+    without a fingerprint is exported with a one-line warning, and a malformed fingerprint is refused."""
     from kvcal.artifact import load_artifact, write_artifact
     from kvcal.export import export
 
@@ -298,8 +298,8 @@ def test_export_refuses_a_model_dir_with_other_weights_and_warns_for_old_artifac
 # ---- held-out figures without a held-out split ----------------------------------------------------
 
 def test_one_sample_report_does_not_call_calibration_data_held_out(tmp_path):
-    """Tester: with one sample there is no held-out split; the guard silently used the calibration
-    data and the report still said "held-out". The metadata and every report say what was measured."""
+    """With one sample there is no held-out split: the metadata and every report say the figures were measured
+    on the calibration data, never that they are held-out."""
     from kvcal.report.data import error_data_label
 
     d = save_tiny(tmp_path / "m")

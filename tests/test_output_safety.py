@@ -1,7 +1,7 @@
-"""Issue 22, "Destroyed files" and "Security": no command overwrites its own inputs or a file kvcal did
+"""No command overwrites its own inputs or a file kvcal did
 not write, the default ``--out`` is never a committed example, and ``--resume`` never unpickles code.
 
-Each test reproduces a tester's report (it failed before the fix). Tiny random Llama models only."""
+Tiny random Llama models only."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.cli import main
 
@@ -62,9 +62,9 @@ def _tiny_artifact(tmp_path: Path, tiny_dir: Path) -> Path:
 # ---- evaluate --json ---------------------------------------------------------------------------------
 
 def test_evaluate_json_never_overwrites_an_input_or_a_foreign_file(tmp_path, tiny_dir):
-    """Tester: ``--json ART/kv_scales.safetensors`` replaced the artifact (then unreadable) and printed PASS;
-    ``--json CORPUS`` replaced the corpus. Both, and any file kvcal did not write, are refused before the
-    evaluation runs; a new path is written (atomically), and kvcal's own evaluation may be replaced."""
+    """``evaluate --json`` onto the artifact's kv_scales.safetensors, the corpus, or any file kvcal did not write
+    is refused before the evaluation runs; a new path is written (atomically), and kvcal's own evaluation may be
+    replaced."""
     art = _tiny_artifact(tmp_path, tiny_dir)
     corpus = tmp_path / "c.txt"
     corpus.write_text("Once upon a time there was a small model that cached keys and values. " * 8)
@@ -131,7 +131,8 @@ def test_single_file_writer_refusals(tmp_path):
 # ---- report --out ------------------------------------------------------------------------------------
 
 def test_report_never_overwrites_a_users_report(tmp_path):
-    """Tester: ``kvcal report --out DIR`` replaced the user's report.md / report.html."""
+    """``kvcal report --out DIR`` refuses, before writing anything, a DIR holding a report.md / report.html
+    kvcal did not write."""
     from helpers.export import make_artifact
 
     from kvcal.outputs import kvcal_file_kind
@@ -189,8 +190,8 @@ def tracked_example(tmp_path):
 
 
 def test_calibrate_default_out_is_never_the_committed_example(tracked_example, tiny_dir, monkeypatch):
-    """Tester: ``kvcal calibrate`` without ``--out`` targeted artifacts/smollm2-135m-fp8 (committed), and the
-    suggested ``--overwrite`` deleted its committed evaluations. The default is kvcal_out/<model>-<preset>."""
+    """``kvcal calibrate`` without ``--out`` (even with ``--overwrite``) writes kvcal_out/<model>-<preset> and
+    leaves the committed example artifacts/smollm2-135m-fp8 byte for byte as it was."""
     from kvcal.calibrate import CalibrateConfig, calibrate
     from kvcal.models import load_model, load_tokenizer
 
@@ -274,8 +275,8 @@ class _Planted:
 
 
 def test_resume_never_executes_a_planted_checkpoint(tmp_path, tiny_dir):
-    """Tester: ``--resume`` ran ``torch.load(weights_only=False)`` on ``<out>.checkpoint.pt`` before checking it
-    belongs to the run, so a planted pickle executed code. It must be refused in one line, nothing executed."""
+    """``--resume`` with a planted ``<out>.checkpoint.pt`` pickle is refused in one line and executes nothing
+    (the checkpoint is checked before anything is unpickled)."""
     from kvcal.calibrate import checkpoint_path
 
     out = tmp_path / "art"
@@ -331,8 +332,8 @@ def test_resume_refuses_a_malformed_checkpoint_in_one_line(tmp_path, tiny_dir, m
 # ---- export --model-dir: no index entry may lead outside --model-dir / --out ---------------------------
 
 def test_export_refuses_index_entries_outside_the_model_dir(tmp_path):
-    """Tester: an index mapping weights to ``../outside/w.safetensors`` made ``export --out O/x`` write
-    O/outside/w.safetensors, replacing a user's file outside --out. Every such entry is refused in one line."""
+    """An index entry mapping weights outside the model directory (``../outside/w.safetensors``) is refused in
+    one line; export writes nothing outside --out."""
     from helpers.export import make_artifact, make_checkpoint
 
     from kvcal.export.base import ExportError
@@ -367,9 +368,8 @@ def test_export_refuses_index_entries_outside_the_model_dir(tmp_path):
 
 
 def test_single_file_writers_never_replace_a_committed_file(tracked_example):
-    """Tester: ``evaluate --json artifacts/smollm2-135m-fp8/eval_1024.json`` and ``report --out
-    artifacts/smollm2-135m-fp8`` replaced committed files (exit 0). Every single-file writer refuses a file git
-    tracks, even one kvcal wrote; an untracked kvcal file beside it is still replaced."""
+    """Every single-file writer refuses a file git tracks (e.g. the committed example's eval_1024.json), even
+    one kvcal wrote; an untracked kvcal file beside it is still replaced."""
     from kvcal.errors import KvcalError
     from kvcal.outputs import check_output_file, write_file_atomically
 
@@ -394,8 +394,8 @@ def test_single_file_writers_never_replace_a_committed_file(tracked_example):
 
 
 def test_report_never_replaces_another_artifacts_report(tmp_path):
-    """Tester: ``report --artifact A --out B`` with B another artifact directory replaced B's report.md / html /
-    figures with A's report (exit 0). Refused by artifact sha256; a byte-identical copy of A is accepted."""
+    """``report --artifact A --out B`` with B another artifact's directory is refused (by artifact sha256);
+    a byte-identical copy of A is accepted."""
     from helpers.export import make_artifact
 
     from kvcal.report.disclosure import write_report
@@ -417,8 +417,8 @@ def test_report_never_replaces_another_artifacts_report(tmp_path):
 # ---- --overwrite replaces only an output of the same kind; no output nested inside another ----------------
 
 def test_overwrite_replaces_only_an_output_of_the_same_kind(tmp_path):
-    """Tester: ``export --out B --overwrite`` with B a calibration artifact deleted the artifact and wrote an
-    export (exit 0). Export replaces only an export, calibrate (write_artifact) only an artifact."""
+    """``--overwrite`` replaces only an output of the same kind: export only an export, calibrate
+    (write_artifact) only an artifact."""
     from helpers.export import make_artifact
 
     from kvcal.artifact import write_artifact
@@ -450,8 +450,8 @@ def test_overwrite_replaces_only_an_output_of_the_same_kind(tmp_path):
 
 
 def test_no_output_is_nested_inside_another_kvcal_output(tracked_example, tmp_path):
-    """Tester: ``calibrate --out artifacts/smollm2-135m-fp8/sub`` and ``export --out <artifact>/sub`` wrote a new
-    output inside the committed example / an artifact. An --out inside an artifact or an export is refused."""
+    """An --out inside an artifact or an export (the committed example included) is refused, for calibrate and
+    for export, and the example is left as it was."""
     from helpers.export import make_artifact
 
     repo, ex = tracked_example

@@ -1,9 +1,8 @@
-"""The README's own serving command on the committed worked example runs clean (issue 29).
+"""The README's own serving command on the committed worked example runs clean.
 
-``kvcal export --artifact artifacts/smollm2-135m-fp8 --target vllm --model-dir HF_DIR --out OUT`` printed a note
-that the artifact has no ``content_sha256`` and a warning that it records no weights fingerprint: the example
-predated both. It was regenerated with the same ``kvcal calibrate`` command (its 60 scales are unchanged);
-this test runs the README's line as written, with HF_DIR the embedded model's checkpoint."""
+``kvcal export --artifact artifacts/smollm2-135m-fp8 --target vllm --model-dir HF_DIR --out OUT``, run as the
+README writes it with HF_DIR the embedded model's checkpoint, prints no note that the artifact lacks a
+``content_sha256`` and no warning that it records no weights fingerprint."""
 
 from __future__ import annotations
 
@@ -33,8 +32,12 @@ def readme_export_lines() -> list[str]:
 def test_the_committed_example_records_its_hash_and_weights_fingerprint():
     from kvcal.artifact import CONTENT_HASH_KEY, load_artifact
 
-    meta = load_artifact(EXAMPLE).metadata
-    assert meta.get(CONTENT_HASH_KEY) and isinstance(meta["model"].get("weights"), dict)
+    meta = load_artifact(EXAMPLE).metadata  # load_artifact verifies the content hash it finds
+    assert re.fullmatch(r"[0-9a-f]{64}", meta.get(CONTENT_HASH_KEY) or ""), meta.get(CONTENT_HASH_KEY)
+    # SmolLM2-135M has 30 decoder layers (its config.json): the fingerprint covers each of them and the embedding
+    w = meta["model"].get("weights")
+    assert isinstance(w, dict) and meta["model"]["num_layers"] == w["num_layers"] == 30
+    assert len(w["layers"]) == 30 and all(re.fullmatch(r"[0-9a-f]{16}", x) for x in [*w["layers"], w["embedding"]])
 
 
 @pytest.fixture(scope="module")

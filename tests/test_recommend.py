@@ -36,10 +36,10 @@ def tiny_dir(tmp_path_factory, smollm_tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_small_kv(tiny_dir, tmp_path_factory):
-    """``tiny_dir`` with keys and values 2^-7 times as large and the same function (conftest.shrink_kv): calibrated
+    """``tiny_dir`` with keys and values 2^-7 times as large and the same function (helpers.models.shrink_kv): calibrated
     scales beat vLLM's default 1.0 by orders of magnitude, so the tests that need a calibrated row chosen hold on
     any machine (on ``tiny_dir`` itself the two are near ties that the CPU's rounding decides)."""
-    from conftest import shrink_kv
+    from helpers.models import shrink_kv
 
     return shrink_kv(tiny_dir, tmp_path_factory.mktemp("small-kv") / "model")
 
@@ -125,7 +125,7 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_small_kv
     and `vllm serve` command lines; the export line's checkpoint holds exactly the scales that were measured."""
     import shlex
 
-    from conftest import safetensors_dir
+    from helpers.models import safetensors_dir
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export
@@ -242,7 +242,8 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     artifact's outer scales and q_scale exactly, and whose serve line is recommend's."""
     import shlex
 
-    from conftest import recommend_bar, safetensors_dir
+    from helpers.models import safetensors_dir
+    from helpers.recommend import recommend_bar
 
     from kvcal.artifact import load_artifact
     from kvcal.export import export

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm_tokenizer):
-    from conftest import TINY_LLAMA_16, save_tiny_llama
+    from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-llama-followthrough", vocab_size=49152,
                            **{**TINY_LLAMA_16, "num_hidden_layers": L})
@@ -40,10 +40,10 @@ def tiny(tmp_path_factory, smollm_tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_small_kv(tiny, tmp_path_factory):
-    """``tiny`` with keys and values 2^-7 times as large and the same function (conftest.shrink_kv): calibrated
+    """``tiny`` with keys and values 2^-7 times as large and the same function (helpers.models.shrink_kv): calibrated
     scales beat vLLM's default 1.0 by orders of magnitude, so the tests that need a calibrated row chosen hold on
     any machine (on ``tiny`` itself the two are near ties that the CPU's rounding decides)."""
-    from conftest import shrink_kv
+    from helpers.models import shrink_kv
 
     return shrink_kv(tiny, tmp_path_factory.mktemp("small-kv") / "model")
 
@@ -194,7 +194,7 @@ def test_recommend_deploys_vllm_default_scales_when_they_measure_better(tiny, tm
     artifact in OUT or named by the document. Before the fix only the calibrated rows existed. The calibrated scales
     are made clearly worse here (x 2^8, a monkeypatch of the scale reader; the artifact itself is not touched):
     on this random model the two variants are near ties that the CPU's rounding decides."""
-    from conftest import recommend_bar
+    from helpers.recommend import recommend_bar
 
     import kvcal.recommend as R
     from kvcal.evaluate.protocol_a import teacher_forced
@@ -331,7 +331,7 @@ def test_recommend_refuses_an_out_inside_the_model_directory(tiny, no_model):
     assert no_model == [] and not out.exists()
 
 
-# ---- issue 18 follow-up: no candidate stores nothing in its dtype; --max-skip in range; one dtype spelling --------
+# ---- no candidate stores nothing in its dtype; --max-skip in range; one dtype spelling --------
 REC = ["recommend", "--engine", "vllm", "--quiet", "--corpus", str(CHAT), "--context", "64", "--windows", "1",
        "--probe-tokens", "64"]
 
@@ -422,7 +422,7 @@ def test_fp8_e4m3_is_spelled_one_way_in_every_output(tiny_small_kv, tmp_path):
     the artifact is kept; the model's small keys and values make the calibrated rows win on any machine."""
     import re
 
-    from conftest import recommend_bar
+    from helpers.recommend import recommend_bar
 
     from kvcal.artifact import load_artifact
     from kvcal.recommend import RecommendConfig, recommend

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import save_tiny_llama
+from helpers.models import save_tiny_llama
 from safetensors.torch import save_file
 
 from kvcal.cli import main

@@ -9,7 +9,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_8, save_tiny_llama
+from helpers.models import TINY_LLAMA_8, save_tiny_llama
 
 from kvcal.cli import main
 

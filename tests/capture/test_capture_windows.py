@@ -4,7 +4,7 @@ attention reads (Gemma 3: sliding layers read the current token and the W - 1 be
 from __future__ import annotations
 
 import torch
-from conftest import TINY_GEMMA3
+from helpers.models import TINY_GEMMA3
 
 
 def test_capture_records_layer_windows_and_the_objective_uses_them():

@@ -1,5 +1,5 @@
-"""Issue 7: data-parallel calibration (2 gloo ranks == 1 process), resumable runs, device_map,
-models without a KV cache. Uses a tiny random Llama with the embedded tokenizer's vocabulary."""
+"""Calibration reliability: data-parallel calibration over 2 gloo ranks gives what 1 process gives; resumable
+runs, device_map, and models without a KV cache. Uses a tiny random Llama with the embedded tokenizer's vocabulary."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.artifact import load_artifact
 from kvcal.calibrate import CalibrateConfig, calibrate, checkpoint_path
@@ -172,9 +172,8 @@ def test_metadata_json_is_valid(tiny_dir, tmp_path):
 
 
 def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch):
-    """Reviewer: a Ctrl-C during the checkpoint write left a 40 MB ``.tmp-PID`` file beside it.
-    The temp file is removed on any interruption; the previous checkpoint stays intact; a disk
-    error is a one-line KvcalError."""
+    """A checkpoint write interrupted mid-save (Ctrl-C) leaves no ``.tmp-PID`` file beside the checkpoint
+    and the previous checkpoint intact; a disk error (ENOSPC) is a one-line KvcalError naming the file."""
     import errno
 
     from kvcal.calibrate import _save_checkpoint
@@ -206,8 +205,8 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
 
 
 def test_model_dir_without_tokenizer_says_what_to_copy(tmp_path):
-    """Reviewer: a model directory with config and weights but no tokenizer got a 5-line
-    transformers message with no fix; now one line naming the files to copy."""
+    """A model directory with a config but no tokenizer files is refused in one line that names the
+    tokenizer files to copy."""
     from kvcal.models import load_tokenizer
 
     d = tmp_path / "hf"

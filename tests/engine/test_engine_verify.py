@@ -80,7 +80,7 @@ def test_served_equals_predicted_on_vllm_cpu(exported, engine_python, shared_dat
 def test_a_model_the_engine_cannot_serve_is_one_line(tmp_path_factory, engine_python, smollm_tokenizer, shared_data):
     """head_dim 48: vLLM's CPU backend refuses an FP8 cache (head_size must be divisible by 32). Without
     --backend, kvcal asks the engine, which refuses; with --backend cpu kvcal refuses before starting it."""
-    from conftest import save_tiny_llama
+    from helpers.models import save_tiny_llama
 
     from kvcal.cli import main
 

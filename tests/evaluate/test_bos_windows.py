@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny_gemma3
+from helpers.models import save_tiny_gemma3
 
 from kvcal.corpus import load_corpus
 from kvcal.evaluate.windows import cut_windows, served_bos

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_LLAMA_8, save_tiny_llama
+from helpers.models import TINY_LLAMA_8, save_tiny_llama
 from helpers.runtime import make_plan, tiny_model, write_tiny_artifact
 from helpers.tokenizers import CharTok
 
@@ -149,7 +149,7 @@ def test_cli_exit_codes(tmp_path, tiny_dir):
     r = CliRunner().invoke(main, [*base, "--accept", "kl_mean<=10", "--json", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
     assert "artifact: PASS" in r.output
-    # reviewer: --quiet printed nothing for minutes; it drops the progress bars, not the stage lines
+    # --quiet drops the progress bars, not the stage lines
     assert "teacher-forced: 1 windows x 32 tokens" in r.output and "decode: 1 windows x 32 tokens, batch 1" in r.output
     doc = json.loads((tmp_path / "e.json").read_text())
     assert doc["schema"] == "kvcal-eval/1" and doc["passed"] and doc["exit_code"] == 0
@@ -259,8 +259,8 @@ def test_embedded_runtime_matches_protocol_a(smollm_model, smollm_tokenizer, sha
 
 
 def test_eval_config_refuses_a_device_torch_cannot_use():
-    """Reviewer: ``kvcal evaluate --device cuda`` on a CPU-only torch ended in an AssertionError
-    traceback; now a one-line error before anything loads."""
+    """EvalConfig refuses ``--device cuda`` on a CPU-only torch, and an unknown device name, with a one-line
+    KvcalError before anything loads; the default device is cpu."""
     from kvcal.evaluate.run import EvalConfig
 
     if not torch.cuda.is_available():
@@ -272,8 +272,8 @@ def test_eval_config_refuses_a_device_torch_cannot_use():
 
 
 def test_decode_tokens_above_the_context_are_disclosed(tmp_path, tiny):
-    """Reviewer: --decode-tokens 200 at --context 128 decoded 127 tokens without a word; the JSON
-    now says how many were decoded at each context, and a note says why."""
+    """--decode-tokens above context − 1 decodes context − 1 tokens at that context (11 at context 12, all 20
+    at 48); the JSON records the count per context and a note says why."""
     art = write_tiny_artifact(tmp_path, tiny, make_plan("int8", sinks=1))
     corpus = tmp_path / "c.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 12)

@@ -1,4 +1,4 @@
-"""kvcal.evaluate as a package by stage (issue 20): the old import surface and the one windowing path."""
+"""kvcal.evaluate as a package by stage: the old import surface still resolves, and there is one windowing path."""
 
 from __future__ import annotations
 

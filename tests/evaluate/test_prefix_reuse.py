@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.evaluate.protocol_a import (
     decoder_layers,

@@ -16,9 +16,9 @@ from kvcal.cli import main
 
 @pytest.mark.parametrize("config_cls", ["Phi3Config", "GPTNeoXConfig"])
 def test_config_hash_of_the_calibrated_checkpoint_matches_export(tmp_path, config_cls):
-    """Tester: export --model-dir on the very phi3 / gpt_neox checkpoint the artifact was calibrated on warned
-    'config.json differs', because calibrate hashed head_dim / num_key_value_heads filled in and export hashed
-    the raw config.json, which omits them."""
+    """Export --model-dir on the phi3 / gpt_neox checkpoint the artifact was calibrated on finds no config
+    difference although its config.json omits head_dim: the metadata calibrate records (head_dim /
+    num_key_value_heads filled in by transformers) matches the raw config.json; a real difference still warns."""
     import transformers
     from transformers import AutoConfig
 
@@ -68,8 +68,9 @@ _BAD = [
 @pytest.mark.parametrize("command", ["inspect", "export"])
 @pytest.mark.parametrize("case", range(len(_BAD)))
 def test_malformed_checkpoint_json_is_a_one_line_error(tmp_path, good_ckpt, command, case):
-    """Tester: a checkpoint whose config.json / index.json has a field of the wrong JSON type crashed
-    `kvcal inspect` and `kvcal export --model-dir` with AttributeError / TypeError tracebacks."""
+    """A checkpoint whose config.json / index.json / hf_quant_config.json has a field of the wrong JSON type is
+    refused by `kvcal inspect` and `kvcal export --model-dir`: exit 2, one error line naming the file and the
+    field, no traceback, nothing written."""
     name, edit, field = _BAD[case]
     ckpt = tmp_path / "ckpt"
     shutil.copytree(good_ckpt, ckpt)

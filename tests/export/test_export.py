@@ -384,7 +384,7 @@ def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
     assert not export(unclipped, "sglang-json", tmp_path / "e").warnings
     with pytest.raises(ExportError, match="headroom"):
         export(unclipped, "sglang-json", tmp_path / "f", headroom=0.5)
-    # reviewer's fault: --headroom 1e9 raised layer 0's k_scale to 2.4e7 (every K/V flushed to 0 in FP8)
+    # --headroom 1e9 would raise layer 0's k_scale to 2.4e7 (every K/V flushed to 0 in FP8)
     for bad in (1e9, 16.5, float("inf"), float("nan")):
         with pytest.raises(ExportError, match="between 1.0 and 16"):
             export(unclipped, "sglang-json", tmp_path / "g", headroom=bad)
@@ -488,7 +488,7 @@ def test_cli_export_and_refusal(tmp_path, art):
     assert "Traceback" not in r.output
     r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "tgi", "--out", str(tmp_path / "y")])
     assert r.exit_code == 2 and "unknown export target 'tgi'" in r.output
-    # --out onto the artifact itself (reviewer: the source kv_scales.safetensors was deleted)
+    # --out onto the artifact itself is refused (it would delete the source kv_scales.safetensors)
     before = sorted(p.name for p in path.iterdir())
     r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "vllm", "--out", str(path), "--overwrite"])
     assert r.exit_code == 2 and "is or contains the input --artifact" in r.output
@@ -560,8 +560,8 @@ def test_q_scale_passed_through_when_artifact_has_query_stats(tmp_path):
 
 
 def test_tp_that_the_model_heads_cannot_split_is_refused(tmp_path):
-    """SmolLM2-135M has 9 attention / 3 KV heads: TP=2 cannot serve it; TP=3 can. (Reviewer: a
-    warning with exit 0 and a written export for a launch the server refuses.)"""
+    """SmolLM2-135M has 9 attention / 3 KV heads: an export for TP=2 (or any TP that does not divide them) is
+    refused with exit 2 naming the TPs that do, nothing written; TP=3 is exported."""
     from click.testing import CliRunner
 
     from kvcal.cli import main
@@ -617,8 +617,8 @@ def test_every_layer_must_be_loadable_not_just_layer_0(tmp_path, later):
 
 @pytest.mark.parametrize("target", ["vllm", "modelopt", "sglang-json"])
 def test_export_copies_editable_files_and_links_only_weights(tmp_path, art, sharded_ckpt, target):
-    """Reviewer's fault: modelopt / sglang-json exports shared config.json, the index and tokenizer
-    files with the source through hard links, so editing the export in place edited the source."""
+    """modelopt / sglang-json exports hard-link only the weight shards (.safetensors) from the source;
+    config.json, the index and the tokenizer files are copies, so editing the export leaves the source as it was."""
     path, _ = art
     out = tmp_path / target
     export(path, target, out, model_dir=sharded_ckpt)
@@ -632,8 +632,8 @@ def test_export_copies_editable_files_and_links_only_weights(tmp_path, art, shar
 
 
 def test_config_that_differs_from_the_calibrated_one_is_warned(tmp_path, sharded_ckpt):
-    """Reviewer: a --model-dir whose config differs (rope_theta, another fine-tune) merged silently; the
-    artifact records the calibrated config's sha256, so a mismatch is a warning (shapes still must match)."""
+    """A --model-dir whose config differs from the calibrated one (here rope_theta) is exported with a warning,
+    from the calibrated config's sha256 the artifact records; the same config gives no warning."""
     import shutil
 
     from kvcal.artifact import load_artifact, write_artifact
@@ -668,9 +668,9 @@ def _hub_snapshot(tmp_path, ckpt):
 
 @pytest.mark.parametrize("target", ["vllm", "modelopt", "sglang-json"])
 def test_export_from_a_hub_cache_snapshot_links_the_blobs(tmp_path, art, sharded_ckpt, target):
-    """Reviewer: os.link hard-linked the relative symlink itself, leaving a broken link in the staging
-    directory ('No such file or directory' for every hub-cache checkpoint); and the staging chmod changed
-    the permissions of the source's hard-linked weight files."""
+    """An export from a hub-cache snapshot (relative symlinks into blobs/) hard-links the blobs, never the
+    symlinks (no broken link), writes config.json as a regular file, and leaves the permissions of the source's
+    weight files unchanged."""
     path, _ = art
     snap = _hub_snapshot(tmp_path, sharded_ckpt)
     shards = sorted(set(json.loads((sharded_ckpt / INDEX).read_text())["weight_map"].values()))
@@ -705,9 +705,9 @@ def test_export_names_a_broken_link_and_follows_linked_dirs(tmp_path, art, shard
 
 
 def test_sglang_json_leaves_out_kv_scales_already_in_the_checkpoint(tmp_path, art, single_ckpt, sharded_ckpt):
-    """Reviewer: the checkpoint's own k_scale/v_scale tensors were copied unchanged beside the JSON
-    (SGLang may load both; which wins depends on its load order). They are now filtered out, as the
-    vllm target does; every other tensor is byte-identical and the source is untouched."""
+    """sglang-json leaves out the checkpoint's own k_scale/v_scale tensors (SGLang may load both beside the
+    JSON), as the vllm target does: every other tensor is byte-identical and the source is untouched; in a
+    sharded checkpoint only the shard holding them is rewritten and the index loses their names."""
     path, _ = art
     src = tmp_path / "fp8ckpt"
     src.mkdir()
@@ -744,14 +744,13 @@ def test_sglang_json_leaves_out_kv_scales_already_in_the_checkpoint(tmp_path, ar
     assert (tmp_path / "o3" / "model.safetensors").stat().st_ino == (single_ckpt / "model.safetensors").stat().st_ino
 
 
-# ---- issue 22: the SGLang path is safe by default; single-scale exports report their cost ---------------
+# ---- the SGLang path is safe by default; single-scale exports report their cost ---------------
 
 
 def test_sglang_loaded_exports_are_unclipped_by_default(tmp_path):
-    """Issue 22: the search picks clipping scales and SGLang casts to FP8 without saturating, so a served
-    value between scale x 448 and the calibration max became NaN. Every target SGLang loads (sglang-json,
-    per-tensor vllm) now exports scales >= calibration max / 448 unless --clipped-scales is given;
-    TensorRT-LLM (saturating) keeps the calibrated clip."""
+    """Every target SGLang loads (sglang-json, per-tensor vllm) exports scales >= calibration max / 448 unless
+    --clipped-scales is given: SGLang casts to FP8 without saturating, so a value between a clipped scale x 448
+    and the calibration max would become NaN. TensorRT-LLM (saturating) keeps the calibrated clip."""
     path, truth = make_artifact(tmp_path / "art", clip=0.8)
     res = export(path, "sglang-json", tmp_path / "sj")
     assert not [w for w in res.warnings if "without saturating" in w]
@@ -779,19 +778,28 @@ def test_sglang_loaded_exports_are_unclipped_by_default(tmp_path):
 
 
 def test_headroom_suggestion_is_one_headroom_accepts(tmp_path):
-    """Issue 22: a scale 20x below the observed max got the suggestion `--headroom 22.0`, which --headroom
-    itself refuses (bound 16). Every suggested value must be accepted."""
-    path, _ = make_artifact(tmp_path / "art", clip=0.05)
+    """Export suggests at least one `--headroom` value (here for scales 20x below the observed max); every one
+    is accepted by --headroom (its bound is 16), and the export it gives serves every layer at a scale that
+    covers the observed max(K, V) x the margin, without the saturation warning."""
+    path, truth = make_artifact(tmp_path / "art", clip=0.05)
     res = export(path, "sglang-json", tmp_path / "a", clipped_scales=True)
     warn = next(w for w in res.warnings if "without saturating" in w)
-    for m in re.findall(r"--headroom ([0-9.e+]+)", warn):
-        export(path, "sglang-json", tmp_path / f"h{m}", headroom=float(m))  # raises if out of bounds
+    suggested = re.findall(r"--headroom ([0-9.e+]+)", warn)
+    assert suggested, warn
+    for m in suggested:
+        h = export(path, "sglang-json", tmp_path / f"h{m}", headroom=float(m))  # raises if out of bounds
+        assert not [w for w in h.warnings if "without saturating" in w], h.warnings
+        for i in range(L):
+            amax = max(max(truth[(i, "k")][1]), max(truth[(i, "v")][1]))
+            # export computes amax / 448 x margin in float32: two roundings, each within 2^-24 relative, so
+            # allow 2^-22 below the float64 product; a scale still clipped at 0.05 x amax is 20x below it
+            assert h.tensors[str(i)].item() >= amax / 448 * float(m) * (1 - 2**-22), (m, i)
 
 
 def test_single_scale_targets_report_the_shared_scale_cost(tmp_path):
-    """Issue 22: sglang-json / trtllm-legacy serve max(K, V) per layer, so the side with the smaller scale
-    is quantized served/own times coarser. Export names the worst layers and records every layer's ratio
-    (computed here independently from the artifact's scales) in the manifest."""
+    """sglang-json / trtllm-legacy serve max(K, V) per layer, so the side with the smaller scale is quantized
+    served/own times coarser: export names the worst layers and records every layer's ratio in the manifest,
+    equal to the ratio computed here independently from the artifact's scales."""
     path, truth = make_artifact(tmp_path / "art")  # keys ~4x values (base 12 vs 3)
     res = export(path, "sglang-json", tmp_path / "a")
     rows = json.loads((tmp_path / "a" / "kvcal-export.json").read_text())["shared_scale"]

@@ -14,13 +14,11 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import safetensors_dir, save_tiny_gemma3
+from helpers.cli import run_cli as run
+from helpers.models import calibrate_tiny_gemma3, safetensors_dir, torch_threads
 
-from kvcal.cli import main
 from kvcal.export.checkpoint import SCALES_SHARD
 
-TEXT = "calibration_sets/text.jsonl"
 NL = 4  # layers of the tiny Gemma 3: sliding 0, 1, 3 and global 2
 
 #: the names kvcal writes for --target vllm (compressed-tensors, per tensor), one pair per layer, sliding or global
@@ -30,30 +28,17 @@ ENGINE_PARAMS = {f"model.layers.{i}.self_attn.{s}_scale": f"model.layers.{i}.sel
                  for i in range(NL) for s in "kv"}
 
 
-def run(args, code=0):
-    r = CliRunner().invoke(main, args)
-    assert r.exit_code == code, r.output
-    assert "Traceback" not in r.output
-    return r.output
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory, smollm_tokenizer):
     """(tiny Gemma 3 dir, fp8 per-tensor artifact calibrated on 8 x 64 tokens, the same artifact with q_scale)."""
     from kvcal.artifact import load_artifact, write_artifact
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    d = save_tiny_gemma3(tmp_path_factory, smollm_tokenizer, "tiny-gemma3-export")
-    root = tmp_path_factory.mktemp("g3export")
-    art = root / "art"
-    run(["calibrate", "--model", str(d), "--corpus", TEXT, "--max-samples", "8", "--max-seq-len", "64",
-         "--out", str(art), "--quiet"])
-    a = load_artifact(art)
-    q = {f"model.layers.{i}.self_attn.q_scale": torch.tensor([0.01 * (i + 1)]) for i in range(NL)}
-    write_artifact(root / "art_q", {**a.tensors, **q}, a.metadata)
-    yield d, art, root / "art_q"
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        d, art = calibrate_tiny_gemma3(tmp_path_factory, smollm_tokenizer, "tiny-gemma3-export")
+        a = load_artifact(art)
+        q = {f"model.layers.{i}.self_attn.q_scale": torch.tensor([0.01 * (i + 1)]) for i in range(NL)}
+        write_artifact(art.parent / "art_q", {**a.tensors, **q}, a.metadata)
+        yield d, art, art.parent / "art_q"
 
 
 def test_fixture_is_gemma3_text(gemma):

@@ -175,8 +175,9 @@ def test_inspect_ignored_layouts_per_layer(tmp_path, checkpoints):
 
 
 def test_inspect_warns_declared_scheme_with_a_missing_scale(tmp_path, checkpoints):
-    """Reviewer (issue 19): a kv_cache_scheme with a scale missing loads in transformers + compressed-tensors
-    without error and a garbage scale (tests/export/test_real_loader.py); inspect must say so in one line."""
+    """A vllm export whose config.json declares a kv_cache_scheme but lacks layer 1's v_scale gets exactly one
+    inspect warning naming the layer (transformers + compressed-tensors load such a checkpoint without error and
+    with a garbage scale, see tests/export/test_real_loader.py); the complete export gets none."""
     art, _ = make_artifact(tmp_path / "art", num_layers=NL)
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--model-dir",

@@ -1,4 +1,4 @@
-"""kvcal's vLLM export loaded by a *real* loader: transformers + compressed-tensors (issue 19).
+"""kvcal's vLLM export loaded by a *real* loader: transformers + compressed-tensors.
 
 Every other export test checks kvcal's own simulation of the engines' naming rules. Here a tiny random
 Llama (``save_pretrained``), artifacts whose scales are the model's measured per-head absmax / 448 (per

@@ -116,8 +116,8 @@ def test_channel_bits_against_float64_reference_and_round_trip():
 
 
 def test_channel_bits_refused_for_static_ranges():
-    """Static per-channel scales are calibrated for the spec's own top code; widths would only clamp
-    them (a reviewer measured 1-bit channels saturating, 8-bit ones gaining nothing), so refuse."""
+    """Per-channel bit widths are refused for static per-channel ranges: those scales are calibrated for the
+    spec's own top code, so widths would only clamp them (1-bit channels saturate, 8-bit ones gain nothing)."""
     spec = TensorQuantSpec("int4", PerChannel(), symmetric=False)
     x = torch.linspace(0, 1, 2 * 8 * 4).reshape(1, 2, 8, 4)
     w = torch.tensor([[6, 6, 2, 2], [4, 4, 4, 4]])

@@ -208,7 +208,7 @@ def test_cli_memory(config_json):
     d = json.loads(r.output)
     cfg = preset("int4_static", residual_window=128, sink_tokens=4).with_group_size(64)
     assert d["bytes_per_token"] == 6120 and d["bytes"]["total"] == cache_bytes(SMOL, cfg, 1000, 2)
-    # reviewer: a key group longer than the context sized a cache larger than the 16-bit one
+    # a key group longer than the context must not size a cache larger than the 16-bit one
     r = CliRunner().invoke(main, ["memory", "--model", config_json, "--format", "int4", "--group-size", "100000",
                                   "--context", "8192"])
     assert r.exit_code == 2 and "longer than --context 8192" in r.output

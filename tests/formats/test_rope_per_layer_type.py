@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_GEMMA3
+from helpers.models import TINY_GEMMA3
 
 
 @pytest.fixture(scope="module")

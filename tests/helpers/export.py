@@ -81,3 +81,32 @@ def make_checkpoint(out: Path, sharded: bool = True, num_layers: int = L) -> Pat
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out, max_shard_size="400KB" if sharded else "50GB")
     return out
+
+
+def edited_copy(src: Path, dst: Path, edit, resign: bool = False) -> Path:
+    """A copy ``dst`` of the artifact directory ``src`` whose kv_scales.safetensors has ``edit(meta, tensors)``
+    applied (the parsed ``kvcal`` metadata and the tensor dict, edited in place); the file's other header
+    entries are kept, and so is the metadata string itself when ``edit`` left the metadata as it was.
+    ``resign``: recompute the content hash after the edit, as a writer other than kvcal might. Returns ``dst``."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from kvcal.artifact import CONTENT_HASH_KEY, content_sha256
+
+    shutil.copytree(src, dst)
+    f = dst / "kv_scales.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        header = fh.metadata()
+    tensors = load_file(str(f))
+    meta = json.loads(header["kvcal"])
+    edit(meta, tensors)
+    if resign:
+        meta[CONTENT_HASH_KEY] = content_sha256(meta, tensors)
+    if meta != json.loads(header["kvcal"]):
+        header = {**header, "kvcal": json.dumps(meta)}
+    save_file(tensors, str(f), metadata=header)
+    return dst
+

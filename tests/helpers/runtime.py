@@ -21,17 +21,20 @@ def tiny_model(seed: int = 0, **kw):
     return LlamaForCausalLM(cfg).eval()
 
 
-def make_plan(name: str, sinks: int = 0, window: int = 0, num_layers: int = L, seed: int = 0) -> KVPlan:
-    """A uniform plan; static sides get seeded positive scales (and zero points) of the right shape."""
+def make_plan(name: str, sinks: int = 0, window: int = 0, num_layers: int = L, seed: int = 0,
+              num_kv_heads: int = H, head_dim: int = D, fp8_scale: float = 0.004) -> KVPlan:
+    """A uniform plan of preset ``name``; static sides get seeded positive scales of the right shape for
+    ``num_kv_heads`` x ``head_dim`` — ``fp8_scale`` x U[1, 2) for FP8, 0.1 x U[1, 2) otherwise — and
+    asymmetric ones the mid-range zero point."""
     kv = preset(name) if name in ("bf16", "fp16") else preset(name, sink_tokens=sinks, residual_window=window)
     plan = KVPlan.uniform(num_layers, kv)
     g = torch.Generator().manual_seed(seed)
     for lp in plan.layers:
         for sp in (lp.k, lp.v):
             if sp.spec.is_quantized and not sp.spec.dynamic:
-                shape = sp.spec.granularity.scale_shape(1, H, 1, D)
+                shape = sp.spec.granularity.scale_shape(1, num_kv_heads, 1, head_dim)
                 if sp.spec.format.kind == "fp8":
-                    sp.scale = 0.004 * (1 + torch.rand(shape, generator=g))
+                    sp.scale = fp8_scale * (1 + torch.rand(shape, generator=g))
                 else:
                     sp.scale = 0.1 * (1 + torch.rand(shape, generator=g))
                 if sp.spec.has_zero_point:
@@ -49,3 +52,19 @@ def write_tiny_artifact(tmp_path, model, plan, name="art", **model_overrides):
     mm.update(model_overrides)
     meta = {"model": mm, "kv": plan.kv_metadata(), "layers": []}
     return write_artifact(tmp_path / name, plan.to_tensors(), meta)
+
+
+def prefill_and_protocol_a(model, plan, ids):
+    """``(cache, a, b)``: the prefill logits ``a`` of ``ids`` through a fresh :class:`QuantizedKVCache` of ``plan``
+    (left in ``cache``), and Protocol A's ``b`` (the model without a cache, ``plan`` fake-quantizing through the
+    attention hook)."""
+    from kvcal.capture.hooks import attention_hook
+    from kvcal.evaluate.protocol_a import plan_hook
+    from kvcal.runtime import QuantizedKVCache
+
+    cache = QuantizedKVCache(plan, model.config)
+    with torch.no_grad():
+        a = model(ids, cache=cache, use_cache=True).logits
+        with attention_hook(model, plan_hook(plan)):
+            b = model(ids, use_cache=False).logits
+    return cache, a, b

@@ -207,8 +207,8 @@ def test_write_report_and_cli(tmp_path):
 
 
 def test_report_refuses_an_evaluation_of_another_artifact(tmp_path):
-    """Reviewer: an FP8 report took an int4 artifact's evaluation (its bytes/token and PASS). The
-    evaluation's recorded sha256 (or, for older files, its kv section) must match --artifact."""
+    """`kvcal report` refuses an evaluation of another artifact (exit 2, naming it, nothing written): the
+    evaluation's recorded sha256 (or, for files without one, its kv section) must match --artifact's."""
     import hashlib
 
     from kvcal.cli import main

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.runtime import D, H, L, make_plan, tiny_model, write_tiny_artifact
+from helpers.runtime import D, H, L, make_plan, prefill_and_protocol_a, tiny_model, write_tiny_artifact
 
 from kvcal.capture.hooks import attention_hook
 from kvcal.errors import ArtifactError
@@ -38,11 +38,7 @@ def test_prefill_equals_protocol_a(model, name):
     same plan) exactly, and the cache reports 45 tokens."""
     plan = make_plan(name, sinks=0 if name == "bf16" else 3)
     ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(1))
-    cache = QuantizedKVCache(plan, model.config)
-    with torch.no_grad():
-        a = model(ids, cache=cache, use_cache=True).logits
-        with attention_hook(model, plan_hook(plan)):
-            b = model(ids, use_cache=False).logits
+    cache, a, b = prefill_and_protocol_a(model, plan, ids)
     assert torch.equal(a, b)
     assert cache.get_seq_length() == 45
 
@@ -297,7 +293,8 @@ def test_beam_search_reorders(model):
     """Beam search (3 beams, 6 new tokens) through the quantized cache: every reorder transformers' beam
     search makes leaves each beam with exactly its source beam's stored codes, scales, sinks and window
     (rows compared with copies taken before each call), at least one reorder is not the identity, and
-    generate returns 6 new tokens."""
+    generate returns the prompt and 6 new tokens; with a bf16 plan on a bf16 copy of the model, beam search
+    returns exactly the tokens it returns with transformers' own cache."""
     plan = make_plan("int8", sinks=1, window=4)
     ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(6))
     cache = QuantizedKVCache(plan, model.config)
@@ -311,10 +308,25 @@ def test_beam_search_reorders(model):
 
     cache.reorder_cache = spy
     out = model.generate(ids, cache=cache, num_beams=3, max_new_tokens=6, do_sample=False)
-    assert out.shape == (1, 15)
+    assert out.shape == (1, 15) and torch.equal(out[:, :9], ids)
     assert calls and any(not torch.equal(idx, torch.arange(len(idx))) for idx, _, _ in calls)
     for beam_idx, before, after in calls:
         _assert_rows_taken_from(after, before, beam_idx)
+    # independent reference: on a bf16 copy of the model, a bf16 (unquantized) plan stores exactly the bf16
+    # tensors transformers' own DynamicCache stores and hands attention the same values, so beam search through
+    # it — every reorder included — must choose exactly the tokens it chooses with transformers' cache
+    import copy
+
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    kw = dict(num_beams=3, max_new_tokens=6, do_sample=False)
+    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(7))
+    ref = m16.generate(ids, **kw)
+    assert torch.equal(m16.generate(ids, cache=QuantizedKVCache(make_plan("bf16"), m16.config), **kw), ref)
+    # the premise that makes this a check of the reorders: on this prompt, a cache that ignores them (every beam
+    # keeps its own rows) changes what beam search returns
+    ignoring = QuantizedKVCache(make_plan("bf16"), m16.config)
+    ignoring.reorder_cache = lambda beam_idx: None
+    assert not torch.equal(m16.generate(ids, cache=ignoring, **kw), ref), "premise: the reorders matter here"
 
 
 def test_capacity_and_shape_errors(model):

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.runtime import make_plan as runtime_plan
+from helpers.runtime import prefill_and_protocol_a
 
-from kvcal.capture.hooks import attention_hook
-from kvcal.evaluate.protocol_a import plan_hook
 from kvcal.formats.granularity import PerChannelTokenGroup
 from kvcal.formats.memory import memory_report, model_shape, sliding_held
-from kvcal.formats.spec import TensorQuantSpec, preset
+from kvcal.formats.spec import TensorQuantSpec
 from kvcal.plan import KVPlan
 from kvcal.runtime import QuantizedKVCache
 
@@ -47,17 +47,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_plan(name: str, sinks: int = 0, window: int = 0, seed: int = 0) -> KVPlan:
-    kv = preset(name) if name in ("bf16", "fp16") else preset(name, sink_tokens=sinks, residual_window=window)
-    plan = KVPlan.uniform(L, kv)
-    g = torch.Generator().manual_seed(seed)
-    for lp in plan.layers:
-        for sp in (lp.k, lp.v):
-            if sp.spec.is_quantized and not sp.spec.dynamic:
-                shape = sp.spec.granularity.scale_shape(1, H, 1, D)
-                sp.scale = (0.02 if sp.spec.format.kind == "fp8" else 0.1) * (1 + torch.rand(shape, generator=g))
-                if sp.spec.has_zero_point:
-                    sp.zero_point = torch.full(shape, float(sp.spec.qmax // 2))
-    return plan
+    """helpers.runtime.make_plan for this module's model: L layers, H KV heads x head_dim D, FP8 scales
+    0.02 x U[1, 2)."""
+    return runtime_plan(name, sinks, window, num_layers=L, seed=seed, num_kv_heads=H, head_dim=D, fp8_scale=0.02)
 
 
 def decode(model, cache, ids, P, check=None):
@@ -104,11 +96,7 @@ def test_prefill_longer_than_window_equals_protocol_a(model, name):
     sinks = 0 if name == "bf16" else 3
     plan = make_plan(name, sinks=sinks)
     ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(1))
-    cache = QuantizedKVCache(plan, model.config)
-    with torch.no_grad():
-        a = model(ids, cache=cache, use_cache=True).logits
-        with attention_hook(model, plan_hook(plan)):
-            b = model(ids, use_cache=False).logits
+    cache, a, b = prefill_and_protocol_a(model, plan, ids)
     assert torch.equal(a, b)
     kv = plan.kv_config(0)
     for i, layer in enumerate(cache.layers):

@@ -116,10 +116,9 @@ def _tampered(src, dst, edit):
     (lambda t: t.__setitem__("model.layers.0.self_attn.k_mean", torch.zeros(HK, D)), "did not write.*k_mean"),
 ])
 def test_tampered_int_artifacts_are_refused_on_load(tmp_path, tiny_capture, edit, match):
-    """Reviewer: an int4 artifact with calibrated tensors deleted (rounding, widths, levels) loaded
-    and evaluated 2x worse with a PASS; a negative clip ratio crashed evaluate with a traceback.
-    Every command loads through load_artifact, which now refuses them naming the tensor; the CLI
-    prints one line and exits 2."""
+    """An int4 artifact with a calibrated tensor deleted (rounding, widths, levels) or a negative clip ratio
+    is refused by load_artifact (which every command loads through) naming the tensor; `kvcal inspect` of it
+    exits 2 with one line and no traceback."""
     from click.testing import CliRunner
 
     from kvcal.artifact import load_artifact, write_artifact
@@ -155,7 +154,7 @@ def test_config_validation_and_budget_errors(tiny_capture):
     assert 2.0 < need < 4.0  # the advice is feasible: that budget allocates
     assert search_int(tiny_capture[1], bits=need, max_queries=8, progress=False,
                       budget_context=64).summary["average_bits"] <= need
-    # the same refusal from the config alone, before any capture (reviewer: `--bits 2.0` used to load the
+    # the same refusal from the config alone, before any capture (`--bits 2.0` must not load the
     # model, capture, search and probe before saying so); its bound never exceeds the allocation's
     from kvcal.search.integer import bits_precheck
 
@@ -298,8 +297,8 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     assert "int4 channel_token_group128 asym, pre-rope, query-aware rounding, per-channel bit widths" in report
     assert all(("int4 token sym, hadamard, trellis-coded (nu=6) |" if lm["v"].get("trellis") else
                 "int4 token sym, hadamard, non-uniform levels |") in report for lm in art.metadata["layers"])
-    # reviewer: the integer report lacked the corpus / context section, printed "bit budget: None", and
-    # labelled the values' plain min/max ranges (no clip search in int4) as "clip"
+    # the integer report has the corpus / context section, never prints "bit budget: None", and does not
+    # label the values' plain min/max ranges (no clip search in int4) as "clip"
     assert "## Calibration corpus and context regime" in report and str(corpus) in report
     assert "bit budget: none (fixed preset layout)" in report
     v_picks = [row.split(" | ")[6] for row in report.splitlines() if row.startswith("| ") and "hadamard" in row]
@@ -570,9 +569,9 @@ def test_calibrate_chooses_sinks_on_held_out_model_kl(tmp_path, smollm_tokenizer
 
 @pytest.mark.parametrize("name", ["int4", "int2", "k4v2"])
 def test_memory_and_plan_count_what_the_preset_writes(tiny_capture, name):
-    """Reviewer's fault: `kvcal memory/plan --format int4` sized a 4.5-bit static layout while
-    `calibrate --preset int4` writes 4.24 bits, and k4v2 was unknown there. The named layout must
-    count exactly the bytes the calibration's own accounting reports for its artifact."""
+    """`kvcal memory/plan --format NAME` counts exactly the bytes the calibration's own accounting reports for
+    the artifact `calibrate --preset NAME` writes (int4: 4.24 bits, not a 4.5-bit static layout; k4v2 too),
+    and the named layout is the preset's."""
     from types import SimpleNamespace
 
     from kvcal.formats.memory import memory_report

@@ -1,8 +1,8 @@
-"""One result type and one report path for every search (issue 20: FP8 vs integer search had two result
-types and two renderers)."""
+"""One result type and one report path for every search: the FP8 and the integer search return the same result
+type, and the report is render_report of its metadata."""
 
 import pytest
-from conftest import TINY_LLAMA_16, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, save_tiny_llama
 
 from kvcal.search.result import ERROR_DATA, SearchResult
 

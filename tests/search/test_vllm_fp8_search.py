@@ -1,4 +1,4 @@
-"""Issue 18 (2, 5, 6): q_scale calibration and the key search with vLLM's FP8 queries; artifact, export,
+"""q_scale calibration and the key search with vLLM's FP8 queries; artifact, export,
 inspect and disclosure of the q scales. Tiny tensors and a tiny random Llama (seconds each)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
 
 from kvcal.errors import KvcalError
 from kvcal.formats.fp8 import get_fp8_format
@@ -244,24 +244,14 @@ def test_artifact_records_q_scale(vllm_artifact):
 def test_artifact_validator_refuses_bad_q_scale(vllm_artifact, tmp_path):
     """An artifact whose q_scale tensor has shape [3] is refused by load_artifact with an ArtifactError
     naming the shape."""
-    from safetensors.torch import load_file, save_file
+    from helpers.export import edited_copy
 
     from kvcal.artifact import load_artifact
     from kvcal.errors import ArtifactError
 
     out, _ = vllm_artifact
-    import shutil
-
-    bad = tmp_path / "bad"
-    shutil.copytree(out, bad)
-    f = bad / "kv_scales.safetensors"
-    from safetensors import safe_open
-
-    with safe_open(str(f), "pt") as fh:
-        md = fh.metadata()
-    t = load_file(str(f))
-    t["model.layers.0.self_attn.q_scale"] = torch.ones(3)
-    save_file(t, str(f), metadata=md)
+    bad = edited_copy(out, tmp_path / "bad",
+                      lambda m, t: t.__setitem__("model.layers.0.self_attn.q_scale", torch.ones(3)))
     with pytest.raises(ArtifactError, match="q_scale has shape \\[3\\]"):
         load_artifact(bad)
 

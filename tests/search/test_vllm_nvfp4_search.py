@@ -1,4 +1,4 @@
-"""Issue 18 (2, 5): NVFP4 outer scales (and q_scale) for vLLM ``--kv-cache-dtype nvfp4`` — the search's
+"""NVFP4 outer scales (and q_scale) for vLLM ``--kv-cache-dtype nvfp4`` — the search's
 objective against an independent float64 re-statement and a hand-worked example, the held-out guard, the
 option checks, and the artifact / export / inspect path on a tiny random Llama (seconds each)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
+from helpers.models import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
 
 from kvcal.errors import KvcalError
 from kvcal.search import vllm_nvfp4 as N
