@@ -2,7 +2,7 @@
 directories, cached hub datasets; OpenAI-format chats (content parts, tool calls); field mapping.
 
 The reference for every source is the same records written as JSONL (whose token ids
-tests/test_corpus.py checks against the tokenizer directly): a source must give exactly the JSONL ids.
+tests/corpus/test_corpus.py checks against the tokenizer directly): a source must give exactly the JSONL ids.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def test_tool_calls_rendered_by_a_template_that_knows_them(tok, tmp_path):
 @pytest.mark.parametrize("name", ["chat", "tool_use", "code"])
 def test_shipped_sets_as_parquet_give_the_same_ids(tok, tmp_path, name):
     """calibration_sets/README.md: a Parquet export of a shipped JSONL set loads to the same token ids."""
-    src = Path(__file__).resolve().parents[1] / "calibration_sets" / f"{name}.jsonl"
+    src = Path(__file__).resolve().parents[2] / "calibration_sets" / f"{name}.jsonl"
     ds = datasets.load_dataset("json", data_files=str(src), split="train", cache_dir=str(tmp_path / "cache"))
     ds.to_parquet(str(tmp_path / f"{name}.parquet"))
     a = load_corpus(src, tok, max_seq_len=2048)

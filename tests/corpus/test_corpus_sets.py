@@ -10,7 +10,7 @@ import pytest
 
 from kvcal.corpus import load_corpus
 
-SETS = Path(__file__).resolve().parents[1] / "calibration_sets"
+SETS = Path(__file__).resolve().parents[2] / "calibration_sets"
 
 # file -> (format, samples at max_seq_len=2048), as listed in calibration_sets/README.md
 EXPECTED = {

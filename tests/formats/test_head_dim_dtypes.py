@@ -16,7 +16,7 @@ from helpers.models import TINY_LLAMA_8, save_tiny_llama
 from kvcal.cli import main
 from kvcal.errors import KvcalError
 
-CHAT = Path(__file__).resolve().parents[1] / "calibration_sets" / "chat.jsonl"
+CHAT = Path(__file__).resolve().parents[2] / "calibration_sets" / "chat.jsonl"
 
 
 @pytest.mark.parametrize("name, ok, bad", [("nvfp4", (16, 64, 80, 96, 128), (8, 24, 72)),

@@ -120,7 +120,7 @@ def test_txt_token_bound_holds_and_refuses_a_short_corpus_before_anything_loads(
     monkeypatch.setattr(kvcal.models, "load_model", no_load)
     monkeypatch.setattr(kvcal.models, "load_tokenizer", no_load)
     (tmp_path / "short.txt").write_text("short text here.\n")
-    art = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-fp8"
+    art = Path(__file__).resolve().parents[2] / "artifacts" / "smollm2-135m-fp8"
     r = CliRunner().invoke(main, ["evaluate", "--artifact", str(art), "--corpus",
                                   str(tmp_path / "short.txt"), "--context", "1024"])
     assert r.exit_code == 2 and "has at most 52 tokens" in r.output and "Traceback" not in r.output

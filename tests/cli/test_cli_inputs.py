@@ -340,7 +340,7 @@ def test_gguf_tokenizer_and_config_from_the_cache_equal_the_conversion(tmp_path,
     monkeypatch.setenv("KVCAL_CACHE", str(tmp_path))
     converted, cached = load_tokenizer(None), load_tokenizer(None)
     assert str(tmp_path) in cached.name_or_path and str(tmp_path) not in converted.name_or_path
-    sets = Path(__file__).resolve().parents[1] / "calibration_sets"
+    sets = Path(__file__).resolve().parents[2] / "calibration_sets"
     chats = [json.loads(line)["messages"] for line in (sets / "chat.jsonl").read_text().splitlines() if line.strip()]
     assert len(chats) == 44
     for m in chats:
