@@ -288,6 +288,13 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
     else:  # each engine sees only the names its loader maps for this family (kvcal.export.layouts)
         ins.engines["vLLM"] = simulate_vllm(to_canonical(fam, "vLLM", tensors), n, nkv, qc)
         ins.engines["SGLang"] = simulate_sglang(to_canonical(fam, "SGLang", tensors), n, nkv, qc)
+        qs = sorted(t for t in tensors if t.endswith(".q_scale"))
+        if qs and fam.sglang_unknown == "raises":  # kvcal.export.layouts: its load_weights indexes params_dict[name]
+            ins.engines["SGLang"].problems.append(
+                f"{len(qs)} q_scale tensor(s) (e.g. {qs[0]}): SGLang's {fam.sglang} load_weights has no such "
+                "parameter and stops the load with a KeyError, so the server does not start; serve this checkpoint "
+                "in vLLM, or export for SGLang from an artifact without query scales (calibrate without --engine vllm)")
+            ins.engines["SGLang"].layers = []
         tmpl = hf.param_template if hf is not None else None
         ins.params = _param_rows(fam, tensors, n, tmpl)
         ins.family = fam

@@ -173,3 +173,20 @@ def test_q_scale_export_warns_that_sglang_gemma3_stops(gemma, tmp_path):
     warn = [x for x in text.splitlines() if x.startswith("warning: SGLang's gemma3_causal.py")]
     assert len(warn) == 1 and "KeyError" in warn[0] and "model.layers.0.self_attn.q_scale" in warn[0]
     assert "SGLang loads these names too" not in text
+
+
+def test_inspect_flags_q_scale_for_sglang_gemma3(gemma, tmp_path):
+    """A merged Gemma 3 checkpoint holding ``q_scale`` (calibrate --engine vllm): inspect says SGLang 0.5.23's
+    ``gemma3_causal.py`` stops on it (KeyError, the name is not a parameter and is not remapped), naming the
+    tensor, and lists no SGLang layer as loaded; vLLM still loads every layer's k/v scales."""
+    from kvcal.inspect import inspect_path, render
+
+    d, _, art_q = gemma
+    out = tmp_path / "q"
+    run(["export", "--artifact", str(art_q), "--target", "vllm", "--model-dir", str(d), "--out", str(out)])
+    ins = inspect_path(out)
+    sg = ins.engines["SGLang"]
+    assert len(sg.problems) == 1 and "KeyError" in sg.problems[0] and "model.layers.0.self_attn.q_scale" in sg.problems[0]
+    assert not sg.all_loaded and sg.layers == []
+    assert ins.engines["vLLM"].all_loaded and len(ins.engines["vLLM"].layers) == NL
+    assert "KeyError" in render(ins)
