@@ -64,18 +64,16 @@ class EvalConfig:
 
     def __post_init__(self):
         from kvcal.errors import KvcalError
-        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend, vllm_dtype
+        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_dtypes_served, vllm_backend
 
         try:
             object.__setattr__(self, "backend", vllm_backend(self.backend).name)
         except VllmDTypeError as e:
             raise KvcalError(f"--backend: {e}") from None
-        for d in self.vllm_dtypes:
-            try:
-                vllm_dtype(d)
-                check_backend_serves(self.backend, d)
-            except VllmDTypeError as e:
-                raise KvcalError(f"--vllm-dtype: {e}") from None
+        try:
+            check_dtypes_served(self.backend, self.vllm_dtypes)
+        except VllmDTypeError as e:
+            raise KvcalError(f"--vllm-dtype: {e}") from None
 
         if not self.contexts or any(int(c) < 2 for c in self.contexts):
             raise KvcalError("--context values must be integers >= 2 (e.g. 1024,4096,8192)")

@@ -14,7 +14,7 @@ def check_options(cfg: RecommendConfig) -> None:
     from kvcal.artifact import check_output_dir
     from kvcal.corpus import check_corpus
     from kvcal.errors import KvcalError
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend, vllm_dtype
+    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_dtypes_served, vllm_backend
     from kvcal.options import parse_bar
 
     if cfg.engine != "vllm":
@@ -25,12 +25,10 @@ def check_options(cfg: RecommendConfig) -> None:
         raise KvcalError(f"--backend: {e}") from None
     if not cfg.dtypes:
         raise KvcalError("--dtypes is empty; name at least one vLLM --kv-cache-dtype (e.g. fp8,turboquant_4bit_nc)")
-    for d in cfg.dtypes:
-        try:
-            vllm_dtype(d)
-            check_backend_serves(cfg.backend, d)
-        except VllmDTypeError as e:
-            raise KvcalError(f"--dtypes: {e}") from None
+    try:
+        check_dtypes_served(cfg.backend, cfg.dtypes)
+    except VllmDTypeError as e:
+        raise KvcalError(f"--dtypes: {e}") from None
     if {"fp8", "fp8_e4m3"} <= set(cfg.dtypes):  # one dtype under two names: its outputs would mix them
         raise KvcalError("--dtypes names fp8 and fp8_e4m3, one vLLM dtype under two names (vllm/config/cache.py: "
                          "fp8 = fp8_e4m3); keep one spelling")

@@ -80,6 +80,7 @@ from kvcal.formats.vllm_dtypes.registry import (
     VllmDTypeError,
     VllmKVDType,
     check_backend_serves,
+    check_dtypes_served,
     same_vllm_dtype,
     vllm_backend,
     vllm_dtype,
@@ -140,6 +141,6 @@ __all__ = [
     "turboquant_value_quantize", "turboquant_value_dequantize", "turboquant_fake_quant",
     "fake_quant_kv", "fake_quant_side", "fake_quant_query", "check_head_dim", "head_slot_bytes", "boundary_skip_layers", "layer_bytes_per_token",
     "FP8_E4M3_MAX", "FP8_E5M2_MAX", "E2M1_MAX", "NVFP4_BLOCK", "VllmBackend", "VLLM_BACKENDS", "BACKEND_ALIASES",
-    "vllm_backend", "check_backend_serves", "fp8_e4m3_truncate", "fp8_e5m2_truncate",
+    "vllm_backend", "check_backend_serves", "check_dtypes_served", "fp8_e4m3_truncate", "fp8_e5m2_truncate",
     "VLLM_DTYPE_FAMILIES", "VLLM_DTYPE_ALIASES", "same_vllm_dtype",
 ]

@@ -76,6 +76,14 @@ def check_backend_serves(backend: str | VllmBackend, name: str, head_dim: int | 
                              f"{b.head_dim_multiple} for an FP8 cache, this model's is {head_dim}")
 
 
+def check_dtypes_served(backend: str | VllmBackend, names) -> None:
+    """Every name of ``names`` is a vLLM ``--kv-cache-dtype`` kvcal knows (:func:`vllm_dtype`) and ``backend``
+    serves it (:func:`check_backend_serves`). Raises :class:`VllmDTypeError` for the first that is not."""
+    for name in names:
+        vllm_dtype(name)
+        check_backend_serves(backend, name)
+
+
 @dataclass(frozen=True)
 class VllmKVDType:
     """One ``--kv-cache-dtype`` of vLLM 0.33.
