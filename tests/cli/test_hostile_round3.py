@@ -188,6 +188,9 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
     work = tmp_path / "work"
     work.mkdir()
     sig = getattr(signal, signame)
+    # run as from a terminal: the signal's default action in force (under `nohup` SIGHUP arrives ignored, and kvcal
+    # rightly leaves an ignored SIGHUP ignored: test_an_ignored_sighup_stays_ignored)
+    outer = signal.signal(sig, signal.SIG_DFL)
     before = signal.getsignal(sig)
     real_replace = os.replace
 
@@ -198,13 +201,50 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
     monkeypatch.setattr(kvcal.outputs.os, "replace", killed)
     args = (["export", "--artifact", str(art), "--target", "vllm", "--out", str(work / "out")] if command == "export"
             else ["report", "--artifact", str(art), "--out", str(work / "out")])
-    r = CliRunner().invoke(main, args)
-    monkeypatch.undo()
+    try:
+        r = CliRunner().invoke(main, args)
+        after = signal.getsignal(sig)
+    finally:
+        monkeypatch.undo()
+        signal.signal(sig, outer)
     assert r.exit_code == status, r.output
     assert f"terminated by {signame}: nothing was written" in r.output and "Traceback" not in r.output
     left = [p.name for p in work.rglob("*")]
     assert [n for n in left if ".tmp-" in n] == [], left
-    assert signal.getsignal(sig) == before
+    assert after == before
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
+    """Under `nohup` (SIGHUP ignored by the parent) a hangup mid-write does not stop kvcal: the export completes
+    (exit 0, its files written, no temporary left) and SIGHUP is still ignored afterwards."""
+    import os
+    import signal
+
+    from helpers.export import make_artifact
+
+    import kvcal.outputs
+
+    art, _ = make_artifact(tmp_path / "art")
+    work = tmp_path / "work"
+    work.mkdir()
+    outer = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    real_replace = os.replace
+
+    def hung_up(src, dst):
+        os.kill(os.getpid(), signal.SIGHUP)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(kvcal.outputs.os, "replace", hung_up)
+    try:
+        r = CliRunner().invoke(main, ["export", "--artifact", str(art), "--target", "vllm", "--out", str(work / "out")])
+        after = signal.getsignal(signal.SIGHUP)
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGHUP, outer)
+    assert r.exit_code == 0, r.output
+    assert (work / "out" / "kvcal-kv-scales.safetensors").is_file()
+    assert [p.name for p in work.rglob("*") if ".tmp-" in p.name] == []
+    assert after == signal.SIG_IGN
 
 
 def test_sigterm_during_calibrate_says_how_to_resume(tmp_path, corpus, monkeypatch):
