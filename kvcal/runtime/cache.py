@@ -62,8 +62,9 @@ update only per-layer metadata is held (``cache_bytes(context=0)``), including t
 mean ``k_mean float32 [1,H,1,D]`` of layers whose plan has one (``KVCacheConfig.key_centering``).
 
 Left padding: pad positions are cached like any token and masked by attention. Sinks are the
-first cache slots of each row, so with left padding the pads, not the prompt's first tokens, are
-the sinks (use ``sink_tokens = 0`` or equal-length prompts when that matters).
+first cache slots of each row, so with left padding the pads, not the prompt's first tokens, would be
+the sinks: a plan with ``sink_tokens > 0`` refuses (``ValueError``) a write into the sink slots whose
+``position_ids`` differ from the slots (batch prompts of equal length, or use ``sink_tokens = 0``).
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if "pre_rope" in (self.k.transform, self.v.transform):
             self._check_positions(key_states, kwargs)
+        if self.cumulative_length < max(self.k.sinks, self.v.sinks):
+            self._check_sink_positions(key_states, kwargs)
         s = key_states.shape[-2]
         t = self.cumulative_length + s
         if self.capacity is not None and t > self.capacity:
@@ -147,12 +150,32 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.cumulative_length = t
         return self.k.read(), self.v.read()
 
-    def _check_positions(self, x: torch.Tensor, kwargs: dict) -> None:
-        """Pre-RoPE sides rotate by the cache slot: refuse position ids that differ from it."""
+    @staticmethod
+    def _position_ids(kwargs: dict) -> torch.Tensor | None:
+        """The ``position_ids`` transformers passes to ``update`` (``[B, s]`` or ``[s]``), or ``None``."""
         inner = kwargs.get("kwargs")
         pos = inner.get("position_ids") if isinstance(inner, dict) else None
+        return kwargs.get("position_ids") if pos is None else pos
+
+    def _check_sink_positions(self, x: torch.Tensor, kwargs: dict) -> None:
+        """Attention sinks are the first cache slots of every row: refuse a write into those slots whose
+        position ids differ from the slots (a left-padded batch, where the pads would be kept in 16 bits
+        and the prompt's first tokens quantized). Without position ids nothing can be checked."""
+        pos = self._position_ids(kwargs)
         if pos is None:
-            pos = kwargs.get("position_ids")
+            return
+        s = x.shape[-2]
+        n = min(s, max(self.k.sinks, self.v.sinks) - self.cumulative_length)
+        want = torch.arange(self.cumulative_length, self.cumulative_length + n, device=pos.device)
+        if pos.shape[-1] != s or not bool((pos.reshape(-1, s)[:, :n] == want).all()):
+            raise ValueError(f"layer {self.layer_idx}: attention sinks are the first {max(self.k.sinks, self.v.sinks)} "
+                             "cache slots of every row, but this batch's position ids differ from the slots "
+                             "(left padding?): the pads, not the prompt's first tokens, would be kept in 16 bits. "
+                             "Batch prompts of equal length or use a plan with sink_tokens=0.")
+
+    def _check_positions(self, x: torch.Tensor, kwargs: dict) -> None:
+        """Pre-RoPE sides rotate by the cache slot: refuse position ids that differ from it."""
+        pos = self._position_ids(kwargs)
         s = x.shape[-2]
         if pos is None:
             raise ValueError(f"layer {self.layer_idx}: a pre-RoPE key cache needs the position_ids of new tokens "

@@ -160,15 +160,29 @@ def test_architecture_without_kv_cache_is_refused(tmp_path):
 
 
 def test_metadata_json_is_valid(tiny_dir, tmp_path):
-    """Artifact metadata serializes as strict JSON (no NaN/inf), with channel_absmax as [H_kv][D] = [2][16]."""
+    """Artifact metadata serializes as strict JSON (no NaN/inf); every layer's channel_absmax is [H_kv][D] =
+    [2][16], non-negative, and its maximum is the layer's recorded amax exactly; every stored FP8 scale is
+    clip_ratio x amax / 448 (kvcal's convention: e4m3 per-tensor scale = clip amax / 448)."""
     from kvcal.models import load_tokenizer
 
     calibrate(_cfg(tiny_dir, tmp_path / "m"), log=lambda s: None, progress=False,
               tokenizer=load_tokenizer(str(tiny_dir)))
-    meta = load_artifact(tmp_path / "m").metadata
+    art = load_artifact(tmp_path / "m")
+    meta = art.metadata
     json.dumps(meta, allow_nan=False)
-    assert len(meta["layers"][0]["k"]["channel_absmax"]) == 2  # [H_kv][D]
-    assert len(meta["layers"][0]["k"]["channel_absmax"][0]) == 16
+    assert len(meta["layers"]) == 2
+    for lm in meta["layers"]:
+        for side in ("k", "v"):
+            m = lm[side]
+            ca = torch.tensor(m["channel_absmax"], dtype=torch.float64)
+            assert ca.shape == (2, 16) and bool((ca >= 0).all()) and float(ca.max()) > 0
+            assert [float(ca.max())] == m["amax"]  # max is exact: the same float32 values, per tensor
+            scale = float(art.tensors[f"model.layers.{lm['layer']}.self_attn.{side}_scale"])
+            assert m["scale"] == [scale]
+            # scale, clip_ratio and amax are float32 values: clip_ratio x amax / 448 in float64 is within two
+            # float32 roundings (relative 2^-23 each) of the stored scale
+            want = m["clip_ratio"][0] * m["amax"][0] / 448
+            assert abs(scale - want) <= 2 * 2.0**-23 * want, (lm["layer"], side, scale, want)
 
 
 def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch):

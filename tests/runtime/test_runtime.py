@@ -194,7 +194,8 @@ def test_allocated_bytes_include_key_centering(model):
 
 def test_generate_batch2_left_padding(model):
     """Batch-2 left-padded greedy generation matches each prompt alone per step (logits within 1e-2, same
-    token unless a near-tie; bound argued in the comment); kivi4 with a window fills the static cache as expected."""
+    token unless a near-tie; bound argued in the comment) for bf16, fp8 and int8; with kivi4 and a residual
+    window the unpadded row does too, and the preallocated cache holds exactly the contract's bytes."""
     g = torch.Generator().manual_seed(5)
     p1, p2 = torch.randint(1, 128, (1, 12), generator=g), torch.randint(1, 128, (1, 7), generator=g)
     ids = torch.zeros(2, 12, dtype=torch.long)
@@ -221,12 +222,45 @@ def test_generate_batch2_left_padding(model):
                     top2 = sa[0].topk(2).values
                     assert float(top2[0] - top2[1]) <= 2 * d, (name, r, t)
                     break
-    # grouped keys with a window: runs, stays in vocabulary, fills the cache as expected
-    plan = make_plan("kivi4", sinks=1, window=32)
+    # grouped keys with a window: the unpadded row reads what it reads alone (same bound as above), and the
+    # preallocated cache holds exactly the contract's bytes for 64 tokens. (The padded row's first key group
+    # holds its pads, so its group ranges differ from the lone prompt's: no equality is claimed for it.)
+    kw40 = dict(kw, max_new_tokens=40)
+    plan = make_plan("kivi4", sinks=0, window=32)
     cache = QuantizedKVCache(plan, model.config, max_cache_len=64)
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=40, do_sample=False)
-    assert out.shape == (2, 52) and int(out.max()) < 128
-    assert cache.get_seq_length() == 51 and cache.allocated_bytes() == cache.expected_bytes()
+    both = model.generate(ids, attention_mask=mask, cache=cache, **kw40)
+    one = model.generate(p1, cache=QuantizedKVCache(plan, model.config, max_cache_len=64), **kw40)
+    for t, (sb, sa) in enumerate(zip(both.scores, one.scores, strict=True)):
+        d = float((sb[0] - sa[0]).abs().max())
+        assert d <= 1e-2, ("kivi4", t, d)
+        if int(both.sequences[0, 12 + t]) != int(one.sequences[0, 12 + t]):
+            top2 = sa[0].topk(2).values
+            assert float(top2[0] - top2[1]) <= 2 * d, ("kivi4", t)
+            break
+    assert cache.get_seq_length() == 51
+    assert cache.allocated_bytes() == cache_bytes(model.config, plan.kv_config(), 64, 2)
+
+
+def test_sinks_refuse_a_left_padded_batch(model):
+    """Attention sinks are a row's first cache slots: a left-padded batch (position ids differ from the slots)
+    is refused with a one-line ValueError naming sinks and left padding, since the pads, not the prompt's
+    first tokens, would stay 16-bit; the same plan generates an equal-length batch, and a plan without sinks
+    generates the padded one."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 128, (2, 10), generator=g)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    plan = make_plan("kivi4", sinks=4, window=32)
+    with pytest.raises(ValueError, match=r"attention sinks .*left padding") as e:
+        model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(plan, model.config), max_new_tokens=2,
+                       do_sample=False)
+    assert "\n" not in str(e.value)
+    out = model.generate(ids, cache=QuantizedKVCache(plan, model.config), max_new_tokens=2, do_sample=False)
+    assert out.shape == (2, 12)
+    out = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(make_plan("kivi4", window=32),
+                                                                          model.config),
+                         max_new_tokens=2, do_sample=False)
+    assert out.shape == (2, 12)
 
 
 BATCH_BUFFERS = ("sink", "win", "data", "scale", "zp", "open_rng")  # SideStorage's per-sequence tensors (dim 0 = batch)
