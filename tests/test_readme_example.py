@@ -30,6 +30,9 @@ def readme_export_lines() -> list[str]:
 
 
 def test_the_committed_example_records_its_hash_and_weights_fingerprint():
+    """The committed artifacts/smollm2-135m-fp8 loads (its content hash verified) and records a 64-hex content_sha256
+    and a weights fingerprint of SmolLM2-135M's 30 decoder layers: num_layers 30 in the model and the fingerprint, 30
+    per-layer 16-hex digests and one for the embedding."""
     from kvcal.artifact import CONTENT_HASH_KEY, load_artifact
 
     meta = load_artifact(EXAMPLE).metadata  # load_artifact verifies the content hash it finds
@@ -59,6 +62,9 @@ def hf_dir(tmp_path_factory, smollm_model, smollm_tokenizer):
 
 
 def test_readme_export_command_prints_no_warning(hf_dir, tmp_path, monkeypatch):
+    """Every ``kvcal export`` line of the README's bash blocks, run as written with HF_DIR the embedded SmolLM2
+    checkpoint, exits 0 and prints no warning except the one about this machine's transformers ignoring the scales, and
+    no line about content_sha256 or a weights fingerprint."""
     lines = readme_export_lines()
     assert lines, "the README has no kvcal export line"
     monkeypatch.chdir(REPO)  # the README's paths are relative to the repository

@@ -39,6 +39,8 @@ def test_agreement_is_the_paired_t_interval():
 
 
 def test_cpu_fp8_support_reads_the_flags():
+    """cpu_fp8_support reads /proc/cpuinfo's flags line: None (served) with avx512f or with amx_tile, and on an
+    AVX2-only CPU a reason saying it has neither AVX-512 nor AMX."""
     assert cpu_fp8_support("flags\t: fpu sse2 avx2 avx512f avx512bw\n") is None
     assert cpu_fp8_support("flags\t: fpu amx_tile amx_bf16\n") is None
     why = cpu_fp8_support("flags\t: fpu sse2 avx avx2 fma\n")
@@ -46,6 +48,8 @@ def test_cpu_fp8_support_reads_the_flags():
 
 
 def test_accept_limited_to_what_verify_measures():
+    """verify's --accept parses measured metrics into (metric, op, bound) clauses in order, refuses greedy_agree naming
+    the metrics verify measures, and refuses a bar that can never pass (kl_mean<=-1) naming it."""
     assert check_accept("kl_mean<=1e-2,delta_ppl<=0.2") == [("kl_mean", "<=", 1e-2), ("delta_ppl", "<=", 0.2)]
     with pytest.raises(KvcalError, match=r"'greedy_agree' is not measured by verify .*verify measures ppl, delta_ppl"):
         check_accept("greedy_agree>=0.5")
@@ -72,6 +76,10 @@ def _checkpoint(root: Path, scales: dict | None) -> Path:
 
 
 def test_read_checkpoint_and_its_scale_free_view(tmp_path):
+    """read_checkpoint on a compressed-tensors FP8 checkpoint reads dtype fp8, 2 layers, head_dim 32 (hidden 64 / 2
+    heads), each layer's k_scale and v_scale and no q_scale; no_scale_view makes a directory of the same files less the
+    scale shard: config.json without quantization_config, an index listing only the weights, the weight shard a
+    symlink."""
     s = {f"model.layers.{i}.self_attn.{x}_scale": 0.01 * (i + 1) + (x == "v") for i in range(2) for x in "kv"}
     ck = read_checkpoint(str(_checkpoint(tmp_path, s)))
     assert ck.kv_cache_dtype == "fp8" and ck.num_layers == 2 and ck.head_dim == 32
@@ -91,11 +99,16 @@ def test_read_checkpoint_and_its_scale_free_view(tmp_path):
     ({"model.layers.1.self_attn.v_scale": float("nan")}, r"v_scale must be one positive finite value"),
 ])
 def test_read_checkpoint_refuses_bad_scales(tmp_path, bad, match):
+    """A k_scale of 0.0 or a NaN v_scale is refused by read_checkpoint with a KvcalError naming the scale and saying it
+    must be one positive finite value."""
     with pytest.raises(KvcalError, match=match):
         read_checkpoint(str(_checkpoint(tmp_path, bad)))
 
 
 def test_read_checkpoint_names_what_it_is_given(tmp_path):
+    """read_checkpoint names what it was given instead of a checkpoint: a recommend output (deploy.json) or a kvcal
+    artifact (kv_scales.safetensors), each with "export it first", a directory without config.json, and a checkpoint
+    whose kv_cache_scheme is not per-tensor FP8 (strategy attn_head)."""
     rec = tmp_path / "rec"
     rec.mkdir()
     (rec / "deploy.json").write_text(json.dumps({"schema": "kvcal-recommend/1"}))
@@ -132,6 +145,10 @@ def _verify(argv, **kw):
 
 
 def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_path):
+    """kvcal verify exits 2 with its message and no traceback for: no --engine-python, a path with no Python, --accept
+    on an unmeasured metric or an unreachable bar, an unknown backend, --windows 1; each bad --skip-layers (out of
+    range, every layer, not an index, auto, a repeat) in exactly one line; and, on a CPU stubbed to lack AVX-512 and
+    AMX, --backend vllm-cpu with that reason."""
     corpus = str(shared_data / "wikitext2_valid.txt")
     base = [str(tiny_export), "--corpus", corpus, "--context", "64", "--windows", "2"]
     cases = [

@@ -36,6 +36,11 @@ NVFP4_META = {
 
 
 def test_fp8_section():
+    """vllm_section reads every field of a hand-written fp8_e4m3 section as given: engine, dtype and version, backend
+    cpu with the truncating write, the query quantization text, skip layers and how they were chosen, q_scale per layer
+    as tuples, no outer scales, the three held-out KL lists, dtype family fp8; skip_layers_for returns the skip layers
+    for fp8 and fp8_e4m3 (one vLLM dtype) and () for fp8_e5m2 and nvfp4; the metadata dict is left unchanged and the
+    section is frozen."""
     meta = copy.deepcopy(FP8_META)
     sec = vllm_section(meta)
     assert isinstance(sec, VllmSection)
@@ -60,6 +65,10 @@ def test_fp8_section():
 
 
 def test_nvfp4_section_and_defaults():
+    """An nvfp4 section reads its outer scales per side and its q_scale, family nvfp4 (nvfp4_dtype set, fp8_dtype None);
+    absent optional fields take kvcal's defaults (backend cuda, fp8_write "round to nearest even", no skip-layer choice,
+    no held-out KL); nvfp4_4over6 is its own dtype (its skip layers do not serve nvfp4, the same family), and a dtype
+    name the registry does not emulate reads with dtype, fp8_dtype and nvfp4_dtype all None."""
     sec = vllm_section(copy.deepcopy(NVFP4_META))
     assert sec.kv_cache_dtype == "nvfp4" and sec.dtype.family == "nvfp4"
     assert sec.nvfp4_dtype == "nvfp4" and sec.fp8_dtype is None
@@ -81,6 +90,7 @@ def test_nvfp4_section_and_defaults():
 
 
 def test_sectionless_artifact():
+    """Metadata without a ``vllm`` section, or with ``"vllm": null``, reads as no section (None)."""
     meta = {k: v for k, v in FP8_META.items() if k != "vllm"}
     assert vllm_section(meta) is None
     assert vllm_section({**meta, "vllm": None}) is None
@@ -100,5 +110,6 @@ def test_registry_rules_match_the_old_string_tests():
 
 
 def test_exposed_by_kvcal_artifact():
+    """VllmSection and vllm_section are public names of kvcal.artifact (listed in its ``__all__``)."""
     assert "VllmSection" in kvcal.artifact.__all__ and "vllm_section" in kvcal.artifact.__all__
     assert kvcal.artifact.VllmSection is VllmSection and kvcal.artifact.vllm_section is vllm_section

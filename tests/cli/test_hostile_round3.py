@@ -99,6 +99,9 @@ def test_verify_metric_list_is_the_one_it_measures():
     ("a,a", "'a' is named twice"),
 ])
 def test_split_list_rules(value, words):
+    """split_list refuses an empty value (empty, blank or only commas: "is empty"), an empty item at either end or
+    between commas ("has an empty item") and an item named twice, each with a one-line KvcalError that starts with the
+    option's name."""
     with pytest.raises(KvcalError, match=words) as e:
         split_list(value, "--x", "thing", "a,b")
     assert "\n" not in str(e.value) and str(e.value).startswith("--x")
@@ -128,6 +131,8 @@ def test_every_comma_option_refuses_empty_lists_alike(corpus, tmp_path, no_model
 @pytest.mark.parametrize("opt", ["--context", "--batch"])
 @pytest.mark.parametrize("value, words", [(",", "is empty"), ("64,64", "is named twice"), ("64,,32", "empty item")])
 def test_integer_lists_follow_the_same_rules(corpus, opt, value, words):
+    """evaluate's integer lists --context and --batch follow split_list's rules: "," is refused as "is empty", "64,64"
+    as "is named twice" and "64,,32" as having an "empty item", each with exit 2 and no traceback."""
     r = CliRunner().invoke(main, ["evaluate", "--artifact", "A", "--corpus", str(corpus), opt, value])
     assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output
 
@@ -348,6 +353,9 @@ def test_binary_files_are_named_by_their_first_bytes(tmp_path, no_model, kind, w
 
 
 def test_non_utf8_text_is_not_told_to_assume_latin1(tmp_path):
+    """A cp1252-encoded JSONL line ("café") is refused by check_corpus with a CorpusError naming the file, line 1 and
+    the offending byte 0xe9, telling the user to re-encode it from the encoding it was written in, and never suggesting
+    latin1."""
     from kvcal.corpus import check_corpus
     from kvcal.errors import CorpusError
 
@@ -421,6 +429,8 @@ def test_environment_variables_are_validated_in_one_line(corpus, tmp_path, monke
 
 
 def test_kvcal_cache_pointing_at_a_file_is_named(tmp_path, monkeypatch):
+    """KVCAL_CACHE set to an existing regular file makes ``kvcal memory`` exit 2 with one error line naming the variable
+    and saying it is a file, not a directory."""
     f = tmp_path / "file"
     f.write_text("x")
     monkeypatch.setenv("KVCAL_CACHE", str(f))
@@ -429,6 +439,8 @@ def test_kvcal_cache_pointing_at_a_file_is_named(tmp_path, monkeypatch):
 
 
 def test_kernel_backend_names_agree():
+    """The KVCAL_KERNELS values the environment check accepts (kvcal.options.KERNEL_BACKENDS) are exactly the kernel
+    backends kvcal.kernels defines (BACKENDS), in the same order."""
     from kvcal.kernels import BACKENDS
     from kvcal.options import KERNEL_BACKENDS
 
@@ -436,6 +448,8 @@ def test_kernel_backend_names_agree():
 
 
 def test_a_valid_torchrun_environment_passes_the_check():
+    """check_distributed_environment accepts a complete torchrun environment (WORLD_SIZE 2, RANK 0, LOCAL_RANK 0,
+    MASTER_ADDR, MASTER_PORT 29500) and returns its world size 2; with none of the variables set it returns 1."""
     from kvcal.options import check_distributed_environment
 
     assert check_distributed_environment(TORCHRUN) == 2 and check_distributed_environment({}) == 1
@@ -516,6 +530,8 @@ def test_recommend_overwrite_keeps_the_contract(corpus, tmp_path, no_model, case
 
 
 def test_export_does_not_overwrite_a_recommend_output(tmp_path):
+    """export --overwrite onto a directory holding a kvcal recommend output is refused in one line (exit 2) that names
+    it a recommend output, not a kvcal export, and its deploy.json is left in place."""
     from helpers.export import make_artifact
 
     rec = _fake_recommend_output(tmp_path / "rec")

@@ -11,6 +11,10 @@ from kvcal.evaluate.windows import cut_windows, served_bos
 
 
 def test_cut_windows_with_bos_by_hand():
+    """cut_windows on tokens 5..19, worked by hand: with a BOS id each 4-token window is BOS followed by the next 3
+    stream tokens (the stream advances 3 per window), skip counts such 3-token steps and a request for more windows than
+    fit returns those that fit; without BOS the plain consecutive 4-token cut is unchanged; a 1-token window with BOS is
+    a ValueError."""
     ids = torch.arange(5, 20)
     assert cut_windows(ids, 4, 3, bos=1).tolist() == [[1, 5, 6, 7], [1, 8, 9, 10], [1, 11, 12, 13]]
     assert cut_windows(ids, 4, 9, skip=3, bos=1).tolist() == [[1, 14, 15, 16], [1, 17, 18, 19]]

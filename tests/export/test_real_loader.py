@@ -127,6 +127,11 @@ def probe(exports):
 
 @pytest.mark.parametrize("gran", ["tensor", "head"])
 def test_transformers_523_loads_and_applies_the_export(exports, probe, gran):
+    """transformers 5.23.0 + compressed-tensors load the vLLM export (per tensor and per head) with no missing or
+    unexpected key and attach every layer's k_scale/v_scale bit-equal to the exported tensor, float32, in its shape ([1]
+    or [H_kv, 1, 1]); the KV fake-quant hook runs once per layer and side, kvcal's signature check agrees the scheme
+    applies, and the logits are bit-identical to kvcal's Protocol A of the same artifact (shared arithmetic: no
+    tolerance) and differ from the unquantized model's and from Protocol A with every scale 1.0."""
     assert probe["transformers"] == "5.23.0"
     got = probe[gran]
     exported = exports["cases"][gran]["scales"]

@@ -18,6 +18,9 @@ GEMMA = ModelShape(18, 1, 256, 32768, tuple(0 if (i + 1) % 6 == 0 else 512 for i
 
 
 def test_model_shape_reads_layer_types():
+    """model_shape turns a config's layer_types into per-layer windows (sliding_attention: the config's sliding_window
+    8, full_attention: 0); all-full layer types give no windows (None), and an unsupported type (chunked_attention) is a
+    ValueError naming it."""
     cfg = {"num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2}
     assert model_shape(cfg).layer_windows == (8, 0, 8, 0)

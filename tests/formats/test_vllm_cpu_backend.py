@@ -40,6 +40,9 @@ def _wide(n: int, spread: float, seed: int) -> torch.Tensor:
 
 
 def test_grids_are_the_published_formats():
+    """The enumerated float64 grids are the published OCP FP8 formats: e4m3fn has 127 non-negative finite values, max
+    448, smallest subnormal 2^-9; e5m2 has 124, max 57344, smallest subnormal 2^-16 (so the references below rest on the
+    right grids)."""
     assert (E4M3.numel(), float(E4M3[-1]), float(E4M3[1])) == (127, 448.0, 2.0 ** -9)
     assert (E5M2.numel(), float(E5M2[-1]), float(E5M2[1])) == (124, 57344.0, 2.0 ** -16)
 
@@ -52,11 +55,17 @@ def test_grids_are_the_published_formats():
     (float("nan"), 448.0), (float("inf"), 448.0), (float("-inf"), -448.0),  # the clamp tests !(y < 448)
 ])
 def test_e4m3_truncation_hand_worked(x, want):
+    """fp8_e4m3_truncate writes float8_e4m3fn truncated toward zero, worked by hand: 1.124 → 1.0 (rounding to nearest
+    gives 1.125), ±1.2 → ±1.125, 447.9 → 416, subnormal 3·2^-10 → 2^-9 and 2^-10 → 0; magnitudes past 448 and ±inf
+    saturate to ±448, NaN to 448, zero stays zero."""
     got = V.fp8_e4m3_truncate(torch.tensor([x], dtype=torch.float32))
     assert got.dtype == torch.float8_e4m3fn and float(got.float()[0]) == want
 
 
 def test_e4m3_truncation_matches_float64_grid_and_never_writes_nan():
+    """On 200,000 float32 values spread over many binades (normal × exp(3·normal)) the e4m3 truncating write equals the
+    float64 reference exactly (the largest grid magnitude not above min(|x|, 448), with x's sign), and no code is
+    e4m3fn's NaN (low seven bits 0x7F)."""
     x = _wide(200_000, 3.0, 0)
     got = V.fp8_e4m3_truncate(x)
     assert torch.equal(got.float().double(), _truncate_ref(x, E4M3))
@@ -64,6 +73,8 @@ def test_e4m3_truncation_matches_float64_grid_and_never_writes_nan():
 
 
 def test_e5m2_truncation_matches_float64_grid():
+    """The e5m2 truncating write is float8_e5m2 and equals the float64 grid reference exactly on 200,000 values spread
+    wider (normal × exp(6·normal)), clamped to 57344; the subnormal 3·2^-17 truncates to 2^-16."""
     x = _wide(200_000, 6.0, 1)
     got = V.fp8_e5m2_truncate(x)
     assert got.dtype == torch.float8_e5m2
@@ -103,6 +114,10 @@ def test_truncation_relative_error_does_not_depend_on_a_power_of_two_scale():
 
 
 def test_cpu_backend_serves_fp8_only_and_quantizes_no_query():
+    """Backend cpu leaves the query unquantized (fake_quant_query returns it bit-equal); a VllmKVPlan for "vllm-cpu"
+    reads as backend cpu with quantize_query False and describes query_quantization "none"; nvfp4, int8_per_token_head
+    and turboquant_k8v4 are refused naming the dtypes cpu serves (auto, fp8, fp8_e4m3, fp8_e5m2), as are an unknown
+    backend 'tpu' and a head_dim that is not a multiple of 32 (48)."""
     q = _wide(2 * 9 * 5 * 64, 1.0, 4).view(2, 9, 5, 64)
     assert torch.equal(V.fake_quant_query("fp8", q, q_scale=0.5, backend="cpu"), q)
     plan = VllmKVPlan("fp8", 4, k_scales=[0.01] * 4, v_scales=[0.02] * 4, backend="vllm-cpu")

@@ -22,6 +22,10 @@ def corpus(tmp_path):
 
 
 def test_backend_refusals_are_one_line_before_the_model(no_model, corpus, tmp_path):
+    """A --backend calibrate or recommend cannot honour is refused with exit 2 and exactly one output line naming why,
+    before any model loads and with nothing written: --backend without --engine vllm --kv-cache-dtype fp8, cpu with
+    nvfp4 (the dtypes cpu serves listed), cpu with --granularity head (one scale per layer), the unknown backends npu
+    and tpu, and --dtypes naming a dtype cpu does not serve."""
     out = str(tmp_path / "out")
     cases = [
         (["calibrate", "--corpus", corpus, "--out", out, "--backend", "cpu"],
@@ -46,6 +50,8 @@ def test_backend_refusals_are_one_line_before_the_model(no_model, corpus, tmp_pa
 
 
 def test_evaluate_config_refuses_a_dtype_the_backend_does_not_serve():
+    """EvalConfig with backend vllm-cpu refuses --vllm-dtype turboquant_k8v4 (a dtype cpu does not serve) naming it, and
+    accepts fp8_e5m2 with the backend recorded as cpu."""
     from kvcal.evaluate import EvalConfig
 
     with pytest.raises(KvcalError, match=r"--vllm-dtype: vLLM backend cpu .* not turboquant_k8v4"):
@@ -90,6 +96,9 @@ def test_cpu_value_search_scores_the_truncating_write():
 
 
 def test_cpu_layer_choice_quantizes_no_query():
+    """choose_layer for backend cpu refuses quantize_query=True (a ValueError: cpu quantizes no query); with
+    quantize_query False the query scale stays at the absmax rule and the chosen key scale's held-out error is not above
+    scale 1.0's."""
     from kvcal.search.vllm_fp8 import choose_layer
 
     calib, held = _caches(2), _caches(3)
