@@ -145,10 +145,10 @@ def _verify(argv, **kw):
 
 
 def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_path):
-    """kvcal verify exits 2 with its message and no traceback for: no --engine-python, a path with no Python, --accept
-    on an unmeasured metric or an unreachable bar, an unknown backend, --windows 1; each bad --skip-layers (out of
-    range, every layer, not an index, auto, a repeat) in exactly one line; and, on a CPU stubbed to lack AVX-512 and
-    AMX, --backend vllm-cpu with that reason."""
+    """kvcal verify exits 2 with its message on one line and no traceback for: no --engine-python, a path with no
+    Python, --accept on an unmeasured metric or an unreachable bar, an unknown backend, --windows 1 (click's usage
+    lines around it); each bad --skip-layers (out of range, every layer, not an index, auto, a repeat); and, on a
+    CPU stubbed to lack AVX-512 and AMX, --backend vllm-cpu with that reason."""
     corpus = str(shared_data / "wikitext2_valid.txt")
     base = [str(tiny_export), "--corpus", corpus, "--context", "64", "--windows", "2"]
     cases = [
@@ -165,6 +165,8 @@ def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_pa
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert r.exit_code == 2 and want in r.output, (argv, r.output)
         assert all("Traceback" not in ln for ln in lines)
+        # one message line (click's own usage errors add its "Usage:" / "Try ... --help" lines around it)
+        assert len([ln for ln in lines if not ln.startswith(("Usage:", "Try '"))]) == 1, (argv, r.output)
     for skip, want in (("5", "--skip-layers 5: the model has 2 layers (0 to 1)"),
                        ("0,1", "at least one must stay in fp8"), ("a", "'a' is not a layer index"),
                        ("auto", "--skip-layers auto: verify serves the layers a deployment names"),
@@ -177,6 +179,7 @@ def test_cli_refusals_are_one_line(tiny_export, shared_data, monkeypatch, tmp_pa
     r = _verify([*base, "--engine-python", sys.executable, "--backend", "vllm-cpu"])
     assert r.exit_code == 2 and "vLLM's CPU backend cannot serve --kv-cache-dtype fp8 here: this CPU has neither" \
         in r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
 
 
 def test_an_interpreter_without_vllm_is_refused_by_the_runner(tiny_export, shared_data):

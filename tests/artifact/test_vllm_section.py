@@ -110,6 +110,10 @@ def test_registry_rules_match_the_old_string_tests():
 
 
 def test_exposed_by_kvcal_artifact():
-    """VllmSection and vllm_section are public names of kvcal.artifact (listed in its ``__all__``)."""
+    """VllmSection and vllm_section are public names of kvcal.artifact (listed in its ``__all__``) and are the
+    objects defined in kvcal.artifact.sections (one type, not a copy)."""
+    import kvcal.artifact.sections as sections
+
     assert "VllmSection" in kvcal.artifact.__all__ and "vllm_section" in kvcal.artifact.__all__
-    assert kvcal.artifact.VllmSection is VllmSection and kvcal.artifact.vllm_section is vllm_section
+    assert VllmSection is sections.VllmSection and vllm_section is sections.vllm_section
+    assert VllmSection.__module__ == "kvcal.artifact.sections"
