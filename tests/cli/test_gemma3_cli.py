@@ -61,13 +61,24 @@ def test_memory_counts_sliding_layers(gemma):
 
 
 def test_plan_inspect_export(gemma, tmp_path):
-    """On the tiny Gemma 3 each command exits 0 without a traceback: plan prints its max-concurrency table; inspect
+    """On the tiny Gemma 3 each command exits 0 without a traceback: plan's max concurrency at context 256 for bf16
+    and fp8 equals a hand count over the sliding and global layers; inspect
     names the layer types exactly (3 sliding-window layers 0, 1, 3 with W = 8, 1 full-attention layer 2); export
     --target vllm --model-dir prints a ``vllm serve`` command and writes a checkpoint holding k_scale and v_scale for
     all 4 layers."""
     d, art = gemma
     out = run(["plan", "--model", str(d), "--gpu-mem", "1GiB"])
-    assert "max concurrency" in out
+    # hand count: budget = 1 GiB - bf16 weights (parameters counted here from the saved model) - 10% reserve
+    # (floor); a sequence at the model max 256 holds 3 sliding layers x (W - 1 = 7) + 256 global tokens of
+    # 1 KV head x head_dim 32 x K and V: 128 B/token/layer in bf16, 64 in fp8 (+ 8 fp32 scales once per cache)
+    from transformers import AutoModelForCausalLM
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(d)).parameters())
+    budget = 2**30 - 2 * params - (2**30 // 10)
+    want = (budget // ((3 * 7 + 256) * 128), (budget - 8 * 4) // ((3 * 7 + 256) * 64))
+    table = out.split("max concurrency at each context:")[1].splitlines()
+    row = next(ln.split() for ln in table if ln.split()[:1] == ["256"])
+    assert (int(row[1].replace(",", "")), int(row[2].replace(",", ""))) == want, (row, want)
     out = run(["inspect", str(art)])
     assert "layer types: 3 sliding-window (W = 8: layers 0-1,3), 1 full attention (layers 2)" in out
     out = run(["export", "--artifact", str(art), "--target", "vllm", "--model-dir", str(d), "--out", str(tmp_path / "x")])
