@@ -16,7 +16,7 @@ Layers, lowest first::
     1 formats   kvcal.formats           numeric formats, quantize/dequantize (torch only)
     2 plan      kvcal.plan, kvcal.vllm_plan   per-layer plans built from formats
     3 stages    kvcal.capture, kvcal.search, kvcal.kernels, and the inputs they read:
-                kvcal.corpus, kvcal.models, kvcal.weights
+                kvcal.corpus, kvcal.models, kvcal.weights, and kvcal.inputs (both resolved once: the preflight)
     4 products  kvcal.artifact, kvcal.runtime, kvcal.evaluate
     5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity,
                 kvcal.inspect, kvcal.recommend, kvcal.vllm_skip,
@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("formats", ("kvcal.formats",)),
     ("plan", ("kvcal.plan", "kvcal.vllm_plan")),
     ("stages", ("kvcal.capture", "kvcal.search", "kvcal.kernels", "kvcal.corpus", "kvcal.models",
-                "kvcal.weights")),
+                "kvcal.weights", "kvcal.inputs")),
     ("products", ("kvcal.artifact", "kvcal.runtime", "kvcal.evaluate")),
     ("front", ("kvcal.export", "kvcal.report", "kvcal.api", "kvcal.calibrate", "kvcal.capacity",
                "kvcal.inspect", "kvcal.recommend", "kvcal.vllm_skip", "kvcal.verify",

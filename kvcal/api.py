@@ -3,7 +3,13 @@
 Each function takes the command's options as keyword arguments (the CLI's defaults), runs it and
 returns its result; bad input raises :class:`kvcal.errors.KvcalError` with a one-line message (the CLI
 prints it as ``error: ...``). Every CLI command (:mod:`kvcal.cli`) runs through the function here; the CLI
-adds only option parsing, the checks that must come before torch imports, and printing.
+adds only option parsing and printing.
+
+The preflight: :func:`calibrate`, :func:`evaluate`, :func:`recommend` and :func:`verify` check the corpus first
+(:func:`kvcal.inputs.check_corpus_input`, no torch imported: a bad corpus is reported in a fraction of a second),
+then the options (the command's config object, or ``config=`` built by the caller), then call
+``check_outputs(config)`` when given (the CLI checks its ``--json`` file there), and hand the checked corpus to
+the command, whose :func:`kvcal.inputs.preflight` resolves the model once and reads every later answer from it.
 
 ======================  =========================================  ==============================
 function                CLI                                        returns
@@ -29,26 +35,48 @@ from pathlib import Path
 from kvcal.errors import KvcalError
 
 
-def calibrate(corpus: str, *, log: Callable[[str], None] = print, progress: bool = True, model_obj=None,
-              tokenizer=None, **options) -> dict:
+def _checked_corpus(corpus, config, options: dict):
+    """The preflight's first step, before torch imports: ``corpus`` (or ``config.corpus``) checked with the
+    corpus field options of ``config`` or ``options`` (:func:`kvcal.inputs.check_corpus_input`)."""
+    from kvcal.inputs import CORPUS_OPTIONS, check_corpus_input
+
+    opts = {k: getattr(config, k) if config is not None else options.get(k) for k in CORPUS_OPTIONS}
+    return check_corpus_input(config.corpus if config is not None else corpus, **opts)
+
+
+def _config(cls, config, check_outputs, **fields):
+    """``config`` (built by the caller), else ``cls(**fields)`` (its option checks); then ``check_outputs``."""
+    cfg = config if config is not None else cls(**fields)
+    if check_outputs is not None:
+        check_outputs(cfg)
+    return cfg
+
+
+def calibrate(corpus: str | None = None, *, config=None, log: Callable[[str], None] = print, progress: bool = True,
+              model_obj=None, tokenizer=None, check_outputs: Callable | None = None, **options) -> dict:
     """``kvcal calibrate --corpus CORPUS ...``: options are :class:`kvcal.calibrate.CalibrateConfig` fields
-    (``out``, ``model``, ``preset``, ``bits``, ``engine``, ...). ``model_obj``/``tokenizer``: already-loaded
-    objects for ``options["model"]``. Writes the artifact directory; returns ``{"out", "metadata", "table"}``."""
+    (``out``, ``model``, ``preset``, ``bits``, ``engine``, ...), or ``config`` the config itself.
+    ``model_obj``/``tokenizer``: already-loaded objects for ``options["model"]``. Writes the artifact
+    directory; returns ``{"out", "metadata", "table"}``."""
+    checked = _checked_corpus(corpus, config, options)  # before torch imports
     from kvcal.calibrate import CalibrateConfig
     from kvcal.calibrate import calibrate as run
 
-    return run(CalibrateConfig(corpus=corpus, **options), log=log, progress=progress, model=model_obj,
-               tokenizer=tokenizer)
+    cfg = _config(CalibrateConfig, config, check_outputs, corpus=corpus, **options)
+    return run(cfg, log=log, progress=progress, model=model_obj, tokenizer=tokenizer, corpus=checked)
 
 
-def evaluate(artifact: str | None, corpus: str, *, log: Callable[[str], None] = print, progress: bool = True,
+def evaluate(artifact: str | None = None, corpus: str | None = None, *, config=None,
+             log: Callable[[str], None] = print, progress: bool = True, check_outputs: Callable | None = None,
              **options) -> dict:
-    """``kvcal evaluate``: options are :class:`kvcal.evaluate.EvalConfig` fields. Returns the
-    ``kvcal-eval/1`` document (:func:`kvcal.evaluate.to_json` serializes it)."""
+    """``kvcal evaluate``: options are :class:`kvcal.evaluate.EvalConfig` fields, or ``config`` the config
+    itself. Returns the ``kvcal-eval/1`` document (:func:`kvcal.evaluate.to_json` serializes it)."""
+    checked = _checked_corpus(corpus, config, options)  # before torch imports
     from kvcal.evaluate import EvalConfig
     from kvcal.evaluate import evaluate as run
 
-    return run(EvalConfig(artifact=artifact, corpus=corpus, **options), log=log, progress=progress)
+    cfg = _config(EvalConfig, config, check_outputs, artifact=artifact, corpus=corpus, **options)
+    return run(cfg, log=log, progress=progress, corpus=checked)
 
 
 def export(artifact: str, target: str, out: str, **options):
@@ -84,25 +112,33 @@ def capacity(model: str, gpu_mem: str | int, **options):
     return plan_capacity(load_config(model), PlanConfig(gpu_mem=gpu_mem, **options), model_id=model)
 
 
-def recommend(corpus: str, engine: str, out: str, *, log: Callable[[str], None] = print, progress: bool = True,
+def recommend(corpus: str | None = None, engine: str | None = None, out: str | None = None, *, config=None,
+              log: Callable[[str], None] = print, progress: bool = True, check_outputs: Callable | None = None,
               **options) -> dict:
-    """``kvcal recommend``: options are :class:`kvcal.recommend.RecommendConfig` fields. Writes ``out``
-    (deploy.md, deploy.json, the artifact); returns the ``kvcal-recommend/1`` document."""
+    """``kvcal recommend``: options are :class:`kvcal.recommend.RecommendConfig` fields, or ``config`` the config
+    itself. Writes ``out`` (deploy.md, deploy.json, the artifact); returns the ``kvcal-recommend/1`` document."""
+    checked = _checked_corpus(corpus, config, options)  # before torch imports
     from kvcal.recommend import RecommendConfig
     from kvcal.recommend import recommend as run
 
-    return run(RecommendConfig(corpus=corpus, engine=engine, out=out, **options), log=log, progress=progress)
+    cfg = _config(RecommendConfig, config, check_outputs, corpus=corpus, engine=engine, out=out, **options)
+    return run(cfg, log=log, progress=progress, corpus=checked)
 
 
-def verify(checkpoint: str, corpus: str, engine_python: str, *, log: Callable[[str], None] = print,
+def verify(checkpoint: str | None = None, corpus: str | None = None, engine_python: str | None = None, *,
+           config=None, log: Callable[[str], None] = print, check_outputs: Callable | None = None,
            **options) -> dict:
     """``kvcal verify``: serve ``checkpoint`` in the engine (its own interpreter ``engine_python``) and compare
-    with kvcal's prediction; options are :class:`kvcal.verify.VerifyConfig` fields. Returns the
-    ``kvcal-verify/1`` document (``doc["passed"]``)."""
+    with kvcal's prediction; options are :class:`kvcal.verify.VerifyConfig` fields (``skip_layers`` also as
+    the ``--skip-layers`` string), or ``config`` the config itself. Returns the ``kvcal-verify/1`` document
+    (``doc["passed"]``)."""
+    checked = _checked_corpus(corpus, config, options)  # before torch imports
     from kvcal.verify import VerifyConfig
     from kvcal.verify import verify as run
 
-    return run(VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, **options), log=log)
+    cfg = _config(VerifyConfig, config, check_outputs, checkpoint=checkpoint, corpus=corpus,
+                  engine_python=engine_python, **options)
+    return run(cfg, log=log, corpus=checked)
 
 
 @dataclass(frozen=True)

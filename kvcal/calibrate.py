@@ -229,12 +229,13 @@ def _save_checkpoint(ck: Checkpointing, state: dict, inputs: dict | None = None)
 
 
 def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress: bool = True,
-              model=None, tokenizer=None) -> dict:
+              model=None, tokenizer=None, corpus=None) -> dict:
     """Run the whole calibration and write the artifact; returns ``{"out", "metadata", "table"}``.
 
     ``model`` / ``tokenizer``: already-loaded objects for ``cfg.model`` (tests, notebooks);
-    loaded offline when None. Raises :class:`KvcalError` (bad corpus, model, options, or output
-    location); nothing is written unless the whole run succeeds.
+    loaded offline when None. ``corpus``: ``cfg.corpus`` already checked (:class:`kvcal.inputs.CorpusInput`,
+    :mod:`kvcal.api`'s preflight); checked here when None. Raises :class:`KvcalError` (bad corpus, model,
+    options, or output location); nothing is written unless the whole run succeeds.
     """
     from kvcal.corpus import format_shape, load_corpus
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
@@ -243,11 +244,11 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     rank, world = init_distributed(cfg.device)
     if rank != 0:
         log, progress = (lambda s: None), False
-    out, corpus_opts = preflight(cfg, model)
+    out, pre = preflight(cfg, model, corpus)
     torch.manual_seed(cfg.seed)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, vocab_size=pre.model.vocab_size)
     corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
-                         strict=cfg.strict, seed=cfg.seed, **corpus_opts)
+                         strict=cfg.strict, seed=cfg.seed, **pre.corpus.options)
     shape = corpus.shape()
     log(format_shape(shape))
     if model is None:
@@ -303,32 +304,33 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     return res
 
 
-def preflight(cfg: CalibrateConfig, model=None) -> tuple[str, dict]:
-    """Every check ``calibrate`` can make before the tokenizer or any weight loads, in one place, the model's
-    config resolved once: the output location (and checkpoint file), the corpus's format and fields, the
-    context against the model's maximum, an infeasible ``--bits`` budget, a head_dim the vLLM dtype cannot
-    store, the ``--skip-layers`` range and byte budget. Returns ``(out, corpus_opts)``: the artifact directory
-    and the corpus field options :func:`kvcal.corpus.load_corpus` takes. ``model``: an already-loaded model
-    (its config is used; nothing else loads). Raises :class:`KvcalError` with a one-line fix."""
+def preflight(cfg: CalibrateConfig, model=None, corpus=None):
+    """Every check ``calibrate`` can make before the tokenizer or any weight loads, in one place, each input
+    resolved once (:func:`kvcal.inputs.preflight`): the output location (and checkpoint file), the corpus's
+    format and fields, the context against the model's maximum, an infeasible ``--bits`` budget, a head_dim the
+    vLLM dtype cannot store, the ``--skip-layers`` range and byte budget. Returns ``(out, pre)``: the artifact
+    directory and the :class:`kvcal.inputs.Preflight` (model config, shape, maximum positions, vocabulary size;
+    the checked corpus and its field options). ``model``: an already-loaded model (its config is used; nothing
+    else loads). ``corpus``: the :class:`kvcal.inputs.CorpusInput` :mod:`kvcal.api` checked (not checked
+    again). Raises :class:`KvcalError` with a one-line fix."""
     from kvcal.artifact import check_output_dir, check_output_file
-    from kvcal.corpus import check_corpus
-    from kvcal.models import check_max_positions, load_model_config, max_positions
+    from kvcal.inputs import corpus_input
+    from kvcal.inputs import preflight as resolve_inputs
+    from kvcal.models import check_max_positions
 
     out = output_dir(cfg)
     check_output_dir(out, cfg.overwrite, _out_inputs(cfg), KvcalError, kind="artifact")
-    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
-    check_corpus(cfg.corpus, **corpus_opts)
+    corpus = corpus_input(cfg.corpus, corpus, text_field=cfg.text_field, messages_field=cfg.messages_field,
+                          split=cfg.split)
     if cfg.checkpoint_every and not cfg.resume:  # its checkpoint file is an output too (--resume checks it on load)
         check_output_file(checkpoint_path(out), "checkpoint", _out_inputs(cfg), KvcalError, "--out")
-    if model is not None:
-        tconf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        max_pos = getattr(tconf, "max_position_embeddings", None)
-    else:
-        max_pos = max_positions(cfg.model)  # from the config / GGUF header
-    check_max_positions(cfg.max_seq_len, max_pos, "--max-seq-len")
-    if cfg.bits is None and cfg.engine != "vllm" and cfg.skip_layers is None:
-        return out, corpus_opts
-    mconf = model.config if model is not None else load_model_config(cfg.model)  # the config, once
+    # the full config only where a check below reads more than the shape (a GGUF's header suffices otherwise)
+    full = cfg.bits is not None or cfg.engine == "vllm" or cfg.skip_layers is not None
+    pre = resolve_inputs(cfg.model, corpus, loaded=model, full=full)
+    check_max_positions(cfg.max_seq_len, pre.model.max_positions, "--max-seq-len")
+    if not full:
+        return out, pre
+    mconf = pre.model.config
     if cfg.bits is not None:  # an infeasible budget is known from the config alone
         bits_precheck(cfg.bits, mconf, cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
     if cfg.engine == "vllm":  # a head_dim the dtype cannot store (nvfp4: multiple of 16)
@@ -343,7 +345,7 @@ def preflight(cfg: CalibrateConfig, model=None) -> tuple[str, dict]:
         from kvcal.vllm_skip import check_skip_model
 
         check_skip_model(cfg.skip_layers, cfg.kv_cache_dtype, mconf, cfg.max_skip, cfg.max_bytes_per_token)
-    return out, corpus_opts
+    return out, pre
 
 
 def output_dir(cfg: CalibrateConfig) -> str:

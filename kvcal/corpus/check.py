@@ -31,8 +31,8 @@ def check_corpus(path, *, text_field: str | None = None, messages_field: str | N
     return res
 
 
-#: check_corpus results of this process, keyed by path, options and the file's size and mtime: the CLI
-#: checks a corpus before importing torch and the API checks it again; the second check is free.
+#: check_corpus results of this process, keyed by path, options and the file's size and mtime: a second check of
+#: an unchanged file is free (the commands check once, kvcal.inputs; a caller checking again pays nothing).
 _CHECKED: dict[tuple, dict] = {}
 
 

@@ -94,13 +94,14 @@ class EvalConfig:
 
 
 def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool = True,
-             model=None, tokenizer=None) -> dict:
+             model=None, tokenizer=None, corpus=None) -> dict:
     """Run ``kvcal evaluate``: the artifact and (optionally) the baselines, in both modes, at every
     context/batch regime. Returns the ``kvcal-eval/1`` document (schema: :mod:`kvcal.evaluate.document`).
 
     ``model``/``tokenizer``: already-loaded objects for ``cfg.model`` (tests); loaded offline
-    otherwise. Raises :class:`~kvcal.errors.KvcalError` for a bad artifact (incl. a model
-    mismatch), corpus or options."""
+    otherwise. ``corpus``: ``cfg.corpus`` already checked (:class:`kvcal.inputs.CorpusInput`, :mod:`kvcal.api`'s
+    preflight); checked here when None. The model is resolved once (:func:`kvcal.inputs.preflight`). Raises
+    :class:`~kvcal.errors.KvcalError` for a bad artifact (incl. a model mismatch), corpus or options."""
     import datetime as _dt
     import time
 
@@ -117,10 +118,11 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         check_max_positions(max(int(c) for c in cfg.contexts), art_max, "--context", " (artifact metadata)")
     # every input error before the model loads: corpus format and fields (no tokenizer), the plan the
     # artifact describes, the model's shape from its config, then the token stream (tokenizer only)
-    from kvcal.corpus import check_corpus, txt_token_bound
+    from kvcal.corpus import txt_token_bound
+    from kvcal.inputs import corpus_input, preflight
 
-    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
-    check_corpus(cfg.corpus, **corpus_opts)
+    corpus = corpus_input(cfg.corpus, corpus, text_field=cfg.text_field, messages_field=cfg.messages_field,
+                          split=cfg.split)
     bound, t_max = txt_token_bound(cfg.corpus), max(int(c) for c in cfg.contexts)
     if bound is not None and bound < t_max:  # too short for one window whatever the tokenizer: say so before it loads
         raise KvcalError(f"corpus {cfg.corpus} has at most {bound:,} tokens (3 per byte of its size); context "
@@ -139,16 +141,15 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                 check_backend_serves(cfg.backend, d, hd)
             except VllmDTypeError as e:
                 raise KvcalError(f"--vllm-dtype {d}: {e}; drop it from --vllm-dtype") from None
+    pre = preflight(cfg.model, corpus, loaded=model)  # the model's config, read once
     if model is None:
-        from kvcal.models import load_model_config, resolve_model
-
-        pre = model_metadata(load_model_config(cfg.model), resolve_model(cfg.model))
-        check_model_match(art.metadata, pre)
-        check_max_positions(max(int(c) for c in cfg.contexts), pre.get("max_position_embeddings") or 0, "--context")
-    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        meta = model_metadata(pre.model.config, pre.model.source)
+        check_model_match(art.metadata, meta)
+        check_max_positions(max(int(c) for c in cfg.contexts), meta.get("max_position_embeddings") or 0, "--context")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, vocab_size=pre.model.vocab_size)
     contexts = sorted({int(c) for c in cfg.contexts})
     batches = sorted({int(b) for b in cfg.batches})
-    ids, corpus_info = corpus_stream(cfg.corpus, tok, **corpus_opts)
+    ids, corpus_info = corpus_stream(cfg.corpus, tok, **pre.corpus.options, checked=True)
     bos = served_bos(tok)  # a window starts with BOS where the tokenizer adds one, as the model is served
     wins = {}
     for T in contexts:

@@ -68,7 +68,8 @@ def text_windows(tokenizer, text: str, window: int, n_windows: int, skip_windows
 
 
 def corpus_stream(path: str, tokenizer, text_field: str | None = None, messages_field: str | None = None,
-                  split: str | None = None, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
+                  split: str | None = None, vocab_size: int | None = None,
+                  checked: bool = False) -> tuple[torch.Tensor, dict]:
     """The evaluation token stream: a ``.txt`` file tokenized at once (no BOS; the prior-art
     protocol), or any other corpus :func:`kvcal.corpus.load_corpus` reads (JSONL, datasets; chat
     template applied; ``text_field``/``messages_field``/``split`` as there), its samples
@@ -77,7 +78,8 @@ def corpus_stream(path: str, tokenizer, text_field: str | None = None, messages_
     ...); ``sha256`` of the file's bytes (``.txt``) or as the corpus loader records it. Invalid
     UTF-8 in a ``.txt`` is decoded with ``errors="replace"``. ``vocab_size``: the model's vocabulary
     size (default: the tokenizer's ``kvcal_vocab_size``, :func:`kvcal.corpus.vocab_limit`); a token id at or
-    above it is refused naming its line. Raises :class:`~kvcal.errors.KvcalError`."""
+    above it is refused naming its line. ``checked``: the caller's preflight has checked ``path`` with these
+    options (:class:`kvcal.inputs.CorpusInput`); not checked again. Raises :class:`~kvcal.errors.KvcalError`."""
     import gzip
     import hashlib
     from pathlib import Path
@@ -87,7 +89,8 @@ def corpus_stream(path: str, tokenizer, text_field: str | None = None, messages_
     p = Path(path)
     name = p.name.lower()
     if name.endswith((".txt", ".txt.gz")) and p.is_file():
-        check_corpus(path, text_field=text_field, messages_field=messages_field, split=split)  # refuses the options
+        if not checked:  # refuses the options
+            check_corpus(path, text_field=text_field, messages_field=messages_field, split=split)
         raw = p.read_bytes()
         sha = hashlib.sha256(raw).hexdigest()
         text = (gzip.decompress(raw) if name.endswith(".gz") else raw).decode("utf-8", errors="replace")

@@ -49,9 +49,9 @@ def check_max_positions(tokens: int, max_positions: int | None, option: str, whe
                          f"model never serves positions past it; pass {option} <= {max_positions}")
 
 
-def load_model_config(model: str | None):
-    """Load the transformers config of ``model`` (no weights; a GGUF's from its conversion cache,
-    :func:`gguf_cache_dir`). Raises :class:`ModelLoadError`."""
+def load_model_config(model: str | ModelSource | None):
+    """Load the transformers config of ``model`` (a ``--model`` value or its resolved :class:`ModelSource`; no
+    weights; a GGUF's from its conversion cache, :func:`gguf_cache_dir`). Raises :class:`ModelLoadError`."""
     from transformers import AutoConfig
 
     src = resolve_model(model)
@@ -78,16 +78,17 @@ def max_positions(model: str | None) -> int | None:
     return int(v) if v else None
 
 
-def model_vocab_size(model: str | None) -> int | None:
+def model_vocab_size(model: str | ModelSource | None, config=None) -> int | None:
     """Rows of ``model``'s token embedding (its text config's ``vocab_size``) without loading weights;
     ``None`` when the config does not record it. A GGUF is read from its header (``{arch}.vocab_size``).
-    Token ids at or above it index past the embedding. Raises :class:`ModelLoadError`."""
+    Token ids at or above it index past the embedding. ``config``: the model's config when the caller has
+    already loaded it (:func:`load_model_config`; not read again). Raises :class:`ModelLoadError`."""
     src = resolve_model(model)
     if src.gguf_file:
         fields, _ = gguf_header(Path(src.path) / src.gguf_file)
         v = fields.get(f"{fields.get('general.architecture')}.vocab_size")
     else:
-        cfg = load_model_config(model)
+        cfg = config if config is not None else load_model_config(src)
         v = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "vocab_size", None)
     return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 

@@ -16,16 +16,20 @@ from kvcal.models.gguf import check_gguf_tensors
 from kvcal.models.source import _cached_conversion, resolve_model
 from kvcal.weights import ATTENTION_SCALE, format_ranges
 
+#: :func:`load_tokenizer`'s default ``vocab_size``: read it from the model's config
+FROM_CONFIG = object()
 
-def load_tokenizer(model: str | None):
+
+def load_tokenizer(model: str | None, vocab_size=FROM_CONFIG):
     """Load the tokenizer of ``model`` offline (a GGUF's from its conversion cache,
     :func:`gguf_cache_dir`: the same files ``save_pretrained`` writes). Raises :class:`ModelLoadError`.
 
     The tokenizer carries ``kvcal_vocab_size``, the model's :func:`model_vocab_size` (``None`` if unknown):
     :func:`kvcal.corpus.load_corpus` and :func:`kvcal.evaluate.windows.corpus_stream` refuse token ids at
-    or above it (a tokenizer that is not the model's) before any model loads."""
+    or above it (a tokenizer that is not the model's) before any model loads. ``vocab_size``: that number when
+    the caller has read it already (:class:`kvcal.inputs.ModelInputs`), so the config is not read again."""
     tok = _load_tokenizer(model)
-    tok.kvcal_vocab_size = model_vocab_size(model)
+    tok.kvcal_vocab_size = model_vocab_size(model) if vocab_size is FROM_CONFIG else vocab_size
     return tok
 
 

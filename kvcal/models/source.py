@@ -83,8 +83,11 @@ def gemma_gguf() -> Path:
     return target
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Resolve a ``--model`` string to a :class:`ModelSource` without loading weights."""
+def resolve_model(model: str | ModelSource | None) -> ModelSource:
+    """Resolve a ``--model`` string to a :class:`ModelSource` without loading weights (a :class:`ModelSource`,
+    already resolved, is returned as is: every reader here takes one, so a preflight resolves a model once)."""
+    if isinstance(model, ModelSource):
+        return model
     model = model or EMBEDDED_MODEL
     if model == EMBEDDED_MODEL:
         return ModelSource(EMBEDDED_MODEL, str(embedded_model_dir()), EMBEDDED_GGUF)

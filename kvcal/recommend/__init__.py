@@ -74,7 +74,7 @@ from kvcal.recommend.render import render_markdown, render_table
 
 
 def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress: bool = True,
-              model=None, tokenizer=None) -> dict:
+              model=None, tokenizer=None, corpus=None) -> dict:
     """Run ``kvcal recommend`` and write ``cfg.out`` atomically; returns the ``kvcal-recommend/1``
     document: ``{"schema", "chosen": candidate | None, "candidates": [{"dtype", "scales", "choice", "skip_layers",
     "deployable", "bytes_per_token", "vs_16bit", "kl_mean", "delta_ppl", "ppl", "top1_agree", "status",
@@ -90,7 +90,10 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     ``status`` is PASS/FAIL, or OVER-BUDGET / :data:`NOT_APPLICABLE` (not evaluated; ``failed`` says why: a
     dtype whose vLLM boundary layers cover the model has one such row). ``max_skip``: the value used
     (:func:`effective_max_skip`). ``model``/``tokenizer``: loaded objects for
-    ``cfg.model`` (tests). Raises :class:`~kvcal.errors.KvcalError` for bad input, before the model loads."""
+    ``cfg.model`` (tests). ``corpus``: ``cfg.corpus`` already checked (:class:`kvcal.inputs.CorpusInput`,
+    :mod:`kvcal.api`'s preflight); checked here when None. The model and corpora are resolved once
+    (:func:`kvcal.inputs.preflight`) and handed down, the calibrations included. Raises
+    :class:`~kvcal.errors.KvcalError` for bad input, before the model loads."""
     import dataclasses
     import json
     import shlex
@@ -103,7 +106,8 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token, vllm_token_shares
     from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_backend, vllm_dtype
-    from kvcal.models import check_max_positions, load_model, load_model_config, load_tokenizer, resolve_model
+    from kvcal.inputs import preflight
+    from kvcal.models import check_max_positions, load_model, load_tokenizer, resolve_model
     from kvcal.search.skip_layers import serve_skip_arg, skip_costs
     from kvcal.vllm_plan import VllmKVPlan
 
@@ -113,23 +117,24 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         raise KvcalError(f"--backend: {e}") from None
     if cfg.backend != "cuda" and tuple(cfg.dtypes) == DEFAULT_MENU:  # what that backend serves
         cfg = dataclasses.replace(cfg, dtypes=CPU_MENU)
-    check_options(cfg)
-    mconf = model.config if model is not None else load_model_config(cfg.model)
+    corpora = check_options(cfg, corpus)  # (corpus, eval corpus), each checked once
+    pre = preflight(cfg.model, corpora[0], eval_corpus=corpora[1], loaded=model)  # the model's config, read once
+    mconf = pre.model.config
     menu, menu_notes = check_head_dims(cfg, mconf)
     if menu != tuple(cfg.dtypes):  # the default menu without the dtypes this head_dim cannot hold (noted)
         cfg = dataclasses.replace(cfg, dtypes=menu)
         for n in menu_notes:
             log(f"note: {n}")
     check_budget(cfg, mconf)
-    check_max_positions(cfg.context, getattr(mconf, "max_position_embeddings", None), "--context")
+    check_max_positions(cfg.context, pre.model.max_positions, "--context")
     shp = model_shape(mconf)
     L = shp.num_layers
     max_skip, skip_note = effective_max_skip(cfg.max_skip, L)  # refuses a given value outside [0, L - 1]
     cfg = dataclasses.replace(cfg, max_skip=max_skip)
     not_applicable = applicable_dtypes(cfg.dtypes, L)  # {dtype: reason}: vLLM's own 16-bit layers cover the model
-    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-    opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
-    ids, info = corpus_stream(cfg.corpus, tok, **opts)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, vocab_size=pre.model.vocab_size)
+    opts = pre.corpus.options
+    ids, info = corpus_stream(cfg.corpus, tok, **opts, checked=True)
     T = cfg.context
     n_probe = max(1, math.ceil(cfg.probe_tokens / T))
     bos = served_bos(tok)  # as kvcal evaluate: a window starts with the BOS the tokenizer adds (Gemma), if any
@@ -138,7 +143,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         ev = cut_windows(ids, T, cfg.windows, skip=n_probe, bos=bos)
         eval_info = {**info, "windows_after_probe": n_probe}
     else:
-        eids, eval_info = corpus_stream(cfg.eval_corpus, tok, **opts)
+        eids, eval_info = corpus_stream(cfg.eval_corpus, tok, **opts, checked=True)
         ev = cut_windows(eids, T, cfg.windows, bos=bos)
     if cfg.eval_corpus is not None and len(ev) == 0 and len(probe) == n_probe:  # name the file that is short
         raise KvcalError(f"--eval-corpus {cfg.eval_corpus} has {eids.numel()} tokens; one evaluation window of "
@@ -150,7 +155,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                          f"(lower --context or --probe-tokens, or give a longer corpus"
                          f"{'' if cfg.eval_corpus is None else ' / --eval-corpus'})")
     crit_given = cfg.accept
-    src = resolve_model(cfg.model)
+    src = pre.model.source or resolve_model(cfg.model)  # an already-loaded model may carry none
     if calibrations(cfg.dtypes) and not src.gguf_file:  # its export line merges into the model's directory
         m, o = Path(src.path).resolve(), Path(cfg.out).resolve()
         if o == m or m in o.parents or o in m.parents:
@@ -183,7 +188,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                                       engine="vllm", kv_cache_dtype=cd,
                                       backend=None if cfg.backend == "cuda" else cfg.backend,
                                       **opts, **(extra or {})),
-                      log=lambda s: None, progress=progress, model=model, tokenizer=tok)
+                      log=lambda s: None, progress=progress, model=model, tokenizer=tok, corpus=pre.corpus)
             sc = _artifact_scales(cd, staging / name, L)
             for d in uses:
                 if d in cfg.dtypes:

@@ -8,13 +8,15 @@ from __future__ import annotations
 from kvcal.recommend.config import DEFAULT_MAX_SKIP, DEFAULT_MENU, RECOMMEND_METRICS, RecommendConfig
 
 
-def check_options(cfg: RecommendConfig) -> None:
+def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
     """Every check that needs no model: engine, dtypes, acceptance spec, bounds, output directory,
-    corpus files (format and fields, no tokenizer). Raises :class:`~kvcal.errors.KvcalError`."""
+    corpus files (format and fields, no tokenizer; ``corpus``: ``cfg.corpus`` already checked by the api's
+    preflight, :class:`kvcal.inputs.CorpusInput`, not checked again). Returns the checked ``(corpus, eval
+    corpus or None)`` (:class:`kvcal.inputs.CorpusInput`). Raises :class:`~kvcal.errors.KvcalError`."""
     from kvcal.artifact import check_output_dir
-    from kvcal.corpus import check_corpus
     from kvcal.errors import KvcalError
     from kvcal.formats.vllm_dtypes import VllmDTypeError, check_dtypes_served, vllm_backend
+    from kvcal.inputs import check_corpus_input, corpus_input
     from kvcal.options import parse_bar
 
     if cfg.engine != "vllm":
@@ -42,9 +44,8 @@ def check_options(cfg: RecommendConfig) -> None:
     check_output_dir(cfg.out, cfg.overwrite, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus},
                      kind="recommendation")
     opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
-    check_corpus(cfg.corpus, **opts)
-    if cfg.eval_corpus is not None:
-        check_corpus(cfg.eval_corpus, **opts)
+    checked = corpus_input(cfg.corpus, corpus, **opts)
+    return checked, None if cfg.eval_corpus is None else check_corpus_input(cfg.eval_corpus, **opts)
 
 
 def check_head_dims(cfg: RecommendConfig, model_config) -> tuple[tuple[str, ...], list[str]]:

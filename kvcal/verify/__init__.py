@@ -49,9 +49,12 @@ from kvcal.verify.engine import (
 from kvcal.verify.figures import CONFIDENCE, _window_means, agreement, predict, summarize, t_quantile
 
 
-def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
+def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
     """Run ``kvcal verify`` (module doc). Returns the ``kvcal-verify/1`` document; ``doc["passed"]`` is
-    False when a served row fails ``--accept``, served ≠ predicted, or the scales were not applied."""
+    False when a served row fails ``--accept``, served ≠ predicted, or the scales were not applied.
+    ``corpus``: ``cfg.corpus`` already checked (:class:`kvcal.inputs.CorpusInput`, :mod:`kvcal.api`'s
+    preflight); checked here when None. The model's inputs come from the checkpoint's ``config.json``, read
+    once (:func:`kvcal.inputs.preflight`)."""
     import datetime as _dt
 
     from kvcal import __version__
@@ -105,20 +108,21 @@ def verify(cfg: VerifyConfig, log=print, model=None) -> dict:
                          "(vLLM would serve them at 1.0); re-export the checkpoint")
     has_scales = all(s is not None for s in ck.k_scales + ck.v_scales)
 
-    from kvcal.corpus import check_corpus
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
+    from kvcal.inputs import corpus_input, preflight
     from kvcal.models import load_model, load_tokenizer
 
-    corpus_opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
-    check_corpus(cfg.corpus, **corpus_opts)
-    max_pos = ck.text_config.get("max_position_embeddings")
-    if isinstance(max_pos, int) and cfg.context > max_pos:
+    corpus = corpus_input(cfg.corpus, corpus, text_field=cfg.text_field, messages_field=cfg.messages_field,
+                          split=cfg.split)
+    pre = preflight(str(ck.path), corpus, config=ck.config)  # the checkpoint's config.json, read once
+    max_pos = pre.model.max_positions
+    if max_pos is not None and cfg.context > max_pos:
         raise KvcalError(f"--context {cfg.context} exceeds the model's max_position_embeddings {max_pos}")
     with tempfile.TemporaryDirectory(prefix="kvcal-verify-") as td:
         work = Path(td)
         view = no_scale_view(ck, work / "no-scales")
-        tok = load_tokenizer(str(view))
-        ids, corpus_info = corpus_stream(cfg.corpus, tok, **corpus_opts)
+        tok = load_tokenizer(str(view), vocab_size=pre.model.vocab_size)
+        ids, corpus_info = corpus_stream(cfg.corpus, tok, **pre.corpus.options, checked=True)
         bos = served_bos(tok)  # as kvcal evaluate: a window starts with the BOS the tokenizer adds, if any
         wins = cut_windows(ids, cfg.context, cfg.windows, bos=bos)
         if len(wins) < 2:

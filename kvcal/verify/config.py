@@ -28,13 +28,22 @@ class VerifyConfig:
     backend: str | None = None
     accept: str | None = None
     timeout_s: int = 1800
-    skip_layers: tuple[int, ...] = ()  # --kv-cache-dtype-skip-layers served (and predicted) in the model dtype
+    skip_layers: tuple[int, ...] | str | None = ()  # --kv-cache-dtype-skip-layers served (and predicted) in the model
+    # dtype; a string (--skip-layers, e.g. "0,29") is parsed into the tuple
     model_dir: str | None = None  # a recommend output: the HF checkpoint its export line merges into / it serves
     text_field: str | None = None
     messages_field: str | None = None
     split: str | None = None
 
     def __post_init__(self):
+        if self.skip_layers is None or isinstance(self.skip_layers, str):
+            from kvcal.search.skip_layers import parse_skip_layers
+
+            skip = parse_skip_layers(self.skip_layers) or ()
+            if skip == "auto":
+                raise KvcalError("--skip-layers auto: verify serves the layers a deployment names; give their indices "
+                                 "(e.g. 0,29), as `kvcal calibrate --skip-layers auto` or recommend recorded them")
+            object.__setattr__(self, "skip_layers", tuple(skip))  # frozen dataclass
         if self.context < 2:
             raise KvcalError("--context must be at least 2")
         if self.windows < 2:

@@ -145,7 +145,7 @@ def test_every_integer_option_at_its_extremes(no_model, files, tiny_dir, tmp_pat
     traceback, huge values refused by a range/error line, and no output left on failure."""
     import kvcal.models
 
-    monkeypatch.setattr(kvcal.models, "load_tokenizer", lambda model: smollm_tokenizer)  # the same files, loaded once
+    monkeypatch.setattr(kvcal.models, "load_tokenizer", lambda model, **kw: smollm_tokenizer)  # the same files, loaded once
     found = {name: integer_options(cmd) for name, cmd in main.commands.items()}
     assert sum(map(len, found.values())) >= 20
     n = 0
@@ -239,7 +239,7 @@ def _fuzz_calibrate(tiny_dir, fuzz_env, smollm_tokenizer, strategy, settings_, s
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kvcal.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(LoaderCalled("stub")))
-        mp.setattr(kvcal.models, "load_tokenizer", lambda model: smollm_tokenizer)
+        mp.setattr(kvcal.models, "load_tokenizer", lambda model, **kw: smollm_tokenizer)
         run()
 
 
