@@ -36,17 +36,14 @@ from kvcal.capture.distributed import finish_distributed, init_distributed
 from kvcal.capture.run import CaptureResult, run_capture, split_heldout
 from kvcal.errors import KvcalError
 from kvcal.formats.vllm_dtypes import vllm_dtype
-from kvcal.report.markdown import render_int_report
 from kvcal.search.fp8 import plan_from_choices, search_scales
-from kvcal.search.integer import SINK_CANDIDATES, IntSearchResult, bits_precheck, search_int
+from kvcal.search.integer import bits_precheck, search_int
 from kvcal.search.result import SearchResult
 
-# The stages live in their own modules; these names stay importable from here (deprecated: import them from
-# kvcal.capture.run / checkpoint, kvcal.search.fp8 / integer and kvcal.report.markdown).
+# The stages live in their own modules (kvcal.capture.run / checkpoint, kvcal.search.fp8 / integer,
+# kvcal.report.markdown); import them from there.
 __all__ = ["CalibrateConfig", "calibrate", "output_dir", "checkpoint_path", "save_checkpoint", "FORMATS",
-           "GRANULARITIES", "PRESET_NAMES", "CaptureResult", "Checkpointing", "run_capture", "split_heldout",
-           "search_scales", "plan_from_choices", "search_int", "IntSearchResult", "SINK_CANDIDATES", "bits_precheck",
-           "render_int_report", "SearchResult"]
+           "GRANULARITIES", "PRESET_NAMES"]
 
 FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
 GRANULARITIES = ("tensor", "head")
