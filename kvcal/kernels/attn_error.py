@@ -32,7 +32,7 @@ import torch
 from kvcal.formats.granularity import PerToken, PerTokenGroup
 from kvcal.formats.transforms import Transform
 from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, ScaleCoding
-from kvcal.kernels import BACKENDS, resolve_backend, triton_available  # noqa: F401  (BACKENDS, triton_available: old names)
+from kvcal.kernels import resolve_backend
 from kvcal.plan import quantize_seq
 
 
@@ -247,4 +247,4 @@ def key_kl_triton(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, scaling:
     return out.double().reshape(Hk, -1).sum(1).cpu()
 
 
-__all__ = ["key_kl", "key_kl_torch", "key_kl_triton", "triton_supports", "triton_available", "BACKENDS"]
+__all__ = ["key_kl", "key_kl_torch", "key_kl_triton", "triton_supports"]
