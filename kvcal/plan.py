@@ -186,7 +186,7 @@ class SidePlan:
             v = getattr(self, n)
             if v is not None:
                 parts.append(f"{n}={tuple(v.shape)}")
-        parts.append(f"transform={self.transform!r}")
+        parts.append(f"transform={self.transform.value!r}")
         parts += [f"{n}={tuple(v.shape)}" for n, v in self.tables.as_kwargs().items()]
         return f"SidePlan({', '.join(parts)})"
 
