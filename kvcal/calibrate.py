@@ -36,17 +36,14 @@ from kvcal.capture.distributed import finish_distributed, init_distributed
 from kvcal.capture.run import CaptureResult, run_capture, split_heldout
 from kvcal.errors import KvcalError
 from kvcal.formats.vllm_dtypes import vllm_dtype
-from kvcal.report.markdown import render_int_report
 from kvcal.search.fp8 import plan_from_choices, search_scales
-from kvcal.search.integer import SINK_CANDIDATES, IntSearchResult, bits_precheck, search_int
+from kvcal.search.integer import bits_precheck, search_int
 from kvcal.search.result import SearchResult
 
-# The stages live in their own modules; these names stay importable from here (deprecated: import them from
-# kvcal.capture.run / checkpoint, kvcal.search.fp8 / integer and kvcal.report.markdown).
+# The stages live in their own modules (kvcal.capture.run / checkpoint, kvcal.search.fp8 / integer,
+# kvcal.report.markdown); import them from there.
 __all__ = ["CalibrateConfig", "calibrate", "output_dir", "checkpoint_path", "save_checkpoint", "FORMATS",
-           "GRANULARITIES", "PRESET_NAMES", "CaptureResult", "Checkpointing", "run_capture", "split_heldout",
-           "search_scales", "plan_from_choices", "search_int", "IntSearchResult", "SINK_CANDIDATES", "bits_precheck",
-           "render_int_report", "SearchResult"]
+           "GRANULARITIES", "PRESET_NAMES"]
 
 FORMATS = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
 GRANULARITIES = ("tensor", "head")
@@ -73,7 +70,7 @@ class CalibrateConfig:
     calibration samples when there is no held-out split) on which, with ``bits``, each layer's K and
     V are quantized alone to measure the model-level KL that weights the allocation
     (:func:`kvcal.evaluate.side_sensitivity`; ``1 + 2·L`` forward passes over them), and the whole
-    plan is run with each sink count of :data:`SINK_CANDIDATES` to keep the one with the lowest
+    plan is run with each sink count of :data:`kvcal.search.integer.SINK_CANDIDATES` to keep the one with the lowest
     model KL (:func:`kvcal.evaluate.plans_kl`; 4 more passes; only when ``sink_tokens`` is ``None``);
     0 allocates on the summed attention-level errors alone and chooses sinks by them.
     ``sink_tokens``: first tokens kept in 16 bits and excluded from statistics (``None``: 0, 1 or 4,
@@ -221,11 +218,6 @@ def save_checkpoint(path: str, state: dict, inputs: dict | None = None) -> None:
 
     write_file_atomically(path, lambda tmp: torch.save(state, tmp), "checkpoint", inputs, KvcalError, "--out",
                           hint="free space or drop --checkpoint-every")
-
-
-def _save_checkpoint(ck: Checkpointing, state: dict, inputs: dict | None = None) -> None:
-    """Deprecated: :func:`save_checkpoint` ``(ck.path, state, inputs)``."""
-    save_checkpoint(ck.path, state, inputs)
 
 
 def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress: bool = True,

@@ -12,10 +12,12 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
 * ``mean`` (keys only, optional): per-channel centering ``[1,H,1,D]`` subtracted before
   quantizing and added back after dequantizing — exact under softmax because it shifts every
   score of a query by the same constant (SageAttention; ModelOpt FP8 "affine");
-* ``transform``: ``"none"`` (quantize what attention reads), ``"pre_rope"`` (keys: quantize the
-  pre-RoPE key, RoPE re-applied after dequantizing; needs ``rope``) or ``"hadamard"`` (rotate
-  the head dimension before quantizing) — see :mod:`kvcal.formats.transforms`. Centering and a
-  transform do not combine (``mean`` must be ``None`` when ``transform != "none"``);
+* ``transform``: a :class:`~kvcal.formats.transforms.Transform` — ``NONE`` (quantize what attention
+  reads), ``PRE_ROPE`` (keys: quantize the pre-RoPE key, RoPE re-applied after dequantizing; needs
+  ``rope``) or ``HADAMARD`` (rotate the head dimension before quantizing) — see
+  :mod:`kvcal.formats.transforms`; artifacts hold its string (``"none"``, ``"pre_rope"``,
+  ``"hadamard"``). Centering and a transform do not combine (``mean`` must be ``None`` unless the
+  transform is ``NONE``);
 * ``rounding`` (int sides, optional): ``U`` ``[H,D,D]`` float32 for query-aware rounding in the
   quantized (transformed) domain (:func:`kvcal.formats.codes.rounding_matrix`); it is used, and
   the runtime keeps it, in its 8-bit unit-diagonal form :func:`kvcal.formats.codes.unit_rounding`
@@ -33,6 +35,10 @@ Per layer ``i`` and side ``s ∈ {k, v}`` (:class:`SidePlan`):
   :func:`kvcal.search.tables.fit_trellis`), ``2^(ν+b)`` bytes of per-layer metadata; the side then
   has no ``clip_ratio`` (the row's RMS is its scale).
 
+Which variant a side is comes from its types, not from which tensor is present: ``SidePlan.codebook``,
+``rounding_mode``, ``channel_widths``, ``scale_coding``, ``centered`` and ``variant`` (a
+:class:`~kvcal.formats.variants.SideVariant`, what :meth:`KVPlan.kv_config` puts in the cache config).
+
 Artifact tensor names (see :mod:`kvcal.artifact`): ``model.layers.{i}.self_attn.{s}_scale`` stored
 squeezed (``[1]``, ``[H,1,1]``, ``[H,1,D]``), ``{s}_zero_point`` (same shape), ``{s}_clip_ratio``
 ``[H]``, ``k_mean`` ``[H,1,D]``, ``{s}_rounding`` ``[H,D,D]``, ``{s}_channel_bits`` ``[H,D]``, ``{s}_levels`` ``[H,2^b]``, ``{s}_trellis`` ``[2^(ν+b)]``, ``{s}_scale_base`` ``[H]``; ``rotary.inv_freq`` ``[D/2]`` when some key side is pre-RoPE
@@ -49,9 +55,9 @@ from kvcal.formats.codes import check_channel_bits, check_levels, check_trellis,
 from kvcal.formats.granularity import PerChannel, PerHead, PerTensor
 from kvcal.formats.quant import fake_quant
 from kvcal.formats.scales import check_scale_base
-from kvcal.formats.spec import DTYPE_NAMES, LOG8, KVCacheConfig, TensorQuantSpec
-from kvcal.formats.transforms import TRANSFORMS, RopeTable, apply_transform
-from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding
+from kvcal.formats.spec import DTYPE_NAMES, KVCacheConfig, TensorQuantSpec
+from kvcal.formats.transforms import RopeTable, Transform, apply_transform
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding, SideVariant
 
 SIDES = ("k", "v")
 
@@ -122,11 +128,12 @@ class SidePlan:
     """One layer's K or V: spec plus calibrated parameters (see module docstring for shapes).
 
     Fields: ``spec``; the scale parameters ``scale`` / ``zero_point`` (static sides) or
-    ``clip_ratio`` (dynamic sides); ``mean`` (key centering); ``transform`` / ``rope``; and
+    ``clip_ratio`` (dynamic sides); ``mean`` (key centering, :attr:`centered`); ``transform`` (a
+    :class:`~kvcal.formats.transforms.Transform`; its string is accepted and converted) / ``rope``; and
     ``tables``, a :class:`~kvcal.formats.variants.QuantTables` holding the side's variant tables
     (codebook: uniform / ``levels`` / ``trellis``; ``rounding`` matrix; per-channel widths
     ``channel_bits``; log8 ``scale_base``), read as :attr:`codebook`, :attr:`rounding_mode`,
-    :attr:`channel_widths`, :attr:`scale_coding`. Each table is also an attribute
+    :attr:`channel_widths`, :attr:`scale_coding` (all of them: :attr:`variant`). Each table is also an attribute
     (``sp.levels``, ``sp.rounding``, ...; assigning one replaces it in ``tables``, checked).
 
     Raises ``ValueError`` (one line) when built with a combination no quantizer defines:
@@ -145,7 +152,8 @@ class SidePlan:
 
     def __init__(self, spec: TensorQuantSpec, scale: torch.Tensor | None = None,
                  zero_point: torch.Tensor | None = None, clip_ratio: torch.Tensor | None = None,
-                 mean: torch.Tensor | None = None, transform: str = "none", rope: RopeTable | None = None,
+                 mean: torch.Tensor | None = None, transform: Transform = Transform.NONE,
+                 rope: RopeTable | None = None,
                  *, tables: QuantTables | None = None):
         self.spec = spec
         self.scale = scale
@@ -165,7 +173,7 @@ class SidePlan:
                              "clip_ratio, not a calibrated scale")
         if t.codebook is Codebook.TRELLIS and self.clip_ratio is not None:
             raise ValueError("a trellis side takes no clip_ratio (its scale is the row's RMS)")
-        present = [n for n in ("rounding", "channel_bits", "levels", "trellis") if getattr(t, n) is not None]
+        present = [n for n in t.as_kwargs() if n != "scale_base"]
         if present and self.spec.format.kind != "int":
             raise ValueError(f"{', '.join(present)} need an int spec, not {self.spec.format.value}")
         if t.scale_base is not None and ScaleCoding.of(self.spec) is not ScaleCoding.LOG8:
@@ -178,11 +186,32 @@ class SidePlan:
             v = getattr(self, n)
             if v is not None:
                 parts.append(f"{n}={tuple(v.shape)}")
-        parts.append(f"transform={self.transform!r}")
+        parts.append(f"transform={self.transform.value!r}")
         parts += [f"{n}={tuple(v.shape)}" for n, v in self.tables.as_kwargs().items()]
         return f"SidePlan({', '.join(parts)})"
 
+    @property
+    def transform(self) -> Transform:
+        """The side's :class:`~kvcal.formats.transforms.Transform` (assigning its string converts it;
+        an unknown one raises ``ValueError``)."""
+        return self._transform
+
+    @transform.setter
+    def transform(self, value) -> None:
+        self._transform = Transform.of(value)
+
     # ---- the variants, as typed values --------------------------------------------------------
+    @property
+    def centered(self) -> bool:
+        """Whether keys are stored minus a calibrated per-channel mean (``mean``)."""
+        return self.mean is not None
+
+    @property
+    def variant(self) -> SideVariant:
+        """The side's :class:`~kvcal.formats.variants.SideVariant` (codebook, rounding, widths, centering,
+        trellis entries)."""
+        return self.tables.variant(centering=self.centered)
+
     @property
     def codebook(self) -> Codebook:
         """``uniform``, ``levels`` or ``trellis`` (:class:`~kvcal.formats.variants.Codebook`)."""
@@ -204,14 +233,12 @@ class SidePlan:
         return ScaleCoding.of(self.spec)
 
     def check_transform(self) -> None:
-        """Raise ``ValueError`` for an unknown transform, ``pre_rope`` without a RoPE table, or a
-        transform combined with key centering."""
-        if self.transform not in TRANSFORMS:
-            raise ValueError(f"unknown transform {self.transform!r}; choose one of {TRANSFORMS}")
-        if self.transform == "pre_rope" and self.rope is None:
+        """Raise ``ValueError`` for ``pre_rope`` without a RoPE table, or a transform combined with key
+        centering (an unknown transform is refused when assigned)."""
+        if self.transform is Transform.PRE_ROPE and self.rope is None:
             raise ValueError("a pre-RoPE side needs the model's RoPE table (SidePlan.rope)")
-        if self.transform != "none" and self.mean is not None:
-            raise ValueError(f"key centering does not combine with transform {self.transform!r}")
+        if self.transform is not Transform.NONE and self.centered:
+            raise ValueError(f"key centering does not combine with transform {self.transform.value!r}")
 
     def _unit_rounding(self) -> torch.Tensor:
         """:func:`unit_rounding` of ``self.rounding``, memoized per tensor object (no device sync per call)."""
@@ -228,19 +255,19 @@ class SidePlan:
         if not self.spec.is_quantized:
             return fake_quant(x, self.spec)
         self.check_transform()
-        if self.transform != "none":
+        if self.transform is not Transform.NONE:
             xq = apply_transform(self.transform, x, rope=self.rope, start=start)
         else:
-            xq = x - self.mean.to(x.dtype) if self.mean is not None else x
+            xq = x - self.mean.to(x.dtype) if self.centered else x
         params = ({"clip_ratio": self.clip_ratio} if self.spec.dynamic
                   else {"scale": self.scale, "zero_point": self.zero_point})
         tables = self.tables
-        if tables.rounding is not None:
+        if tables.rounding_mode is Rounding.QUERY_AWARE:
             tables = tables.replace(rounding=self._unit_rounding())  # as the runtime keeps it
         y = fake_quant(xq, self.spec, tables=tables, **params)
-        if self.transform != "none":
+        if self.transform is not Transform.NONE:
             return apply_transform(self.transform, y, rope=self.rope, start=start, inverse=True).to(x.dtype)
-        return y + self.mean.to(x.dtype) if self.mean is not None else y
+        return y + self.mean.to(x.dtype) if self.centered else y
 
 
 def quantize_seq(plan: SidePlan, x: torch.Tensor, sinks: int = 0) -> torch.Tensor:
@@ -278,7 +305,7 @@ class KVPlan:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if any(lp.k.transform == "pre_rope" for lp in self.layers):
+        if any(lp.k.transform is Transform.PRE_ROPE for lp in self.layers):
             self.key_position = "pre_rope"
 
     @property
@@ -286,16 +313,10 @@ class KVPlan:
         return len(self.layers)
 
     def kv_config(self, layer: int = 0) -> KVCacheConfig:
+        """The cache layout of ``layer``: its specs, windows and the sides' variants."""
         lp = self.layers[layer]
-        k, v = lp.k, lp.v
-        return KVCacheConfig(k.spec, v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens,
-                             key_centering=k.mean is not None,
-                             key_rounding=k.rounding_mode is Rounding.QUERY_AWARE,
-                             value_rounding=v.rounding_mode is Rounding.QUERY_AWARE,
-                             key_channel_bits=k.channel_widths is ChannelWidths.ALLOCATED,
-                             value_channel_bits=v.channel_widths is ChannelWidths.ALLOCATED,
-                             key_levels=k.codebook is Codebook.LEVELS, value_levels=v.codebook is Codebook.LEVELS,
-                             value_trellis=int(v.trellis.numel()) if v.codebook is Codebook.TRELLIS else 0)
+        return KVCacheConfig(lp.k.spec, lp.v.spec, residual_window=self.residual_window, sink_tokens=self.sink_tokens,
+                             key_variant=lp.k.variant, value_variant=lp.v.variant)
 
     def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (Protocol A) fake quantization of what attention reads, ``x [B,H,S,D]``.
@@ -319,7 +340,7 @@ class KVPlan:
         for i, lp in enumerate(self.layers):
             for s in SIDES:
                 sp = lp.side(s)
-                if sp.spec.is_quantized and sp.spec.scale_dtype == LOG8 and sp.scale_base is None:
+                if sp.scale_coding is ScaleCoding.LOG8 and sp.scale_base is None:
                     raise ValueError(f"layer {i} {s}: log8 scales need SidePlan.scale_base (calibrate the side)")
                 if sp.scale is not None:
                     out[tensor_name(i, s, "scale")] = _squeeze_static(sp.scale.float(), sp.spec)
@@ -327,24 +348,17 @@ class KVPlan:
                     out[tensor_name(i, s, "zero_point")] = _squeeze_static(sp.zero_point.float(), sp.spec)
                 if sp.clip_ratio is not None:
                     out[tensor_name(i, s, "clip_ratio")] = sp.clip_ratio.float().reshape(-1)
-                if sp.mean is not None:
+                if sp.centered:
                     out[tensor_name(i, s, "mean")] = sp.mean.float().reshape(sp.mean.shape[1:])
-                if sp.rounding is not None:
-                    out[tensor_name(i, s, "rounding")] = sp.rounding.float().contiguous()
-                if sp.channel_bits is not None:
-                    out[tensor_name(i, s, "channel_bits")] = sp.channel_bits.float().contiguous()
-                if sp.levels is not None:
-                    out[tensor_name(i, s, "levels")] = sp.levels.float().contiguous()
-                if sp.trellis is not None:
-                    out[tensor_name(i, s, "trellis")] = sp.trellis.float().reshape(-1).contiguous()
-                if sp.scale_base is not None:
-                    out[tensor_name(i, s, "scale_base")] = sp.scale_base.float().reshape(-1).contiguous()
+                for n, t in sp.tables.as_kwargs().items():  # rounding, channel_bits, levels, trellis, scale_base
+                    t = t.float().reshape(-1) if n in ("trellis", "scale_base") else t.float()
+                    out[tensor_name(i, s, n)] = t.contiguous()
         rope = self.rope_table()
         if rope is not None:
             out["rotary.inv_freq"] = rope.inv_freq.float().contiguous()
             for i, lp in enumerate(self.layers):  # a layer whose table differs (Gemma 3: one RoPE per layer type)
                 for sp in (lp.k, lp.v):
-                    if sp.transform != "pre_rope" or sp.rope is rope:
+                    if sp.transform is not Transform.PRE_ROPE or sp.rope is rope:
                         continue
                     if sp.rope.attention_scaling != rope.attention_scaling:
                         raise ValueError(f"layer {i}: RoPE attention_scaling {sp.rope.attention_scaling} differs from "
@@ -356,14 +370,14 @@ class KVPlan:
         return {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in out.items()}
 
     def transforms(self) -> list[dict[str, str]]:
-        """Per-layer ``{"k": transform, "v": transform}``."""
-        return [{"k": lp.k.transform, "v": lp.v.transform} for lp in self.layers]
+        """Per-layer ``{"k": transform, "v": transform}``, the transforms' strings (the metadata's ``kv.transforms``)."""
+        return [{"k": lp.k.transform.value, "v": lp.v.transform.value} for lp in self.layers]
 
     def rope_table(self) -> RopeTable | None:
         """The RoPE table of the first pre-RoPE side (``None`` when no side is pre-RoPE)."""
         for lp in self.layers:
             for sp in (lp.k, lp.v):
-                if sp.transform == "pre_rope":
+                if sp.transform is Transform.PRE_ROPE:
                     return sp.rope
         return None
 
@@ -378,7 +392,7 @@ class KVPlan:
             "v": v0.to_dict(),
             "residual_window": self.residual_window,
             "sink_tokens": self.sink_tokens,
-            "key_centering": any(lp.k.mean is not None for lp in self.layers),
+            "key_centering": any(lp.k.centered for lp in self.layers),
         }
         tr = self.transforms()
         if any(t["k"] != "none" or t["v"] != "none" for t in tr):
@@ -465,13 +479,13 @@ class KVPlan:
                 if tt is not None:
                     if s != "v":
                         raise ValueError(f"{tensor_name(i, s, 'trellis')}: trellis tables are for values only")
-                    if sp.clip_ratio is not None or sp.levels is not None:
+                    if sp.clip_ratio is not None or sp.codebook is Codebook.LEVELS:
                         raise ValueError(f"{tensor_name(i, s, 'trellis')}: a trellis side takes no clip_ratio or levels "
                                          "tensor (its scale is the row's RMS)")
                     _set_table(sp, "trellis", _checked(tensor_name(i, s, "trellis"), spec, check_trellis, tt.float(), spec, D),
                                tensor_name(i, s, "trellis"))
                 sb = tensors.get(tensor_name(i, s, "scale_base"))
-                if spec.is_quantized and spec.scale_dtype == LOG8:
+                if ScaleCoding.of(spec) is ScaleCoding.LOG8:
                     if sb is None:
                         raise ValueError(f"artifact lacks {tensor_name(i, s, 'scale_base')} required by its log8 scales")
                     if sb.numel() != H:
@@ -485,8 +499,8 @@ class KVPlan:
                     what = (f"{DTYPE_NAMES[spec.scale_dtype]}" if spec.is_quantized else "absent (the side is not "
                             "quantized)")
                     raise ValueError(f"{tensor_name(i, s, 'scale_base')} is only for log8 scales; the side's scales are {what}")
-                sp.transform = str(trs[i].get(s, "none"))
-                sp.rope = layer_rope(i) if sp.transform == "pre_rope" else None
+                sp.transform = Transform.of(str(trs[i].get(s, "none")))
+                sp.rope = layer_rope(i) if sp.transform is Transform.PRE_ROPE else None
                 sp.check_transform()
                 sides[s] = sp
             layers.append(LayerPlan(sides["k"], sides["v"]))

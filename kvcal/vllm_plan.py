@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcal.formats.transforms import Transform
+from kvcal.formats.variants import Rounding
 from kvcal.formats.vllm_dtypes import (
     TQ_PRESETS,
     VllmDTypeError,
@@ -135,7 +137,8 @@ class VllmKVPlan:
         if family == "fp8":
             sides = [(lp.k, lp.v) for lp in plan.layers]
             ok = all(sp.spec.format.value == "fp8_e4m3" and sp.spec.granularity.name in ("tensor", "head")
-                     and sp.scale is not None and sp.transform == "none" and sp.mean is None and sp.rounding is None
+                     and sp.scale is not None and sp.transform is Transform.NONE and not sp.centered
+                     and sp.rounding_mode is Rounding.NEAREST
                      for pair in sides for sp in pair)
             if ok:
                 def as_scale(t):

@@ -11,6 +11,7 @@ from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGr
 from kvcal.formats.layout import _Layout
 from kvcal.formats.scales import E2M1_VALUES
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding
 
 
 def rounding_matrix(sigma: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
@@ -235,16 +236,17 @@ def _codes_ordered(xg, s, zp, spec, lay: _Layout, U: torch.Tensor, top=None) -> 
     return lay.group(q)
 
 
-def _codes_for(xg, s, zp, spec, lay: _Layout, rounding: torch.Tensor | None, top=None, levels=None) -> torch.Tensor:
-    """Nearest-rounding codes, or channel-ordered ones when a rounding matrix is given
-    (``top``: per-channel top codes for per-channel bit widths; ``levels``: checked non-uniform levels)."""
-    if levels is not None:
-        return _level_codes(xg, s, levels, lay)
-    if rounding is None:
-        if top is None:
-            return _codes(xg, s, zp, spec)
-        return torch.minimum(torch.round(xg / s + zp).clamp_(min=0), top)  # asymmetric int (checked)
-    return _codes_ordered(xg, s, zp, spec, lay, _check_rounding(rounding, spec, lay), top)
+def _codes_for(xg, s, zp, spec, lay: _Layout, tables: QuantTables, top=None) -> torch.Tensor:
+    """Codes of the grouped input by the tables' variant (``tables``: checked against the spec, see
+    :func:`kvcal.formats.quant.quantize`): a levels codebook's nearest level, nearest-rounding codes, or
+    channel-ordered ones with query-aware rounding (``top``: per-channel top codes of allocated widths)."""
+    if tables.codebook is Codebook.LEVELS:
+        return _level_codes(xg, s, tables.levels, lay)
+    if tables.rounding_mode is Rounding.QUERY_AWARE:
+        return _codes_ordered(xg, s, zp, spec, lay, _check_rounding(tables.rounding, spec, lay), top)
+    if tables.channel_widths is ChannelWidths.SPEC:
+        return _codes(xg, s, zp, spec)
+    return torch.minimum(torch.round(xg / s + zp).clamp_(min=0), top)  # asymmetric int (checked)
 
 
 def _codes(xg, s, zp, spec):
@@ -267,9 +269,12 @@ def _codes(xg, s, zp, spec):
 _E2M1_TABLE = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
 
 
-def _dequant_codes(q, s, zp, spec, levels=None):
-    if levels is not None:
-        return _level_values(q, s, levels)
+def _dequant_codes(q, s, zp, spec, tables: QuantTables | None = None):
+    """Values of codes ``q`` (grouped) with scales ``s`` / zero points ``zp``; a levels codebook reads its
+    table (``tables.levels``, ``[H, 2^b]``)."""
+    tables = QuantTables.coerce(tables)
+    if tables.codebook is Codebook.LEVELS:
+        return _level_values(q, s, tables.levels)
     kind = spec.format.kind
     if kind == "fp8":
         return q.float() * s
@@ -280,19 +285,15 @@ def _dequant_codes(q, s, zp, spec, levels=None):
     return (q.float() - zp) * s
 
 
-def _levels_arg(levels, spec, lay: _Layout, scale) -> torch.Tensor | None:
+def _levels_arg(levels, spec, lay: _Layout, scale) -> torch.Tensor:
     """Checked levels table (combinations with other tables: refused by :class:`QuantTables`)."""
-    if levels is None:
-        return None
     if scale is not None:
         raise ValueError("non-uniform levels take the group's absmax as scale; pass clip_ratio, not scale")
     return check_levels(levels, spec, lay.H)
 
 
-def _trellis_arg(trellis, spec, lay: _Layout, scale, clip_ratio) -> torch.Tensor | None:
+def _trellis_arg(trellis, spec, lay: _Layout, scale, clip_ratio) -> torch.Tensor:
     """Checked trellis table (combinations with other tables: refused by :class:`QuantTables`)."""
-    if trellis is None:
-        return None
     if scale is not None or clip_ratio is not None:
         raise ValueError("trellis rows take their RMS as scale; pass neither scale nor clip_ratio")
     return check_trellis(trellis, spec, lay.D)

@@ -37,14 +37,12 @@ side (K, V) with spec ``s`` (:class:`~kvcal.formats.spec.TensorQuantSpec`), ``H`
      - dynamic granularities: the calibrated ``clip_ratio`` ``float32 [H]`` (log8 scales: and their
        base, ``float32 [H]``);
      - NVFP4 additionally: the global scale ``float32 [1]``;
-     - keys with ``key_centering``: the per-channel key mean ``float32 [1,H,1,D]``;
-     - sides with query-aware rounding (``key_rounding`` / ``value_rounding``): the strict upper
-       triangle of the unit-diagonal rounding matrix, ``float8_e4m3fn [H, D(D-1)/2]``;
-     - sides with per-channel bit widths (``key_channel_bits`` / ``value_channel_bits``): the
-       widths table ``uint8 [H, D]``;
-     - sides with non-uniform levels (``key_levels`` / ``value_levels``): the table
-       ``float32 [H, 2^b]``;
-     - trellis-coded values (``value_trellis = n``): the table, ``int8 [n]``.
+     - by the side's :class:`~kvcal.formats.variants.SideVariant` (``KVCacheConfig.key_variant`` /
+       ``value_variant``): with ``centering`` (keys), the per-channel key mean ``float32 [1,H,1,D]``;
+       with query-aware ``rounding``, the strict upper triangle of the unit-diagonal rounding matrix,
+       ``float8_e4m3fn [H, D(D-1)/2]``; with ``allocated`` channel widths, the widths table
+       ``uint8 [H, D]``; with a ``levels`` codebook, the table ``float32 [H, 2^b]``; with a
+       ``trellis`` codebook (values), the table, ``int8 [trellis_entries]``.
 
 :func:`cache_bytes` is the sum of all of these over layers; it equals the ``nbytes`` of the
 :class:`~kvcal.formats.quant.QuantizedTensor` that :func:`~kvcal.formats.quant.quantize` returns
@@ -67,6 +65,7 @@ from fractions import Fraction
 
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.spec import DEFAULTS, LOG8, KVCacheConfig, QFormat, TensorQuantSpec
+from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, SideVariant
 
 
 @dataclass(frozen=True)
@@ -196,16 +195,24 @@ def levels_bytes(spec, H: int) -> int:
     return 4 * H * 2**spec.bits
 
 
-def side_extra_bytes(spec: TensorQuantSpec, H: int, D: int, *, centering: bool = False, rounding: bool = False,
-                     channel_bits: bool = False, levels: bool = False, trellis: int = 0) -> int:
-    """Per-layer metadata bytes a side's options add beyond its spec's own (0 for an unquantized
+def side_extra_bytes(spec: TensorQuantSpec, H: int, D: int, variant: SideVariant) -> int:
+    """Per-layer metadata bytes a side's variant adds beyond its spec's own (0 for an unquantized
     side): key-centering mean ``float32 [1,H,1,D]``, query-aware rounding triangle
-    (:func:`rounding_bytes`), per-channel widths ``uint8 [H, D]``, non-uniform levels
-    (:func:`levels_bytes`), a trellis table of ``trellis`` int8 entries."""
+    (:func:`rounding_bytes`), allocated widths ``uint8 [H, D]``, a levels codebook
+    (:func:`levels_bytes`) or a trellis codebook's ``trellis_entries`` int8 entries."""
     if not spec.is_quantized:
         return 0
-    return ((H * D * 4 if centering else 0) + (rounding_bytes(H, D) if rounding else 0)
-            + (H * D if channel_bits else 0) + (levels_bytes(spec, H) if levels else 0) + int(trellis))
+    n = H * D * 4 if variant.centering else 0
+    if variant.rounding is Rounding.QUERY_AWARE:
+        n += rounding_bytes(H, D)
+    if variant.channel_widths is ChannelWidths.ALLOCATED:
+        n += H * D
+    match variant.codebook:
+        case Codebook.LEVELS:
+            n += levels_bytes(spec, H)
+        case Codebook.TRELLIS:
+            n += variant.trellis_entries
+    return n
 
 
 def rounding_bytes(H: int, D: int) -> int:
@@ -395,11 +402,8 @@ def memory_report(model_config, kv_config, context: int, batch: int = 1, *,
                                     c.dtype16.itemsize, sliding_window=w)
             for k in acc:
                 acc[k] += part[k]
-        acc["static"] += side_extra_bytes(c.key, H, D, centering=c.key_centering, rounding=c.key_rounding,
-                                          channel_bits=c.key_channel_bits, levels=c.key_levels)
-        acc["static"] += side_extra_bytes(c.value, H, D, rounding=c.value_rounding,
-                                          channel_bits=c.value_channel_bits, levels=c.value_levels,
-                                          trellis=c.value_trellis)
+        acc["static"] += (side_extra_bytes(c.key, H, D, c.key_variant)
+                          + side_extra_bytes(c.value, H, D, c.value_variant))
     conf = cfgs[0].to_dict() if all(c == cfgs[0] for c in cfgs) else {"per_layer": [c.to_dict() for c in cfgs]}
     return MemoryReport(shp, context, batch, float(bytes_per_token_exact(shp, cfgs)), acc["payload"],
                         acc["params"], acc["dense16"], acc["static"], sum(acc.values()), conf)

@@ -89,7 +89,7 @@ levels, trellis) in :mod:`kvcal.formats.codes`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -110,8 +110,8 @@ from kvcal.formats.scales import (
     check_scale_base,
     log8_decode,
 )
-from kvcal.formats.spec import LOG8, QFormat, TensorQuantSpec
-from kvcal.formats.variants import QuantTables
+from kvcal.formats.spec import QFormat, TensorQuantSpec
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, ScaleCoding
 
 
 @dataclass(frozen=True)
@@ -128,14 +128,15 @@ class QuantizedTensor:
       NVFP4: the block scales, ``float8_e4m3fn [B,H,S,D_pad/16]`` (multiply by ``global_scale``).
     * ``zero_point``: same shape/dtype as ``scale`` for asymmetric ints, else ``None``.
     * ``global_scale``: NVFP4 fp32 outer scale (``[1,1,1,1]``), else ``None``.
-    * ``channel_bits``: per-channel widths ``[H, D]`` (int64) when quantized with ``channel_bits=``
-      (payload then packed by :func:`kvcal.formats.packing.pack_channels`), else ``None``.
-    * ``levels``: non-uniform levels ``float32 [H, 2^b]`` when quantized with ``levels=`` (codes
-      stored unsigned, ``scale`` = the group's clipped absmax), else ``None``.
-    * ``scale_base``: ``float32 [H]`` base of log8 scales (``scale`` then holds ``uint8`` codes), else ``None``.
-    * ``trellis``: the trellis table ``float32 [2^(ν+b)]`` when quantized with ``trellis=`` (codes
-      stored unsigned, ``scale`` = the row's RMS), else ``None``.
     * ``shape``: logical ``(B, H, S, D)``; ``dtype``: the input's dtype (what dequantize returns).
+    * ``tables``: the :class:`~kvcal.formats.variants.QuantTables` dequantizing needs (no rounding
+      matrix: codes read back the same whichever rounding chose them), checked against the spec —
+      ``channel_bits`` ``[H, D]`` (int64) with allocated widths (payload then packed by
+      :func:`kvcal.formats.packing.pack_channels`); ``levels`` ``float32 [H, 2^b]`` with a levels
+      codebook (codes stored unsigned, ``scale`` = the group's clipped absmax); ``trellis``
+      ``float32 [2^(ν+b)]`` with a trellis codebook (codes stored unsigned, ``scale`` = the row's RMS);
+      ``scale_base`` ``float32 [H]`` with log8 scales (``scale`` then holds ``uint8`` codes).
+      :attr:`codebook` / :attr:`channel_widths` / :attr:`scale_coding` say which variant it is.
     """
 
     data: torch.Tensor
@@ -145,10 +146,19 @@ class QuantizedTensor:
     spec: TensorQuantSpec
     dtype: torch.dtype
     global_scale: torch.Tensor | None = None
-    channel_bits: torch.Tensor | None = None
-    levels: torch.Tensor | None = None
-    scale_base: torch.Tensor | None = None
-    trellis: torch.Tensor | None = None
+    tables: QuantTables = field(default_factory=QuantTables)
+
+    @property
+    def codebook(self) -> Codebook:
+        return self.tables.codebook
+
+    @property
+    def channel_widths(self) -> ChannelWidths:
+        return self.tables.channel_widths
+
+    @property
+    def scale_coding(self) -> ScaleCoding:
+        return ScaleCoding.of(self.spec)
 
     @property
     def payload_nbytes(self) -> int:
@@ -204,48 +214,62 @@ def quantize(
     if not spec.is_quantized:
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return QuantizedTensor(x.to(dt), None, None, shape, spec, x.dtype)
-    t = QuantTables.coerce(tables)
-    rounding, scale_base = t.rounding, t.scale_base
     lay = _Layout(spec, shape)
-    w = None if t.channel_bits is None else check_channel_bits(t.channel_bits, spec, lay.H, lay.D)
-    top = None if w is None else _top_codes(w, lay, x.device)
-    L = _levels_arg(t.levels, spec, lay, scale)
-    T = _trellis_arg(t.trellis, spec, lay, scale, clip_ratio)
+    t, top = _checked_tables(QuantTables.coerce(tables), spec, lay, scale, clip_ratio, x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
     s, zp, (s_st, zp_st, gs) = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top,
-                                       scale_base, L is not None or T is not None, T is not None)
-    if T is not None:
-        q = _trellis_codes(xg, s, T, spec.bits)
+                                       t.scale_base, t.codebook is not Codebook.UNIFORM,
+                                       t.codebook is Codebook.TRELLIS)
+    if t.codebook is Codebook.TRELLIS:
+        q = _trellis_codes(xg, s, t.trellis, spec.bits)
     else:
-        q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, rounding, top, L))  # [B,H,S_g,D_g]
+        q = lay.ungroup(_codes_for(xg, s, zp, spec, lay, t, top))  # [B,H,S_g,D_g]
     kind = spec.format.kind
     if kind == "fp8":
         data = F.pad(q.float(), (0, lay.D_pad - lay.D_g)).to(q.dtype) if lay.D_pad > lay.D_g else q
     elif kind == "nvfp4":
         data = pack(F.pad(q, (0, lay.D_pad - lay.D_g)), 4)
     else:
-        if spec.symmetric and L is None and T is None:
+        if spec.symmetric and t.codebook is Codebook.UNIFORM:
             q = q + 2 ** (spec.bits - 1) if spec.bits < 8 else q
         q = F.pad(q, (0, lay.D_pad - lay.D_g)) if lay.D_pad > lay.D_g else q
-        if w is not None:
-            data = pack_channels(q.to(torch.uint8), w.to(q.device))
+        if t.channel_widths is ChannelWidths.ALLOCATED:
+            data = pack_channels(q.to(torch.uint8), t.channel_bits.to(q.device))
         elif spec.bits == 8:
             data = q.to(torch.int8 if spec.symmetric else torch.uint8)
         else:
             data = pack(q.to(torch.uint8), spec.bits)
+    base = check_scale_base(t.scale_base, lay.H).to(x.device) if ScaleCoding.of(spec) is ScaleCoding.LOG8 else None
     return QuantizedTensor(data.contiguous(), s_st.contiguous(), None if zp_st is None else zp_st.contiguous(),
-                           shape, spec, x.dtype, gs, w, L,
-                           None if scale_base is None else check_scale_base(scale_base, lay.H).to(x.device), T)
+                           shape, spec, x.dtype, gs, t.replace(rounding=None, scale_base=base))
+
+
+def _checked_tables(t: QuantTables, spec: TensorQuantSpec, lay: _Layout, scale, clip_ratio, device):
+    """``(tables, top)``: ``t`` with its widths / levels / trellis table checked against the spec and
+    layout (:func:`check_channel_bits`, :func:`~kvcal.formats.codes.check_levels`,
+    :func:`~kvcal.formats.codes.check_trellis`), and the per-channel top codes ``2^W − 1`` of allocated
+    widths (``None`` otherwise). Raises ``ValueError`` as :func:`quantize` documents."""
+    checked, top = {}, None
+    if t.channel_widths is ChannelWidths.ALLOCATED:
+        checked["channel_bits"] = w = check_channel_bits(t.channel_bits, spec, lay.H, lay.D)
+        top = _top_codes(w, lay, device)
+    match t.codebook:
+        case Codebook.LEVELS:
+            checked["levels"] = _levels_arg(t.levels, spec, lay, scale)
+        case Codebook.TRELLIS:
+            checked["trellis"] = _trellis_arg(t.trellis, spec, lay, scale, clip_ratio)
+    return (t.replace(**checked) if checked else t), top
 
 
 def _stored_scale(qt: QuantizedTensor) -> torch.Tensor:
     """fp32 scales of ``qt`` as stored (log8 codes decoded with ``qt.scale_base``)."""
-    if qt.spec.scale_dtype != LOG8:
+    if qt.scale_coding is ScaleCoding.FLOAT:
         return qt.scale.float()
-    if qt.scale_base is None:
+    base = qt.tables.scale_base
+    if base is None:
         raise ValueError("a log8-scaled tensor needs its scale_base to dequantize")
-    return log8_decode(qt.scale, qt.scale_base.float().reshape(1, -1, *([1] * (qt.scale.ndim - 2))))
+    return log8_decode(qt.scale, base.float().reshape(1, -1, *([1] * (qt.scale.ndim - 2))))
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -262,9 +286,9 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
         q = d[..., : lay.D_g]
     elif kind == "nvfp4":
         q = unpack(d, 4, lay.D_g)
-    elif qt.channel_bits is not None:
-        q = unpack_channels(d, qt.channel_bits).to(torch.int16)
-    elif qt.levels is not None or qt.trellis is not None:
+    elif qt.channel_widths is ChannelWidths.ALLOCATED:
+        q = unpack_channels(d, qt.tables.channel_bits).to(torch.int16)
+    elif qt.codebook is not Codebook.UNIFORM:
         q = unpack(d, spec.bits, lay.D_g)
     elif spec.bits == 8:
         q = d[..., : lay.D_g]
@@ -279,11 +303,15 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     else:
         s = lay.from_stored(_stored_scale(qt))
         zp = None if qt.zero_point is None else lay.from_stored(qt.zero_point.float())
-    L = None if qt.levels is None else torch.broadcast_to(qt.levels.float(), (lay.H, 2**spec.bits))  # checked by quantize
-    if qt.trellis is not None:
-        out = _trellis_values(qg, s, qt.trellis.float(), spec.bits)
-    else:
-        out = lay.ungroup(_dequant_codes(qg, s, zp, spec, L))
+    t = qt.tables
+    match qt.codebook:
+        case Codebook.TRELLIS:
+            out = _trellis_values(qg, s, t.trellis.float(), spec.bits)
+        case Codebook.LEVELS:  # levels checked by quantize
+            L = torch.broadcast_to(t.levels.float(), (lay.H, 2**spec.bits))
+            out = lay.ungroup(_dequant_codes(qg, s, zp, spec, t.replace(levels=L)))
+        case Codebook.UNIFORM:
+            out = lay.ungroup(_dequant_codes(qg, s, zp, spec))
     return out[:, :, : lay.S, : lay.D].to(dtype)
 
 
@@ -306,21 +334,16 @@ def fake_quant(
     if not spec.is_quantized:
         dt = torch.float16 if spec.format is QFormat.FP16 else torch.bfloat16
         return x.to(dt).to(x.dtype)
-    t = QuantTables.coerce(tables)
-    rounding, scale_base = t.rounding, t.scale_base
     lay = _Layout(spec, tuple(x.shape))
-    cb = t.channel_bits
-    top = None if cb is None else _top_codes(check_channel_bits(cb, spec, lay.H, lay.D), lay, x.device)
-    L = _levels_arg(t.levels, spec, lay, scale)
-    T = _trellis_arg(t.trellis, spec, lay, scale, clip_ratio)
+    t, top = _checked_tables(QuantTables.coerce(tables), spec, lay, scale, clip_ratio, x.device)
     x32 = x.float()
     xg = lay.group(lay.pad(x32))
-    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, scale_base,
-                       L is not None or T is not None, T is not None)
-    if T is not None:
-        y = _trellis_values(_trellis_codes(xg, s, T, spec.bits), s, T, spec.bits)
+    s, zp, _ = _params(xg, lay, spec, scale, zero_point, clip_ratio, global_scale, x32, top, t.scale_base,
+                       t.codebook is not Codebook.UNIFORM, t.codebook is Codebook.TRELLIS)
+    if t.codebook is Codebook.TRELLIS:
+        y = _trellis_values(_trellis_codes(xg, s, t.trellis, spec.bits), s, t.trellis, spec.bits)
         return y[:, :, : lay.S, : lay.D].to(x.dtype)
-    y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, rounding, top, L), s, zp, spec, L))
+    y = lay.ungroup(_dequant_codes(_codes_for(xg, s, zp, spec, lay, t, top), s, zp, spec, t))
     return y[:, :, : lay.S, : lay.D].to(x.dtype)
 
 
@@ -328,7 +351,7 @@ def quant_step(qt: QuantizedTensor) -> torch.Tensor:
     """Per-element quantization step (fp32 ``[B,H,S,D]``) for int formats: the scale broadcast
     to every element (error bounds in tests are half of this)."""
     spec = qt.spec
-    if spec.format.kind != "int" or qt.levels is not None or qt.trellis is not None:
+    if spec.format.kind != "int" or qt.codebook is not Codebook.UNIFORM:
         raise ValueError("quant_step is defined for int formats with uniform grids (not nvfp4/fp8/non-uniform "
                          "levels/trellis tables)")
     lay = _Layout(spec, qt.shape)

@@ -37,6 +37,7 @@ from kvcal.formats.granularity import (
     PerTokenGroup,
     granularity_from_name,
 )
+from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, SideVariant
 
 
 class QFormat(str, Enum):
@@ -296,18 +297,21 @@ class KVCacheConfig:
     ``key`` / ``value``: :class:`TensorQuantSpec` (or a format string, meaning that format per
     tensor). ``residual_window``: the most recent tokens kept in ``dtype16`` (KIVI's R).
     ``sink_tokens``: the first tokens kept in ``dtype16`` (attention sinks). ``dtype16``:
-    ``torch.bfloat16`` or ``torch.float16``. ``key_centering``: keys are stored minus a calibrated
-    per-channel mean (``float32 [1,H,1,D]`` per layer, counted as per-layer metadata).
-    ``key_rounding`` / ``value_rounding``: the side is quantized with query-aware rounding, whose
-    matrix the runtime keeps as the float8 strict upper triangle ``[H, D(D-1)/2]`` per layer (counted as
-    per-layer metadata; :func:`kvcal.formats.codes.unit_rounding`). ``key_channel_bits`` /
-    ``value_channel_bits``: the side has per-channel payload widths (``uint8 [H, D]`` per layer,
-    counted as per-layer metadata; the rows keep the spec's size). ``key_levels`` /
-    ``value_levels``: the side uses non-uniform levels (``float32 [H, 2^b]`` per layer, counted as
-    per-layer metadata; :func:`kvcal.formats.codes.check_levels`). ``value_trellis``: the values are
-    trellis-coded with a table of this many int8 entries per layer (0 = no trellis; counted as per-layer
-    metadata; :func:`kvcal.formats.codes.check_trellis`). Raises
-    ``ValueError`` on negative windows or another 16-bit dtype.
+    ``torch.bfloat16`` or ``torch.float16``. ``key_variant`` / ``value_variant``: each side's
+    :class:`~kvcal.formats.variants.SideVariant` (default: uniform codes, nearest rounding, the spec's
+    widths, no centering), whose per-layer metadata is counted by :mod:`kvcal.formats.memory`: key
+    centering, a mean ``float32 [1,H,1,D]``; query-aware rounding, the float8 strict upper triangle
+    ``[H, D(D-1)/2]`` the runtime keeps (:func:`kvcal.formats.codes.unit_rounding`); allocated channel
+    widths, ``uint8 [H, D]`` (the rows keep the spec's size); a levels codebook, ``float32 [H, 2^b]``
+    (:func:`kvcal.formats.codes.check_levels`); a trellis codebook, its ``trellis_entries`` int8 entries
+    (:func:`kvcal.formats.codes.check_trellis`). Centering is for keys and trellis tables for values only.
+
+    :meth:`to_dict` / :meth:`from_dict` write and read the variants as the flat flags of the wire format
+    (``kvcal memory --json``, artifact metadata): ``key_centering``, ``key_rounding`` /
+    ``value_rounding``, ``key_channel_bits`` / ``value_channel_bits``, ``key_levels`` / ``value_levels``
+    (bools) and ``value_trellis`` (entries, 0 = none). Raises ``ValueError`` on negative windows,
+    another 16-bit dtype, a variant that is not a :class:`~kvcal.formats.variants.SideVariant`, value
+    centering or a key trellis table (``from_dict``: also levels together with a trellis table).
     """
 
     key: TensorQuantSpec
@@ -315,14 +319,8 @@ class KVCacheConfig:
     residual_window: int = 0
     sink_tokens: int = 0
     dtype16: torch.dtype = DEFAULTS["dtype16"]
-    key_centering: bool = False
-    key_rounding: bool = False
-    value_rounding: bool = False
-    key_channel_bits: bool = False
-    value_channel_bits: bool = False
-    key_levels: bool = False
-    value_levels: bool = False
-    value_trellis: int = 0
+    key_variant: SideVariant = SideVariant()
+    value_variant: SideVariant = SideVariant()
 
     def __post_init__(self):
         for side in ("key", "value"):
@@ -331,7 +329,7 @@ class KVCacheConfig:
                 object.__setattr__(self, side, TensorQuantSpec(s))
             elif not isinstance(s, TensorQuantSpec):
                 raise ValueError(f"{side} must be a TensorQuantSpec, got {type(s).__name__}")
-        for name in ("residual_window", "sink_tokens", "value_trellis"):
+        for name in ("residual_window", "sink_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -339,6 +337,13 @@ class KVCacheConfig:
         if dt not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype16 must be torch.float16 or torch.bfloat16, got {dt}")
         object.__setattr__(self, "dtype16", dt)
+        for name in ("key_variant", "value_variant"):
+            if not isinstance(getattr(self, name), SideVariant):
+                raise ValueError(f"{name} must be a SideVariant, got {type(getattr(self, name)).__name__}")
+        if self.value_variant.centering:
+            raise ValueError("centering is for keys only (value_variant.centering must be False)")
+        if self.key_variant.codebook is Codebook.TRELLIS:
+            raise ValueError("trellis tables are for values only (key_variant.codebook must not be trellis)")
 
     def side(self, name: str) -> TensorQuantSpec:
         """``"k"``/``"key"`` -> key spec, ``"v"``/``"value"`` -> value spec."""
@@ -353,37 +358,46 @@ class KVCacheConfig:
         return replace(self, key=self.key.with_group_size(group_size), value=self.value.with_group_size(group_size))
 
     def to_dict(self) -> dict:
+        """The wire format (class docstring): specs, windows, dtype and the variants as flat flags."""
+        kv, vv = self.key_variant, self.value_variant
         return {
             "k": self.key.to_dict(),
             "v": self.value.to_dict(),
             "residual_window": self.residual_window,
             "sink_tokens": self.sink_tokens,
             "dtype16": DTYPE_NAMES[self.dtype16],
-            "key_centering": self.key_centering,
-            "key_rounding": self.key_rounding,
-            "value_rounding": self.value_rounding,
-            "key_channel_bits": self.key_channel_bits,
-            "value_channel_bits": self.value_channel_bits,
-            "key_levels": self.key_levels,
-            "value_levels": self.value_levels,
-            "value_trellis": self.value_trellis,
+            "key_centering": kv.centering,
+            "key_rounding": kv.rounding is Rounding.QUERY_AWARE,
+            "value_rounding": vv.rounding is Rounding.QUERY_AWARE,
+            "key_channel_bits": kv.channel_widths is ChannelWidths.ALLOCATED,
+            "value_channel_bits": vv.channel_widths is ChannelWidths.ALLOCATED,
+            "key_levels": kv.codebook is Codebook.LEVELS,
+            "value_levels": vv.codebook is Codebook.LEVELS,
+            "value_trellis": vv.trellis_entries,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> KVCacheConfig:
+        """Inverse of :meth:`to_dict` (missing flags: off)."""
         return cls(
             TensorQuantSpec.from_dict(d["k"]), TensorQuantSpec.from_dict(d["v"]),
             int(d.get("residual_window", 0)), int(d.get("sink_tokens", 0)),
             dtype_from_name(d.get("dtype16", DTYPE_NAMES[DEFAULTS["dtype16"]])),
-            bool(d.get("key_centering", False)),
-            bool(d.get("key_rounding", False)),
-            bool(d.get("value_rounding", False)),
-            bool(d.get("key_channel_bits", False)),
-            bool(d.get("value_channel_bits", False)),
-            bool(d.get("key_levels", False)),
-            bool(d.get("value_levels", False)),
-            int(d.get("value_trellis", 0)),
+            _variant_from_flags(d, "key"), _variant_from_flags(d, "value"),
         )
+
+
+def _variant_from_flags(d: dict, side: str) -> SideVariant:
+    """The :class:`SideVariant` of ``side`` (``"key"`` / ``"value"``) from the wire format's flat flags."""
+    entries = int(d.get("value_trellis", 0)) if side == "value" else 0
+    levels = bool(d.get(f"{side}_levels", False))
+    if levels and entries:
+        raise ValueError("value_levels and value_trellis do not combine (a side has one codebook)")
+    codebook = Codebook.TRELLIS if entries else Codebook.LEVELS if levels else Codebook.UNIFORM
+    return SideVariant(codebook,
+                       Rounding.QUERY_AWARE if d.get(f"{side}_rounding", False) else Rounding.NEAREST,
+                       ChannelWidths.ALLOCATED if d.get(f"{side}_channel_bits", False) else ChannelWidths.SPEC,
+                       bool(d.get("key_centering", False)) if side == "key" else False, entries)
 
 
 def _kivi(bits: int, g: int = 32) -> KVCacheConfig:

@@ -1,6 +1,6 @@
 """Orthogonal transforms applied to one side of the cache before quantizing (torch only).
 
-A side's ``transform`` (see :class:`kvcal.plan.SidePlan`) maps what attention reads into the
+A side's ``transform`` (a :class:`Transform`; see :class:`kvcal.plan.SidePlan`) maps what attention reads into the
 domain that is quantized, and back after dequantizing. Both are exact inverses up to float32
 rounding, so the transform itself changes nothing; it only changes which values share a range.
 
@@ -25,10 +25,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
-TRANSFORMS = ("none", "pre_rope", "hadamard")
+
+class Transform(str, Enum):
+    """A side's transform (module docstring); the value is the string configs and artifact metadata
+    (``kv.transforms``) hold, and ``str()`` / f-strings give it too."""
+
+    NONE = "none"
+    PRE_ROPE = "pre_rope"
+    HADAMARD = "hadamard"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, value) -> Transform:
+        """``value`` (a member or its string) as a member; ``ValueError`` naming the choices otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown transform {value!r}; choose one of {[t.value for t in cls]}") from None
 
 
 def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -130,22 +151,22 @@ class RopeTable:
         return (x * c + rotate_half(x) * s) * self.attention_scaling
 
 
-def apply_transform(name: str, x: torch.Tensor, *, rope: RopeTable | None = None, start: int = 0,
+def apply_transform(name: Transform, x: torch.Tensor, *, rope: RopeTable | None = None, start: int = 0,
                     inverse: bool = False) -> torch.Tensor:
-    """Map ``x [B, H, S, D]`` into the quantized domain of ``name`` (``inverse=True``: back).
+    """Map ``x [B, H, S, D]`` into the quantized domain of transform ``name`` (``inverse=True``: back).
 
     Returns float32. ``start``: position of ``x``'s first token (``pre_rope`` only). Raises
     ``ValueError`` for an unknown transform, a ``pre_rope`` without ``rope``, or a head_dim the
     transform does not support."""
-    if name == "none":
-        return x.float()
-    if name == "hadamard":
-        return fwht(x.float())  # symmetric and involutive: the inverse is the same transform
-    if name == "pre_rope":
-        if rope is None:
-            raise ValueError("transform 'pre_rope' needs the model's RoPE table (rope=)")
-        return rope.to_post_rope(x, start) if inverse else rope.to_pre_rope(x, start)
-    raise ValueError(f"unknown transform {name!r}; choose one of {TRANSFORMS}")
+    match Transform.of(name):
+        case Transform.NONE:
+            return x.float()
+        case Transform.HADAMARD:
+            return fwht(x.float())  # symmetric and involutive: the inverse is the same transform
+        case Transform.PRE_ROPE:
+            if rope is None:
+                raise ValueError("transform 'pre_rope' needs the model's RoPE table (rope=)")
+            return rope.to_post_rope(x, start) if inverse else rope.to_pre_rope(x, start)
 
 
-__all__ = ["TRANSFORMS", "RopeTable", "fwht", "hadamard_matrix", "rotate_half", "apply_transform"]
+__all__ = ["Transform", "RopeTable", "fwht", "hadamard_matrix", "rotate_half", "apply_transform"]

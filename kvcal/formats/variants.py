@@ -22,6 +22,10 @@ levels with trellis). Which spec each table needs (symmetric / asymmetric, granu
 against the spec where the tables are used (:func:`kvcal.formats.codes.check_levels`,
 :func:`~kvcal.formats.codes.check_trellis`, :func:`~kvcal.formats.codes.check_channel_bits`,
 :func:`~kvcal.formats.scales.check_scale_base`). Errors: ``ValueError`` with a one-line message.
+
+:class:`SideVariant` is the side's choice along these axes without the tensors (plus key centering and
+the trellis table's size): what a :class:`~kvcal.formats.spec.KVCacheConfig` carries per side and what
+the memory accounting counts (:func:`kvcal.formats.memory.side_extra_bytes`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,44 @@ class ChannelWidths(str, Enum):
 
     SPEC = "spec"
     ALLOCATED = "allocated"
+
+
+@dataclass(frozen=True)
+class SideVariant:
+    """One side's variant as plain values (no tensors): ``codebook`` (:class:`Codebook`), ``rounding``
+    (:class:`Rounding`), ``channel_widths`` (:class:`ChannelWidths`), ``centering`` (keys stored minus a
+    calibrated per-channel mean ``float32 [1,H,1,D]``) and ``trellis_entries`` (int8 entries ``2^(ν+b)`` of
+    the trellis table; > 0 exactly with the ``trellis`` codebook). Enum fields also take their values'
+    strings. Raises ``ValueError`` (one line) for a combination no quantizer defines (as
+    :class:`QuantTables`) or a ``trellis_entries`` that does not match the codebook."""
+
+    codebook: Codebook = Codebook.UNIFORM
+    rounding: Rounding = Rounding.NEAREST
+    channel_widths: ChannelWidths = ChannelWidths.SPEC
+    centering: bool = False
+    trellis_entries: int = 0
+
+    def __post_init__(self):
+        for name, cls in (("codebook", Codebook), ("rounding", Rounding), ("channel_widths", ChannelWidths)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, str):
+                raise ValueError(f"{name} must be one of {[m.value for m in cls]} ({cls.__name__}), got {v!r}")
+            try:
+                object.__setattr__(self, name, cls(v))
+            except ValueError:
+                raise ValueError(f"{name} must be one of {[m.value for m in cls]} ({cls.__name__}), got {v!r}") from None
+        if not isinstance(self.centering, bool):
+            raise ValueError(f"centering must be True or False, got {self.centering!r}")
+        n = self.trellis_entries
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"trellis_entries must be an integer >= 0, got {n!r}")
+        if (n > 0) != (self.codebook is Codebook.TRELLIS):
+            raise ValueError(f"trellis_entries={n} does not fit a {self.codebook.value} codebook (a trellis "
+                             "codebook has a table of > 0 entries, the others none)")
+        if self.codebook is not Codebook.UNIFORM and (self.rounding is not Rounding.NEAREST
+                                                      or self.channel_widths is not ChannelWidths.SPEC):
+            raise ValueError(f"a {self.codebook.value} codebook does not combine with query-aware rounding or "
+                             "per-channel widths")
 
 
 _TABLE_NAMES = ("rounding", "channel_bits", "levels", "trellis", "scale_base")
@@ -121,6 +163,13 @@ class QuantTables:
         """``allocated`` with per-channel widths, else ``spec``."""
         return ChannelWidths.SPEC if self.channel_bits is None else ChannelWidths.ALLOCATED
 
+    def variant(self, *, centering: bool = False) -> SideVariant:
+        """The :class:`SideVariant` these tables give (``centering``: whether the side has a key mean,
+        which is held outside the tables)."""
+        codebook = self.codebook
+        return SideVariant(codebook, self.rounding_mode, self.channel_widths, centering,
+                           int(self.trellis.numel()) if codebook is Codebook.TRELLIS else 0)
+
     def replace(self, **changes) -> QuantTables:
         """A copy with some tables replaced (checked like a new one)."""
         return replace(self, **changes)
@@ -141,4 +190,4 @@ class QuantTables:
 
 _NONE = QuantTables()
 
-__all__ = ["Codebook", "ScaleCoding", "Rounding", "ChannelWidths", "QuantTables"]
+__all__ = ["Codebook", "ScaleCoding", "Rounding", "ChannelWidths", "SideVariant", "QuantTables"]

@@ -27,7 +27,7 @@ from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGr
 from kvcal.formats.layout import _check_input, _clip_view
 from kvcal.formats.quant import QuantizedTensor
 from kvcal.formats.spec import LOG8, TensorQuantSpec
-from kvcal.formats.variants import QuantTables
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, ScaleCoding
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -138,8 +138,8 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None, *, backend
     """Same contract as :func:`kvcal.formats.quant.dequantize`, dispatched like :func:`quantize`
     (trellis-coded tensors always run on the torch reference)."""
     dtype = dtype or qt.dtype
-    if (qt.channel_bits is not None or qt.levels is not None or qt.scale_base is not None or qt.trellis is not None
-            or _resolve(backend, qt.data.device, qt.spec, qt.shape) == "torch"):
+    if (qt.codebook is not Codebook.UNIFORM or qt.channel_widths is ChannelWidths.ALLOCATED
+            or qt.scale_coding is ScaleCoding.LOG8 or _resolve(backend, qt.data.device, qt.spec, qt.shape) == "torch"):
         return _ref.dequantize(qt, dtype)
     from kvcal.kernels.triton_quant import dequantize_triton
 

@@ -30,24 +30,26 @@ from __future__ import annotations
 import torch
 
 from kvcal.formats.granularity import PerToken, PerTokenGroup
-from kvcal.kernels import BACKENDS, resolve_backend, triton_available  # noqa: F401  (BACKENDS, triton_available: old names)
+from kvcal.formats.transforms import Transform
+from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, ScaleCoding
+from kvcal.kernels import resolve_backend
 from kvcal.plan import quantize_seq
 
 
 def triton_supports(plan, D: int) -> str | None:
     """``None`` when the fused kernel covers ``plan`` (a key SidePlan) for head_dim ``D``, else why not."""
     spec = plan.spec
-    if getattr(plan, "transform", "none") != "none":
-        return f"{plan.transform} keys run on the torch reference"
-    if getattr(plan, "rounding", None) is not None:
+    if plan.transform is not Transform.NONE:
+        return f"{plan.transform.value} keys run on the torch reference"
+    if plan.rounding_mode is Rounding.QUERY_AWARE:
         return "keys with query-aware rounding run on the torch reference"
-    if getattr(plan, "channel_bits", None) is not None:
+    if plan.channel_widths is ChannelWidths.ALLOCATED:
         return "keys with per-channel bit widths run on the torch reference"
-    if getattr(plan, "levels", None) is not None:
+    if plan.codebook is Codebook.LEVELS:
         return "non-uniform levels run on the torch reference"
-    if getattr(plan, "scale_base", None) is not None:
+    if plan.scale_coding is ScaleCoding.LOG8:
         return "log8 scales run on the torch reference"
-    if getattr(plan, "trellis", None) is not None:
+    if plan.codebook is Codebook.TRELLIS:
         return "trellis-coded sides run on the torch reference"
     if spec.format.kind != "int":
         return f"{spec.format.value} keys run on the torch reference"
@@ -230,7 +232,7 @@ def key_kl_triton(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, scaling:
         sc = zp = dummy
         cr = plan.clip_ratio
         clip = (torch.ones(Hk) if cr is None else cr.float().reshape(-1).expand(Hk)).to(dev).contiguous()
-    mean = plan.mean.float().to(dev).reshape(Hk, D).contiguous() if plan.mean is not None else dummy
+    mean = plan.mean.float().to(dev).reshape(Hk, D).contiguous() if plan.centered else dummy
     f16 = spec.scale_dtype == torch.float16
     if mode == 1 and spec.scale_dtype not in (torch.float16, torch.float32):
         raise ValueError("fused kernel supports fp16 or fp32 dynamic scales")
@@ -239,10 +241,10 @@ def key_kl_triton(q: torch.Tensor, k: torch.Tensor, qpos: torch.Tensor, scaling:
     _KERNEL[grid](
         q32, k32, qpos, out, sc, zp, mean, clip, Tq, T, D, Hq // Hk, float(scaling), int(sinks),
         float(spec.qmin), float(spec.qmax), zpl,
-        MODE=mode, SYM=bool(spec.symmetric), HAS_MEAN=plan.mean is not None, F16_PARAMS=f16,
+        MODE=mode, SYM=bool(spec.symmetric), HAS_MEAN=plan.centered, F16_PARAMS=f16,
         BLOCK_Q=block_q, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(D),
     )
     return out.double().reshape(Hk, -1).sum(1).cpu()
 
 
-__all__ = ["key_kl", "key_kl_torch", "key_kl_triton", "triton_supports", "triton_available", "BACKENDS"]
+__all__ = ["key_kl", "key_kl_torch", "key_kl_triton", "triton_supports"]

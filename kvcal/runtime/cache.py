@@ -72,6 +72,7 @@ from __future__ import annotations
 import torch
 
 from kvcal.errors import ArtifactError
+from kvcal.formats.transforms import Transform
 from kvcal.plan import KVPlan
 
 try:  # transformers is a runtime dependency of this layer (style: runtime adds transformers)
@@ -125,7 +126,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Write ``[B,H,s,D]`` new keys/values; return all cached keys/values dequantized ``[B,H,t,D]``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if "pre_rope" in (self.k.transform, self.v.transform):
+        if Transform.PRE_ROPE in (self.k.transform, self.v.transform):
             self._check_positions(key_states, kwargs)
         if self.cumulative_length < max(self.k.sinks, self.v.sinks):
             self._check_sink_positions(key_states, kwargs)

@@ -11,9 +11,9 @@ from kvcal.formats.codes import TRELLIS_UNIT, check_channel_bits, check_levels, 
 from kvcal.formats.fp8 import FP8_FORMATS
 from kvcal.formats.quant import QuantizedTensor, dequantize, quantize
 from kvcal.formats.scales import check_scale_base, nvfp4_global_scale, params_from_range
-from kvcal.formats.spec import DEFAULTS, LOG8, QFormat
-from kvcal.formats.transforms import apply_transform
-from kvcal.formats.variants import QuantTables
+from kvcal.formats.spec import DEFAULTS, QFormat
+from kvcal.formats.transforms import Transform, apply_transform
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding, SideVariant
 from kvcal.plan import SidePlan
 
 
@@ -44,7 +44,8 @@ class SideStorage:
             torch.float16 if self.spec.format is QFormat.FP16 else torch.bfloat16)
         self.tg = self.spec.token_group  # tokens per group along S (KIVI keys) or None
         sp.check_transform()
-        self.transform = sp.transform if self.quantized else "none"
+        self.transform = sp.transform if self.quantized else Transform.NONE
+        self.variant = sp.variant if self.quantized else SideVariant()  # which tables below are held
         self.rope = sp.rope
         self.B = 0
         self.dtype = None
@@ -57,21 +58,22 @@ class SideStorage:
         self.static_scale = self.static_zp = self.clip = self.global_scale = None
         self.mean = None
         self.rounding = None  # float8 e4m3 strict upper triangle [H, D(D-1)/2] of the unit-diagonal Ũ
-        if self.quantized and sp.rounding is not None:
+        if self.variant.rounding is Rounding.QUERY_AWARE:
             iu = torch.triu_indices(D, D, offset=1)
             u = unit_rounding(torch.broadcast_to(sp.rounding.float(), (H, D, D)))
             self.rounding = u[:, iu[0], iu[1]].to(torch.float8_e4m3fn).clone()
         self.channel_bits = None  # uint8 [H, D] per-channel payload widths (rows keep the spec's size)
-        if self.quantized and sp.channel_bits is not None:
+        if self.variant.channel_widths is ChannelWidths.ALLOCATED:
             self.channel_bits = check_channel_bits(sp.channel_bits, self.spec, H, D).to(torch.uint8)
         self.levels = None  # float32 [H, 2^b] non-uniform levels (codes index them)
-        if self.quantized and sp.levels is not None:
-            self.levels = check_levels(sp.levels, self.spec, H).clone()
         self.trellis = None  # int8 [2^(nu+b)] trellis table in units of 1/TRELLIS_UNIT of the row's scale
-        if self.quantized and sp.trellis is not None:
-            self.trellis = (check_trellis(sp.trellis, self.spec, D) * TRELLIS_UNIT).round().to(torch.int8)
+        match self.variant.codebook:
+            case Codebook.LEVELS:
+                self.levels = check_levels(sp.levels, self.spec, H).clone()
+            case Codebook.TRELLIS:
+                self.trellis = (check_trellis(sp.trellis, self.spec, D) * TRELLIS_UNIT).round().to(torch.int8)
         self.scale_base = None  # float32 [H] base of log8 per-token scales
-        if self.quantized and self.spec.scale_dtype == LOG8:
+        if self.quantized and ScaleCoding.of(self.spec) is ScaleCoding.LOG8:
             if sp.scale_base is None:
                 raise ValueError("a side with log8 scales needs its calibrated scale_base (SidePlan.scale_base)")
             self.scale_base = check_scale_base(sp.scale_base, H).clone()
@@ -98,7 +100,7 @@ class SideStorage:
                                      f"for H={H}, D={D} (expected {want})") from None
             if spec.format is QFormat.NVFP4:
                 self.global_scale = torch.zeros(1, dtype=DEFAULTS["global_scale_dtype"])  # set at first write
-            if sp.mean is not None:
+            if self.variant.centering:
                 self.mean = sp.mean.float().reshape(1, H, 1, D).clone()
 
     # ---- sizes ---------------------------------------------------------------------------------
@@ -279,10 +281,10 @@ class SideStorage:
     def _quantize_into(self, x: torch.Tensor) -> None:
         """Quantize ``x [B,H,e,D]`` (tokens leaving the window) into the payload after ``n_q``."""
         spec = self.spec
-        if self.mean is not None:
+        if self.variant.centering:
             x = x - self.mean.to(x.dtype)
         q0 = self.n_q
-        if self.transform != "none":  # into the quantized domain (positions = cache slots)
+        if self.transform is not Transform.NONE:  # into the quantized domain (positions = cache slots)
             x = apply_transform(self.transform, x, rope=self.rope, start=self.q_origin + q0)
         e = x.shape[2]
         if self.tg:
@@ -302,12 +304,15 @@ class SideStorage:
                 self.zp[:, :, r0 : r0 + n] = qt.zero_point
         self.n_q = self.n_q + e
 
-    def _tables(self) -> QuantTables:
+    def _tables(self, rounding: bool = True) -> QuantTables:
         """The side's variant tables as :func:`~kvcal.formats.quant.quantize` reads them, rebuilt from
-        the compact forms held here (rounding triangle, uint8 widths, int8 trellis table; exact)."""
-        return QuantTables(rounding=None if self.rounding is None else self._rounding_matrix(),
+        the compact forms held here (rounding triangle, uint8 widths, int8 trellis table; exact).
+        ``rounding=False`` leaves out the rounding matrix (dequantizing does not need it)."""
+        v = self.variant
+        qa = rounding and v.rounding is Rounding.QUERY_AWARE
+        return QuantTables(rounding=self._rounding_matrix() if qa else None,
                            channel_bits=self.channel_bits, levels=self.levels, scale_base=self.scale_base,
-                           trellis=None if self.trellis is None else self._trellis_table())
+                           trellis=self._trellis_table() if v.codebook is Codebook.TRELLIS else None)
 
     def _trellis_table(self) -> torch.Tensor:
         """The int8 trellis table as the float32 values it encodes (exact)."""
@@ -350,7 +355,8 @@ class SideStorage:
         c = None if self._clip_arg is None else self._clip_arg.float().reshape(1, -1, 1, 1)
         if self.spec.symmetric:
             return params_from_range(self.spec, amax=torch.maximum(mx.abs(), mn.abs()), clip_ratio=c)
-        top = None if self.channel_bits is None else (2.0 ** self.channel_bits.float() - 1)[None, :, None, :]
+        top = ((2.0 ** self.channel_bits.float() - 1)[None, :, None, :]
+               if self.variant.channel_widths is ChannelWidths.ALLOCATED else None)
         return params_from_range(self.spec, amax=mx, amin=mn, clip_ratio=c, qmax=top)
 
     def _qt(self, a: int, b: int) -> QuantizedTensor:
@@ -366,8 +372,7 @@ class SideStorage:
             scale, zp = self.static_scale, self.static_zp
         gs = self.global_scale.reshape(1, 1, 1, 1) if self.global_scale is not None else None
         return QuantizedTensor(data, scale, zp, (self.B, self.H, b - a, self.D), spec, self.dtype, gs,
-                               self.channel_bits, self.levels, self.scale_base,
-                               None if self.trellis is None else self._trellis_table())
+                               self._tables(rounding=False))
 
     # ---- read -----------------------------------------------------------------------------------
     def read(self) -> torch.Tensor:
@@ -378,12 +383,12 @@ class SideStorage:
         if self.n_sink:
             parts.append(self.sink[:, :, : self.n_sink].to(self.dtype))
         if self.n_q:
-            if self.transform != "none":
+            if self.transform is not Transform.NONE:
                 y = dequantize(self._qt(0, self.n_q), torch.float32)
                 y = apply_transform(self.transform, y, rope=self.rope, start=self.q_origin, inverse=True).to(self.dtype)
             else:
                 y = dequantize(self._qt(0, self.n_q), self.dtype)
-            parts.append(y + self.mean.to(self.dtype) if self.mean is not None else y)
+            parts.append(y + self.mean.to(self.dtype) if self.variant.centering else y)
         if self.n_win:
             parts.append(self.win[:, :, : self.n_win].to(self.dtype))
         if not parts:

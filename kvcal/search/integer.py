@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from kvcal.capture.run import CaptureResult
 from kvcal.errors import KvcalError
-from kvcal.formats.variants import ChannelWidths, Codebook, Rounding
+from kvcal.formats.variants import Codebook, SideVariant
 from kvcal.search.objectives import sequence_caches
 from kvcal.search.result import ERROR_DATA, SearchResult
 
@@ -23,10 +23,6 @@ from kvcal.search.result import ERROR_DATA, SearchResult
 #: Streaming Language Models with Attention Sinks", ICLR 2024). Each costs ``2·L·H·D`` 16-bit values
 #: (counted in the average bits); at 4096 tokens four sinks add about 0.009 bit to an int4 cache.
 SINK_CANDIDATES = (0, 1, 4)
-
-
-#: The integer search's result is the one result type of every search (deprecated alias).
-IntSearchResult = SearchResult
 
 
 def _reference_index(menu: tuple, side: str) -> tuple[int, bool]:
@@ -156,11 +152,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
             for side in ("k", "v"):
                 rs = [run(layer, side, c, False) for c in menu[side]]
                 costs = tuple(al.side_cost(c.spec, H, D, budget_context, s_cost, residual_window,
-                                           side_extra_bytes(c.spec, H, D, centering=r.plan.mean is not None,
-                                                            rounding=c.rounding is Rounding.QUERY_AWARE,
-                                                            channel_bits=c.channel_widths is ChannelWidths.ALLOCATED,
-                                                            levels=r.plan.codebook is Codebook.LEVELS,
-                                                            trellis=_trellis_entries(r.plan)),
+                                           side_extra_bytes(c.spec, H, D, r.plan.variant),
                                            sliding_window=windows[layer])
                               for c, r in zip(menu[side], rs, strict=True))
                 items.append(al.Item(layer, side, tuple(c.spec for c in menu[side]), costs,
@@ -208,7 +200,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
     for layer in tqdm(range(L), desc="search", disable=not progress):
         results.append({side: run(layer, side, chosen[layer][side], True) for side in ("k", "v")})
         for side in ("k", "v"):
-            results[-1][side].extra["transform"] = chosen[layer][side].transform
+            results[-1][side].extra["transform"] = chosen[layer][side].transform.value
     # sinks: the count with the lowest summed held-out output error (ties: fewer)
     word = "held-out" if cap.heldout.items else "calibration-data"  # no held-out split: say what was measured
     sink_meta = {"tried": list(SINK_CANDIDATES) if sinks is None else [s_try]}
@@ -259,7 +251,7 @@ def search_int(cap: CaptureResult, *, preset: str | None = None, bits: float | N
         "average_bits": avg, "average_bits_context": budget_context, "cache_bytes_at_context": total,
         "key_bits_mean": sum(r["k"].spec.bits for r in results) / L,
         "value_bits_mean": sum(r["v"].spec.bits for r in results) / L,
-        "centered_layers": [i for i, r in enumerate(results) if r["k"].plan.mean is not None],
+        "centered_layers": [i for i, r in enumerate(results) if r["k"].plan.centered],
         "objective_k": obj["k"], "objective_v": "out", "search_seconds": round(time.perf_counter() - t0, 2),
         "heldout": {s: {"chosen": sum(r[s].heldout for r in results) / L,
                         "minmax": sum(r[s].heldout_minmax for r in results) / L} for s in ("k", "v")},
@@ -292,11 +284,6 @@ def _check_bits_feasible(bits: float, cheapest: int, L: int, H: int, D: int, con
                          f"raise --bits to at least {math.ceil(avg * 100) / 100:.2f}")
 
 
-def _trellis_entries(sp) -> int:
-    """Entries (= bytes, int8) of a side plan's trellis table, 0 without one."""
-    return int(sp.trellis.numel()) if sp.codebook is Codebook.TRELLIS else 0
-
-
 def bits_precheck(bits: float, config, context: int, sinks: int | None, residual_window: int) -> None:
     """Refuse an infeasible ``--bits`` from the model's config alone, before any weight loads or
     capture runs (the allocation itself comes after a capture, a search and a sensitivity probe).
@@ -318,9 +305,16 @@ def bits_precheck(bits: float, config, context: int, sinks: int | None, residual
     s_cost = max(SINK_CANDIDATES) if sinks is None else sinks
     cheapest = L * sum(
         min(al.side_cost(c.spec, H, D, context, s_cost, residual_window,
-                         side_extra_bytes(c.spec, H, D, rounding=c.rounding is Rounding.QUERY_AWARE,
-                                          channel_bits=c.channel_widths is ChannelWidths.ALLOCATED,
-                                          levels=c.codebook is not Codebook.UNIFORM))  # levels: fitted by both
+                         side_extra_bytes(c.spec, H, D, _levels_variant(c)))
             for c in ALLOC_MENU[side])
         for side in ("k", "v"))
     _check_bits_feasible(bits, cheapest, L, H, D, context, s_cost)
+
+
+def _levels_variant(c) -> SideVariant:
+    """A menu choice's variant with a trellis codebook counted as its levels table (a trellis choice fits
+    levels first and keeps them where the trellis table measures worse; the precheck's lower bound)."""
+    v = c.variant
+    if v.codebook is Codebook.TRELLIS:
+        return SideVariant(Codebook.LEVELS, v.rounding, v.channel_widths)
+    return v

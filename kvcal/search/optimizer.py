@@ -45,8 +45,9 @@ import torch
 
 from kvcal.formats.granularity import PerChannel
 from kvcal.formats.scales import params_from_range
-from kvcal.formats.spec import LOG8, TensorQuantSpec
-from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding
+from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.transforms import Transform
+from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding
 from kvcal.plan import SidePlan, quantize_seq
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.presets import SideChoice
@@ -132,7 +133,7 @@ def _static_range(stats: dict, family: str, t: torch.Tensor) -> tuple[torch.Tens
 
 
 def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", stats: dict | None = None,
-              mean: torch.Tensor | None = None, transform: str = "none", rope=None,
+              mean: torch.Tensor | None = None, transform: Transform = Transform.NONE, rope=None,
               tables: QuantTables | None = None) -> SidePlan:
     """A :class:`SidePlan` for spec and per-head parameter ``t [H]``.
 
@@ -147,16 +148,16 @@ def make_plan(spec: TensorQuantSpec, t: torch.Tensor, *, family: str = "clip", s
     ``levels`` non-uniform levels ``[H, 2^b]`` (dynamic symmetric per-token specs;
     :func:`~kvcal.search.tables.fit_levels`), ``scale_base`` ``[H]`` base of log8 scales
     (:func:`~kvcal.search.tables.log8_scale_base`)."""
-    tables = QuantTables.coerce(tables)
+    tables, transform = QuantTables.coerce(tables), Transform.of(transform)
     m = None if mean is None else mean.float().reshape(1, *mean.shape[-2:]).unsqueeze(2)
     if family == "clip":
         if not spec.dynamic:
             raise ValueError(f"clip search needs a dynamic spec, got {spec.granularity.name}")
         return SidePlan(spec, clip_ratio=t.float().clone(), mean=m, transform=transform,
-                        rope=rope if transform == "pre_rope" else None, tables=tables)
-    if tables.channel_bits is not None or tables.levels is not None:
+                        rope=rope if transform is Transform.PRE_ROPE else None, tables=tables)
+    if tables.channel_widths is ChannelWidths.ALLOCATED or tables.codebook is Codebook.LEVELS:
         raise ValueError("per-channel bit widths and non-uniform levels are searched for dynamic specs only")
-    if transform != "none":
+    if transform is not Transform.NONE:
         raise ValueError(f"transform {transform!r} needs a dynamic spec (static ranges come from untransformed stats)")
     if stats is None:
         raise ValueError("static per-channel ranges need capture statistics")
@@ -197,12 +198,12 @@ class SideSearch:
         return {"spec": self.spec.to_dict(), "param": [round(float(x), 5) for x in self.param],
                 "label": self.label, "calib": self.calib, "heldout": self.heldout,
                 "heldout_minmax": self.heldout_minmax, "heldout_out": self.heldout_out,
-                "transform": self.plan.transform, "rounding": self.plan.rounding is not None,
-                **({} if self.plan.channel_bits is None else
+                "transform": self.plan.transform.value, "rounding": self.plan.rounding_mode is Rounding.QUERY_AWARE,
+                **({} if self.plan.channel_widths is ChannelWidths.SPEC else
                    {"channel_bits": torch.bincount(self.plan.channel_bits.flatten(), minlength=9)[1:].tolist()}),
-                **({} if self.plan.levels is None else
+                **({} if self.plan.codebook is not Codebook.LEVELS else
                    {"levels": [[round(float(x), 4) for x in row] for row in self.plan.levels]}),
-                **({} if self.plan.trellis is None else
+                **({} if self.plan.codebook is not Codebook.TRELLIS else
                    {"trellis": {"entries": int(self.plan.trellis.numel()),
                                 "nu": int(self.plan.trellis.numel()).bit_length() - 1 - self.spec.bits}}),
                 **({k: v for k, v in self.extra.items() if k.startswith("trellis_")})}
@@ -281,6 +282,11 @@ class _Candidate(NamedTuple):
     x: torch.Tensor
     f: torch.Tensor
 
+    @property
+    def centered(self) -> bool:
+        """Whether this family stores keys minus the per-channel mean."""
+        return self.mean is not None
+
 
 def search_side(
     calib: list[SequenceCache],
@@ -338,7 +344,7 @@ def search_side(
     channel_bits = choice.channel_widths is ChannelWidths.ALLOCATED
     levels = choice.codebook is not Codebook.UNIFORM  # a trellis choice searches levels first
     trellis_nu = choice.trellis_nu if choice.codebook is Codebook.TRELLIS else 0
-    log8 = spec.dynamic and spec.scale_dtype == LOG8
+    log8 = choice.scale_coding is ScaleCoding.LOG8
     if (rounding or channel_bits or levels or log8) and not calib:
         raise ValueError("no calibration sequences to search on")
     U = query_rounding(calib, transform, rope) if rounding else None
@@ -348,7 +354,7 @@ def search_side(
     L0 = None if Lv is None else uniform_levels(spec.bits)[None].expand_as(Lv).contiguous()
     quant_kw = {"transform": transform, "rope": rope,
                 "tables": QuantTables(rounding=U, channel_bits=W, levels=Lv, scale_base=base)}
-    if transform != "none" or rounding or channel_bits:
+    if transform is not Transform.NONE or rounding or channel_bits:
         centering = "off"
     if spec.format.kind != "int":
         raise ValueError(f"search_side handles integer specs; {spec.format.value} is searched elsewhere")
@@ -418,7 +424,7 @@ def search_side(
         if spec.dynamic:
             labels.append(cand.label)
             fam_final.append("clip")
-            if cand.mean is not None:
+            if cand.centered:
                 mean_rows[h] = cand.mean[h]
                 any_mean = True
         else:

@@ -35,8 +35,8 @@ from typing import NamedTuple
 from kvcal.formats.codes import TRELLIS_MAX_NU
 from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.spec import PRESETS, KVCacheConfig, TensorQuantSpec
-from kvcal.formats.transforms import TRANSFORMS
-from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, ScaleCoding
+from kvcal.formats.transforms import Transform
+from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, ScaleCoding, SideVariant
 
 
 def _enum(cls, value, name: str):
@@ -59,8 +59,8 @@ class SideChoice:
     ``spec``: an integer :class:`~kvcal.formats.spec.TensorQuantSpec` (its ``scale_dtype`` gives the
     :class:`~kvcal.formats.variants.ScaleCoding`, :attr:`scale_coding`). Keyword-only variants:
 
-    * ``transform``: applied before quantizing (``"none"``, ``"pre_rope"``, ``"hadamard"``;
-      :mod:`kvcal.formats.transforms`);
+    * ``transform``: a :class:`~kvcal.formats.transforms.Transform` applied before quantizing (its
+      string is accepted and converted; :mod:`kvcal.formats.transforms`);
     * ``rounding``: :class:`~kvcal.formats.variants.Rounding` — ``query_aware`` (keys, dynamic specs:
       :func:`kvcal.search.tables.query_rounding`) or ``nearest``;
     * ``clip_search``: ``False`` keeps dynamic ranges at min/max (clip ratio 1) instead of searching them;
@@ -84,7 +84,7 @@ class SideChoice:
 
     spec: TensorQuantSpec
     _: KW_ONLY
-    transform: str = "none"
+    transform: Transform = Transform.NONE
     rounding: Rounding = Rounding.NEAREST
     clip_search: bool = True
     channel_widths: ChannelWidths = ChannelWidths.SPEC
@@ -98,8 +98,7 @@ class SideChoice:
         if spec.format.kind != "int":
             raise ValueError(f"SideChoice is for integer specs (search_side); {spec.format.value} is searched "
                              "elsewhere")
-        if self.transform not in TRANSFORMS:
-            raise ValueError(f"unknown transform {self.transform!r}; choose one of {TRANSFORMS}")
+        object.__setattr__(self, "transform", Transform.of(self.transform))
         rounding = _enum(Rounding, self.rounding, "rounding")
         widths = _enum(ChannelWidths, self.channel_widths, "channel_widths")
         codebook = _enum(Codebook, self.codebook, "codebook")
@@ -157,14 +156,11 @@ class SideChoice:
         return ScaleCoding.of(self.spec)
 
     @property
-    def levels(self) -> bool:
-        """Deprecated flag view: the search fits a levels table (``levels`` or ``trellis`` codebook)."""
-        return self.codebook is not Codebook.UNIFORM
-
-    @property
-    def channel_bits(self) -> bool:
-        """Deprecated flag view: ``channel_widths is ChannelWidths.ALLOCATED``."""
-        return self.channel_widths is ChannelWidths.ALLOCATED
+    def variant(self) -> SideVariant:
+        """The :class:`~kvcal.formats.variants.SideVariant` the search writes for this choice (no centering:
+        the search turns it on per run; a trellis codebook with its ``2^(ν+b)``-entry table)."""
+        entries = 2 ** (self.trellis_nu + self.spec.bits) if self.codebook is Codebook.TRELLIS else 0
+        return SideVariant(self.codebook, self.rounding, self.channel_widths, False, entries)
 
 
 #: Trellis state bits of the int4 values (a 1024-entry int8 table per layer; ``diagnostics/probe_trellis.py``)
@@ -244,7 +240,7 @@ ALLOC_MENU: dict[str, tuple[SideChoice, ...]] = {
 ALLOC_REFERENCE: dict[str, SideChoice] = {"k": INT_PRESETS["int4"].k, "v": INT_PRESETS["int4"].v}
 
 #: Transforms that need the model's RoPE table.
-NEEDS_ROPE = ("pre_rope",)
+NEEDS_ROPE = (Transform.PRE_ROPE,)
 
 
 def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
@@ -256,7 +252,7 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
     gs = getattr(g, "group_size", "")
     out = f"{spec.format.value}/{g.name}{gs}/{'sym' if spec.symmetric else 'asym'}"
     if c is not None:
-        out += "" if c.transform == "none" else f"/{c.transform}"
+        out += "" if c.transform is Transform.NONE else f"/{c.transform.value}"
         out += "/qround" if c.rounding is Rounding.QUERY_AWARE else ""
         out += "/chbits" if c.channel_widths is ChannelWidths.ALLOCATED else ""
         out += "/levels" if c.codebook is not Codebook.UNIFORM else ""
@@ -266,21 +262,16 @@ def spec_label(spec: TensorQuantSpec | SideChoice) -> str:
 
 def preset_cache_config(name: str, sink_tokens: int = 0, residual_window: int = 0) -> KVCacheConfig:
     """The cache layout ``kvcal calibrate --preset name`` writes (``name`` in :data:`INT_PRESETS`),
-    as a :class:`~kvcal.formats.spec.KVCacheConfig` whose per-layer metadata flags (rounding
+    as a :class:`~kvcal.formats.spec.KVCacheConfig` whose side variants (:attr:`SideChoice.variant`: rounding
     triangle, channel widths, levels or trellis tables) make :func:`kvcal.formats.memory.memory_report` count
     exactly the bytes the runtime cache allocates for such an artifact. Key centering, which the
     search turns on per run (``int8``), is not counted (``H·D·4`` bytes per layer when it is); value
     sides that may use a trellis table are counted with it in every layer (the upper bound: a layer
     whose guard keeps the levels stores ``4·H·2^b`` bytes instead of ``2^(ν+b)``).
     Raises ``KeyError`` for another name."""
-    k, v = INT_PRESETS[name].k, INT_PRESETS[name].v
-    vt = 2 ** (v.trellis_nu + v.spec.bits) if v.codebook is Codebook.TRELLIS else 0
+    k, v = INT_PRESETS[name]
     return KVCacheConfig(k.spec, v.spec, residual_window=residual_window, sink_tokens=sink_tokens,
-                         key_rounding=k.rounding is Rounding.QUERY_AWARE, value_rounding=v.rounding is Rounding.QUERY_AWARE,
-                         key_channel_bits=k.channel_widths is ChannelWidths.ALLOCATED,
-                         value_channel_bits=v.channel_widths is ChannelWidths.ALLOCATED,
-                         key_levels=k.codebook is Codebook.LEVELS, value_levels=v.codebook is Codebook.LEVELS,
-                         value_trellis=vt)
+                         key_variant=k.variant, value_variant=v.variant)
 
 
 #: Names ``kvcal memory --format`` and ``kvcal plan --kv-config`` accept: the calibrate presets

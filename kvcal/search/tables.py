@@ -12,11 +12,12 @@ from kvcal.formats.codes import TRELLIS_UNIT, check_levels, check_trellis
 from kvcal.formats.granularity import PerChannelTokenGroup, PerTokenGroup
 from kvcal.formats.scales import log8_base, log8_decode, log8_encode, params_from_range
 from kvcal.formats.spec import TensorQuantSpec
-from kvcal.formats.transforms import apply_transform
+from kvcal.formats.transforms import Transform, apply_transform
+from kvcal.formats.variants import ScaleCoding
 from kvcal.search.objectives import SequenceCache
 
 
-def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
+def query_rounding(caches: list[SequenceCache], transform: Transform = Transform.NONE, rope=None) -> torch.Tensor:
     """Query-aware rounding matrix ``Ũ [H_kv, D, D]`` (float32, unit diagonal, float8-e4m3 ratios
     above it, as the runtime stores it: :func:`kvcal.formats.codes.unit_rounding`) for a key side,
     from the calibration sequences' queries.
@@ -31,7 +32,7 @@ def query_rounding(caches: list[SequenceCache], transform: str = "none", rope=No
     return unit_rounding(rounding_matrix(_query_moment(caches, transform, rope)))
 
 
-def _quantized_domain(caches: list[SequenceCache], side: str, transform: str = "none", rope=None, sinks: int = 0):
+def _quantized_domain(caches: list[SequenceCache], side: str, transform: Transform = Transform.NONE, rope=None, sinks: int = 0):
     """Each calibration sequence's keys (``side="k"``) or values ``[H, T, D]`` float32 after the first
     ``sinks`` tokens, in the domain they are quantized in (after ``transform``); sequences with no
     token left are skipped."""
@@ -39,17 +40,17 @@ def _quantized_domain(caches: list[SequenceCache], side: str, transform: str = "
         x = (c.k if side == "k" else c.v).float()[None, :, sinks:]
         if x.shape[2] == 0:
             continue
-        yield (apply_transform(transform, x, rope=rope, start=sinks) if transform != "none" else x)[0]
+        yield (apply_transform(transform, x, rope=rope, start=sinks) if transform != Transform.NONE else x)[0]
 
 
-def _query_moment(caches: list[SequenceCache], transform: str = "none", rope=None) -> torch.Tensor:
+def _query_moment(caches: list[SequenceCache], transform: Transform = Transform.NONE, rope=None) -> torch.Tensor:
     """``Σ_h = Σ q qᵀ`` ``[H_kv, D, D]`` float64 over every query of the GQA group of KV head ``h``,
     in the domain the keys are quantized in (see :func:`query_rounding`)."""
     sig = None
     for c in caches:
         Hk = c.k.shape[0]
         q = c.q.float()[None]  # [1, H_q, T, D]
-        if transform != "none":
+        if transform != Transform.NONE:
             q = apply_transform(transform, q, rope=rope, start=0)
         qg = q[0].reshape(Hk, -1, q.shape[-1]).double()  # [H_kv, G*T, D]
         m = torch.einsum("hti,htj->hij", qg, qg)
@@ -89,7 +90,7 @@ def water_fill_bits(weight: torch.Tensor, bits: int, min_bits: int = 1, max_bits
     return out
 
 
-def channel_bit_allocation(caches: list[SequenceCache], spec: TensorQuantSpec, transform: str = "none", rope=None,
+def channel_bit_allocation(caches: list[SequenceCache], spec: TensorQuantSpec, transform: Transform = Transform.NONE, rope=None,
                            sinks: int = 0) -> torch.Tensor:
     """Per-channel key widths ``[H_kv, D]`` (int64, 1–8 bits, ``spec.bits · D`` per head) from the
     calibration sequences: :func:`water_fill_bits` of ``weight = Σ_qq[c, c] · E[range_c²]``.
@@ -129,7 +130,7 @@ def uniform_levels(bits: int) -> torch.Tensor:
     return torch.cat([torch.tensor([-1.0]), torch.arange(-qmax, qmax + 1, dtype=torch.float32) / qmax])
 
 
-def log8_scale_base(caches: list[SequenceCache], side: str, spec: TensorQuantSpec, transform: str = "none",
+def log8_scale_base(caches: list[SequenceCache], side: str, spec: TensorQuantSpec, transform: Transform = Transform.NONE,
                     rope=None, sinks: int = 0, levels: bool = False) -> torch.Tensor:
     """Per-head base ``float32 [H]`` of log8 scales: the top code 16× above the largest per-group
     scale of the calibration split (after ``transform``, sinks excluded; ``absmax / qmax``, or
@@ -141,7 +142,17 @@ def log8_scale_base(caches: list[SequenceCache], side: str, spec: TensorQuantSpe
     return log8_base((top / (1.0 if levels else spec.qmax)).clamp_min(1e-12))
 
 
-def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: str = "none", sinks: int = 0,
+def _log8_base_needed(spec: TensorQuantSpec, scale_base) -> bool:
+    """Whether ``spec`` has log8 scales (whose codes the fit rounds its scales to); ``ValueError`` when it does
+    and ``scale_base`` is missing."""
+    if ScaleCoding.of(spec) is not ScaleCoding.LOG8:
+        return False
+    if scale_base is None:
+        raise ValueError("log8 scales need their per-head base (scale_base=, log8_scale_base)")
+    return True
+
+
+def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: Transform = Transform.NONE, sinks: int = 0,
                iters: int = 40, scale_base: torch.Tensor | None = None) -> torch.Tensor:
     """Non-uniform levels ``float32 [H, 2^b]`` for a value side (one table per layer, the same row
     for every KV head) by Lloyd / k-means in units of each group's absmax.
@@ -161,12 +172,13 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
     n = 2**spec.bits
     H0 = caches[0].v.shape[0] if caches else 1
     check_levels(uniform_levels(spec.bits), spec, H0)  # spec check (message names the rule)
+    log8 = _log8_base_needed(spec, scale_base)
     us = []
     for x in _quantized_domain(caches, "v", transform, None, sinks):
         g = spec.effective_channel_group(x.shape[-1]) if isinstance(spec.granularity, PerTokenGroup) else x.shape[-1]
         for xg in x.split(g, dim=-1):  # channel groups (the last may be shorter, as quantize pads it)
             a = xg.abs().amax(-1, keepdim=True)
-            if scale_base is not None:
+            if log8:
                 b = torch.as_tensor(scale_base).float().reshape(-1, 1, 1)
                 a = log8_decode(log8_encode(a, b), b)
             us.append((xg / torch.where(a > 0, a, torch.ones_like(a))).flatten())
@@ -185,7 +197,7 @@ def fit_levels(caches: list[SequenceCache], spec: TensorQuantSpec, transform: st
     return L.float()[None].expand(H0, n).contiguous()
 
 
-def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, transform: str = "none", sinks: int = 0,
+def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, transform: Transform = Transform.NONE, sinks: int = 0,
                 scale_base: torch.Tensor | None = None, iters: int = 16, max_elements: int = 384_000,
                 seed: int = 0) -> torch.Tensor:
     """Trellis table ``float32 [2^(ν+b)]`` (int8 multiples of ``1/TRELLIS_UNIT``) for a value side.
@@ -203,11 +215,12 @@ def fit_trellis(caches: list[SequenceCache], spec: TensorQuantSpec, nu: int, tra
 
     D0 = caches[0].v.shape[-1] if caches else 0
     check_trellis(torch.zeros(2 ** (nu + spec.bits)), spec, D0)
-    b = None if scale_base is None else torch.as_tensor(scale_base).float().reshape(-1, 1, 1)
+    log8 = _log8_base_needed(spec, scale_base)
+    b = torch.as_tensor(scale_base).float().reshape(-1, 1, 1) if log8 else None
     rows = []
     for x in _quantized_domain(caches, "v", transform, None, sinks):
         s_st, _ = params_from_range(spec, amax=x.pow(2).mean(-1, keepdim=True).sqrt(), scale_base=b, levels=True)
-        r = s_st.float() if b is None else log8_decode(s_st, b)  # [H, T, 1], as quantize stores the row's RMS
+        r = log8_decode(s_st, b) if log8 else s_st.float()  # [H, T, 1], as quantize stores the row's RMS
         keep = r[..., 0] > 0
         rows.append((x / torch.where(r > 0, r, torch.ones_like(r)))[keep])
     u = torch.cat(rows) if rows else torch.zeros(0, D0)

@@ -190,12 +190,12 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
     and the previous checkpoint intact; a disk error (ENOSPC) is a one-line KvcalError naming the file."""
     import errno
 
-    from kvcal.calibrate import _save_checkpoint
+    from kvcal.calibrate import save_checkpoint
     from kvcal.capture.checkpoint import Checkpointing
     from kvcal.errors import KvcalError
 
     ck = Checkpointing(str(tmp_path / "run.checkpoint.pt"), every=1)
-    _save_checkpoint(ck, {"fingerprint": "run", "batch": 1})  # a kvcal checkpoint names its run
+    save_checkpoint(ck.path, {"fingerprint": "run", "batch": 1})  # a kvcal checkpoint names its run
     real_save = torch.save
 
     def interrupted(obj, f, *a, **k):
@@ -204,7 +204,7 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _save_checkpoint(ck, {"fingerprint": "run", "batch": 2})
+        save_checkpoint(ck.path, {"fingerprint": "run", "batch": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.checkpoint.pt"]
     assert torch.load(tmp_path / "run.checkpoint.pt")["batch"] == 1
 
@@ -214,7 +214,7 @@ def test_interrupted_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(KvcalError, match="cannot write .*run.checkpoint.pt: No space left.*drop --checkpoint-every"):
-        _save_checkpoint(ck, {"fingerprint": "run", "batch": 3})
+        save_checkpoint(ck.path, {"fingerprint": "run", "batch": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.checkpoint.pt"]
 
 

@@ -12,7 +12,7 @@ from kvcal.formats.granularity import PerChannel, PerChannelTokenGroup, PerToken
 from kvcal.formats.packing import pack, pack_channels, unpack_channels
 from kvcal.formats.quant import dequantize, fake_quant, quantize
 from kvcal.formats.spec import TensorQuantSpec
-from kvcal.formats.variants import QuantTables
+from kvcal.formats.variants import ChannelWidths, QuantTables
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.tables import channel_bit_allocation, water_fill_bits
 
@@ -98,7 +98,7 @@ def test_channel_bits_against_float64_reference_and_round_trip():
     y = fake_quant(x, K4, tables=QuantTables(channel_bits=w))
     qt = quantize(x, K4, tables=QuantTables(channel_bits=w))
     assert torch.equal(dequantize(qt), y)
-    assert torch.equal(qt.channel_bits, w)
+    assert torch.equal(qt.tables.channel_bits, w)
     # float64 reference: step = (max - min) / (2^w - 1) per 16-token group and channel
     xp = torch.cat([x, x[:, :, -1:].expand(2, 3, 8, 8)], 2).double().reshape(2, 3, 3, 16, 8)
     step = (xp.amax(3, keepdim=True) - xp.amin(3, keepdim=True)) / (2.0 ** w.double() - 1)[None, :, None, None]
@@ -216,7 +216,8 @@ def test_plan_artifact_round_trip_and_validation(tmp_path):
     assert torch.equal(back.layers[0].k.channel_bits, w)
     x = torch.randn(1, H, 12, D)
     assert torch.equal(back.fake_quant(0, "k", x), plan.fake_quant(0, "k", x))
-    assert plan.kv_config(0).key_channel_bits and not plan.kv_config(0).value_channel_bits
+    assert plan.kv_config(0).key_variant.channel_widths is ChannelWidths.ALLOCATED
+    assert plan.kv_config(0).value_variant.channel_widths is ChannelWidths.SPEC
     bad = dict(t)
     bad["model.layers.0.self_attn.k_channel_bits"] = torch.full((H, D), 5.0)
     with pytest.raises(ValueError, match="k_channel_bits"):

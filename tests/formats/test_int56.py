@@ -9,6 +9,7 @@ import torch
 from kvcal.formats.granularity import PerChannelTokenGroup, PerToken, PerTokenGroup
 from kvcal.formats.quant import dequantize, fake_quant, quantize
 from kvcal.formats.spec import TensorQuantSpec
+from kvcal.formats.variants import Codebook, SideVariant
 
 
 @pytest.mark.parametrize("bits", [5, 6])
@@ -62,7 +63,7 @@ def test_int56_memory_accounting_and_levels_tables():
         # payload + fp16 scale per token and head, minus the 16-bit values they replace, plus the
         # float32 clip ratio per head and layer of a dynamic side
         assert got == 2 * 3 * 100 * (row + 2 - 128) + 2 * 3 * 4
-        lv = cache_bytes(mc, KVCacheConfig(fp, v, value_levels=True), 100) - cache_bytes(mc, KVCacheConfig(fp, v), 100)
+        lv = cache_bytes(mc, KVCacheConfig(fp, v, value_variant=SideVariant(Codebook.LEVELS)), 100) - cache_bytes(mc, KVCacheConfig(fp, v), 100)
         assert lv == 2 * 3 * 2**bits * 4  # float32 [H, 2^b] per layer
 
 

@@ -196,7 +196,8 @@ def test_plan_artifact_round_trip_and_validation():
     back = KVPlan.from_artifact(t, meta)
     x = torch.randn(1, H, 12, D)
     assert torch.equal(back.fake_quant(0, "v", x), plan.fake_quant(0, "v", x))
-    assert plan.kv_config(0).value_levels and not plan.kv_config(0).key_levels
+    assert plan.kv_config(0).value_variant.codebook is Codebook.LEVELS
+    assert plan.kv_config(0).key_variant.codebook is Codebook.UNIFORM
     bad = dict(t)
     bad["model.layers.0.self_attn.v_levels"] = EXACT.flip(0).expand(H, 16).clone()
     with pytest.raises(ValueError, match=r"v_levels \(int4 token sym side\): levels must be non-decreasing"):

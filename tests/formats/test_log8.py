@@ -51,7 +51,7 @@ def test_log8_quantization_against_float64_reference(spec):
     x = torch.randn(2, H, 9, D, generator=g) * torch.tensor([0.01, 1.0, 50.0]).reshape(1, H, 1, 1)
     base = torch.tensor([1e-5, 1e-3, 1e-1])
     qt = quantize(x, spec, tables=QuantTables(scale_base=base), clip_ratio=torch.tensor([1.0, 0.9, 1.0]))
-    assert qt.scale.dtype == torch.uint8 and torch.equal(qt.scale_base, base)
+    assert qt.scale.dtype == torch.uint8 and torch.equal(qt.tables.scale_base, base)
     y = dequantize(qt)
     assert torch.equal(y, fake_quant(x, spec, tables=QuantTables(scale_base=base), clip_ratio=torch.tensor([1.0, 0.9, 1.0])))
     gs = D if isinstance(spec.granularity, PerToken) else spec.granularity.group_size

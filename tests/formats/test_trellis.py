@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcal.formats.trellis import decode, distortion, encode, fit_table, windows
-from kvcal.formats.variants import Codebook, QuantTables
+from kvcal.formats.variants import Codebook, QuantTables, SideVariant
 from kvcal.search.presets import SideChoice
 
 
@@ -233,7 +233,7 @@ def test_plan_artifact_round_trip_and_refusals():
     plan = KVPlan([LayerPlan(SidePlan(kspec, clip_ratio=torch.ones(H)), SidePlan(vspec, tables=QuantTables(trellis=T)))])
     t, meta = artifact_round_trip(plan, H, D)
     assert t["model.layers.0.self_attn.v_trellis"].shape == (256,)
-    assert plan.kv_config(0).value_trellis == 256
+    assert plan.kv_config(0).value_variant == SideVariant(Codebook.TRELLIS, trellis_entries=256)
     assert_refused(t, meta, r"v_trellis \(int4 token sym side\): trellis entries must be multiples",
                    "model.layers.0.self_attn.v_trellis", T + 0.01)
     assert_refused(t, meta, "k_trellis: trellis tables are for values only", "model.layers.0.self_attn.k_trellis", T)

@@ -104,7 +104,7 @@ def test_one_backend_choice_for_quantize_and_key_kl(monkeypatch):
     ``backend="triton"`` fail the same way for both, and ``KVCAL_KERNELS`` is read by both."""
     import kvcal.kernels as K
 
-    assert attn_error.BACKENDS is K.BACKENDS
+    assert not hasattr(attn_error, "BACKENDS") and not hasattr(attn_error, "triton_available")  # one home: kernels
     c = _cache(2)
     plan = PLANS["dyn_token_sym_fp32"](c)  # a plan the fused kernel covers
     assert attn_error.triton_supports(plan, 16) is None

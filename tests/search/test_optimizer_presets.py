@@ -10,6 +10,7 @@ from kvcal.calibrate import CalibrateConfig
 from kvcal.capture.run import run_capture, split_heldout
 from kvcal.errors import KvcalError
 from kvcal.evaluate.protocol_a import teacher_forced
+from kvcal.formats.variants import Codebook
 from kvcal.search.fp8 import plan_from_choices, search_scales
 from kvcal.search.integer import search_int
 
@@ -310,9 +311,9 @@ def test_calibrate_int_preset_end_to_end(tmp_path, smollm_tokenizer):
     assert plan.layers[0].k.channel_bits.sum(-1).tolist() == [4 * 16] * HK
     for i, lm in enumerate(art.metadata["layers"]):
         if lm["v"].get("trellis"):
-            assert plan.layers[i].v.trellis.shape == (1024,) and plan.kv_config(i).value_trellis == 1024
+            assert plan.layers[i].v.trellis.shape == (1024,) and plan.kv_config(i).value_variant.trellis_entries == 1024
         else:
-            assert plan.layers[i].v.levels.shape == (HK, 16) and plan.kv_config(i).value_levels
+            assert plan.layers[i].v.levels.shape == (HK, 16) and plan.kv_config(i).value_variant.codebook is Codebook.LEVELS
 
 
 def _kl64_and_fp32_bound(model, ids, plan):

@@ -22,12 +22,15 @@ def test_calibration_meta_order_and_error_data():
             == "pick, then lowest error on the calibration data (no held-out split) of {x, y}")
 
 
-def test_int_search_result_is_the_one_type():
-    """The integer search's result name is an alias of the one type (old imports keep working)."""
-    from kvcal.calibrate import IntSearchResult as OldName
-    from kvcal.search.integer import IntSearchResult
+def test_one_result_name():
+    """The result type has one name: no alias in kvcal.search.integer, and kvcal.calibrate no longer re-exports
+    the stages' names (they are imported from their own modules)."""
+    import kvcal.calibrate as cal
+    import kvcal.search.integer as integer
 
-    assert IntSearchResult is SearchResult and OldName is SearchResult
+    assert not hasattr(integer, "IntSearchResult")
+    assert set(cal.__all__) == {"CalibrateConfig", "calibrate", "output_dir", "checkpoint_path", "save_checkpoint",
+                                "FORMATS", "GRANULARITIES", "PRESET_NAMES"}
 
 
 @pytest.fixture(scope="module")
