@@ -238,13 +238,13 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         log, progress = (lambda s: None), False
     out, pre = preflight(cfg, model, corpus)
     torch.manual_seed(cfg.seed)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, vocab_size=pre.model.vocab_size)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(pre.model.source or cfg.model, vocab_size=pre.model.vocab_size)
     corpus = load_corpus(cfg.corpus, tok, max_seq_len=cfg.max_seq_len, max_samples=cfg.max_samples,
                          strict=cfg.strict, seed=cfg.seed, **pre.corpus.options)
     shape = corpus.shape()
     log(format_shape(shape))
     if model is None:
-        model = load_model(cfg.model, device=cfg.device, device_map=cfg.device_map)
+        model = load_model(pre.model.source or cfg.model, device=cfg.device, device_map=cfg.device_map)
     conf = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mmeta = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
     from kvcal.weights import weights_fingerprint

@@ -96,7 +96,8 @@ def resolve_model_inputs(model: str | None, *, loaded=None, full: bool = True, c
     (:func:`kvcal.models.gguf_config_fields`, milliseconds instead of transformers' conversion) when the command
     needs no more than the shape and maximum positions. ``loaded``: an already-loaded model (its config is
     used; nothing is read). ``config``: a ``config.json`` dict the caller has read (a checkpoint's; nothing is
-    resolved). Raises :class:`~kvcal.errors.ModelLoadError` in one line."""
+    resolved). A model directory without tokenizer files (:func:`kvcal.models.check_tokenizer_files`) is refused
+    here. Raises :class:`~kvcal.errors.ModelLoadError` in one line."""
     from kvcal.formats.memory import model_shape
 
     if config is not None:
@@ -105,9 +106,16 @@ def resolve_model_inputs(model: str | None, *, loaded=None, full: bool = True, c
         src, config = getattr(loaded, "kvcal_source", None), loaded.config
         vocab = _positive_int(getattr(_text_config(config), "vocab_size", None))
     else:
-        from kvcal.models import gguf_config_fields, load_model_config, model_vocab_size, resolve_model
+        from kvcal.models import (
+            check_tokenizer_files,
+            gguf_config_fields,
+            load_model_config,
+            model_vocab_size,
+            resolve_model,
+        )
 
         src = resolve_model(model)
+        check_tokenizer_files(src)  # file names only: a directory without a tokenizer, before anything loads
         config = (None if full else gguf_config_fields(src)) or load_model_config(src)
         vocab = model_vocab_size(src, None if isinstance(config, dict) else config)
     text = _text_config(config)

@@ -43,24 +43,33 @@ def tiny(tmp_path_factory, smollm_tokenizer):
 
 @pytest.fixture()
 def counted(monkeypatch):
-    """Counts of ``load_model_config`` and ``check_corpus`` calls (every module that holds either name), and a
-    stop where the weights (verify: the engine) would load: the run ends there with the stub's one-line error."""
+    """Counts of ``load_model_config`` and ``check_corpus`` calls and of ``resolve_model`` calls given a string
+    (a :class:`~kvcal.models.ModelSource` handed on is already resolved and passes through), in every module
+    that holds the name, and a stop where the weights (verify: the engine) would load: the run ends there with
+    the stub's one-line error."""
     import kvcal.corpus
     import kvcal.corpus.check
     import kvcal.models
     import kvcal.models.config
+    import kvcal.models.gguf
+    import kvcal.models.load
+    import kvcal.models.source
     import kvcal.verify
+    from kvcal.models import ModelSource
 
-    counts = {"load_model_config": 0, "check_corpus": 0}
+    counts = {"load_model_config": 0, "check_corpus": 0, "resolve_model": 0}
 
     def counting(name, fn):
         def wrapper(*a, **k):
-            counts[name] += 1
+            if name != "resolve_model" or not isinstance(a[0], ModelSource):
+                counts[name] += 1
             return fn(*a, **k)
         return wrapper
 
     for name, mods in (("load_model_config", (kvcal.models, kvcal.models.config)),
-                       ("check_corpus", (kvcal.corpus, kvcal.corpus.check))):
+                       ("check_corpus", (kvcal.corpus, kvcal.corpus.check)),
+                       ("resolve_model", (kvcal.models, kvcal.models.config, kvcal.models.gguf, kvcal.models.load,
+                                          kvcal.models.source))):
         w = counting(name, getattr(mods[-1], name))
         for m in mods:
             monkeypatch.setattr(m, name, w)
@@ -97,13 +106,31 @@ def _argv(command: str, tiny: dict, tmp_path: Path) -> list[str]:
                                      "recommend", "verify"])
 def test_each_command_reads_the_model_config_once_and_checks_the_corpus_once(command, tiny, counted, tmp_path):
     """Run through the CLI up to where the weights (verify: the engine) load, each command checks its corpus
-    once and reads its model's config once — the tokenizer included, which takes the vocabulary size from the
-    preflight; verify reads the checkpoint's config.json itself and never loads a config through the models
-    package."""
+    once, resolves its ``--model`` once and reads its model's config once — the tokenizer and the weights
+    included, which take the resolved source and the vocabulary size from the preflight. verify reads the
+    checkpoint's config.json itself and never loads a config through the models package; its one resolution is
+    the tokenizer's, of the scale-free view it builds of the checkpoint (a directory the preflight cannot know)."""
     out = run_cli(_argv(command, tiny, tmp_path), code=2)
     assert "model loader reached (stub)" in out, out
     want = 0 if command == "verify" else 1
-    assert counted == {"load_model_config": want, "check_corpus": 1}, (command, counted)
+    assert counted == {"load_model_config": want, "check_corpus": 1, "resolve_model": 1}, (command, counted)
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_in_the_preflight(tiny, counted, tmp_path):
+    """A model directory with its config and weights but no tokenizer file is refused in one line naming the files
+    to copy, by the preflight: before its config is read, before any tokenizer or weight loads."""
+    import shutil
+
+    d = tmp_path / "no-tok"
+    d.mkdir()
+    for f in tiny["model"].iterdir():
+        if "token" not in f.name and f.name != "vocab.json" and f.is_file():
+            shutil.copy(f, d / f.name)
+    assert (d / "config.json").exists()
+    out = run_cli(["calibrate", "--model", str(d), "--corpus", CORPUS, "--out", str(tmp_path / "art")], code=2)
+    assert f"{d} has no tokenizer files" in out and "copy the model's tokenizer.json" in out, out
+    assert "model loader reached" not in out and len(out.strip().splitlines()) == 1, out
+    assert counted == {"load_model_config": 0, "check_corpus": 1, "resolve_model": 1}, counted
 
 
 def test_a_bad_corpus_is_refused_before_torch_is_imported(tmp_path):
@@ -187,7 +214,7 @@ def test_the_api_takes_a_built_config_and_checks_outputs_after_the_options(tiny,
     seen = []
     with pytest.raises(LoaderCalled):
         api.evaluate(config=cfg, check_outputs=seen.append, log=lambda s: None, progress=False)
-    assert seen == [cfg] and counted == {"load_model_config": 1, "check_corpus": 1}
+    assert seen == [cfg] and counted == {"load_model_config": 1, "check_corpus": 1, "resolve_model": 1}
     with pytest.raises(KvcalError, match="--windows must be at least 1"):
         api.evaluate(str(tiny["artifact"]), CORPUS, windows=0, check_outputs=seen.append)
     assert seen == [cfg]

@@ -146,7 +146,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         meta = model_metadata(pre.model.config, pre.model.source)
         check_model_match(art.metadata, meta)
         check_max_positions(max(int(c) for c in cfg.contexts), meta.get("max_position_embeddings") or 0, "--context")
-    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, vocab_size=pre.model.vocab_size)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(pre.model.source or cfg.model, vocab_size=pre.model.vocab_size)
     contexts = sorted({int(c) for c in cfg.contexts})
     batches = sorted({int(b) for b in cfg.batches})
     ids, corpus_info = corpus_stream(cfg.corpus, tok, **pre.corpus.options, checked=True)
@@ -159,7 +159,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                              "(use a longer corpus or a smaller --context)")
         wins[T] = w
     if model is None:
-        model = load_model(cfg.model, device=cfg.device)
+        model = load_model(pre.model.source or cfg.model, device=cfg.device)
     mm = model_metadata(model.config, getattr(model, "kvcal_source", None), architecture=type(model).__name__)
     check_model_match(art.metadata, mm)
     L = plan.num_layers

@@ -31,7 +31,14 @@ from kvcal.models.config import (
     weight_precision,
 )
 from kvcal.models.gguf import check_gguf_tensors, gguf_config_fields, gguf_header
-from kvcal.models.load import check_loading_info, load_model, load_tokenizer, save_hf_checkpoint
+from kvcal.models.load import (
+    TOKENIZER_FILES,
+    check_loading_info,
+    check_tokenizer_files,
+    load_model,
+    load_tokenizer,
+    save_hf_checkpoint,
+)
 from kvcal.models.rope import rope_table, rope_tables
 from kvcal.models.source import (
     EMBEDDED_GGUF,
@@ -48,7 +55,7 @@ from kvcal.models.source import (
 )
 
 __all__ = ["EMBEDDED_GGUF", "EMBEDDED_MODEL", "GEMMA_GGUF", "GEMMA_MODEL", "GEMMA_PACKAGE", "ModelSource",
-           "check_device", "check_gguf_tensors", "check_loading_info", "check_max_positions", "embedded_model_dir",
+           "TOKENIZER_FILES", "check_device", "check_gguf_tensors", "check_loading_info", "check_tokenizer_files", "check_max_positions", "embedded_model_dir",
            "gemma_gguf", "gguf_cache_dir", "gguf_config_fields", "gguf_header", "head_dim_of", "kvcal_cache_dir",
            "load_model", "load_model_config", "load_tokenizer", "max_positions", "model_metadata",
            "model_vocab_size", "read_json", "resolve_model", "rope_table", "rope_tables", "save_hf_checkpoint",

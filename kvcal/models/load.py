@@ -13,16 +13,17 @@ import torch
 from kvcal.errors import ModelLoadError
 from kvcal.models.config import model_vocab_size
 from kvcal.models.gguf import check_gguf_tensors
-from kvcal.models.source import _cached_conversion, resolve_model
+from kvcal.models.source import ModelSource, _cached_conversion, resolve_model
 from kvcal.weights import ATTENTION_SCALE, format_ranges
 
 #: :func:`load_tokenizer`'s default ``vocab_size``: read it from the model's config
 FROM_CONFIG = object()
 
 
-def load_tokenizer(model: str | None, vocab_size=FROM_CONFIG):
-    """Load the tokenizer of ``model`` offline (a GGUF's from its conversion cache,
-    :func:`gguf_cache_dir`: the same files ``save_pretrained`` writes). Raises :class:`ModelLoadError`.
+def load_tokenizer(model: str | ModelSource | None, vocab_size=FROM_CONFIG):
+    """Load the tokenizer of ``model`` (a ``--model`` string, or the :class:`ModelSource` a preflight resolved)
+    offline (a GGUF's from its conversion cache, :func:`gguf_cache_dir`: the same files ``save_pretrained``
+    writes). Raises :class:`ModelLoadError` (:func:`check_tokenizer_files`, or transformers cannot load it).
 
     The tokenizer carries ``kvcal_vocab_size``, the model's :func:`model_vocab_size` (``None`` if unknown):
     :func:`kvcal.corpus.load_corpus` and :func:`kvcal.evaluate.windows.corpus_stream` refuse token ids at
@@ -33,15 +34,27 @@ def load_tokenizer(model: str | None, vocab_size=FROM_CONFIG):
     return tok
 
 
-def _load_tokenizer(model: str | None):
+#: the files of which an HF model directory must hold at least one for transformers to build its tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def check_tokenizer_files(src: ModelSource) -> None:
+    """Refuse, in one :class:`ModelLoadError` line, an HF model directory holding none of
+    :data:`TOKENIZER_FILES` (a GGUF carries its tokenizer; a hub snapshot is a directory like any other).
+    Reads file names only: :func:`kvcal.inputs.preflight` runs it before any tokenizer or weight loads."""
+    p = Path(src.path)
+    if p.is_dir() and not src.gguf_file and not any((p / n).exists() for n in TOKENIZER_FILES):
+        raise ModelLoadError(f"{p} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the model's "
+                             "tokenizer.json and tokenizer_config.json into it (the tokenizer must be the one the "
+                             "server uses)")
+
+
+def _load_tokenizer(model: str | ModelSource | None):
     from transformers import AutoTokenizer
 
     src = resolve_model(model)
     p = Path(src.path)
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-    if p.is_dir() and "gguf_file" not in src.load_kwargs and not any((p / n).exists() for n in names):
-        raise ModelLoadError(f"{p} has no tokenizer files ({', '.join(names)}); copy the model's tokenizer.json and "
-                             "tokenizer_config.json into it (the tokenizer must be the one the server uses)")
+    check_tokenizer_files(src)
     try:
         return _cached_conversion(src, "tokenizer_config.json", AutoTokenizer.from_pretrained,
                                   lambda: AutoTokenizer.from_pretrained(src.path, **src.load_kwargs))
@@ -52,12 +65,13 @@ def _load_tokenizer(model: str | None):
 
 
 def load_model(
-    model: str | None,
+    model: str | ModelSource | None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     device_map: str | None = None,
 ):
-    """Load a causal LM for capture/evaluation in eval mode (``sdpa`` attention).
+    """Load a causal LM for capture/evaluation in eval mode (``sdpa`` attention). ``model``: a ``--model``
+    string or the :class:`ModelSource` a preflight resolved.
 
     ``device_map="auto"`` uses accelerate's big-model loading (layers spread across devices).
     GGUF weights are dequantized to ``dtype``. Raises :class:`ModelLoadError` when the model cannot

@@ -132,7 +132,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     max_skip, skip_note = effective_max_skip(cfg.max_skip, L)  # refuses a given value outside [0, L - 1]
     cfg = dataclasses.replace(cfg, max_skip=max_skip)
     not_applicable = applicable_dtypes(cfg.dtypes, L)  # {dtype: reason}: vLLM's own 16-bit layers cover the model
-    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, vocab_size=pre.model.vocab_size)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(pre.model.source or cfg.model, vocab_size=pre.model.vocab_size)
     opts = pre.corpus.options
     ids, info = corpus_stream(cfg.corpus, tok, **opts, checked=True)
     T = cfg.context
@@ -163,7 +163,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                              f"print (--model-dir {src.path} --out {Path(cfg.out) / 'checkpoint'}) is refused; "
                              "choose an --out outside the model directory")
     if model is None:
-        model = load_model(cfg.model, device=cfg.device)
+        model = load_model(src, device=cfg.device)
     # what vllm serve takes (the GGUF file, the user's directory or hub id) and what kvcal export merges into
     serve_model = str(Path(src.path) / src.gguf_file) if src.gguf_file else cfg.model
     model_dir = src.path

@@ -1,4 +1,4 @@
-"""The typed read view of an artifact's ``vllm`` metadata section (issue 31 "structure step 2"):
+"""The typed read view of an artifact's ``vllm`` metadata section:
 :class:`kvcal.artifact.VllmSection` from :func:`kvcal.artifact.vllm_section`, checked against hand-written
 metadata for an fp8 and an nvfp4 section and an artifact without one, and the registry rules it answers
 with (dtype family, fp8 = fp8_e4m3)."""

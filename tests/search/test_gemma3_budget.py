@@ -80,7 +80,7 @@ def test_recommend_rows_average_over_the_max_context(gemma_long, tmp_path):
     assert r.exit_code in (0, 1), r.output
     doc = json.loads((out / "deploy.json").read_text())
     assert doc["bytes_per_token_context"] == CTX
-    slot = 32 + 8  # int4_per_token_head, K and V of one head (as tests/test_recommend.py: D + 8 bytes)
+    slot = 32 + 8  # int4_per_token_head, K and V of one head (as tests/recommend/test_recommend.py: D + 8 bytes)
     for c in doc["candidates"]:
         assert c["bytes_per_token"] == by_hand(set(c["skip_layers"]), slot), c
     assert doc["bytes_per_token_16bit"] == by_hand({0, 1, 2, 3}, slot)

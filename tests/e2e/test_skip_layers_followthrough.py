@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from kvcal.cli import main
 
-CHAT = Path(__file__).resolve().parents[1] / "calibration_sets" / "chat.jsonl"
+CHAT = Path(__file__).resolve().parents[2] / "calibration_sets" / "chat.jsonl"
 L, H, D = 4, 2, 16
 # vLLM pages per token and layer, by hand: NVFP4 K and V = H x (D/2 bytes of e2m1 + D/16 e4m3 block scales);
 # 16-bit K and V = H x D x 2 bytes

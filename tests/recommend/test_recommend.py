@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvcal.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "calibration_sets" / "chat.jsonl"
 L, H_KV, D = 6, 2, 16
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from kvcal.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "artifacts" / "smollm2-135m-fp8"
 #: the one warning that is about this machine's transformers, not the artifact: true of every vLLM export here
 ENVIRONMENT = re.compile(r"^warning: transformers \S+ \+ compressed-tensors \S+ \(installed here\) would silently ignore")
