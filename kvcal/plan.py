@@ -57,7 +57,14 @@ from kvcal.formats.quant import fake_quant
 from kvcal.formats.scales import check_scale_base
 from kvcal.formats.spec import DTYPE_NAMES, KVCacheConfig, TensorQuantSpec
 from kvcal.formats.transforms import RopeTable, Transform, apply_transform
-from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, Rounding, ScaleCoding, SideVariant
+from kvcal.formats.variants import (
+    Codebook,
+    HasTables,
+    QuantTables,
+    Rounding,
+    ScaleCoding,
+    SideVariant,
+)
 
 SIDES = ("k", "v")
 
@@ -124,7 +131,7 @@ class _Table:
             raise
 
 
-class SidePlan:
+class SidePlan(HasTables):
     """One layer's K or V: spec plus calibrated parameters (see module docstring for shapes).
 
     Fields: ``spec``; the scale parameters ``scale`` / ``zero_point`` (static sides) or
@@ -211,26 +218,6 @@ class SidePlan:
         """The side's :class:`~kvcal.formats.variants.SideVariant` (codebook, rounding, widths, centering,
         trellis entries)."""
         return self.tables.variant(centering=self.centered)
-
-    @property
-    def codebook(self) -> Codebook:
-        """``uniform``, ``levels`` or ``trellis`` (:class:`~kvcal.formats.variants.Codebook`)."""
-        return self.tables.codebook
-
-    @property
-    def rounding_mode(self) -> Rounding:
-        """``nearest`` or ``query_aware`` (:class:`~kvcal.formats.variants.Rounding`)."""
-        return self.tables.rounding_mode
-
-    @property
-    def channel_widths(self) -> ChannelWidths:
-        """``spec`` or ``allocated`` (:class:`~kvcal.formats.variants.ChannelWidths`)."""
-        return self.tables.channel_widths
-
-    @property
-    def scale_coding(self) -> ScaleCoding:
-        """``float`` or ``log8``, from the spec (:class:`~kvcal.formats.variants.ScaleCoding`)."""
-        return ScaleCoding.of(self.spec)
 
     def check_transform(self) -> None:
         """Raise ``ValueError`` for ``pre_rope`` without a RoPE table, or a transform combined with key

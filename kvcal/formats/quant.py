@@ -111,11 +111,11 @@ from kvcal.formats.scales import (
     log8_decode,
 )
 from kvcal.formats.spec import QFormat, TensorQuantSpec
-from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, ScaleCoding
+from kvcal.formats.variants import ChannelWidths, Codebook, HasTables, QuantTables, ScaleCoding
 
 
 @dataclass(frozen=True)
-class QuantizedTensor:
+class QuantizedTensor(HasTables):
     """A quantized K or V tensor as the cache stores it.
 
     * ``data``: payload, tokens padded to whole token groups and channels to whole channel groups
@@ -147,18 +147,6 @@ class QuantizedTensor:
     dtype: torch.dtype
     global_scale: torch.Tensor | None = None
     tables: QuantTables = field(default_factory=QuantTables)
-
-    @property
-    def codebook(self) -> Codebook:
-        return self.tables.codebook
-
-    @property
-    def channel_widths(self) -> ChannelWidths:
-        return self.tables.channel_widths
-
-    @property
-    def scale_coding(self) -> ScaleCoding:
-        return ScaleCoding.of(self.spec)
 
     @property
     def payload_nbytes(self) -> int:

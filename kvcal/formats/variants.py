@@ -190,4 +190,31 @@ class QuantTables:
 
 _NONE = QuantTables()
 
-__all__ = ["Codebook", "ScaleCoding", "Rounding", "ChannelWidths", "SideVariant", "QuantTables"]
+
+class HasTables:
+    """The variant views of an object holding ``tables`` (:class:`QuantTables`) and ``spec``
+    (:class:`~kvcal.formats.spec.TensorQuantSpec`): :class:`~kvcal.plan.SidePlan` and
+    :class:`~kvcal.formats.quant.QuantizedTensor` answer which variant applies from these, never from
+    which table tensor is ``None``."""
+
+    @property
+    def codebook(self) -> Codebook:
+        """``uniform``, ``levels`` or ``trellis`` (:attr:`QuantTables.codebook`)."""
+        return self.tables.codebook
+
+    @property
+    def rounding_mode(self) -> Rounding:
+        """``nearest`` or ``query_aware`` (:attr:`QuantTables.rounding_mode`)."""
+        return self.tables.rounding_mode
+
+    @property
+    def channel_widths(self) -> ChannelWidths:
+        """``spec`` or ``allocated`` (:attr:`QuantTables.channel_widths`)."""
+        return self.tables.channel_widths
+
+    @property
+    def scale_coding(self) -> ScaleCoding:
+        """``float`` or ``log8``, from the spec (:meth:`ScaleCoding.of`)."""
+        return ScaleCoding.of(self.spec)
+
+__all__ = ["Codebook", "ScaleCoding", "Rounding", "ChannelWidths", "SideVariant", "QuantTables", "HasTables"]
