@@ -109,7 +109,8 @@ def test_bad_inputs_fail_before_the_model_loads(no_model, files, tiny_dir, tmp_p
                   "--corpus", str(files["long"])]):
         r = CliRunner().invoke(main, argv)
         assert r.exit_code == 2 and "model loader reached (stub)" in r.output, r.output
-    assert no_model == [str(tiny_dir)] * 2
+    # the loader receives the ModelSource the preflight resolved (resolve_model runs once per command)
+    assert [m.path for m in no_model] == [str(tiny_dir)] * 2
     assert not (tmp_path / "out").exists()
 
 
