@@ -81,7 +81,7 @@ def evaluate(artifact: str | None = None, corpus: str | None = None, *, config=N
 
 def export(artifact: str, target: str, out: str, **options):
     """``kvcal export``: :func:`kvcal.export.export` (``model_dir``, ``tp``, ``headroom``, ``overwrite``,
-    ``clipped_scales``). Writes ``out`` atomically; returns its :class:`~kvcal.export.ExportResult`."""
+    ``clipped_scales``, ``clip_free``). Writes ``out`` atomically; returns its :class:`~kvcal.export.ExportResult`."""
     from kvcal.export import export as run
 
     return run(artifact, target, out, **options)

@@ -417,9 +417,12 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     res = _search(cfg, cap, mmeta, progress, log, probe, int_path)
     _channel_ranges(cap, res.layers_meta)
     tensors = res.plan.to_tensors()
+    common = _calibration_common(cfg, cap, corpus, held_idx)
+    if not int_path:  # the cache write the static scales were searched for (kvcal.formats.fp8.CACHE_WRITES)
+        common["cache_write"] = "truncating" if (cfg.backend or "cuda") == "cpu" else "saturating"
     meta = {
         **_meta_head(mmeta, res.plan),
-        "calibration": res.calibration_meta(_calibration_common(cfg, cap, corpus, held_idx), bool(held_idx)),
+        "calibration": res.calibration_meta(common, bool(held_idx)),
         "corpus": _corpus_meta(corpus, shape),
         "layers": res.layers_meta,
     }

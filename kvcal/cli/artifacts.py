@@ -19,19 +19,23 @@ from kvcal.cli.common import count, main, user_errors
               help="HF safetensors checkpoint to merge into (a copy goes to --out, weight files hard-linked; the source is untouched).")
 @click.option("--tp", default=1, show_default=True, type=count(1), help="Tensor-parallel ranks (sglang-json entries).")
 @click.option("--headroom", default=None, type=float,
-              help="Margin in [1, 16]: every scale >= observed max / 448 x MARGIN (for engines that do not saturate).")
+              help="Margin in [1, 16]: raise every scale to >= observed max / 448 x MARGIN after the search (for "
+                   "traffic above the calibration max in an engine that does not saturate); export prints its cost.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--clip-free", is_flag=True,
+              help="Write the clip-free scales the search chose and measured (nothing the calibration observed "
+                   "saturates), for serving a vllm/modelopt checkpoint in SGLang, which casts to FP8 without "
+                   "saturating. Default: the searched scales (vllm, modelopt, trtllm-legacy); sglang-json always "
+                   "gets the clip-free ones.")
 @click.option("--clipped-scales", is_flag=True,
-              help="Keep the searched clipping scales for targets SGLang loads (sglang-json; per-tensor vllm, "
-                   "modelopt). Default: unclipped there (scale >= calibration max / 448), because SGLang writes FP8 "
-                   "without saturating and a clipped value becomes NaN; use this only for engines that saturate.")
+              help="Write the searched scales even for sglang-json (values they clip become NaN in SGLang).")
 @user_errors
-def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clipped_scales):
+def export_cmd(artifact, target, out, model_dir, tp, headroom, overwrite, clip_free, clipped_scales):
     """Export an artifact in the exact form a serving engine loads (optionally merged into a checkpoint)."""
     from kvcal import api
 
     res = api.export(artifact, target, out, model_dir=model_dir, tp=tp, headroom=headroom, overwrite=overwrite,
-                 clipped_scales=clipped_scales)
+                 clipped_scales=clipped_scales, clip_free=clip_free)
     click.echo(f"wrote {res.out} ({res.target}): {', '.join(res.files)}")
     for note in res.notes:
         click.echo(f"note: {note}")

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 
 from kvcal import __version__
-from kvcal.artifact import Artifact, load_artifact, vllm_section
+from kvcal.artifact import Artifact, load_artifact
 from kvcal.export import modelopt, sglang, trtllm, vllm  # noqa: F401  (register the targets)
 from kvcal.export.base import (
     MANIFEST,
@@ -32,9 +32,13 @@ from kvcal.export.base import (
     ExportResult,
     Target,
     check_loadable,
+    clipped_names,
     clipping_warning,
     get_target,
+    headroom_cost,
     prepare_scales,
+    set_cost_line,
+    set_figures,
     stage_output,
     target_names,
     targets_that_can_load,
@@ -54,19 +58,25 @@ def export(
     headroom: float | None = None,
     overwrite: bool = False,
     clipped_scales: bool = False,
+    clip_free: bool = False,
 ) -> ExportResult:
     """Export an artifact for ``target`` into the new directory ``out`` (written atomically).
 
     ``artifact``: an artifact directory/file or a loaded :class:`Artifact`. ``model_dir``: a HF
     safetensors checkpoint to merge into (a linked copy is written to ``out``; the source is never
     modified). ``tp``: tensor-parallel size (ranks in the ``sglang-json`` file; checkpoints are
-    TP-agnostic). ``headroom``: margin ``>= 1`` so every scale ``>= observed max / 448 x margin``.
-    ``clipped_scales``: keep the searched clipping scales for targets an engine that casts to FP8
-    without saturating loads (SGLang: ``sglang-json``, and per-tensor ``vllm`` / ``modelopt``); by
-    default those targets get unclipped scales (``>= observed max / 448``), since a clipped value
-    becomes NaN there — except an artifact of ``calibrate --engine vllm --kv-cache-dtype fp8`` exported
-    for ``vllm``, whose scales stay as calibrated (vLLM saturates, and its q_scale and key search were
-    scored with them; ``headroom`` still raises them on request).
+    TP-agnostic). ``headroom``: margin ``>= 1`` so every scale ``>= observed max / 448 x margin`` (a change after
+    the search: its cost is reported from the search's recorded candidates, :func:`kvcal.export.base.headroom_cost`).
+
+    Which scales (one set chosen by the search, never changed silently after it): by default the **searched**
+    scales — exactly the artifact's tensors, what ``kvcal calibrate`` measured for the cache write in
+    ``calibration.cache_write`` — for every target whose engines saturate (``vllm``, ``modelopt``,
+    ``trtllm-legacy``); for ``sglang-json``, read only by SGLang, which casts to FP8 without saturating, the
+    **clip-free** scales the same search chose among candidates that clip nothing it observed (recorded with their
+    held-out error; the export reports their cost against the searched ones). ``clip_free``: the clip-free set for
+    any target (a ``vllm`` / ``modelopt`` checkpoint to be served by SGLang); ``clipped_scales``: the searched set
+    for ``sglang-json`` too (warned: NaN in SGLang where it clips). A checkpoint whose scales clip and that SGLang
+    can load says so (``nan_risk`` in ``kvcal-export.json``, a warning, ``kvcal inspect``).
 
     Raises :class:`ExportError` (a :class:`kvcal.errors.KvcalError`) when the target cannot load the
     artifact (the message lists the targets that can), ``out`` exists without ``overwrite``,
@@ -95,16 +105,34 @@ def export(
         if dst == src or src in dst.parents or dst in src.parents:
             raise ExportError(f"--out {out} overlaps --model-dir {model_dir}; write the merged copy elsewhere")
         ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path) + check_weights(art.metadata, ckpt)
-    unsafe = t.non_saturating if art.metadata["kv"]["k"]["granularity"] == "tensor" else ()
-    sec = vllm_section(art.metadata)
-    if unsafe and t.name == "vllm" and sec and sec.fp8_dtype:
-        # calibrate --engine vllm: the k/v/q search scored vLLM's saturating FP8 write with exactly these scales
-        # (and evaluate --vllm-dtype measures them), so the vLLM checkpoint keeps them as calibrated
-        unsafe = ()
-        notes.append("k/v scales kept as calibrated (clipped where the search chose it): the artifact was calibrated "
-                     "for vLLM (calibrate --engine vllm), whose FP8 cache write saturates, and its q_scale and key "
-                     "search scored these scales; for SGLang, which does not saturate, export with --headroom 1.25")
-    prep = prepare_scales(art, headroom, unclip=() if clipped_scales else unsafe)
+    if clipped_scales and clip_free:
+        raise ExportError("--clipped-scales and --clip-free name two different scale sets; give one")
+    cw = (art.metadata.get("calibration") or {}).get("cache_write")
+    from kvcal.formats.fp8 import CACHE_WRITES
+
+    if cw is not None and cw not in CACHE_WRITES:
+        raise ExportError(f"{art.path}: metadata field calibration.cache_write is {cw!r}, not one of "
+                          f"{', '.join(CACHE_WRITES)}; re-run calibration")
+    per_tensor = art.metadata["kv"]["k"]["granularity"] == "tensor"
+    # SGLang loads per-tensor scales only; a target read by SGLang alone defaults to the clip-free set
+    sglang_only = bool(t.non_saturating) and set(t.engines) <= set(t.non_saturating)
+    use_clip_free = clip_free or (sglang_only and not clipped_scales)
+    prep = prepare_scales(art, headroom, clip_free=use_clip_free)
+    if prep.format != "nvfp4":
+        figs = set_figures(art, prep.source)
+        fig = (f" (held-out mean over {figs['layers']} layers, as the search measured: K attention KL "
+               f"{figs['k']:.3e}, V output error {figs['v']:.3e})" if figs else "")
+        write = f" for a {cw} FP8 write ({CACHE_WRITES[cw]})" if cw else ""
+        notes.append((f"k/v scales: the searched ones, as calibrated{write}" if prep.source == "searched" else
+                      "k/v scales: the clip-free ones the search chose (nothing the calibration observed saturates)")
+                     + fig + ("; then raised by --headroom" if prep.raised else ""))
+        if prep.source == "clip_free" or sglang_only:
+            line = set_cost_line(art)
+            if line:
+                notes.append(line)
+    cost = headroom_cost(art, prep)
+    if cost:
+        notes.append(cost)
     nkv = art.metadata["model"].get("num_kv_heads")
     if tp > 1 and t.name != "sglang-json":
         notes.append(f"--tp {tp}: checkpoints are TP-agnostic (the engine slices per-head scales per rank)")
@@ -118,12 +146,13 @@ def export(
         ctx.notes.append(f"the artifact has no {CONTENT_HASH_KEY} (written before kvcal recorded one): its scales "
                          "passed every range and schema check, but a plausible hand edit cannot be detected")
     ctx.warnings += ckpt_warnings
-    engines = t.non_saturating if prep.granularity == "tensor" else ()
-    # "re-export without --clipped-scales" only where that flag was given and dropping it unclips (not an artifact
-    # calibrated for vLLM, which keeps its clip for --target vllm by default)
-    warn = clipping_warning(prep, engines, clipped_scales=bool(clipped_scales and unsafe))
+    engines = t.non_saturating if per_tensor and prep.format != "nvfp4" else ()
+    warn = clipping_warning(prep, engines, clip_free_flag=not sglang_only)
     if warn:
         ctx.warnings.append(warn)
+    nan_risk = ({"engines": list(engines), "scales": clipped_names(prep),
+                 "worst_ratio": round(max(r for d in prep.clipped.values() for r in d.values()), 4)}
+                if warn else None)
     if engines and all(prep.amax[i][s] is None for i in range(prep.num_layers) for s in ("k", "v")):
         ctx.warnings.append(f"the artifact records no observed amax, so kvcal can neither check nor undo clipping; "
                             f"{'/'.join(engines)} writes FP8 without saturating (a clipped value becomes NaN): "
@@ -162,8 +191,9 @@ def export(
             "model_dir": str(ckpt.path) if ckpt else None,
             "tp": tp,
             "headroom": headroom,
-            "scales": ("clipped (as calibrated)" if clipped_scales or not unsafe else
-                       f"unclipped for {'/'.join(unsafe)} (>= calibration max / 448)"),
+            "scales": prep.source + (" + headroom" if prep.raised else ""),
+            "cache_write": cw,
+            "nan_risk": nan_risk,
             "source_format": prep.format,
             "granularity": prep.granularity,
             "notes": ctx.notes,

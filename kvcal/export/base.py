@@ -59,6 +59,8 @@ class PreparedScales:
     fmt_max: float
     clipped: dict[int, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    source: str = "searched"  # which recorded set: "searched" or "clip_free" (before any --headroom)
+    raised: dict[int, list[str]] = field(default_factory=dict)  # layer -> sides --headroom raised
 
     def combined(self, layer: int) -> torch.Tensor:
         """One scale per layer shared by K and V (legacy JSON / TRT-LLM): ``max(k, v)``, shape
@@ -295,8 +297,17 @@ def _amax_like(values, scale: torch.Tensor) -> torch.Tensor | None:
 MAX_HEADROOM = 16.0
 
 
-def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tuple[str, ...] = ()) -> PreparedScales:
+def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free: bool = False) -> PreparedScales:
     """Convert an artifact's static K/V scales into the engine convention.
+
+    Which scales: the searched ones (``layers[i].{k,v}.scale``, the artifact's tensors: what the search chose for
+    the cache write recorded in ``calibration.cache_write`` and what ``kvcal evaluate`` measured), or with
+    ``clip_free`` the clip-free ones the same search chose among candidates that clip nothing the calibration
+    observed (``layers[i].{k,v}.clip_free``, :func:`kvcal.search.static_scales.clip_free_of`), with their held-out
+    error recorded beside the searched one's — for an engine that casts to FP8 without saturating (SGLang). An
+    artifact written before kvcal recorded a clip-free choice gets the amax rule (``observed amax / fmt_max``) on
+    the sides whose searched scale clips: that is the search's ``absmax`` candidate, whose held-out error it
+    recorded (``heldout.absmax``), and a note says so.
 
     * ``fp8_e4m3fnuz`` artifacts (clip = ``scale * 240``) are re-expressed in the OCP e4m3fn
       convention engines store in checkpoints: ``scale * 240 / 448`` (= clip / 448). vLLM and
@@ -305,19 +316,15 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tu
       is ``1.07 x`` the calibrated one (no clipping); on OCP hardware it is exactly the calibrated
       clip. Exporting ``scale / 2`` instead would clip 7% of the range on NVIDIA GPUs and give
       NaN in SGLang there.
-    * ``headroom`` (``1 <= headroom <=`` :data:`MAX_HEADROOM`): raise each scale to at least ``observed_amax / fmt_max * headroom``
-      (engines that cast without saturating — SGLang — turn larger values into NaN/Inf).
-    * ``unclip`` (names of such engines, e.g. ``("SGLang",)``; ignored when ``headroom`` is given):
-      raise each scale to at least ``observed_amax / fmt_max`` — the unclipped scale, so every value
-      the calibration observed is representable (what :func:`kvcal.export.export` does by default for
-      targets a non-saturating engine loads; ``--clipped-scales`` turns it off).
-
+    * ``headroom`` (``1 <= headroom <=`` :data:`MAX_HEADROOM`): raise each scale to at least
+      ``observed_amax / fmt_max * headroom`` — a change after the search, which export reports with its cost
+      (:func:`headroom_cost`).
     * An artifact of ``calibrate --engine vllm --kv-cache-dtype nvfp4`` gives its NVFP4 outer scales
-      (:func:`_prepare_nvfp4`; ``headroom`` against ``amax / 2688``; never unclipped, since no engine
+      (:func:`_prepare_nvfp4`; ``headroom`` against ``amax / 2688``; ``clip_free`` refused, since no engine
       writes NVFP4 without saturating its block scales).
 
-    Returns :class:`PreparedScales` (float32 ``[1]`` or ``[H_kv,1,1]`` per layer and side).
-    Raises :class:`ExportError` for a bad ``headroom``.
+    Returns :class:`PreparedScales` (float32 ``[1]`` or ``[H_kv,1,1]`` per layer and side; ``source`` names the
+    set written). Raises :class:`ExportError` for a bad ``headroom`` or ``clip_free`` on an NVFP4 artifact.
     """
     meta = artifact.metadata
     kv = meta["kv"]
@@ -330,6 +337,9 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tu
             f"{MAX_HEADROOM:g} already puts the observed max at 1/{MAX_HEADROOM:g} of the format's range and pushes "
             "small values into its subnormals; a larger one flushes the cache toward zero")
     if nvfp4:
+        if clip_free:
+            raise ExportError("--clip-free: NVFP4 outer scales are read by vLLM's NVFP4 cache only, which saturates "
+                              "its block scales; drop --clip-free")
         return _prepare_nvfp4(artifact, headroom)
     conv = 1.0
     notes = []
@@ -344,26 +354,35 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tu
         )
     stats = {int(e["layer"]): e for e in meta.get("layers", []) if isinstance(e, dict) and "layer" in e}
     n = artifact.num_layers
-    p = PreparedScales(n, gran, fmt, {}, {}, {}, {}, out_fmt_max, notes=notes)
-    raised = 0
-    margin = headroom if headroom is not None else (1.0 if unclip else None)
+    p = PreparedScales(n, gran, fmt, {}, {}, {}, {}, out_fmt_max, notes=notes,
+                       source="clip_free" if clip_free else "searched")
+    raised, amax_rule, changed = 0, 0, 0
     for i in range(n):
         p.amax[i] = {}
         for side in ("k", "v"):
             s = artifact.scale(i, side)
             assert s is not None  # load_artifact guarantees static scales exist for every layer
-            s = s.detach().to(torch.float32).clone()
-            if gran == "head":
-                s = s.reshape(-1, 1, 1)
-            else:
-                s = s.reshape(1)
+            shape = (-1, 1, 1) if gran == "head" else (1,)
+            s = s.detach().to(torch.float32).clone().reshape(shape)
+            rec = stats.get(i, {}).get(side) or {}
+            amax = _amax_like(rec.get("amax"), s)
+            if clip_free:
+                cf = (rec.get("clip_free") or {}).get("scale")
+                if cf is not None:
+                    t = torch.as_tensor(cf, dtype=torch.float32)
+                    if t.numel() == s.numel():
+                        changed += int(not torch.equal(t.reshape(shape), s))
+                        s = t.reshape(shape).clone()
+                elif amax is not None and bool((amax / out_fmt_max > s / conv).any()):
+                    s = torch.maximum(s, amax / out_fmt_max * conv)
+                    amax_rule += 1
             s = s * conv
-            amax = _amax_like((stats.get(i, {}).get(side) or {}).get("amax"), s)
             p.amax[i][side] = amax
-            if margin is not None and amax is not None:
-                floor = amax / out_fmt_max * margin
+            if headroom is not None and amax is not None:
+                floor = amax / out_fmt_max * headroom
                 if bool((floor > s).any()):
                     raised += 1
+                    p.raised.setdefault(i, []).append(side)
                 s = torch.maximum(s, floor)
             if amax is not None:
                 ratio = float((amax / (s * out_fmt_max)).max())
@@ -374,41 +393,117 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, unclip: tu
         if q is not None:
             p.q[i] = q.detach().to(torch.float32).clone() * conv
     no_amax = all(p.amax[i][s] is None for i in range(n) for s in ("k", "v"))
+    if clip_free:
+        notes.append(f"--clip-free: the clip-free scales the search chose (nothing the calibration observed "
+                     f"saturates), {changed} of {2 * n} different from the searched ones"
+                     + (f"; {amax_rule} side(s) of an artifact that records no clip-free choice get the amax rule "
+                        "(observed max / 448, the search's absmax candidate)" if amax_rule else ""))
     if headroom is not None:
         if no_amax:
             notes.append("--headroom ignored: the artifact records no observed amax per layer")
         else:
             notes.append(f"--headroom {headroom}: raised {raised} of {2 * n} K/V scales to observed max / "
-                         f"{out_fmt_max:g} x {headroom}")
-    elif unclip and not no_amax:
-        notes.append(f"{'/'.join(unclip)} writes FP8 without saturating, so scales are unclipped by default: raised "
-                     f"{raised} of {2 * n} K/V scales that calibration had clipped to the calibration max / "
-                     f"{out_fmt_max:g} (values above that max still overflow: add --headroom 1.25 for margin; "
-                     "--clipped-scales keeps the searched clipping scales, for engines that saturate)")
+                         f"{out_fmt_max:g} x {headroom} after the search")
     return p
 
 
-def clipping_warning(p: PreparedScales, engines: tuple[str, ...], clipped_scales: bool = True) -> str | None:
-    """A warning line when exported scales clip observed values and an engine in ``engines``
-    casts without saturating (SGLang: ``x / scale`` above 448 becomes NaN/Inf), else ``None``.
-    ``clipped_scales``: whether the user asked for the clip (``--clipped-scales``); only then does the line
-    suggest dropping that flag — an artifact of ``calibrate --engine vllm`` keeps its clip for ``--target vllm``
-    by default, and the fix there is ``--headroom``."""
+def clipping_warning(p: PreparedScales, engines: tuple[str, ...], clip_free_flag: bool = True) -> str | None:
+    """A warning line when exported scales clip observed values and an engine in ``engines`` (those of the
+    target's loaders that cast without saturating: SGLang) would load them — there ``x / scale`` above 448 becomes
+    NaN/Inf — else ``None``. ``clip_free_flag``: whether ``--clip-free`` is an option of this target (it is not
+    where the clip-free set is already the default)."""
     if not p.clipped or not engines:
         return None
     worst = max(r for d in p.clipped.values() for r in d.values())
-    items = [f"{s.upper()}{i}" for i, d in sorted(p.clipped.items()) for s in sorted(d)]
+    items = clipped_names(p)
     more = f" (+{len(items) - 8} more)" if len(items) > 8 else ""
-    # every --headroom >= 1 unclips (the floor is observed max / 448 x margin), so the suggestion is a
-    # modest margin within the bound --headroom accepts, never worst x 1.1 (which can exceed it)
     return (
-        f"calibration clipped {len(items)} K/V scales ({', '.join(items[:8])}{more}; observed max up to "
-        f"{worst:.2f}x the representable range) and {'/'.join(engines)} writes FP8 without saturating, so those "
-        f"values become NaN/Inf there; "
-        + ("re-export without --clipped-scales, or with --headroom 1.25 " if clipped_scales else
-           "they are kept as calibrated for vLLM, which saturates; for SGLang re-export with --headroom 1.25 ")
-        + "(scale >= observed max / 448 x margin)"
+        f"{len(items)} K/V scales clip values the calibration observed ({', '.join(items[:8])}{more}; observed max up "
+        f"to {worst:.2f}x the representable range): engines that saturate (vLLM, TensorRT-LLM) serve them as "
+        f"measured, but {'/'.join(engines)} casts to FP8 without saturating, so those values become NaN/Inf there; "
+        + ("for SGLang export with --clip-free (the clip-free scales the search measured)" if clip_free_flag else
+           "export without --clipped-scales for SGLang")
     )
+
+
+def clipped_names(p: PreparedScales) -> list[str]:
+    """``["K3", "V5", ...]``: the layer sides whose exported scale clips the recorded calibration absmax."""
+    return [f"{s.upper()}{i}" for i, d in sorted(p.clipped.items()) for s in sorted(d)]
+
+
+def set_figures(art: Artifact, which: str) -> dict | None:
+    """Mean over layers of the held-out errors the search recorded for one scale set (``"searched"``: the
+    artifact's scales, ``layers[i].{k,v}.heldout.chosen``; ``"clip_free"``: ``layers[i].{k,v}.clip_free.heldout``):
+    ``{"k": mean attention KL per query (nats), "v": mean relative attention-output error, "layers": n}``, or
+    ``None`` when some layer does not record it (an artifact of an older kvcal, or an integer artifact)."""
+    out = {"k": 0.0, "v": 0.0}
+    layers = [e for e in art.metadata.get("layers") or [] if isinstance(e, dict)]
+    if not layers:
+        return None
+    for e in layers:
+        for sd in ("k", "v"):
+            rec = e.get(sd) or {}
+            x = ((rec.get("heldout") or {}).get("chosen") if which == "searched" and isinstance(rec.get("heldout"), dict)
+                 else (rec.get("clip_free") or {}).get("heldout") if which == "clip_free" else None)
+            if not isinstance(x, (int, float)):
+                return None
+            out[sd] += float(x) / len(layers)
+    return {**out, "layers": len(layers)}
+
+
+def set_cost_line(art: Artifact) -> str | None:
+    """One line comparing the clip-free set with the searched one, from the recorded held-out figures
+    (:func:`set_figures`), or ``None`` when either is not recorded."""
+    a, b = set_figures(art, "searched"), set_figures(art, "clip_free")
+    if a is None or b is None:
+        return None
+
+    def rel(x, y):
+        return f"{(y / x - 1):+.1%}" if x > 0 else "n/a"
+    return (f"clip-free vs searched scales, held-out mean over {a['layers']} layers (measured by the search): K "
+            f"attention KL {b['k']:.3e} vs {a['k']:.3e} ({rel(a['k'], b['k'])}), V output error {b['v']:.3e} vs "
+            f"{a['v']:.3e} ({rel(a['v'], b['v'])})")
+
+
+def headroom_cost(art: Artifact, p: PreparedScales) -> str | None:
+    """What ``--headroom`` costs, from the calibration-split error the search recorded for every candidate
+    (``layers[i].{k,v}.candidates``, per-tensor searches): for each side it raised, the error at the raised scale
+    — read at the candidate of that scale (``headroom{m}`` for ``m`` in the search's grid, ``absmax`` for 1), else
+    interpolated linearly in log(scale) between the candidates around it — against the error at the scale it
+    replaced. Returns one line (mean and worst relative increase per side, and whether every figure was a
+    measured candidate), or ``None`` when nothing was raised or the artifact records no candidates (per-head
+    searches, older artifacts: the line then says to measure with ``kvcal evaluate``)."""
+    if not p.raised:
+        return None
+    conv = (FP8_E4M3FNUZ_MAX / FP8_E4M3_MAX) if p.format == "fp8_e4m3fnuz" else 1.0
+    stats = {e["layer"]: e for e in art.metadata.get("layers") or [] if isinstance(e, dict) and "layer" in e}
+    incs: dict[str, list[float]] = {"k": [], "v": []}
+    exact = True
+    for i, sides in sorted(p.raised.items()):
+        for sd in sides:
+            rec = stats.get(i, {}).get(sd) or {}
+            cand = rec.get("candidates")
+            if not isinstance(cand, dict) or p.granularity != "tensor":
+                return ("--headroom changed scales after the search and this artifact records no per-candidate "
+                        "errors to price it: measure the export with `kvcal evaluate --artifact OUT`")
+            pts = list(zip(cand["scale"], cand["calib"], strict=False))
+            served = float(getattr(p, sd)[i].max()) / conv
+            before = (float(torch.as_tensor(rec["clip_free"]["scale"]).max()) if p.source == "clip_free"
+                      and rec.get("clip_free") else float(art.scale(i, sd).max()))
+            hit = [e for sc, e in pts if abs(sc / served - 1) < 1e-5]
+            exact &= bool(hit)
+            e_srv = hit[0] if hit else _interp_log(pts, served)
+            e_own = next((e for sc, e in pts if abs(sc / before - 1) < 1e-5), _interp_log(pts, before))
+            if e_srv is not None and e_own:
+                incs[sd].append(e_srv / e_own - 1.0)
+    parts = [f"{sd.upper()} {'KL' if sd == 'k' else 'output error'} mean {sum(v) / len(v):+.1%}, worst "
+             f"{max(v):+.1%} ({len(v)} raised)" for sd, v in incs.items() if v]
+    if not parts:
+        return None
+    how = ("measured at the search's candidates of exactly these scales" if exact else
+           "interpolated between the search's candidates")
+    return (f"--headroom cost on the calibration split ({how}): {'; '.join(parts)} — these scales differ from the "
+            "measured artifact; `kvcal evaluate --artifact OUT` measures the export")
 
 
 def _interp_log(points: list[tuple[float, float]], x: float) -> float | None:
@@ -459,6 +554,12 @@ def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, lis
             pts = [(a, b) for a, b in pts if isinstance(b, (int, float))]
             e_own, e_srv = _interp_log(pts, own[sd] / conv), _interp_log(pts, served / conv)
             inc = (e_srv / e_own - 1.0) if e_own and e_srv is not None else None
+            sh = (stats.get(i, {}).get("shared") or {}).get(p.source) if not p.raised else None
+            if isinstance(sh, dict) and abs(sh.get("scale", 0) * conv / served - 1) < 1e-5:
+                own_h = ho.get("chosen") if p.source == "searched" else (rec.get("clip_free") or {}).get("heldout")
+                if isinstance(own_h, (int, float)) and own_h > 0:
+                    inc = sh["heldout"][sd] / own_h - 1.0
+                    row.setdefault("measured", {})[sd] = True
             row["est_error_increase"][sd] = inc
             if ratio > 1 + CLIP_RTOL:
                 costly.append((ratio, i, sd, inc))
@@ -470,8 +571,12 @@ def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, lis
                                                            if inc is not None else "")
                       for r, i, sd, inc in costly[:3])
     incs = [c[3] for c in costly if c[3] is not None]
-    est = (f"; estimated held-out attention error up to {max(incs):+.0%} on a side (interpolated from the search's "
-           "recorded candidates, not measured)" if incs else "")
+    measured = all(r.get("measured", {}).get(sd) for r in rows for sd in ("k", "v")
+                   if r["ratio"][sd] > 1 + CLIP_RTOL)
+    est = ((f"; held-out attention error up to {max(incs):+.0%} on a side (measured by the search at the shared "
+            "scale)" if measured else
+            f"; estimated held-out attention error up to {max(incs):+.0%} on a side (interpolated from the search's "
+            "recorded candidates, not measured)") if incs else "")
     line = (f"K and V share one scale per layer (max of the two): {len(costly)} of {p.num_layers} layers serve one side "
             f"with a coarser scale than calibrated for it — worst: {worst}{est}; per-layer figures under shared_scale "
             "in kvcal-export.json; --target vllm keeps separate K and V scales")

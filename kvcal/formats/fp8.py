@@ -27,6 +27,18 @@ FP8_E5M2 = FP8Format("fp8_e5m2", torch.float8_e5m2, 57344.0)
 FP8_FORMATS = {f.name: f for f in (FP8_E4M3, FP8_E4M3FNUZ, FP8_E5M2)}
 
 
+#: How a serving engine writes FP8 cache values, which decides whether a clipped scale is safe there. A static
+#: scale is searched for one of these (``calibration.cache_write`` in an artifact); sources: vLLM 0.33
+#: ``csrc/quantization/fp8`` (GPU: round to nearest, clamped to ±448), ``csrc/cpu/cpu_attn_fp8.hpp`` (CPU build:
+#: truncation toward zero), SGLang 0.5 ``(x / scale).to(float8)`` with no clamp (runtime-formats.md).
+CACHE_WRITES = {
+    "saturating": "round to nearest, saturating at the format's max (vLLM's GPU kernels, TensorRT-LLM, kvcal's "
+                  "runtime)",
+    "truncating": "round toward zero (vLLM's CPU build)",
+    "non-saturating": "round to nearest without saturating: a value above max x scale becomes NaN (SGLang)",
+}
+
+
 def get_fp8_format(name: str) -> FP8Format:
     """Look up an FP8 format by name; raises ``ValueError`` listing the valid names."""
     try:

@@ -265,11 +265,10 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                     notes.append(f"{src.model_id} is a GGUF model: kvcal export --model-dir needs its HF safetensors "
                                  "checkpoint; replace the --model-dir path with that one")
                 q = shlex.quote  # shell lines, pasted as they are printed (a path may hold spaces)
-                # the row was measured with the artifact's scales as calibrated; vLLM saturates, so its checkpoint
-                # keeps them (export's default raises clipped FP8 scales for SGLang; nvfp4 is never unclipped)
-                clipped = " --clipped-scales" if vllm_dtype(chosen["dtype"]).mode == "FP8_PER_TENSOR" else ""
+                # the row was measured with the artifact's scales as calibrated; export --target vllm writes exactly
+                # those by default (kvcal.export.export: the searched set for a saturating engine)
                 commands = {"export": f"kvcal export --artifact {q(str(Path(cfg.out) / artifact_of[chosen['dtype']]))} "
-                                      f"--target vllm --model-dir {q(str(model_dir))} --out {q(str(ck))}{clipped}",
+                                      f"--target vllm --model-dir {q(str(model_dir))} --out {q(str(ck))}",
                             "serve": f"vllm serve {q(str(ck))} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
             else:
                 commands = {"export": None, "serve": f"vllm serve {shlex.quote(str(serve_model))} --kv-cache-dtype "

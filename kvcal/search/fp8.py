@@ -31,7 +31,38 @@ def search_scales(cap: CaptureResult, fmt_name: str, per_head: bool, max_queries
         for side in ("k", "v"):
             st = getattr(cap.stats, side)[layer].finalize()
             row[side] = choose_static_fp8(calib, held, st["head_absmax"], side, fmt, per_head)
+        if not per_head:
+            row["shared"] = measure_shared(calib, held, row["k"], row["v"], fmt)
         out.append(row)
+    return out
+
+
+def measure_shared(calib: list, heldout: list, k, v, fmt) -> dict:
+    """What one scale per layer shared by K and V costs (``sglang-json``, ``trtllm-legacy``: ``max(k, v)``),
+    measured on the held-out split (the calibration split when there is none) with the objectives of the search:
+    ``{"searched": {...}, "clip_free": {...}}``, each ``{"scale": float, "heldout": {"k": KL per query, "v":
+    relative output error}}`` for ``max`` of the two sides' searched / clip-free per-tensor scales
+    (:class:`~kvcal.search.static_scales.ScaleChoice`, ``[1]``). A side whose own scale is the shared one
+    repeats its own figure (no extra evaluation)."""
+    import torch
+
+    from kvcal.search.static_scales import _side_errors
+
+    held = heldout if heldout else calib
+    out = {}
+    for which in ("searched", "clip_free"):
+        own = {"k": k, "v": v}
+        sc = {sd: (c.scale if which == "searched" else c.clip_free["scale"]).reshape(-1)[:1] for sd, c in own.items()}
+        shared = torch.maximum(sc["k"], sc["v"])
+        figs = {}
+        for sd, c in own.items():
+            if bool(sc[sd] >= shared):
+                figs[sd] = c.heldout["chosen"] if which == "searched" else c.clip_free["heldout"]
+                continue
+            cols = held[0].k.shape[0]  # [H_kv, T, D]: the per-tensor scale repeated per KV head
+            num, den = _side_errors(held, sd, shared.float().expand(1, cols).contiguous(), fmt)
+            figs[sd] = float(num.sum() / den.sum())
+        out[which] = {"scale": float(shared), "heldout": figs}
     return out
 
 
@@ -50,6 +81,14 @@ def plan_from_choices(rows: list[dict], fmt: str, granularity: str, num_kv_heads
             sides[side] = SidePlan(spec, scale=ch.scale.reshape(shape).float())
             lm[side] = {"scale": ch.scale.tolist(), "amax": ch.amax.tolist(), "clip_ratio": ch.clip_ratio.tolist(),
                         "candidate": ch.label, "heldout": ch.heldout, "calib": ch.calib}
+            if ch.clip_free is not None:
+                cf = ch.clip_free
+                lm[side]["clip_free"] = {"scale": cf["scale"].tolist(), "candidate": cf["label"],
+                                         "heldout": cf["heldout"], "calib": cf["calib"]}
+            if ch.candidates is not None:
+                lm[side]["candidates"] = ch.candidates
+        if r.get("shared"):
+            lm["shared"] = r["shared"]
         layers.append(LayerPlan(sides["k"], sides["v"]))
         layers_meta.append(lm)
     return KVPlan(layers), layers_meta

@@ -18,7 +18,7 @@ worse than either on held-out data. All three held-out figures are returned for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,45 @@ class ScaleChoice:
     heldout: dict[str, float]
     calib: dict[str, float]
     amax: torch.Tensor
+    #: the clip-free choice (:func:`clip_free_of`): ``{"scale": float32 [1]/[H_kv], "label": [...], "heldout":
+    #: float, "calib": float}`` (errors normalized as ``heldout``/``calib``) — what a non-saturating engine
+    #: (SGLang) is exported; the chosen scale itself where it clips nothing. ``None``: not searched.
+    clip_free: dict | None = field(default=None)
+    #: per-tensor searches: every candidate's calibration-split error, ``{"label": [...], "scale": [...],
+    #: "calib": [...]}`` (normalized as ``calib``), from which export prices a scale changed after the search
+    #: (``--headroom``: :func:`kvcal.export.base.headroom_cost`). ``None`` for per-head scales.
+    candidates: dict | None = field(default=None)
+
+
+def candidates_record(labels: list[str], scales: torch.Tensor, num_c: torch.Tensor, norm_c: float) -> dict:
+    """:attr:`ScaleChoice.candidates` of a per-tensor search: ``scales`` ``[C, H]`` (equal columns), ``num_c``
+    ``[C, H]`` summed calibration errors, ``norm_c`` the normalizer of the choice's ``calib`` figures."""
+    return {"label": list(labels), "scale": [float(x) for x in scales[:, 0].float()],
+            "calib": [float(x) / norm_c for x in num_c.sum(1)]}
+
+
+def clips(scale: torch.Tensor, amax: torch.Tensor, fmt_max: float) -> bool:
+    """Whether a static scale (``[1]`` or ``[H]``) saturates values the calibration observed: some
+    ``scale x fmt_max < amax`` (``amax`` shaped like ``scale``; relative tolerance 1e-6)."""
+    return bool((scale.double() * fmt_max < amax.double() * (1 - 1e-6)).any())
+
+
+def clip_free_of(choice: ScaleChoice, labels: list[str], scales: torch.Tensor, amax_cols: torch.Tensor,
+                 fmt_max: float, errors, calib, heldout, num_c: torch.Tensor, per_head: bool,
+                 norm_c: float, norm_h: float) -> dict:
+    """The ``clip_free`` record of a :class:`ScaleChoice`: the choice itself where it clips nothing, else the
+    search repeated over the clip-free candidates (:func:`kvcal.search.guard.clip_free_choice`). ``scales``
+    ``[C, H]``, ``amax_cols`` ``[H]``, ``num_c`` ``[C, H]`` the calibration errors the search computed;
+    ``norm_c``/``norm_h``: the normalizers of the choice's own figures (figure = column-summed error / norm)."""
+    from kvcal.search.guard import clip_free_choice
+
+    if not clips(choice.scale, choice.amax, fmt_max):
+        return {"scale": choice.scale.clone(), "label": list(choice.label), "heldout": choice.heldout["chosen"],
+                "calib": choice.calib["chosen"]}
+    pick = clip_free_choice(errors, calib, heldout, scales, amax_cols, fmt_max, num_c, per_head)
+    idx = pick.index if per_head else pick.index[:1]
+    return {"scale": pick.scale if per_head else pick.scale[:1], "label": [labels[i] for i in idx.tolist()],
+            "heldout": pick.heldout / norm_h, "calib": pick.calib / norm_c}
 
 
 def candidate_scales(amax: torch.Tensor, fmt: FP8Format, side: str,
@@ -140,5 +179,11 @@ def choose_static_fp8(
         lab = [labels[final]]
         amax_out = amax[:1].float()
     clip = (scale.double() * fmt.max / amax_out.double()).float()
-    return ScaleChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=heldout_fig,
-                      calib=calib_fig, amax=amax_out)
+    choice = ScaleChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=heldout_fig,
+                         calib=calib_fig, amax=amax_out)
+    choice.clip_free = clip_free_of(choice, labels, scales, amax.float(), fmt.max,
+                                    lambda caches, rows: _side_errors(caches, side, rows, fmt, fake_quant)[0],
+                                    calib, heldout, num_c, per_head, float(den_c.sum()), float(den_h.sum()))
+    if not per_head:
+        choice.candidates = candidates_record(labels, scales, num_c, float(den_c.sum()))
+    return choice

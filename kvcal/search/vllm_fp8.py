@@ -50,7 +50,13 @@ from kvcal.formats.vllm_dtypes import (
 )
 from kvcal.search.guard import guarded_tensor_choice
 from kvcal.search.objectives import SequenceCache, sequence_caches
-from kvcal.search.static_scales import ScaleChoice, candidate_scales, choose_static_fp8
+from kvcal.search.static_scales import (
+    ScaleChoice,
+    candidate_scales,
+    candidates_record,
+    choose_static_fp8,
+    clip_free_of,
+)
 
 #: vLLM dtypes whose static scales this module calibrates (queries quantized for both).
 SUPPORTED_DTYPES = ("fp8", "fp8_e4m3")
@@ -158,7 +164,16 @@ def _choose(calib, heldout, amax: torch.Tensor, side: str, which: str, other, qu
         lab = [labels[final]]
         amax_out = amax[:1].float()
     clip = (scale.double() * fmt.max / amax_out.double()).float()
-    return ScaleChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=fig_h, calib=fig_c, amax=amax_out)
+    choice = ScaleChoice(scale=scale.float(), label=lab, clip_ratio=clip, heldout=fig_h, calib=fig_c, amax=amax_out)
+    if which != "q":  # the cache's k/v scales: also the clip-free choice a non-saturating engine is exported
+        choice.clip_free = clip_free_of(
+            choice, labels, scales, amax.float(), fmt.max,
+            lambda caches, rows: _errors(caches, which, rows, other, quantize_other, backend),
+            calib, heldout, num_c if per_head else g.num_c, per_head,
+            den_c * (H if per_head else 1), den_h * (H if per_head else 1))
+        if not per_head:
+            choice.candidates = candidates_record(labels, scales, g.num_c, den_c)
+    return choice
 
 
 def choose_key_scale(calib: list[SequenceCache], heldout: list[SequenceCache], k_head_absmax: torch.Tensor,

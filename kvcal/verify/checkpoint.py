@@ -46,7 +46,7 @@ class Checkpoint:
 
 def from_recommend(path: Path, model_dir: str | None, work: Path, log=print) -> tuple[str, str, tuple[int, ...]]:
     """A ``kvcal recommend`` output ``path`` → ``(checkpoint dir, kv_cache_dtype, skip layers)`` to verify: the chosen
-    row's artifact exported into ``work`` with its export line's options (``--target vllm --clipped-scales``) and
+    row's artifact exported into ``work`` with its export line's options (``--target vllm``) and
     ``model_dir``, or, for a row at vLLM's default scales, ``model_dir`` itself. Raises :class:`KvcalError` when
     nothing was chosen, the chosen dtype is not a static FP8 one, or ``model_dir`` is missing."""
     try:
@@ -69,7 +69,7 @@ def from_recommend(path: Path, model_dir: str | None, work: Path, log=print) -> 
     from kvcal.export import export
 
     out = work / "recommend-export"
-    export(str(path / d["artifact"]), "vllm", str(out), model_dir=model_dir, clipped_scales=True)
+    export(str(path / d["artifact"]), "vllm", str(out), model_dir=model_dir)
     log(f"recommend chose {dtype} with calibrated scales: exported {path / d['artifact']} into a temporary checkpoint")
     return str(out), dtype, skip
 

@@ -144,9 +144,9 @@ def _export_options() -> set[str]:
 
 @pytest.mark.parametrize("vllm_calibrated, clipped_scales", [(True, False), (True, True), (False, True)])
 def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_calibrated, clipped_scales):
-    """Export suggests dropping --clipped-scales only when it was given (a `calibrate --engine vllm` artifact
-    keeps its clip by default without it); every option its messages name is one `kvcal export` has, and the
-    suggested --headroom is accepted."""
+    """A vLLM checkpoint whose searched scales clip names the flag that gives SGLang-safe scales (--clip-free),
+    never "drop --clipped-scales" (the searched scales are --target vllm's default whether or not it was given);
+    every option its messages name is one `kvcal export` has, and a suggested --headroom is accepted."""
     import re
 
     from helpers.export import make_artifact
@@ -161,7 +161,7 @@ def test_export_suggestions_name_only_flags_the_user_can_act_on(tmp_path, vllm_c
     res = export(art, "vllm", tmp_path / "out", clipped_scales=clipped_scales)
     text = "\n".join(res.warnings + res.notes)
     assert any("without saturating" in w for w in res.warnings)  # the clip is still reported for SGLang
-    assert ("without --clipped-scales" in text) == (clipped_scales and not vllm_calibrated), text
+    assert "--clip-free" in text and "without --clipped-scales" not in text, text
     # flags inside a quoted command of another subcommand (`kvcal calibrate ...`) are that command's, not export's
     own = re.sub(r"`kvcal (?!export)[a-z]+[^`]*`", "", text)
     assert set(re.findall(r"(?<!calibrate )(--[a-z][a-z-]+)", own)) <= _export_options(), text

@@ -365,15 +365,17 @@ def test_fnuz_artifact_exported_in_ocp_convention(tmp_path):
 
 
 def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
-    """Exporting clipped scales to SGLang JSON or vLLM warns about saturation and suggests --headroom
-    (TensorRT-LLM, which saturates, does not); --headroom 1.1 gives scales >= amax/448 x 1.1 and no warning;
-    headroom below 1, above 16, inf or NaN is refused and writes nothing; 16 is accepted."""
+    """Clipped scales that SGLang would load (sglang-json with --clipped-scales; a per-tensor vllm checkpoint,
+    whose default is the searched scales) are warned about, naming the fix that flag's target has (drop
+    --clipped-scales / --clip-free); TensorRT-LLM, which saturates, is not warned; --headroom 1.1 gives scales >=
+    amax/448 x 1.1 and no warning; headroom below 1, above 16, inf or NaN is refused and writes nothing; 16 is
+    accepted."""
     path, truth = make_artifact(tmp_path / "art", clip=0.8)  # calibration clipped 20% of the range
     res = export(path, "sglang-json", tmp_path / "a", clipped_scales=True)  # opted into the clipped scales
     warn = [w for w in res.warnings if "without saturating" in w]
-    assert warn and "--headroom" in warn[0]
-    assert [w for w in export(path, "vllm", tmp_path / "b", clipped_scales=True).warnings
-            if "without saturating" in w]  # SGLang loads this checkpoint too
+    assert warn and "without --clipped-scales" in warn[0]
+    warn = [w for w in export(path, "vllm", tmp_path / "b").warnings if "without saturating" in w]
+    assert warn and "--clip-free" in warn[0]  # SGLang loads this checkpoint too
     assert not export(path, "trtllm-legacy", tmp_path / "c").warnings  # TensorRT-LLM saturates
     res = export(path, "sglang-json", tmp_path / "d", headroom=1.1)
     assert not res.warnings
@@ -747,53 +749,65 @@ def test_sglang_json_leaves_out_kv_scales_already_in_the_checkpoint(tmp_path, ar
 # ---- the SGLang path is safe by default; single-scale exports report their cost ---------------
 
 
-def test_sglang_loaded_exports_are_unclipped_by_default(tmp_path):
-    """Every target SGLang loads (sglang-json, per-tensor vllm) exports scales >= calibration max / 448 unless
-    --clipped-scales is given: SGLang casts to FP8 without saturating, so a value between a clipped scale x 448
-    and the calibration max would become NaN. TensorRT-LLM (saturating) keeps the calibrated clip."""
+def test_exports_write_the_searched_scales_and_sglang_gets_the_clip_free_ones(tmp_path):
+    """The targets of saturating engines (vllm, modelopt, trtllm-legacy) write exactly the searched scales, the
+    artifact's tensors, by default — the scales calibrate measured. sglang-json, read only by SGLang (which casts
+    without saturating), writes the clip-free set; an artifact recording none gets the amax rule (amax / 448, the
+    search's absmax candidate) on its clipped sides, and the note says so. A vllm checkpoint whose scales clip
+    records the NaN risk in kvcal-export.json (engines, the clipped sides); --clip-free gives it SGLang-safe
+    scales; --clipped-scales keeps sglang-json's searched scales (warned); the two flags together are refused."""
     path, truth = make_artifact(tmp_path / "art", clip=0.8)
+    v = export(path, "vllm", tmp_path / "v")
+    t = tensors_in(v.out / SCALES_SHARD)
+    for i in range(L):
+        for side in ("k", "v"):
+            assert torch.equal(t[vllm_names(i)[side]].reshape(-1), truth[(i, side)][0].reshape(-1))  # bit for bit
+    manifest = json.loads((tmp_path / "v" / "kvcal-export.json").read_text())
+    assert manifest["scales"] == "searched"
+    assert manifest["nan_risk"]["engines"] == ["SGLang"]
+    assert manifest["nan_risk"]["scales"] == [f"{s}{i}" for i in range(L) for s in ("K", "V")]
+    assert manifest["nan_risk"]["worst_ratio"] == pytest.approx(1 / 0.8, rel=1e-5)  # amax / (0.8 amax), float32
     res = export(path, "sglang-json", tmp_path / "sj")
     assert not [w for w in res.warnings if "without saturating" in w]
-    assert any("unclipped by default" in n for n in res.notes)
+    assert any("amax rule" in n for n in res.notes)
     doc = json.loads((tmp_path / "sj" / "kv_cache_scales.json").read_text())
     for i in range(L):
         amax = max(max(truth[(i, "k")][1]), max(truth[(i, "v")][1]))  # the K/V max, observed in calibration
         # float32 scale: amax / 448 rounded to nearest, so allow one float32 ulp below it
         assert doc["kv_cache"]["scaling_factor"]["0"][str(i)] >= amax / 448 * (1 - 2**-23)
-    t = tensors_in(export(path, "vllm", tmp_path / "v").out / SCALES_SHARD)
+    assert json.loads((tmp_path / "sj" / "kvcal-export.json").read_text())["nan_risk"] is None
+    cf = tensors_in(export(path, "vllm", tmp_path / "vcf", clip_free=True).out / SCALES_SHARD)
     for i in range(L):
         for side in ("k", "v"):
-            assert float(t[vllm_names(i)[side]]) >= max(truth[(i, side)][1]) / 448 * (1 - 2**-23)
+            assert float(cf[vllm_names(i)[side]]) >= max(truth[(i, side)][1]) / 448 * (1 - 2**-23)
     clipped = export(path, "sglang-json", tmp_path / "sj2", clipped_scales=True)
     for i in range(L):  # opted in: exactly the calibrated max(k, v)
         assert clipped.tensors[str(i)].item() == float(torch.maximum(truth[(i, "k")][0], truth[(i, "v")][0]))
     trt = export(path, "trtllm-legacy", tmp_path / "trt")
     assert trt.tensors["transformer.layers.0.attention.kv_cache_scaling_factor"].item() == float(
         torch.maximum(truth[(0, "k")][0], truth[(0, "v")][0]))
-    manifest = json.loads((tmp_path / "sj" / "kvcal-export.json").read_text())
-    assert manifest["scales"].startswith("unclipped for SGLang")
+    with pytest.raises(ExportError, match="give one"):
+        export(path, "vllm", tmp_path / "both", clip_free=True, clipped_scales=True)
+    assert not (tmp_path / "both").exists()
     r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "sglang-json", "--out",
                                   str(tmp_path / "cli"), "--clipped-scales"])
     assert r.exit_code == 0 and "without saturating" in r.output
 
 
-def test_headroom_suggestion_is_one_headroom_accepts(tmp_path):
-    """Export suggests at least one `--headroom` value (here for scales 20x below the observed max); every one
-    is accepted by --headroom (its bound is 16), and the export it gives serves every layer at a scale that
-    covers the observed max(K, V) x the margin, without the saturation warning."""
+def test_clip_free_suggestion_removes_the_nan_risk(tmp_path):
+    """The flag the vllm export's NaN warning suggests (--clip-free) is one export accepts, and the checkpoint it
+    gives serves every side at a scale covering the observed max (here for searched scales 20x below it), with no
+    warning."""
     path, truth = make_artifact(tmp_path / "art", clip=0.05)
-    res = export(path, "sglang-json", tmp_path / "a", clipped_scales=True)
+    res = export(path, "vllm", tmp_path / "a")
     warn = next(w for w in res.warnings if "without saturating" in w)
-    suggested = re.findall(r"--headroom ([0-9.e+]+)", warn)
-    assert suggested, warn
-    for m in suggested:
-        h = export(path, "sglang-json", tmp_path / f"h{m}", headroom=float(m))  # raises if out of bounds
-        assert not [w for w in h.warnings if "without saturating" in w], h.warnings
-        for i in range(L):
-            amax = max(max(truth[(i, "k")][1]), max(truth[(i, "v")][1]))
-            # export computes amax / 448 x margin in float32: two roundings, each within 2^-24 relative, so
-            # allow 2^-22 below the float64 product; a scale still clipped at 0.05 x amax is 20x below it
-            assert h.tensors[str(i)].item() >= amax / 448 * float(m) * (1 - 2**-22), (m, i)
+    assert "--clip-free" in warn
+    h = export(path, "vllm", tmp_path / "cf", clip_free=True)
+    assert not [w for w in h.warnings if "without saturating" in w], h.warnings
+    t = tensors_in(h.out / SCALES_SHARD)
+    for i in range(L):
+        for side in ("k", "v"):  # amax / 448 in float32: one rounding, within 2^-24 relative
+            assert float(t[vllm_names(i)[side]]) >= max(truth[(i, side)][1]) / 448 * (1 - 2**-23), (i, side)
 
 
 def test_single_scale_targets_report_the_shared_scale_cost(tmp_path):
