@@ -452,6 +452,18 @@ def _add_manifest_notes(d: Path, ins: Inspection) -> None:
         ins.notes.append(f"exported by kvcal {m.get('kvcal_version')} for target {m.get('target')} from "
                          f"{m.get('source_format')} per-{m.get('granularity')} artifact {m.get('artifact')}")
         ins.notes += [f"export warning: {w}" for w in m.get("warnings", [])]
+        risk = m.get("nan_risk")
+        if isinstance(risk, dict) and risk.get("scales"):  # kvcal.export.export: clipping scales SGLang would load
+            sides = [str(x) for x in risk["scales"]]
+            line = (f"{len(sides)} K/V scales clip values the calibration observed ({', '.join(sides[:6])}"
+                    f"{', ...' if len(sides) > 6 else ''}; up to {risk.get('worst_ratio')}x): SGLang casts to FP8 "
+                    "without saturating and turns those values into NaN — export with --clip-free for SGLang")
+            for name in risk.get("engines") or []:
+                if name in ins.engines:
+                    ins.engines[name].problems.append(line)
+                    break
+            else:
+                ins.notes.append(line)
         skip = m.get("kv_cache_dtype_skip_layers")
         if isinstance(skip, list) and skip:  # recorded by export --target vllm from the artifact's vllm.skip_layers
             ins.notes.append(f"serve with --kv-cache-dtype {m.get('kv_cache_dtype')} --kv-cache-dtype-skip-layers "

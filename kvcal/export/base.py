@@ -394,8 +394,8 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
             p.q[i] = q.detach().to(torch.float32).clone() * conv
     no_amax = all(p.amax[i][s] is None for i in range(n) for s in ("k", "v"))
     if clip_free:
-        notes.append(f"--clip-free: the clip-free scales the search chose (nothing the calibration observed "
-                     f"saturates), {changed} of {2 * n} different from the searched ones"
+        notes.append(f"{changed} of {2 * n} clip-free scales differ from the searched ones (the searched scale clips "
+                     "there)"
                      + (f"; {amax_rule} side(s) of an artifact that records no clip-free choice get the amax rule "
                         "(observed max / 448, the search's absmax candidate)" if amax_rule else ""))
     if headroom is not None:
@@ -567,7 +567,8 @@ def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, lis
     if not costly:
         return None, rows
     costly.sort(reverse=True)
-    worst = ", ".join(f"layer {i} {sd.upper()} {r:.1f}x" + (f" (est. held-out attention error {inc:+.0%})"
+    how = {(r["layer"], sd): "" if r.get("measured", {}).get(sd) else "est. " for r in rows for sd in ("k", "v")}
+    worst = ", ".join(f"layer {i} {sd.upper()} {r:.1f}x" + (f" ({how[(i, sd)]}held-out attention error {inc:+.0%})"
                                                            if inc is not None else "")
                       for r, i, sd, inc in costly[:3])
     incs = [c[3] for c in costly if c[3] is not None]

@@ -54,6 +54,33 @@ def shrink_kv(model_dir: Path, out_dir: Path, factor: float = 2.0 ** -7) -> Path
     return out_dir
 
 
+def offset_keys(model_dir: Path, layers=(0, 1), channels: int = 4, offset: float = 40.0, seed: int = 0) -> Path:
+    """Give the tiny Llama in ``model_dir`` (saved with ``attention_bias=True``) large per-channel key offsets in
+    ``layers``, as q/k projection biases produce in real models (Qwen2-style): ``channels`` channels of each KV
+    head's ``k_proj`` bias set to ``±offset`` (seeded signs and channels), the rest of the weights unchanged. The
+    keys of those layers then have a range set by the offsets, far above their spread — the early-layer keys that
+    per-tensor FP8 serves worst. Edits ``model.safetensors`` in place; returns ``model_dir``."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    f = Path(model_dir) / "model.safetensors"
+    w = load_file(f)
+    g = torch.Generator().manual_seed(seed)
+    for i in layers:
+        b = w[f"model.layers.{i}.self_attn.k_proj.bias"].clone()
+        for h in range(cfg["num_key_value_heads"]):
+            ch = torch.randperm(hd, generator=g)[:channels]
+            sign = torch.randint(0, 2, (channels,), generator=g).float() * 2 - 1
+            b[h * hd + ch] = sign * offset
+        w[f"model.layers.{i}.self_attn.k_proj.bias"] = b
+    save_file(w, f, metadata={"format": "pt"})
+    return Path(model_dir)
+
+
 #: a tiny Gemma 3 (Gemma3ForCausalLM): 4 layers, sliding window 8 on layers 0, 1, 3 and a global layer 2, one KV
 #: head x head_dim 32, q/k-norm (Gemma3Attention always has them), 256 positions
 TINY_GEMMA3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,

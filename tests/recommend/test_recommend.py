@@ -144,22 +144,21 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_small_kv
     art = load_artifact(out / "artifact")
     assert all(f"model.layers.{i}.self_attn.q_scale" in art.tensors for i in range(L))
     assert doc["commands"]["export"] == (f"kvcal export --artifact {out / 'artifact'} --target vllm --model-dir "
-                                         f"{tiny_small_kv} --out {out / 'checkpoint'} --clipped-scales")
+                                         f"{tiny_small_kv} --out {out / 'checkpoint'}")
     assert doc["commands"]["serve"] == f"vllm serve {out / 'checkpoint'} --kv-cache-dtype fp8"
     # the row was measured with the artifact's scales as calibrated (some clipped below the calibration max / 448);
-    # the export line puts exactly those into the checkpoint vLLM (which saturates) loads, not export's
-    # SGLang-safe unclipped default
+    # the export line (export's default for --target vllm) puts exactly those into the checkpoint vLLM loads
     r = CliRunner().invoke(main, shlex.split(doc["commands"]["export"])[1:])
     assert r.exit_code == 0, r.output
     ck = safetensors_dir(out / "checkpoint")
     names = [f"model.layers.{i}.self_attn.{s}_scale" for i in range(L) for s in "kvq"]
     differ = [n for n in names if not torch.equal(ck[n].float().reshape(-1), art.tensors[n].float().reshape(-1))]
     assert differ == [], (differ, r.output)
-    # export's default for an artifact calibrated for vLLM keeps them too (no SGLang unclipping) ...
-    res = export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_small_kv))
+    # export's default through the API is the same searched set ...
+    export(str(out / "artifact"), "vllm", str(tmp_path / "default"), model_dir=str(tiny_small_kv))
     dflt = safetensors_dir(tmp_path / "default")
     assert all(torch.equal(dflt[n], ck[n]) for n in names)
-    assert any("kept as calibrated" in n for n in res.notes)
+    assert json.loads((tmp_path / "default" / "kvcal-export.json").read_text())["scales"] == "searched"
     # ... and the check has teeth: unclipped (--headroom 1.0: every scale >= calibration max / 448) raises at least
     # one of these scales on this model
     export(str(out / "artifact"), "vllm", str(tmp_path / "unclipped"), model_dir=str(tiny_small_kv), headroom=1.0)

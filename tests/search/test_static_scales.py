@@ -131,3 +131,70 @@ def test_heldout_figures_are_recomputable():
     # the same float32 per-sequence errors, summed in float64 in another order: ≤ a few eps64 apart; 1e-6 also
     # absorbs the float32 → Python float path (one rounding, eps32/2 = 6e-8). Another scale is ≥ 1e-2 off
     assert math.isclose(ch.heldout["chosen"], num / den, rel_tol=1e-6)
+
+
+# ---- the clip-free choice (what a non-saturating engine, SGLang, is exported) ----------------------------------
+
+
+def test_clip_free_choice_by_hand():
+    """clip_free_choice keeps only rows whose scale x 448 covers each column's amax (the amax rule always), takes
+    the calibration best among them, then the lower held-out error of {that, the amax rule}. Hand-made errors:
+    per tensor the calibration best overall (row 2, clips) is excluded and row 3 (headroom, clip-free) wins over
+    the amax rule on held-out; per head, column 1's best clip-free row loses to the amax rule on held-out."""
+    from kvcal.search.guard import clip_free_choice
+
+    amax = torch.tensor([448.0, 448.0])
+    scales = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.9, 0.9], [1.25, 1.25]], dtype=torch.float64)  # [C=4, H=2]
+    scales[1] = 0.5  # a clipping row
+    num_c = torch.tensor([[4.0, 4.0], [9.0, 9.0], [1.0, 1.0], [2.0, 2.0]], dtype=torch.float64)
+    held_err = {1.0: torch.tensor([3.0, 1.0]), 1.25: torch.tensor([2.0, 5.0])}  # per scale, per column
+
+    def errors(caches, rows):
+        return torch.stack([held_err[float(r[0])] for r in rows]).double()
+
+    p = clip_free_choice(errors, ["c"], [], scales, amax, 448.0, num_c, per_head=False)
+    # per tensor: rows 0 (sum 8) and 3 (sum 4) are clip-free; 3 wins on calibration; held-out 7 (row 3) vs 4 (row 0)
+    assert p.index.tolist() == [0, 0] and p.heldout == 4.0 and p.calib == 8.0
+    assert torch.equal(p.scale, torch.tensor([1.0, 1.0]))
+    p = clip_free_choice(errors, ["c"], [], scales, amax, 448.0, num_c, per_head=True)
+    # per head: row 3 best clip-free in each column; held-out column 0: 2 (row 3) < 3 (row 0); column 1: 5 > 1
+    assert p.index.tolist() == [3, 0] and p.heldout == 2.0 + 1.0 and p.calib == 2.0 + 4.0
+    assert torch.equal(p.scale, torch.tensor([1.25, 1.0]))
+
+
+def test_clip_free_scale_never_clips_and_its_figure_is_recomputable():
+    """With one key outlier the search may clip it; the recorded clip-free scale never clips the calibration amax
+    (scale x 448 >= amax), equals the chosen scale wherever that clips nothing, and its recorded held-out KL
+    equals the KL recomputed from key_kl sums with that scale (rel 1e-6: float32 per-sequence sums added in
+    float64 in another order plus one float32 rounding, as test_heldout_figures_are_recomputable). The caches make
+    clipping win: key channel 0 carries a 50.0 outlier that no query reads (their channel 0 is 0), so saturating it
+    costs no score while the other keys (~1e-3, e4m3 subnormals at amax / 448) gain resolution."""
+    def seqs(seed, n):
+        out = []
+        for c in _seqs(seed, n):
+            q, k = c.q.clone(), c.k.clone()
+            q[:, :, 0] = 0.0
+            k[:, :, 0] = 50.0
+            out.append(SequenceCache(q, k, c.v, 0.25, None))
+        return out
+
+    calib, held = seqs(4, 4), seqs(5, 2)
+    amax = torch.stack([torch.stack([c.k[h].abs().max() for c in calib]).max() for h in range(2)])
+    for per_head in (False, True):
+        ch = choose_static_fp8(calib, held, amax, "k", FP8_E4M3, per_head)
+        assert any(lab.startswith("clip") for lab in ch.label), ch.label  # the searched scale clips here
+        cf = ch.clip_free
+        cover = amax if per_head else amax.max().reshape(1)
+        assert bool((cf["scale"].double() * 448 >= cover.double() * (1 - 1e-6)).all())
+        if bool((ch.scale.double() * 448 >= cover.double() * (1 - 1e-6)).all()):
+            assert torch.equal(cf["scale"], ch.scale)
+        num = 0.0
+        s = cf["scale"].view(-1, 1, 1) if per_head else cf["scale"].view(1, 1, 1)
+        for c in held:
+            num += float(c.key_kl(fake_quant_fp8(c.k, s, FP8_E4M3)).sum())
+        assert math.isclose(cf["heldout"], num / (sum(c.num_queries for c in held) * 2), rel_tol=1e-6)
+    assert ch.candidates is None  # per-head searches record no per-candidate table
+    ch = choose_static_fp8(calib, held, amax, "k", FP8_E4M3, False)
+    assert not any(lab.startswith("clip") for lab in ch.clip_free["label"])
+    labels, s = candidate_scales(amax.max().expand(2).double(), FP8_E4M3, "k")
+    assert ch.candidates["label"] == labels and ch.candidates["scale"] == [float(x) for x in s[:, 0].float()]

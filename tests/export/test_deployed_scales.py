@@ -1,0 +1,146 @@
+"""What a user deploys is what kvcal measured (issue 38): for every export target, the default export writes the
+scale set the search chose and measured for that engine's cache write — read back here from the written files,
+independently of kvcal's exporters — on a real calibration of a tiny Llama whose first layers' keys carry large
+per-channel offsets (helpers.models.offset_keys), where the search clips some scales."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.models import TINY_LLAMA_16, offset_keys, safetensors_dir, save_tiny_llama
+
+from kvcal.artifact import load_artifact
+from kvcal.export import export
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT = REPO / "calibration_sets" / "chat.jsonl"
+L = 4
+
+
+@pytest.fixture(scope="module")
+def offset_model(tmp_path_factory, smollm_tokenizer) -> Path:
+    cfg = {**TINY_LLAMA_16, "num_hidden_layers": L}
+    d = save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-offset-keys", vocab_size=len(smollm_tokenizer),
+                        attention_bias=True, **cfg)
+    return offset_keys(d, layers=(0, 1))
+
+
+@pytest.fixture(scope="module")
+def offset_artifact(offset_model, tmp_path_factory) -> Path:
+    from kvcal.calibrate import CalibrateConfig, calibrate
+
+    out = tmp_path_factory.mktemp("offset-art") / "art"
+    calibrate(CalibrateConfig(corpus=str(CHAT), out=str(out), model=str(offset_model), max_samples=12,
+                              max_seq_len=96, batch_size=2, reservoir=3, heldout_reservoir=2, max_queries=16),
+              log=lambda s: None, progress=False)
+    return out
+
+
+def _recorded(art, which: str) -> dict:
+    """layer -> side -> the recorded float32 scale of one set ("searched": the artifact's tensors; "clip_free")."""
+    out = {}
+    for lm in art.metadata["layers"]:
+        i = lm["layer"]
+        out[i] = {s: (art.scale(i, s).reshape(-1) if which == "searched" else
+                      torch.tensor(lm[s]["clip_free"]["scale"], dtype=torch.float32)) for s in "kv"}
+    return out
+
+
+def test_the_search_clips_here_and_records_both_sets(offset_artifact):
+    """The calibration this file's tests stand on: the search clipped at least one scale (so the searched and the
+    clip-free sets differ and a raise after the search would show), every clip-free scale covers the recorded
+    calibration amax (x 448, float32 rounding: relative 1e-6), and the cache write searched for is recorded."""
+    art = load_artifact(offset_artifact)
+    assert art.metadata["calibration"]["cache_write"] == "saturating"
+    searched, free = _recorded(art, "searched"), _recorded(art, "clip_free")
+    clipped = [(i, s) for i in range(L) for s in "kv" if not torch.equal(searched[i][s], free[i][s])]
+    assert clipped, "no scale clipped: the tests below would not tell a raised export from the searched one"
+    for lm in art.metadata["layers"]:
+        for s in "kv":
+            assert float(free[lm["layer"]][s].max()) * 448 >= max(lm[s]["amax"]) * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("target", ["vllm", "modelopt", "trtllm-legacy", "sglang-json"])
+def test_default_export_writes_the_measured_set(offset_artifact, offset_model, tmp_path, target):
+    """Per target, the default export (no flag) writes exactly the set its manifest names and the search measured:
+    the searched scales for the saturating engines' targets (vllm, modelopt: each K and V scale bit for bit;
+    trtllm-legacy: max(K, V) per layer, as its one shared scale), the clip-free scales for sglang-json (max(K, V) of
+    the clip-free set). The shared targets' cost is the search's measurement at exactly that shared scale
+    (layers[i].shared), not an interpolation."""
+    art = load_artifact(offset_artifact)
+    which = "clip_free" if target == "sglang-json" else "searched"
+    rec = _recorded(art, which)
+    model_dir = None if target == "trtllm-legacy" else str(offset_model)
+    res = export(str(offset_artifact), target, tmp_path / "out", model_dir=model_dir)
+    man = json.loads((tmp_path / "out" / "kvcal-export.json").read_text())
+    assert man["scales"] == which and man["cache_write"] == "saturating"
+    if target in ("vllm", "modelopt"):
+        t = safetensors_dir(tmp_path / "out")
+        fmt = ("model.layers.{i}.self_attn.{s}_scale" if target == "vllm" else
+               "model.layers.{i}.self_attn.{s}_proj.{s}_scale")
+        for i in range(L):
+            for s in "kv":
+                assert torch.equal(t[fmt.format(i=i, s=s)].float().reshape(-1), rec[i][s]), (i, s)
+        return
+    if target == "sglang-json":
+        doc = json.loads((tmp_path / "out" / "kv_cache_scales.json").read_text())
+        written = [doc["kv_cache"]["scaling_factor"]["0"][str(i)] for i in range(L)]
+    else:
+        from safetensors.torch import load_file
+
+        t = {}
+        for f in (tmp_path / "out").glob("*.safetensors"):
+            t.update(load_file(f))
+        written = [float(t[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]) for i in range(L)]
+    for i in range(L):
+        shared = float(torch.maximum(rec[i]["k"], rec[i]["v"]))
+        assert written[i] == shared, (i, written[i], shared)
+        assert art.metadata["layers"][i]["shared"][which]["scale"] == shared
+    rows = man["shared_scale"]
+    assert all(r.get("measured", {}).get(s) for r in rows for s in "kv" if r["ratio"][s] > 1 + 1e-5)
+    assert not any("not measured" in n for n in res.notes + res.warnings)
+
+
+def test_clip_free_flag_gives_sglang_safe_vllm_checkpoint(offset_artifact, offset_model, tmp_path):
+    """--clip-free writes the recorded clip-free set into a vllm checkpoint (bit for bit), reports its measured cost
+    against the searched set, and clears the NaN risk the default checkpoint records for SGLang."""
+    art = load_artifact(offset_artifact)
+    dflt = export(str(offset_artifact), "vllm", tmp_path / "d", model_dir=str(offset_model))
+    assert json.loads((tmp_path / "d" / "kvcal-export.json").read_text())["nan_risk"]["engines"] == ["SGLang"]
+    assert any("--clip-free" in w for w in dflt.warnings)
+    res = export(str(offset_artifact), "vllm", tmp_path / "cf", model_dir=str(offset_model), clip_free=True)
+    t = safetensors_dir(tmp_path / "cf")
+    rec = _recorded(art, "clip_free")
+    for i in range(L):
+        for s in "kv":
+            assert torch.equal(t[f"model.layers.{i}.self_attn.{s}_scale"].float().reshape(-1), rec[i][s])
+    man = json.loads((tmp_path / "cf" / "kvcal-export.json").read_text())
+    assert man["scales"] == "clip_free" and man["nan_risk"] is None
+    assert any(n.startswith("clip-free vs searched scales") for n in res.notes)
+
+
+def test_headroom_prints_its_measured_cost(offset_artifact, tmp_path):
+    """--headroom 1.25 changes scales after the search, and export prints what that costs from the calibration-split
+    errors the search recorded at exactly those scales (the headroom1.25 candidate): the printed mean relative
+    increase per side equals the one recomputed here from layers[i].{k,v}.candidates."""
+    import re
+
+    art = load_artifact(offset_artifact)
+    res = export(str(offset_artifact), "vllm", tmp_path / "h", headroom=1.25)
+    line = next(n for n in res.notes if n.startswith("--headroom cost"))
+    assert "measured at the search's candidates of exactly these scales" in line
+    incs = {"k": [], "v": []}
+    for lm in art.metadata["layers"]:
+        for s in "kv":
+            c = lm[s]["candidates"]
+            own = float(art.scale(lm["layer"], s).reshape(-1)[0])
+            if max(lm[s]["amax"]) / 448 * 1.25 > own:  # raised to the headroom1.25 candidate
+                e = dict(zip(c["label"], c["calib"], strict=True))
+                incs[s].append(e["headroom1.25"] / lm[s]["calib"]["chosen"] - 1)
+    for s, word in (("k", "K KL"), ("v", "V output error")):
+        if incs[s]:
+            m = re.search(word + r" mean ([+-][0-9.]+)%", line)
+            assert m and abs(float(m.group(1)) - 100 * sum(incs[s]) / len(incs[s])) <= 0.05 + 1e-9, line
