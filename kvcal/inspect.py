@@ -460,7 +460,7 @@ def _add_manifest_notes(d: Path, ins: Inspection) -> None:
                     "without saturating and turns those values into NaN — export with --clip-free for SGLang")
             for name in risk.get("engines") or []:
                 if name in ins.engines:
-                    ins.engines[name].problems.append(line)
+                    ins.engines[name].notes.append(line)  # loaded, but NaN where the scales clip
                     break
             else:
                 ins.notes.append(line)

@@ -148,8 +148,8 @@ def export(
     ctx.warnings += ckpt_warnings
     engines = t.non_saturating if per_tensor and prep.format != "nvfp4" else ()
     warn = clipping_warning(prep, engines, clip_free_flag=not sglang_only)
-    if warn:
-        ctx.warnings.append(warn)
+    if warn:  # a warning where SGLang is the target's engine; a note where it is another engine that can load it
+        (ctx.warnings if sglang_only else ctx.notes).append(warn)
     nan_risk = ({"engines": list(engines), "scales": clipped_names(prep),
                  "worst_ratio": round(max(r for d in prep.clipped.values() for r in d.values()), 4)}
                 if warn else None)

@@ -106,11 +106,17 @@ def test_default_export_writes_the_measured_set(offset_artifact, offset_model, t
 
 def test_clip_free_flag_gives_sglang_safe_vllm_checkpoint(offset_artifact, offset_model, tmp_path):
     """--clip-free writes the recorded clip-free set into a vllm checkpoint (bit for bit), reports its measured cost
-    against the searched set, and clears the NaN risk the default checkpoint records for SGLang."""
+    against the searched set, and clears the NaN risk the default checkpoint records for SGLang (in
+    kvcal-export.json, export's output and kvcal inspect's SGLang row)."""
     art = load_artifact(offset_artifact)
     dflt = export(str(offset_artifact), "vllm", tmp_path / "d", model_dir=str(offset_model))
     assert json.loads((tmp_path / "d" / "kvcal-export.json").read_text())["nan_risk"]["engines"] == ["SGLang"]
-    assert any("--clip-free" in w for w in dflt.warnings)
+    assert any("--clip-free" in n for n in dflt.notes)
+    assert not [w for w in dflt.warnings if "without saturating" in w]
+    from kvcal.inspect import inspect_path
+
+    sg = inspect_path(tmp_path / "d").engines["SGLang"]  # loaded, and inspect says where it turns into NaN
+    assert any("NaN" in n and "--clip-free" in n for n in sg.notes), sg.notes
     res = export(str(offset_artifact), "vllm", tmp_path / "cf", model_dir=str(offset_model), clip_free=True)
     t = safetensors_dir(tmp_path / "cf")
     rec = _recorded(art, "clip_free")
@@ -119,6 +125,7 @@ def test_clip_free_flag_gives_sglang_safe_vllm_checkpoint(offset_artifact, offse
             assert torch.equal(t[f"model.layers.{i}.self_attn.{s}_scale"].float().reshape(-1), rec[i][s])
     man = json.loads((tmp_path / "cf" / "kvcal-export.json").read_text())
     assert man["scales"] == "clip_free" and man["nan_risk"] is None
+    assert not any("NaN" in n for n in inspect_path(tmp_path / "cf").engines["SGLang"].notes)
     assert any(n.startswith("clip-free vs searched scales") for n in res.notes)
 
 
