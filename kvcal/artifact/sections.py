@@ -105,4 +105,24 @@ def vllm_section(meta: dict) -> VllmSection | None:
     )
 
 
-__all__ = ["VllmSection", "vllm_section"]
+def set_figures(meta: dict, which: str) -> dict | None:
+    """Mean over layers of the held-out errors the search recorded for one scale set (``"searched"``: the
+    artifact's scales, ``layers[i].{k,v}.heldout.chosen``; ``"clip_free"``: ``layers[i].{k,v}.clip_free.heldout``):
+    ``{"k": mean attention KL per query (nats), "v": mean relative attention-output error, "layers": n}``, or
+    ``None`` when some layer does not record it (an artifact of an older kvcal, or an integer artifact)."""
+    out = {"k": 0.0, "v": 0.0}
+    layers = [e for e in meta.get("layers") or [] if isinstance(e, dict)]
+    if not layers:
+        return None
+    for e in layers:
+        for sd in ("k", "v"):
+            rec = e.get(sd) or {}
+            x = ((rec.get("heldout") or {}).get("chosen") if which == "searched" and isinstance(rec.get("heldout"), dict)
+                 else (rec.get("clip_free") or {}).get("heldout") if which == "clip_free" else None)
+            if not isinstance(x, (int, float)):
+                return None
+            out[sd] += float(x) / len(layers)
+    return {**out, "layers": len(layers)}
+
+
+__all__ = ["VllmSection", "vllm_section", "set_figures"]

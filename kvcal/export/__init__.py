@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvcal import __version__
 from kvcal.artifact import Artifact, load_artifact
+from kvcal.artifact.sections import set_figures
 from kvcal.export import modelopt, sglang, trtllm, vllm  # noqa: F401  (register the targets)
 from kvcal.export.base import (
     MANIFEST,
@@ -38,7 +39,6 @@ from kvcal.export.base import (
     headroom_cost,
     prepare_scales,
     set_cost_line,
-    set_figures,
     stage_output,
     target_names,
     targets_that_can_load,
@@ -119,7 +119,7 @@ def export(
     use_clip_free = clip_free or (sglang_only and not clipped_scales)
     prep = prepare_scales(art, headroom, clip_free=use_clip_free)
     if prep.format != "nvfp4":
-        figs = set_figures(art, prep.source)
+        figs = set_figures(art.metadata, prep.source)
         fig = (f" (held-out mean over {figs['layers']} layers, as the search measured: K attention KL "
                f"{figs['k']:.3e}, V output error {figs['v']:.3e})" if figs else "")
         write = f" for a {cw} FP8 write ({CACHE_WRITES[cw]})" if cw else ""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvcal.artifact import Artifact, vllm_section
+from kvcal.artifact.sections import set_figures
 from kvcal.errors import KvcalError
 from kvcal.outputs import EXPORT_MANIFEST
 from kvcal.plan import tensor_name
@@ -431,30 +432,10 @@ def clipped_names(p: PreparedScales) -> list[str]:
     return [f"{s.upper()}{i}" for i, d in sorted(p.clipped.items()) for s in sorted(d)]
 
 
-def set_figures(art: Artifact, which: str) -> dict | None:
-    """Mean over layers of the held-out errors the search recorded for one scale set (``"searched"``: the
-    artifact's scales, ``layers[i].{k,v}.heldout.chosen``; ``"clip_free"``: ``layers[i].{k,v}.clip_free.heldout``):
-    ``{"k": mean attention KL per query (nats), "v": mean relative attention-output error, "layers": n}``, or
-    ``None`` when some layer does not record it (an artifact of an older kvcal, or an integer artifact)."""
-    out = {"k": 0.0, "v": 0.0}
-    layers = [e for e in art.metadata.get("layers") or [] if isinstance(e, dict)]
-    if not layers:
-        return None
-    for e in layers:
-        for sd in ("k", "v"):
-            rec = e.get(sd) or {}
-            x = ((rec.get("heldout") or {}).get("chosen") if which == "searched" and isinstance(rec.get("heldout"), dict)
-                 else (rec.get("clip_free") or {}).get("heldout") if which == "clip_free" else None)
-            if not isinstance(x, (int, float)):
-                return None
-            out[sd] += float(x) / len(layers)
-    return {**out, "layers": len(layers)}
-
-
 def set_cost_line(art: Artifact) -> str | None:
     """One line comparing the clip-free set with the searched one, from the recorded held-out figures
     (:func:`set_figures`), or ``None`` when either is not recorded."""
-    a, b = set_figures(art, "searched"), set_figures(art, "clip_free")
+    a, b = set_figures(art.metadata, "searched"), set_figures(art.metadata, "clip_free")
     if a is None or b is None:
         return None
 

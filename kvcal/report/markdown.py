@@ -114,6 +114,33 @@ def _skip_line(meta: dict) -> str:
             f"{'; ' + how if how else ''}{nb}.\n")
 
 
+def deployed_section(meta: dict) -> str:
+    """The report's "What is deployed" section of a static FP8 artifact: the cache write its scales were searched
+    for (``calibration.cache_write``), which scale set each ``kvcal export`` target writes by default, and the
+    held-out errors the search measured for each set (:func:`kvcal.artifact.sections.set_figures`), so the figures
+    a user reads are those of the bytes they deploy. ``""`` for an artifact that records no clip-free set (older
+    kvcal, NVFP4 outer scales, integer formats)."""
+    from kvcal.artifact.sections import set_figures
+    from kvcal.formats.fp8 import CACHE_WRITES
+
+    a, b = set_figures(meta, "searched"), set_figures(meta, "clip_free")
+    if a is None or b is None:
+        return ""
+    cw = (meta.get("calibration") or {}).get("cache_write")
+    n = sum(1 for lm in meta.get("layers") or [] for s in ("k", "v")
+            if (lm.get(s) or {}).get("clip_free", {}).get("scale") != (lm.get(s) or {}).get("scale"))
+    per_tensor = meta["kv"]["k"]["granularity"] == "tensor"
+    sglang = ("`--target sglang-json` (SGLang, which casts to FP8 without saturating) and `--clip-free` write the "
+              "**clip-free** set" if per_tensor else "`--clip-free` writes the **clip-free** set")
+    return f"""## What is deployed
+- Scales searched for the cache write: **{cw or "not recorded"}**{f" ({CACHE_WRITES[cw]})" if cw in CACHE_WRITES else ""}.
+- `kvcal export --target vllm`, `modelopt`{", `trtllm-legacy`" if per_tensor else ""} write the **searched** scales (the table below) unchanged (held-out mean: K attention KL {_fmt(a["k"])}, V output error {_fmt(a["v"])}){" — trtllm-legacy as max(K, V) per layer, its cost measured in `layers[i].shared`" if per_tensor else ""}.
+- {sglang}: the search's best among candidates that clip nothing it observed ({n} of {2 * a["layers"]} scales differ; held-out mean: K attention KL {_fmt(b["k"])}, V output error {_fmt(b["v"])}).
+- `--headroom` changes scales after the search; export prints its cost from the search's recorded candidates. `kvcal evaluate --artifact EXPORT_DIR` measures any export on the model.
+
+"""
+
+
 def render_calibration_report(meta: dict) -> str:
     """``report.md`` text: what was quantized, how, on which data, and the held-out errors (labelled as
     calibration-data errors when there was no held-out split)."""
@@ -154,7 +181,7 @@ def render_calibration_report(meta: dict) -> str:
 - Candidates: {cal["candidates"]}. Selection: {cal["selection"]}.
 - Capture {cal["capture_seconds"]} s, search {cal["search_seconds"]} s on {cal["device"]}.
 
-## {title}
+{deployed_section(meta)}## {title}
 Mean over layers — keys (attention KL, nats/query): chosen {_fmt(_sum(meta, "k", "chosen"))}, absmax {_fmt(_sum(meta, "k", "absmax"))}, unity {_fmt(_sum(meta, "k", "unity"))};
 values (relative output error): chosen {_fmt(_sum(meta, "v", "chosen"))}, absmax {_fmt(_sum(meta, "v", "absmax"))}, unity {_fmt(_sum(meta, "v", "unity"))}.
 
