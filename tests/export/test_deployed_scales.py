@@ -151,3 +151,19 @@ def test_headroom_prints_its_measured_cost(offset_artifact, tmp_path):
         if incs[s]:
             m = re.search(word + r" mean ([+-][0-9.]+)%", line)
             assert m and abs(float(m.group(1)) - 100 * sum(incs[s]) / len(incs[s])) <= 0.05 + 1e-9, line
+
+
+def test_report_states_the_figures_of_each_deployed_set(offset_artifact):
+    """report.md's "What is deployed" section names the cache write searched for and, per set, the held-out means
+    recomputed here from the per-layer records (searched: layers[i].{k,v}.heldout.chosen; clip-free:
+    layers[i].{k,v}.clip_free.heldout), printed to 4 significant digits."""
+    art = load_artifact(offset_artifact)
+    text = (offset_artifact / "report.md").read_text()
+    sec = text[text.index("## What is deployed"):text.index("## Held-out error per layer")]
+    assert "**saturating**" in sec
+    lay = art.metadata["layers"]
+    for which, get in (("searched", lambda r: r["heldout"]["chosen"]), ("clip-free", lambda r: r["clip_free"]["heldout"])):
+        k = sum(get(lm["k"]) for lm in lay) / len(lay)
+        v = sum(get(lm["v"]) for lm in lay) / len(lay)
+        line = next(x for x in sec.splitlines() if f"**{which}**" in x)
+        assert f"K attention KL {k:.3e}, V output error {v:.3e}" in line, line
