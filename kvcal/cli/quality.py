@@ -52,7 +52,9 @@ def evaluate_bar(accept: str, modes, greedy_tokens: int, vllm_dtypes) -> list:
 
 
 @main.command("evaluate")
-@click.option("--artifact", required=True, type=click.Path(), help="kvcal artifact directory under test.")
+@click.option("--artifact", required=True, type=click.Path(),
+              help="kvcal artifact directory under test, or a `kvcal export` output (judged on the scales its files "
+                   "hold: what is deployed).")
 @click.option("--corpus", required=True, type=click.Path(),
               help="Evaluation text (.txt, tokenized at once) or any corpus calibrate reads (JSONL, datasets; "
                    "samples concatenated).")

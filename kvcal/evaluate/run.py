@@ -106,13 +106,15 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     import time
 
     from kvcal import __version__
-    from kvcal.artifact import artifact_sha256, check_model_match, load_artifact, vllm_section
+    from kvcal.artifact import artifact_sha256, check_model_match, vllm_section
+    from kvcal.artifact.deployed import load_artifact_or_export
     from kvcal.errors import ArtifactError, KvcalError
     from kvcal.formats.memory import model_shape
     from kvcal.models import check_max_positions, load_model, load_tokenizer, model_metadata
     from kvcal.plan import KVPlan
 
-    art = load_artifact(cfg.artifact)
+    art = load_artifact_or_export(cfg.artifact)  # an export directory: the scales its files hold
+    dep = art.metadata.get("deployed")
     art_max = (art.metadata.get("model") or {}).get("max_position_embeddings")
     if isinstance(art_max, int):  # before loading the model
         check_max_positions(max(int(c) for c in cfg.contexts), art_max, "--context", " (artifact metadata)")
@@ -167,6 +169,11 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     max_pos = mm.get("max_position_embeddings") or 0
     check_max_positions(contexts[-1], max_pos, "--context")
     notes = []
+    if dep:
+        notes.append(f"judged: the {dep['target']} export {dep['path']} — the scales read from its files "
+                     f"({dep['scales'] or 'scale set not recorded'}; {dep['changed']} K/V scales differ from the "
+                     f"artifact {dep['source_artifact']} it was exported from), the artifact's model and format.")
+        log(notes[-1])
     device_kind = str(next(model.parameters()).device)
     if device_kind.startswith("cpu"):
         notes.append("CPU run: throughput is not measured; the figures are memory and quality only "
@@ -298,7 +305,9 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         "passed": passed,
         "exit_code": 0 if passed else 1,
         "artifact": {"path": str(art.path), "kv": art.metadata["kv"], "calibration": calib,
-                     "corpus": art.metadata.get("corpus"), "sha256": artifact_sha256(art.path)},
+                     "corpus": art.metadata.get("corpus"),
+                     "sha256": artifact_sha256(dep["source_artifact"] if dep else art.path),
+                     **({"deployed": dep} if dep else {})},
         "model": mm,
         "corpus": {**corpus_info, "windows": {str(T): len(wins[T]) for T in contexts},
                    "window_source": window_source(corpus_info["kind"], bos),

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 
 from kvcal import __version__
-from kvcal.artifact import Artifact, load_artifact
+from kvcal.artifact import Artifact, artifact_sha256, load_artifact
 from kvcal.artifact.sections import set_figures
 from kvcal.export import modelopt, sglang, trtllm, vllm  # noqa: F401  (register the targets)
 from kvcal.export.base import (
@@ -188,6 +188,9 @@ def export(
             "kvcal_version": __version__,
             "target": t.name,
             "artifact": str(art.path),
+            # what kvcal evaluate --artifact OUT reads the model and format from (kvcal.artifact.deployed)
+            "artifact_path": str(Path(art.path).resolve()),
+            "artifact_sha256": artifact_sha256(art.path),
             "model_dir": str(ckpt.path) if ckpt else None,
             "tp": tp,
             "headroom": headroom,

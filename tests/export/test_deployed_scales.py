@@ -167,3 +167,107 @@ def test_report_states_the_figures_of_each_deployed_set(offset_artifact):
         v = sum(get(lm["v"]) for lm in lay) / len(lay)
         line = next(x for x in sec.splitlines() if f"**{which}**" in x)
         assert f"K attention KL {k:.3e}, V output error {v:.3e}" in line, line
+
+
+# ---- kvcal evaluate judges an export: the scales its files hold ------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["vllm", "modelopt", "trtllm-legacy", "sglang-json"])
+def test_load_deployed_reads_exactly_the_exported_files(offset_artifact, offset_model, tmp_path, target):
+    """load_deployed gives, per layer and side, the value in the exported file (read here with safetensors / json
+    by the engine's names), the source artifact's model and format, and a `deployed` section naming the target
+    and the set written; a hand edit of one exported value is what it then reads (not the artifact's)."""
+    from safetensors.torch import load_file, save_file
+
+    from kvcal.artifact.deployed import load_artifact_or_export
+    from kvcal.plan import KVPlan
+
+    out = tmp_path / "out"
+    export(str(offset_artifact), target, out, model_dir=None if target == "trtllm-legacy" else str(offset_model))
+    if target == "sglang-json":
+        f = out / "kv_cache_scales.json"
+        doc = json.loads(f.read_text())
+        per = doc["kv_cache"]["scaling_factor"]["0"]
+        want = {(i, s): float(per[str(i)]) for i in range(L) for s in "kv"}
+        per["0"] = 0.125  # a hand edit: 2^-3, exact in float32
+        f.write_text(json.dumps(doc))
+        want[(0, "k")] = want[(0, "v")] = 0.125
+    else:
+        name = {"vllm": "model.layers.{i}.self_attn.{s}_scale", "modelopt": "model.layers.{i}.self_attn.{s}_proj.{s}_scale",
+                "trtllm-legacy": "transformer.layers.{i}.attention.kv_cache_scaling_factor"}[target]
+        files = {f: load_file(f) for f in out.glob("*.safetensors")}
+        t = {k: v for d in files.values() for k, v in d.items()}
+        want = {(i, s): float(t[name.format(i=i, s="k" if target == "trtllm-legacy" else s)]) for i in range(L)
+                for s in "kv"}
+        first = name.format(i=0, s="k")
+        f = next(f for f, d in files.items() if first in d)
+        d = dict(files[f])
+        d[first] = torch.full_like(d[first], 0.125)
+        f.unlink()  # a hard link into the exported copy: replace the file, never write through it
+        save_file(d, f, metadata={"format": "pt"})
+        want[(0, "k")] = 0.125
+        if target == "trtllm-legacy":
+            want[(0, "v")] = 0.125
+    art = load_artifact_or_export(out)
+    plan = KVPlan.from_artifact(art.tensors, art.metadata)
+    for i in range(L):
+        for s in "kv":
+            assert float(art.scale(i, s).reshape(-1)[0]) == want[(i, s)], (i, s)
+            assert float(getattr(plan.layers[i], s).scale.reshape(-1)[0]) == want[(i, s)], (i, s)
+    dep = art.metadata["deployed"]
+    assert dep["target"] == target and dep["scales"] == ("clip_free" if target == "sglang-json" else "searched")
+    assert art.metadata["model"] == load_artifact(offset_artifact).metadata["model"]
+
+
+def test_load_deployed_refuses_a_missing_or_changed_source_artifact(offset_artifact, tmp_path):
+    """An export whose source artifact is gone, or changed after the export (its sha256 differs), is refused in one
+    line naming the path and the fix; so is an export directory whose scales were removed."""
+    import shutil
+
+    from kvcal.artifact.deployed import load_deployed
+    from kvcal.errors import ArtifactError
+
+    src = tmp_path / "art"
+    shutil.copytree(offset_artifact, src)
+    export(str(src), "vllm", tmp_path / "out")
+    (src / "report.md").write_text("edited\n")  # not the scales file: still the same artifact
+    load_deployed(tmp_path / "out")
+    from helpers.export import make_artifact
+
+    shutil.rmtree(src)
+    make_artifact(src)  # another (valid) artifact at the same path
+    with pytest.raises(ArtifactError, match="changed after the export") as e:
+        load_deployed(tmp_path / "out")
+    assert "\n" not in str(e.value)
+    shutil.rmtree(src)
+    with pytest.raises(ArtifactError, match="is gone") as e:
+        load_deployed(tmp_path / "out")
+    assert "\n" not in str(e.value) and str(src) in str(e.value)
+    shutil.copytree(offset_artifact, src)
+    (tmp_path / "out" / "kvcal-kv-scales.safetensors").unlink()
+    with pytest.raises(ArtifactError, match="lacks model.layers.0.self_attn.k_scale"):
+        load_deployed(tmp_path / "out")
+
+
+def test_evaluate_judges_the_export_as_deployed(offset_artifact, offset_model, tmp_path):
+    """kvcal evaluate on the default vllm export measures exactly what it measures on the artifact (the same scales,
+    the same arithmetic: equal KL in every row, vLLM's GPU write included), and says it judged the export; on the
+    sglang-json export (the clip-free set, differing where the search clipped) the quantized rows differ while the
+    baselines in the same run (no scales, absmax) are unchanged."""
+    from kvcal.evaluate import EvalConfig, evaluate
+
+    export(str(offset_artifact), "vllm", tmp_path / "v", model_dir=str(offset_model))
+    export(str(offset_artifact), "sglang-json", tmp_path / "s")
+    docs = {}
+    for name, p in (("artifact", offset_artifact), ("vllm", tmp_path / "v"), ("sglang", tmp_path / "s")):
+        cfg = EvalConfig(artifact=str(p), corpus=str(CHAT), model=str(offset_model), contexts=(64,), windows=3,
+                         modes=("teacher_forced",), per_layer_tokens=0, vllm_dtypes=("fp8",))
+        docs[name] = evaluate(cfg, log=lambda s: None, progress=False)
+    kl = {n: {r["method"]: r["kl_mean"] for r in d["results"]} for n, d in docs.items()}
+    assert kl["vllm"] == kl["artifact"]
+    assert kl["sglang"]["artifact"] != kl["artifact"]["artifact"]
+    assert kl["sglang"]["vllm:fp8"] != kl["artifact"]["vllm:fp8"]
+    for base in ("fp8-unity", "fp8-absmax"):
+        assert kl["sglang"][base] == kl["artifact"][base]
+    assert docs["vllm"]["artifact"]["deployed"]["target"] == "vllm"
+    assert any(n.startswith("judged: the vllm export") for n in docs["vllm"]["notes"])

@@ -1,0 +1,178 @@
+"""Read back what an export deployed: the scales in the files ``kvcal export`` wrote, as an :class:`Artifact`.
+
+``kvcal evaluate --artifact OUT`` judges an export directory (or the checkpoint ``kvcal export --model-dir`` wrote)
+through :func:`load_deployed`: the source artifact's metadata (model identity, format, per-layer statistics: found
+through ``kvcal-export.json``, which records its path and content hash) with the scale tensors replaced by the
+values read from the exported files, by the names each engine loads (runtime-formats.md):
+
+=================  ==========================================================================================
+``vllm``           ``model.layers.{i}.self_attn.{k,v,q}_scale`` (any ``*.safetensors`` of the directory)
+``modelopt``       ``model.layers.{i}.self_attn.{k,v}_proj.{k,v}_scale``
+``trtllm-legacy``  ``transformer.layers.{i}.attention.kv_cache_scaling_factor`` — one scale for K and V
+``sglang-json``    ``kv_cache_scales.json`` ``kv_cache.scaling_factor["0"][str(i)]`` — one scale for K and V
+=================  ==========================================================================================
+
+Scales stay in the checkpoint convention (the dequantization multiplier, ``clip / 448``); an ``fp8_e4m3fnuz``
+artifact's export (``scale x 240/448``) is converted back to its ``clip / 240``. Reading only: nothing is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kvcal.artifact.io import Artifact, load_artifact
+from kvcal.errors import ArtifactError
+from kvcal.outputs import EXPORT_MANIFEST
+from kvcal.plan import tensor_name
+
+#: the names each export target writes, per layer ``i`` and side ``s`` (``q`` where the target has one)
+_NAMES = {
+    "vllm": "model.layers.{i}.self_attn.{s}_scale",
+    "modelopt": "model.layers.{i}.self_attn.{s}_proj.{s}_scale",
+    "trtllm-legacy": "transformer.layers.{i}.attention.kv_cache_scaling_factor",
+}
+SGLANG_JSON = "kv_cache_scales.json"
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory ``kvcal export`` wrote (it holds ``kvcal-export.json``)."""
+    return (Path(path) / EXPORT_MANIFEST).is_file()
+
+
+def _tensors(d: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(d.rglob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    if k in wanted:
+                        out[k] = fh.get_tensor(k).float()
+        except Exception as e:  # safetensors raises several types for corrupted files
+            raise ArtifactError(f"{f} is corrupted or truncated ({type(e).__name__}: {e}); re-export") from None
+    return out
+
+
+def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.Tensor]]:
+    """The per-layer scales an export directory ``d`` of ``target`` holds: ``{"k": [L tensors], "v": [...]}`` plus
+    ``"q"`` where every layer has one (vllm). Shared targets give the one per-layer value to both sides.
+    Raises :class:`ArtifactError` naming the first missing scale or a non-finite / non-positive one."""
+    if target == "sglang-json":
+        f = d / SGLANG_JSON
+        try:
+            doc = json.loads(f.read_text(encoding="utf-8"))
+            per = doc["kv_cache"]["scaling_factor"]["0"]
+            vals = [torch.tensor([float(per[str(i)])]) for i in range(num_layers)]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ArtifactError(f"{f}: no kv_cache.scaling_factor for rank 0, layer {e} (the file was edited or is "
+                                "not kvcal's export); re-export") from None
+        out = {"k": vals, "v": [v.clone() for v in vals]}
+    elif target in _NAMES:
+        fmt = _NAMES[target]
+        sides = ("k",) if target == "trtllm-legacy" else ("k", "v", "q")
+        names = {(i, s): fmt.format(i=i, s=s) for i in range(num_layers) for s in sides}
+        t = _tensors(d, set(names.values()))
+        out = {}
+        for s in sides:
+            got = [t.get(names[(i, s)]) for i in range(num_layers)]
+            if s == "q" and any(g is None for g in got):
+                continue  # no q_scale (an artifact without query statistics): the engine's 1.0
+            missing = [names[(i, s)] for i in range(num_layers) if got[i] is None]
+            if missing:
+                raise ArtifactError(f"{d}: the {target} export lacks {missing[0]} ({len(missing)} of {num_layers} "
+                                    "layers); it was edited or is incomplete — re-export")
+            out[s] = got
+        if target == "trtllm-legacy":
+            out["v"] = [k.clone() for k in out["k"]]
+    else:
+        raise ArtifactError(f"{d / EXPORT_MANIFEST}: target {target!r} is not one kvcal exports; re-export")
+    for s, vals in out.items():
+        for i, v in enumerate(vals):
+            if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+                raise ArtifactError(f"{d}: layer {i} {s}_scale is {v.reshape(-1).tolist()}, not finite and > 0; "
+                                    "re-export")
+    return out
+
+
+def load_deployed(path: str | os.PathLike) -> Artifact:
+    """An export directory (``kvcal export --out``, with or without ``--model-dir``) as an :class:`Artifact` whose
+    scale tensors are exactly the exported ones (float32, shaped as the source artifact's: ``[1]`` per tensor,
+    ``[H_kv, 1, 1]`` per head) and whose metadata is the source artifact's with ``layers[i].{k,v}.scale`` set to
+    them and a ``deployed`` section (``target``, ``path``, ``source_artifact``, ``scales``: the set the export
+    wrote, ``changed``: how many K/V scales differ from the artifact's). The artifact it came from must still be
+    where ``kvcal-export.json`` says and unchanged (its ``artifact_sha256``). Raises :class:`ArtifactError` (one
+    line) for a missing or malformed manifest, a missing or changed source artifact, or missing / bad scales."""
+    d = Path(path)
+    f = d / EXPORT_MANIFEST
+    try:
+        man = json.loads(f.read_text(encoding="utf-8"))
+        target, src = man["target"], man.get("artifact_path") or man["artifact"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{f}: not a kvcal export manifest ({type(e).__name__}: {e}); re-export") from None
+    if man.get("source_format") == "nvfp4" or not isinstance(src, str):
+        raise ArtifactError(f"{d}: a {man.get('source_format')} export cannot be evaluated from its files; evaluate "
+                            f"its artifact ({src}) with --vllm-dtype")
+    sp = Path(src)
+    if not (sp / "kv_scales.safetensors").is_file():
+        raise ArtifactError(f"{d}: the artifact it was exported from, {src}, is gone (kvcal evaluate reads the model "
+                            "and format from it): keep the artifact where it was, or re-export from it")
+    art = load_artifact(sp)
+    want = man.get("artifact_sha256")
+    from kvcal.artifact.io import artifact_sha256
+
+    if want is not None and artifact_sha256(sp) != want:
+        raise ArtifactError(f"{d}: the artifact at {src} changed after the export (sha256 differs from "
+                            "kvcal-export.json's artifact_sha256): re-export from it, or evaluate the artifact itself")
+    n = art.num_layers
+    got = read_scales(d, target, n)
+    fmt = art.metadata["kv"]["k"]["format"]
+    conv = 240.0 / 448.0 if fmt == "fp8_e4m3fnuz" else 1.0  # kvcal.export.base.prepare_scales, inverted
+    tensors = dict(art.tensors)
+    meta = copy.deepcopy(art.metadata)
+    changed = 0
+    for i in range(n):
+        for s in ("k", "v"):
+            name = tensor_name(i, s)
+            orig = art.tensors.get(name)
+            if orig is None:
+                raise ArtifactError(f"{sp}: has no {name} to replace; not a static-scale artifact")
+            v = got[s][i].reshape(-1) / conv
+            if v.numel() == 1 and orig.numel() > 1:
+                v = v.expand(orig.numel())
+            if v.numel() != orig.numel():
+                raise ArtifactError(f"{d}: layer {i} {s}_scale has {v.numel()} values, the artifact {orig.numel()}; "
+                                    "re-export")
+            v = v.reshape(orig.shape).to(torch.float32).contiguous()
+            changed += int(not torch.equal(v, orig))
+            tensors[name] = v
+            lm = next((e for e in meta.get("layers") or [] if e.get("layer") == i), None)
+            if lm is not None and isinstance(lm.get(s), dict):
+                lm[s]["scale"] = v.reshape(-1).tolist()
+        if "q" in got:
+            q = tensor_name(i, "k").replace("k_scale", "q_scale")
+            if q in tensors:
+                qv = got["q"][i].reshape(-1) / conv
+                if qv.numel() != tensors[q].numel() and qv.numel() % tensors[q].numel() == 0:
+                    # per query head [H_q] (kvcal.export.vllm.vllm_q_scale): vLLM's loader keeps each group's max
+                    qv = qv.reshape(tensors[q].numel(), -1).amax(1)
+                if qv.numel() != tensors[q].numel():
+                    raise ArtifactError(f"{d}: layer {i} q_scale has {qv.numel()} values, the artifact "
+                                        f"{tensors[q].numel()}; re-export")
+                tensors[q] = qv.reshape(tensors[q].shape).to(torch.float32)
+    meta["deployed"] = {"target": target, "path": str(d.resolve()), "source_artifact": str(sp.resolve()),
+                        "scales": man.get("scales"), "changed": changed}
+    return Artifact(path=d, tensors=tensors, metadata=meta)
+
+
+def load_artifact_or_export(path: str | os.PathLike) -> Artifact:
+    """:func:`load_deployed` for an export directory, else :func:`kvcal.artifact.load_artifact`."""
+    return load_deployed(path) if is_export(path) else load_artifact(path)
+
+
+__all__ = ["is_export", "read_scales", "load_deployed", "load_artifact_or_export"]
