@@ -140,7 +140,7 @@ def main(argv=None):
     for name, sc in sets.items():
         distinct.setdefault((tuple(sc["k"]), tuple(sc["v"])), name)
     plans = {}
-    for key, name in distinct.items():
+    for name in distinct.values():
         p = fp8_plan(sets[name])
         plans[("kvcal", name)] = p
         plans[("gpu", name)] = VllmKVPlan.from_kvcal_plan("fp8", p, backend="cuda")[0]
