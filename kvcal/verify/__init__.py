@@ -14,7 +14,10 @@ Pipeline (:func:`verify`):
 4. Predict the same runs with kvcal's emulation of that engine backend (:class:`~kvcal.vllm_plan.VllmKVPlan`,
    the backend the engine reports: ``CPUAttentionBackendImpl`` → ``cpu``) on kvcal's own 16-bit model
    (transformers, same weights), per token.
-5. Judge: PASS/FAIL against ``--accept`` on the *served* figures, and served = predicted within the
+5. Judge: PASS/FAIL against ``--accept`` on the *served* figures; the served gain of the checkpoint's scales over
+   the dtype at 1.0 from the same run (:func:`~kvcal.verify.figures.served_gain`: KL ratio and ΔPPL difference with
+   paired t-intervals over windows; ``served_gain`` in the document; a checkpoint that serves worse than 1.0
+   beyond its interval fails verify); and served = predicted within the
    tolerance of :func:`agreement` (derived in ``docs/serving.md``: a paired t-interval over windows plus
    the two implementations' 16-bit disagreement). Scales applied: every layer's loaded scale equals the
    checkpoint's, and the served run differs from the run at 1.0.
@@ -46,7 +49,16 @@ from kvcal.verify.engine import (
     cpu_fp8_support,
     run_engine,
 )
-from kvcal.verify.figures import CONFIDENCE, _window_means, agreement, predict, summarize, t_quantile
+from kvcal.verify.figures import (
+    CONFIDENCE,
+    _window_means,
+    agreement,
+    gain_line,
+    predict,
+    served_gain,
+    summarize,
+    t_quantile,
+)
 
 
 def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
@@ -208,7 +220,11 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
         differs = a["ppl"] != b["ppl"] or a["kl_mean"] != b["kl_mean"]
         scale_check.append({"what": "the served run with the checkpoint's scales differs from the same dtype at 1.0",
                             "ok": differs})
-    passed = all(r["accept"] == "PASS" and r["agree"] for r in rows) and all(c["ok"] for c in scale_check)
+    gain = None
+    if has_scales:  # the same engine run: the checkpoint's scales against the dtype at vLLM's default 1.0
+        gain = served_gain(served["runs"][runs[1]["name"]], served["runs"][runs[2]["name"]], s_ref)
+    passed = (all(r["accept"] == "PASS" and r["agree"] for r in rows) and all(c["ok"] for c in scale_check)
+              and (gain is None or gain["verdict"] != "FAIL"))
     return {
         "schema": "kvcal-verify/1", "kvcal_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -224,6 +240,7 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
                                        "no BOS (the tokenizer adds none)")},
         "reference": {"served_16bit_ppl": ref_served["ppl"], "predicted_16bit_ppl": ref_pred["ppl"]},
         "accept": crit_str, "confidence": CONFIDENCE, "rows": rows, "scales_applied": scale_check,
+        "served_gain": gain,
     }
 
 
@@ -254,6 +271,8 @@ def render(doc: dict) -> str:
                          f"{r['predicted']['kl_mean'] / max(q['kl_mean'], 1e-30):.2f}x the KL of rounding here")
     for c in doc["scales_applied"]:
         lines.append(f"scales applied: {c['what']}: {'yes' if c['ok'] else 'NO'}")
+    if doc.get("served_gain"):
+        lines.append(gain_line(doc["served_gain"], e["backend"]))
     lines.append(f"tolerance: {int(doc['confidence'] * 100)}% paired t-interval over windows (+ the 16-bit "
                  "disagreement for ΔPPL); docs/serving.md#served-vs-predicted")
     lines.append("verify: " + ("PASS" if doc["passed"] else "FAIL"))

@@ -37,6 +37,90 @@ def agreement(served: list[float], predicted: list[float], floor: float = 0.0,
     return {"diff": diff, "tol": tol, "ok": abs(diff) <= tol}
 
 
+def paired_interval(d: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float, float]:
+    """Mean, the two-sided ``confidence`` Student-t interval ``mean ± t_{(1+c)/2, N−1} · sd / √N`` of paired
+    per-window differences ``d`` (``N >= 2``; windows are independent samples of the corpus), and the sample
+    standard deviation: ``(mean, lo, hi, sd)``."""
+    import statistics
+
+    n = len(d)
+    m = statistics.fmean(d)
+    sd = statistics.stdev(d) if n > 1 else float("inf")
+    h = t_quantile(confidence, n - 1) * sd / math.sqrt(n) if n > 1 else float("inf")
+    return m, m - h, m + h, sd
+
+
+def windows_to_decide(mean: float, sd: float, n: int, confidence: float = CONFIDENCE, cap: int = 10_000) -> int | None:
+    """How many windows would put 0 outside the interval of :func:`paired_interval` if the mean difference and
+    its spread stayed as observed: the least ``N`` with ``t_{(1+c)/2, N−1} · sd / √N < |mean|`` (searched from
+    ``n``); ``None`` when no ``N <= cap`` would (a mean of 0, or a difference far below its spread)."""
+    if mean == 0 or not math.isfinite(sd):
+        return None
+    if sd == 0:
+        return n
+    k = max(n, 2)
+    while k <= cap:
+        if t_quantile(confidence, k - 1) * sd / math.sqrt(k) < abs(mean):
+            return k
+        k = k + 1 if k < 64 else int(k * 1.1) + 1
+    return None
+
+
+def served_gain(ckpt: dict, default: dict, ref: dict, confidence: float = CONFIDENCE) -> dict:
+    """The served gain of a checkpoint's scales over the engine's default scales (1.0), from the same engine run.
+
+    ``ckpt`` / ``default`` / ``ref``: the served runs (``{"nll": [[per token] per window], "kl": ...}``) of the dtype
+    with the checkpoint's scales, of the same dtype at 1.0, and of the 16-bit cache, on the same windows. Per
+    window ``w``: ``d_KL(w)`` = mean KL(ckpt) − mean KL(default) (both against the 16-bit run, nats per token) and
+    ``d_PPL(w) = PPL16 · (mean NLL(ckpt) − mean NLL(default))`` (first order, as :func:`agreement`'s ΔPPL). Each gets
+    a paired t-interval (:func:`paired_interval`); the KL ratio is ``mean KL(ckpt) / mean KL(default)`` with the
+    interval of ``d_KL`` divided by ``mean KL(default)`` (the default's mean taken as fixed: the interval of the
+    ratio conditional on it). Verdict: ``FAIL`` when the checkpoint serves worse beyond the interval (the lower
+    bound of ``d_KL`` or of ``d_PPL`` above 0); ``PASS`` when its KL is lower beyond the interval (upper bound of
+    ``d_KL`` below 0) and ΔPPL not worse beyond its interval; else ``inconclusive``, with ``windows_needed``
+    (:func:`windows_to_decide` on ``d_KL``). Returns ``{"kl_ratio", "kl_ratio_ci", "kl_diff", "kl_diff_ci",
+    "dppl_diff", "dppl_diff_ci", "confidence", "windows", "verdict", "windows_needed"}``."""
+    kc, kd = _window_means(ckpt["kl"]), _window_means(default["kl"])
+    nll16 = [x for r in ref["nll"] for x in r]
+    ppl16 = math.exp(sum(nll16) / len(nll16))
+    dk = [a - b for a, b in zip(kc, kd, strict=True)]
+    dp = [ppl16 * (a - b) for a, b in zip(_window_means(ckpt["nll"]), _window_means(default["nll"]), strict=True)]
+    mk, lk, hk, sdk = paired_interval(dk, confidence)
+    mp, lp, hp, _ = paired_interval(dp, confidence)
+    base = sum(kd) / len(kd)
+    ratio = (sum(kc) / len(kc)) / base if base > 0 else float("nan")
+    ratio_ci = [1 + lk / base, 1 + hk / base] if base > 0 else [float("nan")] * 2
+    if lk > 0 or lp > 0:
+        verdict = "FAIL"
+    elif hk < 0 and lp <= 0:
+        verdict = "PASS"
+    else:
+        verdict = "inconclusive"
+    need = windows_to_decide(mk, sdk, len(dk), confidence) if verdict == "inconclusive" else None
+    return {"kl_ratio": ratio, "kl_ratio_ci": ratio_ci, "kl_diff": mk, "kl_diff_ci": [lk, hk], "dppl_diff": mp,
+            "dppl_diff_ci": [lp, hp], "confidence": confidence, "windows": len(dk), "verdict": verdict,
+            "windows_needed": need}
+
+
+def gain_line(g: dict, backend: str | None = None) -> str:
+    """The line ``kvcal verify`` prints for :func:`served_gain`'s figures (and, for the CPU backend, what gain to
+    expect there)."""
+    lo, hi = g["kl_ratio_ci"]
+    pl, ph = g["dppl_diff_ci"]
+    c = int(round(g["confidence"] * 100))
+    v = g["verdict"]
+    if v == "inconclusive":
+        v += (f" ({g['windows_needed']} windows would decide it at this difference)" if g["windows_needed"] else
+              " (no difference the windows can resolve)")
+    line = (f"served gain over vLLM's default scales (1.0): KL {g['kl_ratio']:.3f}x [{lo:.3f}x, {hi:.3f}x], "
+            f"ΔPPL {g['dppl_diff']:+.4f} [{pl:+.4f}, {ph:+.4f}] ({c}% paired t over {g['windows']} windows): {v}")
+    if backend == "cpu":
+        line += ("\nnote: vLLM's CPU build writes FP8 by truncation toward zero: scales searched for the GPU's rounding "
+                 "write gain little or nothing there (truncation's error dominates whatever the scale); "
+                 "`kvcal calibrate --engine vllm --kv-cache-dtype fp8 --backend cpu` searches for that write")
+    return line
+
+
 def _window_means(rows: list[list[float]]) -> list[float]:
     return [sum(r) / len(r) for r in rows]
 

@@ -340,3 +340,76 @@ def test_prediction_chunks_give_the_whole_window_figures():
             assert got["16-bit"]["nll"][wi] == pytest.approx((-lr.gather(-1, tgt[:, None])[:, 0]).tolist(), rel=1e-12)
             assert got["p"]["top1"][wi] == (lr.argmax(-1) == lp.argmax(-1)).int().tolist()
     assert max(max(r) for r in got["p"]["kl"]) > 0
+
+
+# ---- the served gain over vLLM's default scales (issue 38) ------------------------------------------------------
+
+
+def _run(kl: list[list[float]], nll: list[list[float]]) -> dict:
+    return {"kl": kl, "nll": nll}
+
+
+def test_served_gain_is_the_paired_t_interval_by_hand():
+    """served_gain on three hand-made windows: per-window mean KL differences (-0.1, -0.2, -0.1), their mean and 99%
+    Student-t interval (scipy's t quantile, 2 dof, recomputed here), the ratio to the default's mean KL with the
+    interval divided by that mean, ΔPPL = PPL16 (e here: every 16-bit NLL is 1) x the per-window mean-NLL
+    differences; the interval contains 0, so the verdict is inconclusive, with the windows that would decide it."""
+    import statistics
+
+    from scipy.stats import t
+
+    from kvcal.verify.figures import served_gain, windows_to_decide
+
+    ref = _run([[0, 0]] * 3, [[1.0, 1.0]] * 3)
+    ck = _run([[0.1, 0.1], [0.2, 0.2], [0.3, 0.3]], [[1.5, 1.5], [1.0, 1.0], [1.25, 1.25]])
+    df = _run([[0.2, 0.2], [0.4, 0.4], [0.3, 0.5]], [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    g = served_gain(ck, df, ref)
+    d = [-0.1, -0.2, -0.1]
+    m, sd = statistics.fmean(d), statistics.stdev(d)
+    h = t.ppf(0.995, 2) * sd / math.sqrt(3)
+    assert math.isclose(g["kl_diff"], m, rel_tol=1e-12)
+    assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(g["kl_diff_ci"], [m - h, m + h], strict=True))
+    base = (0.2 + 0.4 + 0.4) / 3
+    assert math.isclose(g["kl_ratio"], 0.2 / base, rel_tol=1e-12)
+    assert math.isclose(g["kl_ratio_ci"][0], 1 + (m - h) / base, rel_tol=1e-12)
+    dp = [math.e * 0.5, 0.0, math.e * 0.25]
+    assert math.isclose(g["dppl_diff"], statistics.fmean(dp), rel_tol=1e-12)
+    assert g["verdict"] == "inconclusive" and g["windows_needed"] == windows_to_decide(m, sd, 3)
+    n = g["windows_needed"]  # the least N whose interval would exclude 0 at this mean and spread
+    assert t.ppf(0.995, n - 1) * sd / math.sqrt(n) < abs(m) <= t.ppf(0.995, n - 2) * sd / math.sqrt(n - 1)
+
+
+@pytest.mark.parametrize("shift, verdict", [(-0.1, "PASS"), (0.1, "FAIL")])
+def test_served_gain_decides_when_the_interval_excludes_zero(shift, verdict):
+    """Eight windows whose KL differs from the default's by shift ± 0.01: the 99% interval (half-width below 0.02)
+    excludes 0, so a lower KL passes and a higher one fails (the checkpoint serves worse than no scales); a ΔPPL
+    worse beyond its interval fails even where the KL is lower."""
+    from kvcal.verify.figures import gain_line, served_gain
+
+    n = 8
+    ref = _run([[0.0]] * n, [[1.0]] * n)
+    df = _run([[0.5]] * n, [[1.0]] * n)
+    ck = _run([[0.5 + shift + (0.01 if w % 2 else -0.01)] for w in range(n)], [[1.0]] * n)
+    g = served_gain(ck, df, ref)
+    assert g["verdict"] == verdict and g["windows_needed"] is None
+    assert ("PASS" if shift < 0 else "FAIL") in gain_line(g)
+    worse_ppl = _run(ck["kl"], [[1.1 + (0.001 if w % 2 else 0)] for w in range(n)])
+    assert served_gain(worse_ppl, df, ref)["verdict"] == "FAIL"
+
+
+def test_render_prints_the_gain_and_what_the_cpu_backend_gains():
+    """verify's text prints the served-gain line with its interval, and on the CPU backend one sentence saying
+    which gain to expect there (truncation) and which calibration searches for it."""
+    from kvcal.verify import render
+    from kvcal.verify.figures import served_gain
+
+    ref = _run([[0.0]] * 4, [[1.0]] * 4)
+    g = served_gain(_run([[0.1]] * 4, [[1.0]] * 4), _run([[0.2]] * 4, [[1.0]] * 4), ref)
+    doc = {"engine": {"vllm_version": "0.32.0", "attention_impl": ["CPUAttentionBackendImpl"], "backend": "cpu"},
+           "corpus": {"windows": 4, "context": 64, "path": "c.txt"}, "rows": [], "accept": "kl_mean<=0.1",
+           "reference": {"served_16bit_ppl": 2.0, "predicted_16bit_ppl": 2.0}, "scales_applied": [],
+           "confidence": 0.99, "passed": True, "served_gain": g}
+    text = render(doc)
+    line = next(x for x in text.splitlines() if x.startswith("served gain over vLLM's default scales"))
+    assert "KL 0.500x [0.500x, 0.500x]" in line and line.endswith(": PASS")
+    assert "truncation" in text and "--backend cpu" in text
