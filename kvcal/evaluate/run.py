@@ -74,6 +74,9 @@ class EvalConfig:
             check_dtypes_served(self.backend, self.vllm_dtypes)
         except VllmDTypeError as e:
             raise KvcalError(f"--vllm-dtype: {e}") from None
+        if self.backend != "cuda" and not self.vllm_dtypes:  # it would change no row: refused, not ignored
+            raise KvcalError(f"--backend {self.backend} chooses the write path of the vllm:* rows, and there are none: "
+                             f"add --vllm-dtype fp8 (or drop --backend)")
 
         if not self.contexts or any(int(c) < 2 for c in self.contexts):
             raise KvcalError("--context values must be integers >= 2 (e.g. 1024,4096,8192)")

@@ -137,6 +137,9 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
         ids, corpus_info = corpus_stream(cfg.corpus, tok, **pre.corpus.options, checked=True)
         bos = served_bos(tok)  # as kvcal evaluate: a window starts with the BOS the tokenizer adds, if any
         wins = cut_windows(ids, cfg.context, cfg.windows, bos=bos)
+        if len(wins) < cfg.windows:  # said, never silently fewer (issue 40)
+            log(f"note: --windows {cfg.windows}: the corpus holds {len(wins)} windows of {cfg.context} tokens; "
+                f"verifying on those {len(wins)}")
         if len(wins) < 2:
             raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens: fewer than 2 windows of {cfg.context} "
                              "(use a longer corpus or a smaller --context)")

@@ -109,3 +109,15 @@ def test_cpu_layer_choice_quantizes_no_query():
         choose_layer(calib, held, qa, ka, va, False, quantize_query=True, backend="cpu")
     ch = choose_layer(calib, held, qa, ka, va, False, quantize_query=False, backend="cpu")
     assert ch.q.label == ["absmax"] and ch.k.heldout["chosen"] <= ch.k.heldout["unity"]
+
+
+def test_evaluate_backend_without_a_vllm_row_is_refused():
+    """`evaluate --backend cpu` without --vllm-dtype changes no row, so it is refused in one line naming the fix
+    (issue 40, class 5: it was silently ignored; calibrate refuses the same combination)."""
+    from kvcal.errors import KvcalError
+    from kvcal.evaluate import EvalConfig
+
+    with pytest.raises(KvcalError, match="add --vllm-dtype fp8") as e:
+        EvalConfig(artifact="a", corpus="c.txt", backend="cpu")
+    assert "\n" not in str(e.value)
+    assert EvalConfig(artifact="a", corpus="c.txt", backend="cpu", vllm_dtypes=("fp8",)).backend == "cpu"
