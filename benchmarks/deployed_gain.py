@@ -21,7 +21,7 @@ differences, Student t, n - 1 degrees of freedom, divided by the no-scale mean),
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/deployed_gain.py [--calib 64] [--eval 8] [--json out.json]
 
-About 10 min on 2 CPU cores (calibration ~4 min, 8 windows x ~8 distinct scale sets x 2 writes).
+About 22 min on 2 CPU cores (calibration ~5.5 min; evaluation 16 min: 8 windows x 6 distinct scale sets x 2 writes).
 """
 
 from __future__ import annotations
