@@ -383,6 +383,41 @@ def write_file_atomically(path: str | os.PathLike, content: str | bytes | Callab
     return p
 
 
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` only if ``dst`` does not exist, atomically where the kernel can (Linux
+    ``renameat2(RENAME_NOREPLACE)``, glibc >= 2.28): raises ``FileExistsError`` when ``dst`` exists, even one that
+    appeared a moment ago. Elsewhere (no ``renameat2``, or a filesystem that refuses the flag) the check and the
+    rename are two steps, and a directory created between them is still refused by ``rename`` unless empty."""
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        fn = None
+    if fn is not None:
+        at_fdcwd, noreplace = -100, 1
+        if fn(at_fdcwd, os.fsencode(str(src)), at_fdcwd, os.fsencode(str(dst)), noreplace) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+def _identity(p: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(p, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False,
                          error: type[KvcalError] = ArtifactError, inputs: dict[str, object] | None = None,
                          kind: str | None = None) -> Path:
@@ -391,17 +426,26 @@ def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: boo
     left and an existing ``out`` is untouched. Files and the directory get normal permissions
     (``mkdtemp`` and safetensors create 0700/0600).
 
+    The output is claimed at the end, never assumed: a new ``out`` is renamed into place only if nothing
+    appeared there during the run (:func:`_rename_noreplace`); with ``overwrite``, only the directory checked at
+    the start (same device and inode) is replaced, and a directory that appeared in its place meanwhile is kept.
+    Of two runs racing to one ``--out``, one writes and the other refuses.
+
     Raises ``error`` (a :class:`KvcalError` subclass) for every refusal of
-    :func:`check_output_dir` (``inputs`` and ``kind`` as there) or on OS errors (read-only location, disk full).
+    :func:`check_output_dir` (``inputs`` and ``kind`` as there), for an ``out`` another process wrote during the
+    run, or on OS errors (read-only location, disk full).
     """
     out = Path(out)
     check_output_dir(out, overwrite, inputs, error, kind)
+    before = _identity(out)  # what --overwrite may replace: this directory, checked above, and no other
     parent = out.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
     except OSError as e:
         raise error(f"cannot write to {parent}: {e.strerror}; choose a writable --out") from None
+    raced = (f"{out} was written by another process while this run was working (two runs with one --out?); "
+             "nothing of this run was written: choose another --out")
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -411,13 +455,28 @@ def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: boo
             if p.is_file() and os.stat(p).st_nlink > 1:
                 continue  # a hard link into a source checkpoint: its permissions are the source's, leave them
             os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
-        if out.exists():
-            old = parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
+        now = _identity(out)
+        if before is not None and now == before:
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
+            os.replace(out, old / "x")  # moved aside (one rename), then checked: still what was checked at the start
+            if _identity(old / "x") != before:
+                os.replace(old / "x", out)
+                shutil.rmtree(old, ignore_errors=True)
+                raise FileExistsError
+            try:
+                _rename_noreplace(tmp, out)
+            except BaseException:
+                if not os.path.lexists(out):
+                    os.replace(old / "x", out)  # put the checked directory back
+                raise
             shutil.rmtree(old, ignore_errors=True)
+        elif now is None:
+            _rename_noreplace(tmp, out)
         else:
-            os.replace(tmp, out)
+            raise FileExistsError
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise error(raced) from None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise error(f"failed writing {out}: {e.strerror or e}; nothing was written") from None

@@ -468,3 +468,105 @@ def test_no_output_is_nested_inside_another_kvcal_output(tracked_example, tmp_pa
     r = CliRunner().invoke(main, ["export", "--artifact", str(a), "--target", "sglang-json", "--out", str(exp / "sg")])
     assert "lies inside" in _one_error_line(r) and "kvcal export" in r.output, r.output
     assert sorted(p.name for p in ex.iterdir()) == before and not (a / "sub").exists() and not (exp / "sg").exists()
+
+
+# ---- two runs, one --out: one writes, the other refuses (issue 40, class 2) -------------------------------------
+
+
+def _leftovers(parent: Path, name: str) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_run_never_replaces_an_out_another_run_wrote_meanwhile(tmp_path, overwrite):
+    """Run A's fill starts run B on the same --out, and B completes first (a new --out; or, with --overwrite, B
+    replaces the output both checked at the start). A then refuses in one line, B's output is intact, and no
+    staging or moved-aside directory is left."""
+    from kvcal.errors import ArtifactError
+    from kvcal.outputs import write_dir_atomically
+
+    out = tmp_path / "out"
+    if overwrite:
+        write_dir_atomically(out, lambda d: (d / "kvcal-export.json").write_text('{"kvcal_version": "0"}'),
+                             kind="export")
+
+    def fill_b(d: Path) -> None:
+        (d / "kvcal-export.json").write_text('{"kvcal_version": "B"}')
+
+    def fill_a(d: Path) -> None:
+        (d / "kvcal-export.json").write_text('{"kvcal_version": "A"}')
+        write_dir_atomically(out, fill_b, overwrite=overwrite, kind="export")  # the other run, finishing first
+
+    with pytest.raises(ArtifactError, match="written by another process") as e:
+        write_dir_atomically(out, fill_a, overwrite=overwrite, kind="export")
+    assert "\n" not in str(e.value)
+    assert json.loads((out / "kvcal-export.json").read_text())["kvcal_version"] == "B"
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_an_empty_directory_that_appears_at_out_is_not_replaced(tmp_path):
+    """A directory created at --out during the run (here empty: plain rename would silently replace it) is kept,
+    and the run refuses."""
+    from kvcal.errors import ArtifactError
+    from kvcal.outputs import write_dir_atomically
+
+    out = tmp_path / "out"
+
+    def fill(d: Path) -> None:
+        (d / "f").write_text("x")
+        out.mkdir()
+
+    with pytest.raises(ArtifactError, match="written by another process"):
+        write_dir_atomically(out, fill)
+    assert out.is_dir() and list(out.iterdir()) == []
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_export_and_calibrate_writers_race_safely(tmp_path, monkeypatch):
+    """The commands that write a directory go through the same claim: an export whose target writer lets another
+    export finish at the same --out first refuses (exit 2, one line) and leaves the other's files; an artifact write
+    (calibrate's writer) whose safetensors save lets another artifact write finish first refuses likewise."""
+    import safetensors.torch as st
+    from helpers.cli import run_cli
+    from helpers.export import make_artifact
+
+    from kvcal.export import get_target
+
+    art, _ = make_artifact(tmp_path / "art")
+    out = tmp_path / "exp"
+    t = get_target("vllm")
+    real_write = type(t).write
+    state = {"inner": False}
+
+    def racing_write(self, ctx, staging):
+        if not state["inner"]:
+            state["inner"] = True
+            run_cli(["export", "--artifact", str(art), "--target", "modelopt", "--out", str(out)])
+        return real_write(self, ctx, staging)
+
+    monkeypatch.setattr(type(t), "write", racing_write)
+    msg = run_cli(["export", "--artifact", str(art), "--target", "vllm", "--out", str(out)], code=2)
+    assert "written by another process" in msg
+    assert json.loads((out / "kvcal-export.json").read_text())["target"] == "modelopt"
+    monkeypatch.undo()
+
+    from kvcal.artifact import load_artifact, write_artifact
+
+    a = load_artifact(art)
+    real_save = st.save_file
+    state["inner"] = False
+
+    def racing_save(*args, **kw):
+        if not state["inner"]:
+            state["inner"] = True
+            write_artifact(tmp_path / "art2", a.tensors, {**a.metadata, "created": "B"})
+        return real_save(*args, **kw)
+
+    monkeypatch.setattr(st, "save_file", racing_save)
+    from kvcal.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="written by another process"):
+        write_artifact(tmp_path / "art2", a.tensors, {**a.metadata, "created": "A"})
+    monkeypatch.undo()
+    assert load_artifact(tmp_path / "art2").metadata["created"] == "B"
+    assert _leftovers(tmp_path, "art2") == [] and _leftovers(tmp_path, "exp") == []
