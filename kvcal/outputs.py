@@ -484,3 +484,56 @@ def write_dir_atomically(out: Path, fill: Callable[[Path], None], overwrite: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def write_files_atomically(files: list[tuple[Path, str | bytes, str]], inputs: dict[str, object] | None = None,
+                           error: type[KvcalError] = KvcalError, flag: str = "--out") -> list[Path]:
+    """Write several files as one output: ``files`` ``[(path, content, kind)]`` (text is UTF-8), each checked as
+    :func:`check_output_file` checks it before anything is written; every file is first written to a temporary
+    sibling, and only when all are complete are they renamed into place. On any error (a full disk, Ctrl-C) the
+    temporaries and every directory this call created are removed and the existing files are untouched, so
+    "nothing was written" holds. Returns the paths. Raises ``error`` (one line naming the path and the cause)."""
+    for path, _, kind in files:
+        check_output_file(Path(path), kind, inputs, error, flag)
+    made: list[Path] = []  # directories this call created, deepest last
+    staged: list[tuple[Path, Path]] = []
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def clean() -> None:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+    current = None
+    try:
+        for path, content, _ in files:
+            current = Path(path)
+            parent = Path(os.path.abspath(current)).parent
+            missing = []
+            q = parent
+            while not q.exists():
+                missing.append(q)
+                q = q.parent
+            parent.mkdir(parents=True, exist_ok=True)
+            made += [m for m in reversed(missing) if m not in made]
+            fd, name = tempfile.mkstemp(prefix=f".{current.name}.tmp-", dir=parent)
+            staged.append((Path(name), current))
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(content.encode("utf-8") if isinstance(content, str) else content)
+            os.chmod(name, 0o666 & ~umask)
+        for tmp, path in staged:
+            current = path
+            os.replace(tmp, path)
+    except OSError as e:
+        clean()
+        raise error(f"cannot write {current}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        clean()
+        raise
+    return [path for _, path in staged]
+

@@ -570,3 +570,51 @@ def test_export_and_calibrate_writers_race_safely(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert load_artifact(tmp_path / "art2").metadata["created"] == "B"
     assert _leftovers(tmp_path, "art2") == [] and _leftovers(tmp_path, "exp") == []
+
+
+# ---- a full disk: one line naming the path and the cause, exit 2, nothing left (issue 40, class 3) --------------
+
+
+@pytest.fixture
+def full_fs(tmp_path):
+    """A 256 KiB tmpfs at tmp_path/fs, filled but for 2 KiB (root may mount one; skipped where it cannot)."""
+    import os
+
+    d = tmp_path / "fs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip() or r.returncode})")
+    try:
+        st = os.statvfs(d)
+        (d / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 2048))
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_every_writer_reports_a_full_disk_in_one_line_and_leaves_nothing(full_fs, tmp_path):
+    """On a full filesystem the artifact writer (calibrate's), export (standalone safetensors, whose library raises
+    its own error type) and report each end in one line naming the path and "No space left on device", exit 2 from
+    the CLI, and leave nothing behind: no staging directory, no partial file, no empty figures/ directory."""
+    from helpers.cli import run_cli
+    from helpers.export import make_artifact
+
+    from kvcal.artifact import load_artifact, write_artifact
+    from kvcal.errors import ArtifactError
+
+    art, _ = make_artifact(tmp_path / "art")
+    a = load_artifact(art)
+    big = {k: v.expand(4096).clone() if v.numel() == 1 else v for k, v in a.tensors.items()}  # > 2 KiB of tensors
+    with pytest.raises(ArtifactError, match="No space left on device") as e:
+        write_artifact(full_fs / "art", big, a.metadata)
+    assert "\n" not in str(e.value) and str(full_fs / "art") in str(e.value)
+    assert sorted(p.name for p in full_fs.iterdir()) == ["filler"]
+    msg = run_cli(["export", "--artifact", str(art), "--target", "vllm", "--out", str(full_fs / "exp")], code=2)
+    assert "No space left on device" in msg and "Traceback" not in msg
+    assert sorted(p.name for p in full_fs.iterdir()) == ["filler"]
+    rep = full_fs / "rep"
+    rep.mkdir()
+    msg = run_cli(["report", "--artifact", str(art), "--out", str(rep)], code=2)
+    assert "No space left on device" in msg and "nothing was written" in msg
+    assert list(rep.iterdir()) == []

@@ -41,6 +41,23 @@ class Artifact:
         return self.tensors.get(tensor_name(layer, side, kind))
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` whose failure to write is an ``OSError`` (what
+    :func:`kvcal.outputs.write_dir_atomically` turns into one line naming the path and the cause): safetensors raises
+    its own ``SafetensorError`` — not an ``OSError`` — when the write fails, e.g. on a full disk
+    (``No space left on device``), which would otherwise end in a traceback."""
+    import errno
+
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError:
+        raise
+    except Exception as e:  # safetensors.SafetensorError (a failed write), whose text names the OS cause
+        raise OSError(errno.EIO, f"{e}") from None
+
+
 def write_artifact(
     out_dir: str | os.PathLike,
     tensors: dict[str, torch.Tensor],
@@ -58,8 +75,6 @@ def write_artifact(
     kvcal output), if it is or contains an input, if a scale is invalid, or if the location is not
     writable; nothing partial is left.
     """
-    from safetensors.torch import save_file
-
     validate_scales(tensors)
     meta = {k: v for k, v in metadata.items() if k != CONTENT_HASH_KEY}  # a loaded artifact's hash is re-made
     meta["schema_version"] = SCHEMA_VERSION
@@ -73,7 +88,7 @@ def write_artifact(
     meta_json = json.dumps(meta, allow_nan=False)
 
     def fill(tmp: Path) -> None:
-        save_file(payload, str(tmp / SCALES_FILE), metadata={"kvcal": meta_json, "format": "pt"})
+        save_safetensors(payload, tmp / SCALES_FILE, {"kvcal": meta_json, "format": "pt"})
         for fname, content in (extra_files or {}).items():
             p = tmp / fname
             p.parent.mkdir(parents=True, exist_ok=True)

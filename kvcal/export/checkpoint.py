@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
+from kvcal.artifact.io import save_safetensors
 from kvcal.export.base import MANIFEST, ExportError
 
 INDEX = "model.safetensors.index.json"
@@ -280,7 +281,6 @@ def merge_into_copy(
     -> JSON dict written instead of the source's file (``config.json``, ``hf_quant_config.json``).
     Returns notes for the user. Raises :class:`ExportError` for unreadable shards.
     """
-    from safetensors.torch import save_file
 
     notes: list[str] = []
     src = ckpt.path
@@ -319,7 +319,7 @@ def merge_into_copy(
                 continue
             link_or_copy(src / rel, staged_path(staging, rel))
     shard_tensors = {**carried, **{k: v.detach().contiguous().cpu() for k, v in new_tensors.items()}}
-    save_file(shard_tensors, str(staging / SCALES_SHARD), metadata={"format": "pt", "producer": "kvcal"})
+    save_safetensors(shard_tensors, staging / SCALES_SHARD, {"format": "pt", "producer": "kvcal"})
     for k, t in shard_tensors.items():
         weight_map[k] = SCALES_SHARD
         total += t.numel() * t.element_size()

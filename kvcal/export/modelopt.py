@@ -17,6 +17,7 @@ import copy
 from pathlib import Path
 
 from kvcal import __version__
+from kvcal.artifact.io import save_safetensors
 from kvcal.export.base import ExportContext, ExportError, Target, register, write_json
 from kvcal.export.checkpoint import SCALES_SHARD, merge_into_copy
 from kvcal.export.rules import is_kv_scale_name
@@ -48,7 +49,6 @@ class ModelOptTarget(Target):
     description = "ModelOpt HF export names + hf_quant_config.json kv_cache_quant_algo"
 
     def write(self, ctx: ExportContext, staging: Path) -> str:
-        from safetensors.torch import save_file
 
         p = ctx.scales
         for i in range(p.num_layers):
@@ -56,7 +56,7 @@ class ModelOptTarget(Target):
             ctx.tensors[n["k"]] = p.k[i]
             ctx.tensors[n["v"]] = p.v[i]
         if ctx.model_dir is None:
-            save_file(ctx.tensors, str(staging / SCALES_SHARD), metadata={"format": "pt", "producer": "kvcal"})
+            save_safetensors(ctx.tensors, staging / SCALES_SHARD, {"format": "pt", "producer": "kvcal"})
             write_json(staging / HF_QUANT_CONFIG, hf_quant_config(None))
             ctx.notes.append(f"standalone export: {SCALES_SHARD} + {HF_QUANT_CONFIG}; pass --model-dir to merge")
             return "trtllm-serve {out}"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvcal.artifact.io import save_safetensors
 from kvcal.export.base import ExportContext, Target, register, report_shared_scale, write_json
 
 SCALES_FILE = "kv_cache_scales.safetensors"
@@ -35,7 +36,6 @@ class TrtllmLegacyTarget(Target):
     description = "legacy TensorRT-LLM kv_cache_scaling_factor (max of K and V) + reciprocal"
 
     def write(self, ctx: ExportContext, staging: Path) -> str:
-        from safetensors.torch import save_file
 
         p = ctx.scales
         for i in range(p.num_layers):
@@ -43,7 +43,7 @@ class TrtllmLegacyTarget(Target):
             s = p.combined(i).to(torch.float32)
             ctx.tensors[n["scale"]] = s
             ctx.tensors[n["rcp"]] = (1.0 / s).to(torch.float32)
-        save_file(ctx.tensors, str(staging / SCALES_FILE), metadata={"format": "pt", "producer": "kvcal"})
+        save_safetensors(ctx.tensors, staging / SCALES_FILE, {"format": "pt", "producer": "kvcal"})
         algo = "INT8" if p.format == "int8" else "FP8"
         write_json(staging / "quantization.json", {"quantization": {"kv_cache_quant_algo": algo}})
         ctx.notes.append(

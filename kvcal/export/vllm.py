@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvcal.artifact import vllm_section
+from kvcal.artifact.io import save_safetensors
 from kvcal.export.base import ExportContext, ExportError, Target, register, write_json
 from kvcal.export.checkpoint import SCALES_SHARD, merge_into_copy
 from kvcal.export.rules import VLLM_KV_QUANT_METHODS, is_kv_scale_name
@@ -104,7 +105,6 @@ class VllmTarget(Target):
         return None if sec and sec.nvfp4_dtype is not None else super().can_load(meta)
 
     def write(self, ctx: ExportContext, staging: Path) -> str:
-        from safetensors.torch import save_file
 
         from kvcal.export.checkpoint import text_config
         from kvcal.export.layouts import family
@@ -140,7 +140,7 @@ class VllmTarget(Target):
                 ctx.tensors[names["q"]] = vllm_q_scale(p.q[i], ctx.artifact.metadata["model"])
         scheme = kv_cache_scheme(p.granularity)
         if ctx.model_dir is None:
-            save_file(ctx.tensors, str(staging / SCALES_SHARD), metadata={"format": "pt", "producer": "kvcal"})
+            save_safetensors(ctx.tensors, staging / SCALES_SHARD, {"format": "pt", "producer": "kvcal"})
             write_json(staging / "quantization_config.json",
                        {"quantization_config": kv_only_quantization_config(p.granularity)})
             ctx.notes.append(f"standalone export: {SCALES_SHARD} + quantization_config.json; pass --model-dir to "

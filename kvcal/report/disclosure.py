@@ -543,7 +543,7 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
     from kvcal import __version__
     from kvcal.artifact import load_artifact
     from kvcal.errors import KvcalError
-    from kvcal.outputs import REPORT_MD_MARK, check_output_file, write_file_atomically
+    from kvcal.outputs import REPORT_MD_MARK, check_output_file, write_files_atomically
 
     art = load_artifact(artifact)
     ev = eval_json if isinstance(eval_json, dict) or eval_json is None else D.load_eval(eval_json)
@@ -561,8 +561,7 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
     mark = f"\n{REPORT_MD_MARK} {__version__}; kvcal report replaces this file when it runs again -->\n"
     files = [(od / "figures" / f"{name}.png", f.png, "figure") for name, f in rep.figures.items()]
     files += [(ht, to_html(rep), "report"), (md, to_markdown(rep) + mark, "report")]
-    for p, _, kind in files:  # every refusal before the first file is written
-        check_output_file(p, kind, inputs, KvcalError, "--out")
-    for p, content, kind in files:
-        write_file_atomically(p, content, kind, inputs, KvcalError, "--out")
+    # every refusal before the first file is written; all staged, then renamed: a failure (a full disk) leaves
+    # neither a partial report nor an empty figures/ directory
+    write_files_atomically(files, inputs, KvcalError, "--out")
     return {"markdown": str(md), "html": str(ht), "figures": [str(p) for p, _, k in files if k == "figure"]}
