@@ -126,6 +126,9 @@ def deployed_section(meta: dict) -> str:
     a, b = set_figures(meta, "searched"), set_figures(meta, "clip_free")
     if a is None or b is None:
         return ""
+    from kvcal.report.data import heldout_word
+
+    w = heldout_word(meta)  # "held-out", or the calibration data's name when there was no held-out split
     cw = (meta.get("calibration") or {}).get("cache_write")
     n = sum(1 for lm in meta.get("layers") or [] for s in ("k", "v")
             if (lm.get(s) or {}).get("clip_free", {}).get("scale") != (lm.get(s) or {}).get("scale"))
@@ -134,8 +137,8 @@ def deployed_section(meta: dict) -> str:
               "**clip-free** set" if per_tensor else "`--clip-free` writes the **clip-free** set")
     return f"""## What is deployed
 - Scales searched for the cache write: **{cw or "not recorded"}**{f" ({CACHE_WRITES[cw]})" if cw in CACHE_WRITES else ""}.
-- `kvcal export --target vllm`, `modelopt`{", `trtllm-legacy`" if per_tensor else ""} write the **searched** scales (the table below) unchanged (held-out mean: K attention KL {_fmt(a["k"])}, V output error {_fmt(a["v"])}){" — trtllm-legacy as max(K, V) per layer, its cost measured in `layers[i].shared`" if per_tensor else ""}.
-- {sglang}: the search's best among candidates that clip nothing it observed ({n} of {2 * a["layers"]} scales differ; held-out mean: K attention KL {_fmt(b["k"])}, V output error {_fmt(b["v"])}).
+- `kvcal export --target vllm`, `modelopt`{", `trtllm-legacy`" if per_tensor else ""} write the **searched** scales (the table below) unchanged ({w} mean: K attention KL {_fmt(a["k"])}, V output error {_fmt(a["v"])}){" — trtllm-legacy as max(K, V) per layer, its cost measured in `layers[i].shared`" if per_tensor else ""}.
+- {sglang}: the search's best among candidates that clip nothing it observed ({n} of {2 * a["layers"]} scales differ; {w} mean: K attention KL {_fmt(b["k"])}, V output error {_fmt(b["v"])}).
 - `--headroom` changes scales after the search; export prints its cost from the search's recorded candidates. `kvcal evaluate --artifact EXPORT_DIR` measures any export on the model.
 
 """

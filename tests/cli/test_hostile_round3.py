@@ -203,7 +203,14 @@ def test_a_terminating_signal_mid_write_leaves_nothing_and_says_so(tmp_path, mon
         os.kill(os.getpid(), sig)
         return real_replace(src, dst)
 
+    real_claim = kvcal.outputs._rename_noreplace
+
+    def killed_claim(src, dst):  # a new --out is claimed by a no-replace rename: the signal lands before it
+        os.kill(os.getpid(), sig)
+        return real_claim(src, dst)
+
     monkeypatch.setattr(kvcal.outputs.os, "replace", killed)
+    monkeypatch.setattr(kvcal.outputs, "_rename_noreplace", killed_claim)
     args = (["export", "--artifact", str(art), "--target", "vllm", "--out", str(work / "out")] if command == "export"
             else ["report", "--artifact", str(art), "--out", str(work / "out")])
     try:
