@@ -55,6 +55,7 @@ from kvcal.verify.figures import (
     agreement,
     gain_line,
     predict,
+    resolve_check,
     served_gain,
     summarize,
     t_quantile,
@@ -168,10 +169,16 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
         L = ck.num_layers
         plans = {}
         qs = ck.q_scales if all(s is not None for s in ck.q_scales) else None  # read only where queries are FP8
-        # the engine's backend, and (for a backend that truncates) the same cache written by rounding to nearest with
-        # the queries left unquantized: the write path alone, what truncation costs
-        for alt in dict.fromkeys([backend, "cuda"]):
-            qq = None if alt == backend else False
+        # the engine's backend, and the other write path (for a backend that truncates: the same cache written by
+        # rounding to nearest with the queries left unquantized, the write path alone, what truncation costs) (truncation for a GPU run, rounding for the CPU build): the difference the
+        # served = predicted check exists to resolve, so a tolerance wider than it is called inconclusive
+        other = "cpu" if backend == "cuda" else "cuda"
+        try:  # a write path that cannot hold this model (the CPU build: head_dim a multiple of 32) is not a rival
+            check_backend_serves(other, dtype, ck.head_dim)
+        except VllmDTypeError:
+            other = None
+        for alt in dict.fromkeys([b for b in (backend, other) if b is not None]):
+            qq = None if alt == backend or alt == "cpu" else False
             if has_scales:
                 plans[(f"{dtype} checkpoint scales", alt)] = VllmKVPlan(
                     dtype, L, k_scales=ck.k_scales, v_scales=ck.v_scales, q_scales=qs, backend=alt, quantize_query=qq,
@@ -198,13 +205,21 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
         ag_ppl["diff"] = srv["delta_ppl"] - prd["delta_ppl"]
         ag_ppl["ok"] = abs(ag_ppl["diff"]) <= ag_ppl["tol"]
         ag_kl = agreement(_window_means(s_run["kl"]), _window_means(p_run["kl"]))
+        alt = summarize(pred[f"{name}@{other}"], p_ref) if other else None
+        for ag, key, fl in ((ag_ppl, "delta_ppl", floor_ppl), (ag_kl, "kl_mean", 0.0)):
+            if alt is not None:
+                resolve_check(ag, abs(prd[key] - alt[key]), len(wins), fl)
+            else:  # no rival write path for this model: nothing for the tolerance to separate
+                ag.update(resolve=None, decided=True, windows_needed=None)
         status, failed = judge(srv, crit)
         row = {"run": name, "kv_cache_dtype": dtype, "scales": "checkpoint" if "checkpoint" in name else "1.0",
                "skip_layers": list(skip),
                "served": srv, "predicted": prd, "backend": backend, "ppl_agreement": ag_ppl, "kl_agreement": ag_kl,
-               "accept": status, "failed": failed, "agree": ag_ppl["ok"] and ag_kl["ok"]}
+               "accept": status, "failed": failed, "agree": ag_ppl["ok"] and ag_kl["ok"],
+               "agreement": ("FAIL" if not (ag_ppl["ok"] and ag_kl["ok"]) else
+                             "PASS" if ag_ppl["decided"] and ag_kl["decided"] else "inconclusive"),
+               "predicted_other_write": {"backend": other, **alt} if alt else None}
         if backend != "cuda":
-            alt = summarize(pred[f"{name}@cuda"], p_ref)
             row["predicted_if_rounding"] = alt
         rows.append(row)
         held = s_run["layer_scales"]
@@ -226,12 +241,15 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
     gain = None
     if has_scales:  # the same engine run: the checkpoint's scales against the dtype at vLLM's default 1.0
         gain = served_gain(served["runs"][runs[1]["name"]], served["runs"][runs[2]["name"]], s_ref)
-    passed = (all(r["accept"] == "PASS" and r["agree"] for r in rows) and all(c["ok"] for c in scale_check)
-              and (gain is None or gain["verdict"] != "FAIL"))
+    passed = (all(r["accept"] == "PASS" and r["agreement"] == "PASS" for r in rows)
+              and all(c["ok"] for c in scale_check) and (gain is None or gain["verdict"] != "FAIL"))
+    inconclusive = (not passed and all(r["accept"] == "PASS" and r["agree"] for r in rows)
+                    and all(c["ok"] for c in scale_check) and (gain is None or gain["verdict"] != "FAIL"))
     return {
         "schema": "kvcal-verify/1", "kvcal_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "passed": passed, "checkpoint": str(ck.path), "engine": {
+        "passed": passed, "verdict": "PASS" if passed else "inconclusive" if inconclusive else "FAIL",
+        "checkpoint": str(ck.path), "engine": {
             "python": str(engine_python), "vllm_version": served.get("vllm_version"),
             "torch_version": served.get("torch_version"), "attention_impl": sorted(impls), "backend": backend,
             "align_max_abs": align, "seconds": {n: {"start": r["engine_start_s"], "serve": r["serve_s"]}
@@ -264,7 +282,16 @@ def render(doc: dict) -> str:
         lines.append(f"| {r['kv_cache_dtype']} | {r['scales']} | {s['delta_ppl']:+.4f} | {p['delta_ppl']:+.4f} | "
                      f"{a['diff']:+.4f} (±{a['tol']:.4f}) | {s['kl_mean']:.3e} | {p['kl_mean']:.3e} | "
                      f"{k['diff']:+.2e} (±{k['tol']:.2e}) | {r['accept']}"
-                     f"{' (' + '; '.join(r['failed']) + ')' if r['failed'] else ''} | {'PASS' if r['agree'] else 'FAIL'} |")
+                     f"{' (' + '; '.join(r['failed']) + ')' if r['failed'] else ''} | "
+                     f"{r.get('agreement', 'PASS' if r['agree'] else 'FAIL')} |")
+    for r in doc["rows"]:
+        if r.get("agreement") == "inconclusive":
+            a, k = r["ppl_agreement"], r["kl_agreement"]
+            need = max((x.get("windows_needed") or 0) for x in (a, k))
+            lines.append(f"note: {r['run']}: served = predicted is inconclusive — its tolerance (KL ±{k['tol']:.2e}, "
+                         f"ΔPPL ±{a['tol']:.4f}) is not below the difference between the two write paths it must tell "
+                         f"apart (KL {k['resolve']:.2e}, ΔPPL {a['resolve']:.4f}); "
+                         + (f"about {need} windows would decide it" if need else "more windows would not decide it"))
     for r in doc["rows"]:
         if "predicted_if_rounding" in r:
             q = r["predicted_if_rounding"]
@@ -278,7 +305,7 @@ def render(doc: dict) -> str:
         lines.append(gain_line(doc["served_gain"], e["backend"]))
     lines.append(f"tolerance: {int(doc['confidence'] * 100)}% paired t-interval over windows (+ the 16-bit "
                  "disagreement for ΔPPL); docs/serving.md#served-vs-predicted")
-    lines.append("verify: " + ("PASS" if doc["passed"] else "FAIL"))
+    lines.append("verify: " + doc.get("verdict", "PASS" if doc["passed"] else "FAIL"))
     return "\n".join(lines)
 
 

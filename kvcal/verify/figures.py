@@ -121,6 +121,28 @@ def gain_line(g: dict, backend: str | None = None) -> str:
     return line
 
 
+def resolve_check(ag: dict, resolve: float, n: int, floor: float = 0.0, confidence: float = CONFIDENCE) -> dict:
+    """Whether an :func:`agreement` can tell what it exists to tell: served = predicted must separate kvcal's
+    emulation of the engine's write path from the other write path (rounding vs truncation), whose predictions
+    differ by ``resolve`` (the same figure, same windows). Adds to ``ag`` (and returns it) ``resolve``,
+    ``decided`` (``tol < resolve``: a wrong write path would fall outside the tolerance) and ``windows_needed``
+    (when undecided: the least ``N`` with ``t_{(1+c)/2, N−1} · sd / √N + floor < resolve`` for the observed
+    per-window spread ``sd`` — recovered from ``tol`` — or ``None`` when no ``N`` up to 10,000 would, e.g. when the
+    floor alone reaches ``resolve``)."""
+    ag["resolve"] = resolve
+    ag["decided"] = ag["tol"] < resolve
+    ag["windows_needed"] = None
+    if not ag["decided"] and n > 1 and resolve > floor:
+        sd = (ag["tol"] - floor) * math.sqrt(n) / t_quantile(confidence, n - 1)
+        k = n + 1
+        while k <= 10_000:
+            if t_quantile(confidence, k - 1) * sd / math.sqrt(k) + floor < resolve:
+                ag["windows_needed"] = k
+                break
+            k = k + 1 if k < 64 else int(k * 1.1) + 1
+    return ag
+
+
 def _window_means(rows: list[list[float]]) -> list[float]:
     return [sum(r) / len(r) for r in rows]
 

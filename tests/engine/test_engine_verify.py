@@ -63,7 +63,14 @@ def test_served_equals_predicted_on_vllm_cpu(exported, engine_python, shared_dat
                                   "--engine-python", engine_python, "--context", "256", "--windows", "8",
                                   "--accept", "kl_mean<=1", "--json", str(js)])
     doc = json.loads(js.read_text())
-    assert r.exit_code == 0 and doc["passed"], r.output
+    # the committed artifact was searched for the GPU's rounding write; served by truncation its gain over 1.0 may be
+    # nil or negative (docs/serving.md: 1.03x at 8 x 1024), and verify fails exactly when it serves worse beyond
+    # the interval (issue 38), so the exit status follows the gain's verdict while every other check must pass
+    g = doc["served_gain"]
+    assert g is not None and g["windows"] == 8 and g["kl_ratio_ci"][0] <= g["kl_ratio"] <= g["kl_ratio_ci"][1]
+    assert "served gain over vLLM's default scales (1.0)" in r.output and "truncation" in r.output
+    assert all(row["agreement"] == "PASS" for row in doc["rows"]), r.output  # decided: the write paths differ
+    assert doc["passed"] == (g["verdict"] != "FAIL") and r.exit_code == (1 if g["verdict"] == "FAIL" else 0), r.output
     assert doc["engine"]["backend"] == "cpu" and doc["engine"]["attention_impl"] == ["CPUAttentionBackendImpl"]
     ref = doc["reference"]
     assert abs(ref["served_16bit_ppl"] / ref["predicted_16bit_ppl"] - 1) < 1e-4

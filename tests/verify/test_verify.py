@@ -413,3 +413,43 @@ def test_render_prints_the_gain_and_what_the_cpu_backend_gains():
     line = next(x for x in text.splitlines() if x.startswith("served gain over vLLM's default scales"))
     assert "KL 0.500x [0.500x, 0.500x]" in line and line.endswith(": PASS")
     assert "truncation" in text and "--backend cpu" in text
+
+
+def test_served_equals_predicted_that_cannot_tell_the_write_paths_apart_is_inconclusive():
+    """resolve_check (issue 40, class 4): a tolerance not below the difference between the two write paths'
+    predictions cannot catch a wrong write path, so it is undecided, with the least window count whose tolerance
+    (t quantile at that count x the per-window spread recovered from the tolerance, + the floor) falls below it;
+    a tolerance below it is decided; a floor at or above it can never decide."""
+    from scipy.stats import t
+
+    from kvcal.verify.figures import resolve_check
+
+    sd, n, floor = 0.02, 2, 0.001
+    tol = t.ppf(0.995, n - 1) * sd / math.sqrt(n) + floor  # what agreement() gives for 2 windows of spread sd
+    ag = resolve_check({"diff": 0.0, "tol": tol, "ok": True}, 0.01, n, floor)
+    assert not ag["decided"] and ag["resolve"] == 0.01
+    k = ag["windows_needed"]
+    assert t.ppf(0.995, k - 1) * sd / math.sqrt(k) + floor < 0.01 <= t.ppf(0.995, k - 2) * sd / math.sqrt(k - 1) + floor
+    assert resolve_check({"diff": 0.0, "tol": 0.001, "ok": True}, 0.01, 8)["decided"]
+    assert resolve_check({"diff": 0.0, "tol": 0.02, "ok": True}, 0.01, 8, floor=0.01)["windows_needed"] is None
+
+
+def test_render_says_inconclusive_instead_of_pass():
+    """A row whose agreement is undecided prints `inconclusive` in the served = predicted column, a note with the
+    tolerances, the write-path difference and the windows that would decide, and verify's last line says
+    inconclusive, not PASS."""
+    from kvcal.verify import render
+
+    srv = {"delta_ppl": 0.1, "kl_mean": 0.01}
+    row = {"run": "fp8 checkpoint scales", "kv_cache_dtype": "fp8", "scales": "checkpoint", "served": srv,
+           "predicted": srv, "accept": "PASS", "failed": [], "agree": True, "agreement": "inconclusive",
+           "ppl_agreement": {"diff": 0.0, "tol": 11.4, "resolve": 0.4, "windows_needed": 40},
+           "kl_agreement": {"diff": 0.0, "tol": 5.7e-2, "resolve": 1.4e-2, "windows_needed": 30}}
+    doc = {"engine": {"vllm_version": "0.32.0", "attention_impl": ["CPUAttentionBackendImpl"], "backend": "cpu"},
+           "corpus": {"windows": 2, "context": 64, "path": "c.txt"}, "rows": [row], "accept": "kl_mean<=0.1",
+           "reference": {"served_16bit_ppl": 2.0, "predicted_16bit_ppl": 2.0}, "scales_applied": [],
+           "confidence": 0.99, "passed": False, "verdict": "inconclusive", "served_gain": None}
+    text = render(doc)
+    assert "| PASS | inconclusive |" in text
+    assert "about 40 windows would decide it" in text
+    assert text.splitlines()[-1] == "verify: inconclusive"
