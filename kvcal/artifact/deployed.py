@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -59,6 +60,66 @@ def _tensors(d: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+#: ``{attention path}.layers.{i}.{...}.{k,v,q}_scale`` in any model family (Llama ``model.layers.{i}.self_attn``,
+#: GPT-NeoX ``gpt_neox.layers.{i}.attention``, ...; modelopt's ``.k_proj.k_scale``): the layer index and the side
+_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[^.]+\.)*?([kvq])_scale$")
+
+
+def _attention_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.Tensor]]:
+    """The ``k``/``v`` (and ``q`` where the checkpoint holds one) scale of every layer in the ``*.safetensors`` of
+    ``d``, found by name whatever the model family's attention path (:data:`_SCALE_NAME`; for ``modelopt`` the
+    ``{k,v}_proj.{k,v}_scale`` names). Raises :class:`ArtifactError` for a missing k/v scale, two tensors for one
+    layer and side, or a q_scale on only some layers (vLLM would serve the others at 1.0: not one configuration)."""
+    from safetensors import safe_open
+
+    found: dict[tuple[int, str], str] = {}
+    files: dict[str, Path] = {}
+    for f in sorted(d.rglob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                keys = list(fh.keys())
+        except Exception as e:  # safetensors raises several types for corrupted files
+            raise ArtifactError(f"{f} is corrupted or truncated ({type(e).__name__}: {e}); re-export") from None
+        for k in keys:
+            m = _SCALE_NAME.search(k)
+            if not m or int(m.group(1)) >= num_layers:
+                continue
+            side = m.group(2)
+            if target == "modelopt" and side != "q" and not k.endswith(f"{side}_proj.{side}_scale"):
+                continue
+            if target == "vllm" and k.endswith(f"{side}_proj.{side}_scale"):
+                continue
+            key = (int(m.group(1)), side)
+            if key in found and found[key] != k:
+                raise ArtifactError(f"{d}: two tensors hold layer {key[0]}'s {side}_scale ({found[key]}, {k}); an "
+                                    "engine would load one of them — re-export into a clean directory")
+            found[key], files[k] = k, f
+    t = {}
+    for f in sorted(set(files.values())):
+        t.update(_tensors_of(f, {k for k, g in files.items() if g == f}))
+    out: dict[str, list[torch.Tensor]] = {}
+    for s in ("k", "v"):
+        missing = [i for i in range(num_layers) if (i, s) not in found]
+        if missing:
+            raise ArtifactError(f"{d}: the {target} export lacks layer {missing[0]}'s {s}_scale ({len(missing)} of "
+                                f"{num_layers} layers); it was edited or is incomplete — re-export")
+        out[s] = [t[found[(i, s)]] for i in range(num_layers)]
+    qs = [i for i in range(num_layers) if (i, "q") in found]
+    if qs and len(qs) != num_layers:
+        raise ArtifactError(f"{d}: layers {qs[:6]} hold a q_scale and {num_layers - len(qs)} others do not: vLLM would "
+                            "serve those at 1.0, a mix kvcal evaluate does not emulate — re-export")
+    if qs:
+        out["q"] = [t[found[(i, "q")]] for i in range(num_layers)]
+    return out
+
+
+def _tensors_of(f: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as fh:
+        return {k: fh.get_tensor(k).float() for k in names}
+
+
 def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.Tensor]]:
     """The per-layer scales an export directory ``d`` of ``target`` holds: ``{"k": [L tensors], "v": [...]}`` plus
     ``"q"`` where every layer has one (vllm). Shared targets give the one per-layer value to both sides.
@@ -73,23 +134,17 @@ def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.T
             raise ArtifactError(f"{f}: no kv_cache.scaling_factor for rank 0, layer {e} (the file was edited or is "
                                 "not kvcal's export); re-export") from None
         out = {"k": vals, "v": [v.clone() for v in vals]}
+    elif target == "trtllm-legacy":
+        name = {i: _NAMES[target].format(i=i) for i in range(num_layers)}
+        t = _tensors(d, set(name.values()))
+        missing = [name[i] for i in range(num_layers) if name[i] not in t]
+        if missing:
+            raise ArtifactError(f"{d}: the {target} export lacks {missing[0]} ({len(missing)} of {num_layers} "
+                                "layers); it was edited or is incomplete — re-export")
+        out = {"k": [t[name[i]] for i in range(num_layers)]}
+        out["v"] = [k.clone() for k in out["k"]]
     elif target in _NAMES:
-        fmt = _NAMES[target]
-        sides = ("k",) if target == "trtllm-legacy" else ("k", "v", "q")
-        names = {(i, s): fmt.format(i=i, s=s) for i in range(num_layers) for s in sides}
-        t = _tensors(d, set(names.values()))
-        out = {}
-        for s in sides:
-            got = [t.get(names[(i, s)]) for i in range(num_layers)]
-            if s == "q" and any(g is None for g in got):
-                continue  # no q_scale (an artifact without query statistics): the engine's 1.0
-            missing = [names[(i, s)] for i in range(num_layers) if got[i] is None]
-            if missing:
-                raise ArtifactError(f"{d}: the {target} export lacks {missing[0]} ({len(missing)} of {num_layers} "
-                                    "layers); it was edited or is incomplete — re-export")
-            out[s] = got
-        if target == "trtllm-legacy":
-            out["v"] = [k.clone() for k in out["k"]]
+        out = _attention_scales(d, target, num_layers)
     else:
         raise ArtifactError(f"{d / EXPORT_MANIFEST}: target {target!r} is not one kvcal exports; re-export")
     for s, vals in out.items():
@@ -136,6 +191,7 @@ def load_deployed(path: str | os.PathLike) -> Artifact:
     tensors = dict(art.tensors)
     meta = copy.deepcopy(art.metadata)
     changed = 0
+    q_from_checkpoint = False
     for i in range(n):
         for s in ("k", "v"):
             name = tensor_name(i, s)
@@ -156,6 +212,11 @@ def load_deployed(path: str | os.PathLike) -> Artifact:
                 lm[s]["scale"] = v.reshape(-1).tolist()
         if "q" in got:
             q = tensor_name(i, "k").replace("k_scale", "q_scale")
+            if q not in tensors:  # kept from the --model-dir checkpoint: vLLM reads it, so the evaluation must too
+                hkv = int(meta["model"].get("num_kv_heads") or 1)
+                nq = got["q"][i].numel()
+                tensors[q] = torch.zeros(1 if nq == 1 else hkv, dtype=torch.float32)
+                q_from_checkpoint = True
             if q in tensors:
                 qv = got["q"][i].reshape(-1) / conv
                 if qv.numel() != tensors[q].numel() and qv.numel() % tensors[q].numel() == 0:
@@ -166,13 +227,21 @@ def load_deployed(path: str | os.PathLike) -> Artifact:
                                         f"{tensors[q].numel()}; re-export")
                 tensors[q] = qv.reshape(tensors[q].shape).to(torch.float32)
     meta["deployed"] = {"target": target, "path": str(d.resolve()), "source_artifact": str(sp.resolve()),
-                        "scales": man.get("scales"), "changed": changed}
+                        "scales": man.get("scales"), "changed": changed, "source_hash_checked": want is not None,
+                        "q_scale_from_checkpoint": q_from_checkpoint}
     return Artifact(path=d, tensors=tensors, metadata=meta)
 
 
 def load_artifact_or_export(path: str | os.PathLike) -> Artifact:
-    """:func:`load_deployed` for an export directory, else :func:`kvcal.artifact.load_artifact`."""
-    return load_deployed(path) if is_export(path) else load_artifact(path)
+    """:func:`load_deployed` for an export directory, else :func:`kvcal.artifact.load_artifact`; a directory that
+    is neither is refused naming both (:class:`ArtifactError`)."""
+    p = Path(path)
+    if is_export(p):
+        return load_deployed(p)
+    if p.is_dir() and not (p / "kv_scales.safetensors").exists():
+        raise ArtifactError(f"{p} is neither a kvcal artifact (kv_scales.safetensors: `kvcal calibrate --out`) nor a "
+                            f"kvcal export ({EXPORT_MANIFEST}: `kvcal export --out`); give one of them")
+    return load_artifact(p)
 
 
 __all__ = ["is_export", "read_scales", "load_deployed", "load_artifact_or_export"]

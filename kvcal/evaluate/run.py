@@ -175,7 +175,12 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     if dep:
         notes.append(f"judged: the {dep['target']} export {dep['path']} — the scales read from its files "
                      f"({dep['scales'] or 'scale set not recorded'}; {dep['changed']} K/V scales differ from the "
-                     f"artifact {dep['source_artifact']} it was exported from), the artifact's model and format.")
+                     f"artifact {dep['source_artifact']} it was exported from), the artifact's model and format"
+                     + ("; the q_scale the checkpoint holds (kept from --model-dir: vLLM reads it)"
+                        if dep.get("q_scale_from_checkpoint") else "")
+                     + ("" if dep.get("source_hash_checked", True) else
+                        "; this export predates the recorded artifact hash, so the source artifact could not be "
+                        "checked to be the one exported") + ".")
         log(notes[-1])
     device_kind = str(next(model.parameters()).device)
     if device_kind.startswith("cpu"):

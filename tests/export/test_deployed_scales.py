@@ -245,7 +245,7 @@ def test_load_deployed_refuses_a_missing_or_changed_source_artifact(offset_artif
     assert "\n" not in str(e.value) and str(src) in str(e.value)
     shutil.copytree(offset_artifact, src)
     (tmp_path / "out" / "kvcal-kv-scales.safetensors").unlink()
-    with pytest.raises(ArtifactError, match="lacks model.layers.0.self_attn.k_scale"):
+    with pytest.raises(ArtifactError, match="lacks layer 0's k_scale"):
         load_deployed(tmp_path / "out")
 
 
@@ -271,3 +271,44 @@ def test_evaluate_judges_the_export_as_deployed(offset_artifact, offset_model, t
         assert kl["sglang"][base] == kl["artifact"][base]
     assert docs["vllm"]["artifact"]["deployed"]["target"] == "vllm"
     assert any(n.startswith("judged: the vllm export") for n in docs["vllm"]["notes"])
+
+
+def test_load_deployed_reads_any_family_names_and_the_checkpoints_q_scale(offset_artifact, tmp_path):
+    """Scale names on another family's attention path (GPT-NeoX's `gpt_neox.layers.{i}.attention.k_scale`) are
+    read by layer and side; a q_scale the exported checkpoint holds though the artifact has none (kept from
+    --model-dir, so vLLM reads it) is read too and said; a q_scale on only some layers, a directory that is neither
+    an artifact nor an export, and a manifest without the artifact hash are each named."""
+    from safetensors.torch import load_file, save_file
+
+    from kvcal.artifact.deployed import load_artifact_or_export, load_deployed
+    from kvcal.errors import ArtifactError
+
+    out = tmp_path / "v"
+    export(str(offset_artifact), "vllm", out)
+    f = out / "kvcal-kv-scales.safetensors"
+    t = load_file(f)
+    neox = {k.replace("model.layers.", "gpt_neox.layers.").replace(".self_attn.", ".attention."): v
+            for k, v in t.items()}
+    neox.update({f"gpt_neox.layers.{i}.attention.q_scale": torch.tensor([0.25 * (i + 1)]) for i in range(L)})
+    f.unlink()
+    save_file(neox, f, metadata={"format": "pt"})
+    art = load_deployed(out)
+    for i in range(L):
+        for s in "kv":
+            assert torch.equal(art.scale(i, s).reshape(-1), t[f"model.layers.{i}.self_attn.{s}_scale"].reshape(-1))
+        assert float(art.tensors[f"model.layers.{i}.self_attn.q_scale"].reshape(-1)[0]) == 0.25 * (i + 1)
+    assert art.metadata["deployed"]["q_scale_from_checkpoint"] is True
+    del neox["gpt_neox.layers.2.attention.q_scale"]
+    f.unlink()
+    save_file(neox, f, metadata={"format": "pt"})
+    with pytest.raises(ArtifactError, match="hold a q_scale and 1 others do not"):
+        load_deployed(out)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArtifactError, match="neither a kvcal artifact .* nor a kvcal export"):
+        load_artifact_or_export(tmp_path / "empty")
+    out2 = tmp_path / "v2"
+    export(str(offset_artifact), "vllm", out2)
+    man = json.loads((out2 / "kvcal-export.json").read_text())
+    del man["artifact_sha256"]  # what an export of an earlier kvcal holds
+    (out2 / "kvcal-export.json").write_text(json.dumps(man))
+    assert load_deployed(out2).metadata["deployed"]["source_hash_checked"] is False
