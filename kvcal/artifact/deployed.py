@@ -174,6 +174,9 @@ def load_deployed(path: str | os.PathLike) -> Artifact:
         raise ArtifactError(f"{d}: a {man.get('source_format')} export cannot be evaluated from its files; evaluate "
                             f"its artifact ({src}) with --vllm-dtype")
     sp = Path(src)
+    if not man.get("artifact_path") and not sp.is_absolute():  # relative to a working directory nobody recorded
+        raise ArtifactError(f"{f}: records the artifact only as the relative path {src!r} (an export of an earlier "
+                            "kvcal), which kvcal will not guess against this directory: re-export it with this kvcal")
     if not (sp / "kv_scales.safetensors").is_file():
         raise ArtifactError(f"{d}: the artifact it was exported from, {src}, is gone (kvcal evaluate reads the model "
                             "and format from it): keep the artifact where it was, or re-export from it")
