@@ -26,17 +26,13 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact.io import Artifact, load_artifact
+from kvcal.artifact.io import Artifact, artifact_sha256, load_artifact
 from kvcal.errors import ArtifactError
 from kvcal.outputs import EXPORT_MANIFEST
 from kvcal.plan import tensor_name
 
-#: the names each export target writes, per layer ``i`` and side ``s`` (``q`` where the target has one)
-_NAMES = {
-    "vllm": "model.layers.{i}.self_attn.{s}_scale",
-    "modelopt": "model.layers.{i}.self_attn.{s}_proj.{s}_scale",
-    "trtllm-legacy": "transformer.layers.{i}.attention.kv_cache_scaling_factor",
-}
+#: trtllm-legacy's one K/V scale per layer ``i`` (vllm and modelopt names are matched by :data:`_SCALE_NAME`)
+TRTLLM_NAME = "transformer.layers.{i}.attention.kv_cache_scaling_factor"
 SGLANG_JSON = "kv_cache_scales.json"
 
 
@@ -73,7 +69,6 @@ def _attention_scales(d: Path, target: str, num_layers: int) -> dict[str, list[t
     from safetensors import safe_open
 
     found: dict[tuple[int, str], str] = {}
-    files: dict[str, Path] = {}
     for f in sorted(d.rglob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as fh:
@@ -93,10 +88,8 @@ def _attention_scales(d: Path, target: str, num_layers: int) -> dict[str, list[t
             if key in found and found[key] != k:
                 raise ArtifactError(f"{d}: two tensors hold layer {key[0]}'s {side}_scale ({found[key]}, {k}); an "
                                     "engine would load one of them — re-export into a clean directory")
-            found[key], files[k] = k, f
-    t = {}
-    for f in sorted(set(files.values())):
-        t.update(_tensors_of(f, {k for k, g in files.items() if g == f}))
+            found[key] = k
+    t = _tensors(d, set(found.values()))
     out: dict[str, list[torch.Tensor]] = {}
     for s in ("k", "v"):
         missing = [i for i in range(num_layers) if (i, s) not in found]
@@ -111,13 +104,6 @@ def _attention_scales(d: Path, target: str, num_layers: int) -> dict[str, list[t
     if qs:
         out["q"] = [t[found[(i, "q")]] for i in range(num_layers)]
     return out
-
-
-def _tensors_of(f: Path, names: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(str(f), framework="pt") as fh:
-        return {k: fh.get_tensor(k).float() for k in names}
 
 
 def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.Tensor]]:
@@ -135,7 +121,7 @@ def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.T
                                 "not kvcal's export); re-export") from None
         out = {"k": vals, "v": [v.clone() for v in vals]}
     elif target == "trtllm-legacy":
-        name = {i: _NAMES[target].format(i=i) for i in range(num_layers)}
+        name = {i: TRTLLM_NAME.format(i=i) for i in range(num_layers)}
         t = _tensors(d, set(name.values()))
         missing = [name[i] for i in range(num_layers) if name[i] not in t]
         if missing:
@@ -143,7 +129,7 @@ def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.T
                                 "layers); it was edited or is incomplete — re-export")
         out = {"k": [t[name[i]] for i in range(num_layers)]}
         out["v"] = [k.clone() for k in out["k"]]
-    elif target in _NAMES:
+    elif target in ("vllm", "modelopt"):
         out = _attention_scales(d, target, num_layers)
     else:
         raise ArtifactError(f"{d / EXPORT_MANIFEST}: target {target!r} is not one kvcal exports; re-export")
@@ -182,8 +168,6 @@ def load_deployed(path: str | os.PathLike) -> Artifact:
                             "and format from it): keep the artifact where it was, or re-export from it")
     art = load_artifact(sp)
     want = man.get("artifact_sha256")
-    from kvcal.artifact.io import artifact_sha256
-
     if want is not None and artifact_sha256(sp) != want:
         raise ArtifactError(f"{d}: the artifact at {src} changed after the export (sha256 differs from "
                             "kvcal-export.json's artifact_sha256): re-export from it, or evaluate the artifact itself")
@@ -215,20 +199,20 @@ def load_deployed(path: str | os.PathLike) -> Artifact:
                 lm[s]["scale"] = v.reshape(-1).tolist()
         if "q" in got:
             q = tensor_name(i, "k").replace("k_scale", "q_scale")
-            if q not in tensors:  # kept from the --model-dir checkpoint: vLLM reads it, so the evaluation must too
-                hkv = int(meta["model"].get("num_kv_heads") or 1)
-                nq = got["q"][i].numel()
-                tensors[q] = torch.zeros(1 if nq == 1 else hkv, dtype=torch.float32)
-                q_from_checkpoint = True
+            qv = got["q"][i].reshape(-1) / conv
             if q in tensors:
-                qv = got["q"][i].reshape(-1) / conv
-                if qv.numel() != tensors[q].numel() and qv.numel() % tensors[q].numel() == 0:
-                    # per query head [H_q] (kvcal.export.vllm.vllm_q_scale): vLLM's loader keeps each group's max
-                    qv = qv.reshape(tensors[q].numel(), -1).amax(1)
-                if qv.numel() != tensors[q].numel():
-                    raise ArtifactError(f"{d}: layer {i} q_scale has {qv.numel()} values, the artifact "
-                                        f"{tensors[q].numel()}; re-export")
-                tensors[q] = qv.reshape(tensors[q].shape).to(torch.float32)
+                shape = tensors[q].shape
+            else:  # kept from the --model-dir checkpoint: vLLM reads it, so the evaluation must too
+                shape = (1,) if qv.numel() == 1 else (int(meta["model"].get("num_kv_heads") or 1),)
+                q_from_checkpoint = True
+            want_n = int(torch.Size(shape).numel())
+            if qv.numel() != want_n and qv.numel() % want_n == 0:
+                # per query head [H_q] (kvcal.export.vllm.vllm_q_scale): vLLM's loader keeps each group's max
+                qv = qv.reshape(want_n, -1).amax(1)
+            if qv.numel() != want_n:
+                raise ArtifactError(f"{d}: layer {i} q_scale has {qv.numel()} values, the artifact {want_n}; "
+                                    "re-export")
+            tensors[q] = qv.reshape(shape).to(torch.float32)
     meta["deployed"] = {"target": target, "path": str(d.resolve()), "source_artifact": str(sp.resolve()),
                         "scales": man.get("scales"), "changed": changed, "source_hash_checked": want is not None,
                         "q_scale_from_checkpoint": q_from_checkpoint}
