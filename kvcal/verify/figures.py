@@ -27,26 +27,28 @@ def agreement(served: list[float], predicted: list[float], floor: float = 0.0,
     two implementations disagree by without quantization (their 16-bit runs). ``ok``: ``|mean d| ≤ tol``.
     A missing emulation detail (a rounding mode, a flush) biases every window the same way, which this
     interval does not absorb; arithmetic-order noise averages out."""
+    diff, h, _ = _mean_half_width([s - p for s, p in zip(served, predicted, strict=True)], confidence)
+    tol = h + floor
+    return {"diff": diff, "tol": tol, "ok": abs(diff) <= tol}
+
+
+def _mean_half_width(d: list[float], confidence: float) -> tuple[float, float, float]:
+    """``(mean, t_{(1+c)/2, N−1} · sd / √N, sd)`` of paired per-window differences ``d`` (``sd`` infinite for one
+    window): the one t-interval :func:`agreement` and :func:`paired_interval` share."""
     import statistics
 
-    n = len(served)
-    d = [s - p for s, p in zip(served, predicted, strict=True)]
-    diff = statistics.fmean(d)
+    n = len(d)
     sd = statistics.stdev(d) if n > 1 else float("inf")
-    tol = t_quantile(confidence, n - 1) * sd / math.sqrt(n) + floor
-    return {"diff": diff, "tol": tol, "ok": abs(diff) <= tol}
+    return statistics.fmean(d), t_quantile(confidence, n - 1) * sd / math.sqrt(n), sd
 
 
 def paired_interval(d: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float, float]:
     """Mean, the two-sided ``confidence`` Student-t interval ``mean ± t_{(1+c)/2, N−1} · sd / √N`` of paired
     per-window differences ``d`` (``N >= 2``; windows are independent samples of the corpus), and the sample
     standard deviation: ``(mean, lo, hi, sd)``."""
-    import statistics
-
-    n = len(d)
-    m = statistics.fmean(d)
-    sd = statistics.stdev(d) if n > 1 else float("inf")
-    h = t_quantile(confidence, n - 1) * sd / math.sqrt(n) if n > 1 else float("inf")
+    m, h, sd = _mean_half_width(d, confidence)
+    if len(d) < 2:
+        h = float("inf")
     return m, m - h, m + h, sd
 
 
@@ -58,9 +60,16 @@ def windows_to_decide(mean: float, sd: float, n: int, confidence: float = CONFID
         return None
     if sd == 0:
         return n
-    k = max(n, 2)
+    return _least_windows(abs(mean), sd, max(n, 2), 0.0, confidence, cap)
+
+
+def _least_windows(target: float, sd: float, start: int, floor: float, confidence: float,
+                   cap: int = 10_000) -> int | None:
+    """The least ``N >= start`` with ``t_{(1+c)/2, N−1} · sd / √N + floor < target`` (searched one by one up to 64,
+    then in steps of ~10%), or ``None`` when no ``N <= cap`` reaches it."""
+    k = start
     while k <= cap:
-        if t_quantile(confidence, k - 1) * sd / math.sqrt(k) < abs(mean):
+        if t_quantile(confidence, k - 1) * sd / math.sqrt(k) + floor < target:
             return k
         k = k + 1 if k < 64 else int(k * 1.1) + 1
     return None
@@ -134,12 +143,7 @@ def resolve_check(ag: dict, resolve: float, n: int, floor: float = 0.0, confiden
     ag["windows_needed"] = None
     if not ag["decided"] and n > 1 and resolve > floor:
         sd = (ag["tol"] - floor) * math.sqrt(n) / t_quantile(confidence, n - 1)
-        k = n + 1
-        while k <= 10_000:
-            if t_quantile(confidence, k - 1) * sd / math.sqrt(k) + floor < resolve:
-                ag["windows_needed"] = k
-                break
-            k = k + 1 if k < 64 else int(k * 1.1) + 1
+        ag["windows_needed"] = _least_windows(resolve, sd, n + 1, floor, confidence)
     return ag
 
 
