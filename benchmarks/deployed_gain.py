@@ -9,7 +9,7 @@ Each export's scales are read back from the files it wrote (safetensors / JSON, 
 independently of kvcal's exporters) and evaluated teacher-forced (Protocol A) on the first ``--eval`` windows of
 ``--eval-len`` tokens, one window at a time, with two cache writes:
 
-* ``gpu``: vLLM 0.33's GPU write, FP8 e4m3 rounded to nearest with saturation and the queries FP8 at q_scale 1.0
+* ``gpu``: kvcal's emulation (not an engine run) of vLLM 0.33's GPU write, FP8 e4m3 rounded to nearest with saturation and the queries FP8 at q_scale 1.0
   (:class:`kvcal.vllm_plan.VllmKVPlan`, ``--kv-cache-dtype fp8``, backend ``cuda``) — what a vLLM user serves;
 * ``kvcal``: kvcal's own runtime write (the same rounding, queries exact).
 
