@@ -129,7 +129,13 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
         from kvcal.outputs import write_file_atomically
 
         click.echo(f"wrote {write_file_atomically(json_path, to_json(doc), 'evaluation', inputs, KvcalError, '--json')}")
-    click.echo(f"artifact: {'PASS' if doc['passed'] else 'FAIL'}")
+    jm = doc.get("judged_method", "artifact")
+    need = [r.get("windows_needed") for r in doc["results"] if r["method"] == jm and r["status"] == "INCONCLUSIVE"]
+    more = (f" ({max(need)} windows would decide it at the observed spread; --windows)"
+            if need and all(need) else " (no window count would decide it at the observed spread)" if need else "")
+    click.echo(f"artifact: {doc.get('verdict', 'PASS' if doc['passed'] else 'FAIL')}"
+               + (f" (judged on the {jm} row: how vLLM serves it)" if jm != "artifact" else "")
+               + (more if doc.get("verdict") == "INCONCLUSIVE" else ""))
     if not doc["passed"]:
         sys.exit(1)
 

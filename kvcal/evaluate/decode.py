@@ -92,10 +92,11 @@ def decode_eval(
                                        (~same).int().argmax(1))
                     g_prefix[name].extend((pref.float() / G).tolist())
                 acc = accs[name]
-                acc.add(logp_ref[:, :1], torch.log_softmax(logits.cpu(), -1)[:, None], targets[:, :1])
+                acc.add(logp_ref[:, :1], torch.log_softmax(logits.cpu(), -1)[:, None], targets[:, :1], window0=i)
                 for j, t in enumerate(range(P, T - 1), start=1):
                     lg = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1].float()
-                    acc.add(logp_ref[:, j : j + 1], torch.log_softmax(lg.cpu(), -1)[:, None], targets[:, j : j + 1])
+                    acc.add(logp_ref[:, j : j + 1], torch.log_softmax(lg.cpu(), -1)[:, None], targets[:, j : j + 1],
+                            window0=i)
                 if measure is not None and i + batch >= N:
                     measure.append({"method": name, "cache_tokens": cache.get_seq_length(),
                                     "batch": int(ids.shape[0]), "allocated_bytes": cache.allocated_bytes(),
@@ -107,8 +108,10 @@ def decode_eval(
     res = {"16-bit": {**ref_res, "delta_ppl": 0.0, "greedy_agree": 1.0 if G else None,
                       "greedy_prefix": 1.0 if G else None}}
     for name, acc in accs.items():
-        r = acc.result(ref_res["ppl"])
+        r = acc.result(ref_res["ppl"], ref)
         r["greedy_agree"] = sum(g_same[name]) / len(g_same[name]) if G else None
         r["greedy_prefix"] = sum(g_prefix[name]) / len(g_prefix[name]) if G else None
+        if G:  # one sequence per window: 1.0/0.0 all identical, and the identical-prefix fraction
+            r["per_window"].update(greedy_agree=[float(x) for x in g_same[name]], greedy_prefix=list(g_prefix[name]))
         res[name] = r
     return res

@@ -5,6 +5,10 @@ JSON schema ``"kvcal-eval/1"`` (keys are stable; all losses in nats, bytes are e
     {
       "schema": "kvcal-eval/1",
       "kvcal_version": str, "created": ISO-8601 str, "passed": bool, "exit_code": 0 | 1,
+      "verdict": "PASS" | "FAIL" | "INCONCLUSIVE" (FAIL when a judged row fails; INCONCLUSIVE when none
+                 fails but one's bound straddles its bar),
+      "judged_method": the result rows that set "passed" ("artifact", or "vllm:<dtype>" for an artifact
+                       calibrated for a vLLM dtype: the row of how vLLM serves it),
       "artifact": {"path": str, "kv": <artifact metadata "kv" section>, "calibration": {...} | null,
                    "corpus": {...} | null, "sha256": sha256 of its kv_scales.safetensors},
       "model": <artifact-style model section: id, config_sha256, num_layers, num_kv_heads, head_dim,
@@ -25,7 +29,11 @@ JSON schema ``"kvcal-eval/1"`` (keys are stable; all losses in nats, bytes are e
                    "ppl": float, "delta_ppl": float, "kl_mean": float, "kl_p999": float,
                    "top1_agree": float, "greedy_agree": float | null, "greedy_prefix": float | null,
                    "tokens": int, "windows": int, "seconds": float,
-                   "status": "PASS" | "FAIL" | "REFERENCE", "criteria": str, "failed": [str]}],
+                   "status": "PASS" | "FAIL" | "INCONCLUSIVE" | "REFERENCE", "criteria": str, "failed": [str],
+                   "per_window": {"nll", "ref_nll", "kl_mean", "top1_agree"[, "greedy_agree", "greedy_prefix"]:
+                                  [float per window]},
+                   "bounds": {metric: {"estimate", "bound", "lower", "upper", "method"}} (one-sided 95% t
+                             bounds over the windows, kvcal.evaluate.bounds), "windows_needed": int | null}],
       "per_layer": {method: {"k_attention_kl": [float per layer] (mean KL per query, nats),
                              "v_output_error": [float per layer] (relative ||P(V^-V)||^2/||PV||^2),
                              "tokens": int, "queries": int}},
@@ -63,8 +71,22 @@ def render_table(doc: dict) -> str:
         b = bpt.get(r["method"], doc["memory"]["bytes_per_token_16bit"] if r["method"] == "16-bit" else float("nan"))
         lines.append(f"{r['method']:<12} {r['mode']:<14} {r['context']:>5} {r['batch']:>2} {r['ppl']:>8.3f} "
                      f"{r['delta_ppl']:>+8.3f} {r['kl_mean']:>9.2e} {r['kl_p999']:>9.3f} {r['top1_agree']:>6.1%} "
-                     f"{g:>6} {b:>8g}  {r['status']}{' (' + '; '.join(r['failed']) + ')' if r['failed'] else ''}")
+                     f"{g:>6} {b:>8g}  {r['status']}{' (' + '; '.join(r['failed']) + ')' if r['failed'] else ''}"
+                     + _bounds_text(r))
     return "\n".join(lines)
+
+
+def _bounds_text(r: dict) -> str:
+    """`` [kl_mean bound 1.3e-02, ...]``: the one-sided bounds a row's status was judged on
+    (:func:`kvcal.evaluate.bounds.judge_bounded`), and the windows that would decide an INCONCLUSIVE row."""
+    from kvcal.evaluate.bounds import bound_text
+
+    bs = r.get("bounds") or {}
+    parts = [f"{m} {bound_text(bs, m)}" for m in bs if str(bs[m].get("method", "")).startswith("one-sided")]
+    if r.get("status") == "INCONCLUSIVE":
+        n = r.get("windows_needed")
+        parts.append(f"{n} windows would decide it" if n else "no window count would decide it at this spread")
+    return f" [{'; '.join(parts)}]" if parts else ""
 
 
 def to_json(doc: dict) -> str:

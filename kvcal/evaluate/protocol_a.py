@@ -148,28 +148,53 @@ class TokenMetrics:
 
     :meth:`add` takes log-probabilities ``[B, n, V]`` float32 of the reference and of the method and
     the target token ids int64 ``[B, n]``; it accumulates the NLL of the targets (float64 sum), the
-    argmax agreements and the per-position KL (float32, kept as float64 for the percentile)."""
+    argmax agreements and the per-position KL (float32, kept as float64 for the percentile), in total
+    and per evaluation window (row ``b`` of the batch is window ``window0 + b``; ``window0`` defaults to the
+    next window after those already added, so one call per batch of whole windows needs none)."""
 
     def __init__(self):
         self.nll, self.n, self.top1 = 0.0, 0, 0
         self.kl: list[torch.Tensor] = []
+        self._next = 0
+        self._win: dict[int, list] = {}  # window -> [nll sum, positions, top1 count, KL sum]
 
-    def add(self, logp_ref: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor):
-        self.nll += float(-logp.gather(-1, targets[..., None]).sum())
-        self.n += targets.numel()
-        self.top1 += int((logp.argmax(-1) == logp_ref.argmax(-1)).sum())
+    def add(self, logp_ref: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor, window0: int | None = None):
+        nll = -logp.gather(-1, targets[..., None])[..., 0].double()  # [B, n]
+        agree = logp.argmax(-1) == logp_ref.argmax(-1)
         kl = kl_terms(logp_ref, logp).sum(-1)  # [B, n]
+        self.nll += float(nll.sum())
+        self.n += targets.numel()
+        self.top1 += int(agree.sum())
         self.kl.append(kl.flatten().double())
+        w0 = self._next if window0 is None else int(window0)
+        for b in range(targets.shape[0]):
+            acc = self._win.setdefault(w0 + b, [0.0, 0, 0, 0.0])
+            acc[0] += float(nll[b].sum())
+            acc[1] += targets.shape[-1]
+            acc[2] += int(agree[b].sum())
+            acc[3] += float(kl[b].double().sum())
+        self._next = max(self._next, w0 + targets.shape[0])
 
-    def result(self, ref_ppl: float | None) -> dict:
-        """``{"ppl", "tokens", "kl_mean", "kl_p999", "top1_agree"}`` and ``"delta_ppl"`` (``ppl −
+    def window_figures(self) -> dict:
+        """Per evaluation window, in window order: ``{"nll": mean NLL per position (nats), "kl_mean": mean KL
+        per position (nats), "top1_agree": fraction}`` — lists of one float per window, the samples of
+        :mod:`kvcal.evaluate.bounds`."""
+        ws = [self._win[k] for k in sorted(self._win)]
+        return {"nll": [w[0] / w[1] for w in ws], "kl_mean": [w[3] / w[1] for w in ws],
+                "top1_agree": [w[2] / w[1] for w in ws]}
+
+    def result(self, ref_ppl: float | None, ref: TokenMetrics | None = None) -> dict:
+        """``{"ppl", "tokens", "kl_mean", "kl_p999", "top1_agree", "per_window"}`` and ``"delta_ppl"`` (``ppl −
         ref_ppl``) when ``ref_ppl`` is given. ``kl_p999``: ``torch.quantile(kl, 0.999)`` (linear
-        interpolation) over the positions; the max when there is one."""
+        interpolation) over the positions; the max when there is one. ``per_window``: :meth:`window_figures`,
+        with ``ref_nll`` (the reference's per-window NLL, same windows) when ``ref`` is given."""
         ppl = math.exp(self.nll / max(self.n, 1))
         kl = torch.cat(self.kl) if self.kl else torch.zeros(1, dtype=torch.float64)
         out = {"ppl": ppl, "tokens": self.n, "kl_mean": float(kl.mean()),
                "kl_p999": float(torch.quantile(kl, 0.999)) if kl.numel() > 1 else float(kl.max()),
-               "top1_agree": self.top1 / max(self.n, 1)}
+               "top1_agree": self.top1 / max(self.n, 1), "per_window": self.window_figures()}
+        if ref is not None:
+            out["per_window"]["ref_nll"] = ref.window_figures()["nll"]
         if ref_ppl is not None:
             out["delta_ppl"] = ppl - ref_ppl
         return out
@@ -214,7 +239,7 @@ def teacher_forced(
     ref_res = ref.result(None)
     out = {"16-bit": {**ref_res, "delta_ppl": 0.0}}
     for name, acc in accs.items():
-        out[name] = acc.result(ref_res["ppl"])
+        out[name] = acc.result(ref_res["ppl"], ref)
     return out
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvcal.evaluate.accept import default_accept, judge, parse_accept, plan_bits
+from kvcal.evaluate.accept import default_accept, parse_accept, plan_bits
+from kvcal.evaluate.bounds import LEVEL, judge_bounded
 from kvcal.evaluate.baselines import (
     artifact_amax,
     baseline_plans,
@@ -210,7 +211,22 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                      "(KIVI's residual); teacher-forced rows quantize every key/value attention reads.")
     vllm_names = set()
     sec = vllm_section(art.metadata)
-    for d in dict.fromkeys(cfg.vllm_dtypes):
+    # an artifact calibrated for a vLLM dtype and backend is judged as that engine serves it (issue 40, class 1):
+    # the vllm:<its dtype> row sets the verdict, added with the artifact's backend when --vllm-dtype omits it
+    backend_of = dict.fromkeys(cfg.vllm_dtypes, cfg.backend)
+    served_d = None
+    if sec is not None and sec.kv_cache_dtype:
+        served_d = next((d for d in cfg.vllm_dtypes if _same_vllm_dtype(d, sec.kv_cache_dtype)), None)
+        if served_d is None:
+            served_d = sec.kv_cache_dtype
+            backend_of[served_d] = sec.backend
+            notes.append(f"vllm:{served_d} added (backend {sec.backend}): the artifact was calibrated for vLLM "
+                         f"--kv-cache-dtype {sec.kv_cache_dtype} on that backend, and is judged as it serves it")
+            log(notes[-1])
+        elif cfg.backend != sec.backend:
+            notes.append(f"the artifact was calibrated for backend {sec.backend}; vllm:{served_d} runs backend "
+                         f"{cfg.backend} as --backend asks, and its verdict is for that backend")
+    for d in backend_of:
         from kvcal.formats.vllm_dtypes import vllm_dtype
         from kvcal.vllm_plan import VllmKVPlan
 
@@ -225,7 +241,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         art_skip = sec.skip_layers_for(d) if sec else ()
         if art_skip:  # calibrate --skip-layers / recommend: the 16-bit layers its export serves with
             kw["skip_layers"] = art_skip
-        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, backend=cfg.backend, **kw)
+        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, backend=backend_of[d], **kw)
         roles[f"vllm:{d}"] = "vllm"
         vllm_names.add(f"vllm:{d}")
         notes.append(note + (f"; layers {', '.join(map(str, art_skip))} in the model dtype (the artifact's "
@@ -261,12 +277,14 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
             row = {"method": name, "mode": mode, "context": T, "batch": B,
                    **{k: r.get(k) for k in ("ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree")},
                    "greedy_agree": r.get("greedy_agree"), "greedy_prefix": r.get("greedy_prefix"),
-                   "tokens": r["tokens"], "windows": n_windows, "seconds": round(seconds, 2)}
+                   "tokens": r["tokens"], "windows": n_windows, "seconds": round(seconds, 2),
+                   "per_window": r.get("per_window")}
             if name == "16-bit":
                 row.update(status="REFERENCE", criteria="", failed=[])
-            else:
-                st, failed = judge(row, crit[name])
-                row.update(status=st, criteria=crit_str[name], failed=failed)
+            else:  # judged on one-sided bounds over the windows (kvcal.evaluate.bounds), never the estimate alone
+                j = judge_bounded(row, crit[name])
+                row.update(status=j["status"], criteria=crit_str[name], failed=j["failed"], bounds=j["bounds"],
+                           windows_needed=j["windows_needed"])
             results.append(row)
 
     eval_tokens = {}
@@ -303,8 +321,18 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
 
     memory = memory_section(plans, vllm_names, shp, L, contexts, batches, measured)
 
-    art_rows = [r for r in results if r["method"] == "artifact"]
-    passed = all(r["status"] == "PASS" for r in art_rows)
+    judged_method = f"vllm:{served_d}" if served_d is not None else "artifact"
+    if served_d is not None:
+        notes.append(f"verdict: the {judged_method} row ({backend_of[served_d]} write path), how vLLM serves this "
+                     "artifact's export; the artifact rows (kvcal's runtime: every layer quantized, rounding "
+                     "writes, no query quantization) are shown beside it and set neither the verdict nor the exit "
+                     "code")
+    art_rows = [r for r in results if r["method"] == judged_method]
+    passed = bool(art_rows) and all(r["status"] == "PASS" for r in art_rows)
+    notes.append(f"PASS/FAIL: every clause judged on a one-sided {LEVEL:.0%} Student-t bound over the evaluation "
+                 "windows (the upper bound of a <= clause, the lower of a >=; ΔPPL from the paired per-window NLL "
+                 "differences; kl_p999 on its estimate); INCONCLUSIVE when the bound straddles the bar, with the "
+                 "windows that would decide it")
     calib = art.metadata.get("calibration")
     doc = {
         "schema": SCHEMA,
@@ -312,6 +340,9 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "passed": passed,
         "exit_code": 0 if passed else 1,
+        "judged_method": judged_method,
+        "verdict": ("PASS" if passed else "FAIL" if not art_rows or any(r["status"] == "FAIL" for r in art_rows)
+                    else "INCONCLUSIVE"),
         "artifact": {"path": str(art.path), "kv": art.metadata["kv"], "calibration": calib,
                      "corpus": art.metadata.get("corpus"),
                      "sha256": artifact_sha256(dep["source_artifact"] if dep else art.path),
@@ -392,3 +423,8 @@ def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts:
                 memory["cache_bytes"][name].append({"context": T, "batch": B, "bytes": nb,
                                                     "vs_16bit": nb / cache_bytes(shp, preset("bf16"), T, B)})
     return memory
+
+
+def _same_vllm_dtype(a: str, b: str) -> bool:
+    """Whether two ``--kv-cache-dtype`` spellings name one vLLM dtype (fp8 = fp8_e4m3, vllm/config/cache.py)."""
+    return a == b or {a, b} == {"fp8", "fp8_e4m3"}

@@ -264,6 +264,8 @@ def tested_method(ev: dict | None) -> str | None:
     ``"artifact"``, else ``artifact.method`` / ``name``, else a result row named ``"artifact"``."""
     if not ev:
         return None
+    if isinstance(ev.get("judged_method"), str):  # kvcal evaluate names the row that sets its verdict
+        return ev["judged_method"]
     for name, m in (ev.get("methods") or {}).items():
         if isinstance(m, dict) and m.get("role") == "artifact":
             return name
@@ -294,23 +296,27 @@ def results(ev: dict | None) -> list[dict]:
     for r in ev.get("results") or []:
         if not isinstance(r, dict):
             continue
-        row = {k: r.get(k) for k in ("method", "mode", "context", "batch", "status", "criteria", "failed", *METRICS)}
+        row = {k: r.get(k) for k in ("method", "mode", "context", "batch", "status", "criteria", "failed", "bounds",
+                                      *METRICS)}
         rows.append(row)
     order = {"teacher_forced": 0, "decode": 1}
     return sorted(rows, key=lambda r: (order.get(r["mode"], 2), r["context"] or 0, r["batch"] or 0, str(r["method"])))
 
 
 def verdict(ev: dict | None) -> dict | None:
-    """``{"method", "status": "PASS"|"FAIL"|"NOT JUDGED", "failed": [rows]}`` for the method under
-    test (or every judged method when the JSON does not name one)."""
+    """``{"method", "status": "PASS"|"FAIL"|"INCONCLUSIVE"|"NOT JUDGED", "failed": [rows not PASS]}`` for the
+    method under test (``judged_method``, or every judged method when the JSON does not name one): FAIL when a
+    row fails, INCONCLUSIVE when none fails but one is undecided (its bound straddles the bar)."""
     rs = results(ev)
     if not rs:
         return None
     m = tested_method(ev)
-    mine = [r for r in rs if r["method"] == m] if m else [r for r in rs if r["status"] in ("PASS", "FAIL")]
-    judged = [r for r in mine if r["status"] in ("PASS", "FAIL")]
-    failed = [r for r in judged if r["status"] == "FAIL"]
-    status = "FAIL" if failed else ("PASS" if judged else "NOT JUDGED")
+    decided = ("PASS", "FAIL", "INCONCLUSIVE")
+    mine = [r for r in rs if r["method"] == m] if m else [r for r in rs if r["status"] in decided]
+    judged = [r for r in mine if r["status"] in decided]
+    failed = [r for r in judged if r["status"] != "PASS"]
+    status = ("FAIL" if any(r["status"] == "FAIL" for r in judged) else "INCONCLUSIVE" if failed else
+              "PASS" if judged else "NOT JUDGED")
     return {"method": m, "status": status, "failed": failed, "judged": len(judged)}
 
 

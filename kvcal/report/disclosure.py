@@ -357,6 +357,15 @@ def _memory(rep: Report, meta: dict, ev: dict | None, reg: dict, tensors: dict |
     return mem
 
 
+def _bounded(r: dict, metric: str, fmt) -> str:
+    """A result's ``metric`` formatted by ``fmt``, with the bound its status was judged on in brackets
+    (:func:`kvcal.evaluate.bounds.judge_bounded`) when the row carries one."""
+    b = (r.get("bounds") or {}).get(metric)
+    if not isinstance(b, dict) or not str(b.get("method", "")).startswith("one-sided") or b.get("bound") is None:
+        return fmt(r[metric])
+    return f"{fmt(r[metric])} [{fmt(b['bound'])}]"
+
+
 def _quality(rep: Report, ev: dict | None, meta: dict | None = None) -> None:
     rep.add(Heading("Quality with baselines"))
     if not ev:
@@ -384,14 +393,19 @@ def _quality(rep: Report, ev: dict | None, meta: dict | None = None) -> None:
         name = f"**{r['method']}**" if mine and r["method"] == mine else str(r["method"])
         st = r["status"] or "–"
         rows.append([name, str(r["mode"] or "–"), _num(r["context"]), _num(r["batch"]), _num(r["ppl"], ".4f"),
-                     _num(r["delta_ppl"], "+.4f"), _sci(r["kl_mean"]), _sci(r["kl_p999"]),
+                     _bounded(r, "delta_ppl", lambda x: _num(x, "+.4f")), _bounded(r, "kl_mean", _sci),
+                     _sci(r["kl_p999"]),
                      _num(r["top1_agree"], ".4f"), _num(r["greedy_agree"], ".3f"), _num(r["tokens"]),
-                     f"**{st}**" if st in ("PASS", "FAIL") else st, D.criteria_text(r["criteria"]) or "–"])
+                     f"**{st}**" if st in ("PASS", "FAIL", "INCONCLUSIVE") else st, D.criteria_text(r["criteria"]) or "–"])
     if rows:
         rep.add(Table(["method", "mode", "context", "batch", "ppl", "Δppl", "KL mean", "KL p99.9", "top-1 agree",
                        "greedy agree", "tokens", "status", "criteria"], rows))
     else:
         rep.add(Para("The evaluation JSON holds no results."))
+    if any(r.get("bounds") for r in D.results(ev)):
+        rep.add(Para("A bracketed figure is the one-sided 95% Student-t bound over the evaluation windows that the "
+                     "status is judged on (the upper bound of a <= clause): PASS needs the bound inside the bar, "
+                     "FAIL the opposite bound outside it; INCONCLUSIVE otherwise."))
     rep.add(Para("Units: perplexity exp(mean NLL); Δppl vs the 16-bit cache on the same windows; KL(P16 ‖ Pquant) of "
                  "the next-token distribution in nats; agreement as fractions. Teacher-forced = every key/value "
                  "attention reads is quantized in one pass; decode = token by token through the quantized cache."))
