@@ -74,6 +74,25 @@ def windows_to_decide(gap: float, sd: float, n: int, level: float = LEVEL, cap: 
     return None
 
 
+def _identity(x: float) -> float:
+    return x
+
+
+class _Exp:
+    """``x -> p · exp(x)`` (PPL from a mean NLL) or ``p · (exp(x) − 1)`` (ΔPPL from a mean NLL difference, ``p`` =
+    PPL16), increasing in ``x``, with the infinite bounds of one window mapped to the limits."""
+
+    def __init__(self, p: float, minus_one: bool):
+        self.p, self.minus_one = p, minus_one
+
+    def __call__(self, x: float) -> float:
+        if x > 700:
+            return math.inf
+        if x == -math.inf:
+            return -self.p if self.minus_one else 0.0
+        return self.p * (math.expm1(x) if self.minus_one else math.exp(x))
+
+
 def metric_bounds(row: dict, metric: str, level: float = LEVEL) -> dict:
     """The bounds of one metric of an evaluated ``row`` (its figures and ``row["per_window"]``, as
     :class:`kvcal.evaluate.protocol_a.TokenMetrics` gives them): ``{"estimate", "lower", "upper", "windows",
@@ -83,23 +102,19 @@ def metric_bounds(row: dict, metric: str, level: float = LEVEL) -> dict:
     ``method`` saying so."""
     est = row.get(metric)
     pw = row.get("per_window") or {}
-    ident = (lambda x: x)
     if metric in _WINDOWED and pw.get(metric):
         xs = pw[metric]
         m, lo, hi, sd = mean_bounds(xs, level)
-        return {"estimate": est, "lower": lo, "upper": hi, "windows": len(xs), "space": (m, sd, ident),
+        return {"estimate": est, "lower": lo, "upper": hi, "windows": len(xs), "space": (m, sd, _identity),
                 "method": f"one-sided {level:.0%} t over {len(xs)} windows"}
     if metric in ("delta_ppl", "ppl") and pw.get("nll") and (metric == "ppl" or pw.get("ref_nll")):
         if metric == "ppl":
-            xs, f = pw["nll"], math.exp
+            xs, to = pw["nll"], _Exp(1.0, minus_one=False)
         else:
             ref = pw["ref_nll"]
             xs = [a - b for a, b in zip(pw["nll"], ref, strict=True)]
-            ppl16 = math.exp(sum(ref) / len(ref))
-            f = (lambda d, p=ppl16: p * math.expm1(d) if d < 700 else math.inf)
+            to = _Exp(math.exp(sum(ref) / len(ref)), minus_one=True)
         m, lo, hi, sd = mean_bounds(xs, level)
-        to = (lambda d, f=f: f(d) if math.isfinite(d) else (math.inf if d > 0 else
-                                                            (0.0 if metric == "ppl" else -math.inf)))
         return {"estimate": est, "lower": to(lo), "upper": to(hi), "windows": len(xs), "space": (m, sd, to),
                 "method": f"one-sided {level:.0%} t over {len(xs)} windows"
                           + (" (paired NLL differences)" if metric == "delta_ppl" else "")}

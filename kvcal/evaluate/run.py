@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcal.evaluate.accept import default_accept, parse_accept, plan_bits
-from kvcal.evaluate.bounds import LEVEL, judge_bounded
 from kvcal.evaluate.baselines import (
     artifact_amax,
     baseline_plans,
@@ -27,6 +26,7 @@ from kvcal.evaluate.baselines import (
     describe_plan,
     per_layer_errors,
 )
+from kvcal.evaluate.bounds import LEVEL, judge_bounded
 from kvcal.evaluate.decode import decode_eval
 from kvcal.evaluate.document import SCHEMA
 from kvcal.evaluate.protocol_a import teacher_forced

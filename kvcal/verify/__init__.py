@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 from kvcal.errors import KvcalError
+from kvcal.evaluate.bounds import LEVEL
 from kvcal.verify.checkpoint import Checkpoint, from_recommend, no_scale_view, read_checkpoint
 from kvcal.verify.config import VERIFY_METRICS, VerifyConfig, check_accept
 from kvcal.verify.engine import (
@@ -71,7 +72,8 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
     import datetime as _dt
 
     from kvcal import __version__
-    from kvcal.evaluate.accept import DEFAULT_ACCEPT, judge
+    from kvcal.evaluate.accept import DEFAULT_ACCEPT
+    from kvcal.evaluate.bounds import judge_bounded
     from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend
     from kvcal.vllm_plan import VllmKVPlan
 
@@ -211,11 +213,13 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
                 resolve_check(ag, abs(prd[key] - alt[key]), len(wins), fl)
             else:  # no rival write path for this model: nothing for the tolerance to separate
                 ag.update(resolve=None, decided=True, windows_needed=None)
-        status, failed = judge(srv, crit)
+        jb = judge_bounded(srv, crit)  # the bar, on one-sided bounds over the served windows
+        status, failed = jb["status"], jb["failed"]
         row = {"run": name, "kv_cache_dtype": dtype, "scales": "checkpoint" if "checkpoint" in name else "1.0",
                "skip_layers": list(skip),
                "served": srv, "predicted": prd, "backend": backend, "ppl_agreement": ag_ppl, "kl_agreement": ag_kl,
-               "accept": status, "failed": failed, "agree": ag_ppl["ok"] and ag_kl["ok"],
+               "accept": status, "failed": failed, "accept_bounds": jb["bounds"],
+               "accept_windows_needed": jb["windows_needed"], "agree": ag_ppl["ok"] and ag_kl["ok"],
                "agreement": ("FAIL" if not (ag_ppl["ok"] and ag_kl["ok"]) else
                              "PASS" if ag_ppl["decided"] and ag_kl["decided"] else "inconclusive"),
                "predicted_other_write": {"backend": other, **alt} if alt else None}
@@ -243,7 +247,7 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
         gain = served_gain(served["runs"][runs[1]["name"]], served["runs"][runs[2]["name"]], s_ref)
     passed = (all(r["accept"] == "PASS" and r["agreement"] == "PASS" for r in rows)
               and all(c["ok"] for c in scale_check) and (gain is None or gain["verdict"] != "FAIL"))
-    inconclusive = (not passed and all(r["accept"] == "PASS" and r["agree"] for r in rows)
+    inconclusive = (not passed and all(r["accept"] in ("PASS", "INCONCLUSIVE") and r["agree"] for r in rows)
                     and all(c["ok"] for c in scale_check) and (gain is None or gain["verdict"] != "FAIL"))
     return {
         "schema": "kvcal-verify/1", "kvcal_version": __version__,
@@ -282,7 +286,7 @@ def render(doc: dict) -> str:
         lines.append(f"| {r['kv_cache_dtype']} | {r['scales']} | {s['delta_ppl']:+.4f} | {p['delta_ppl']:+.4f} | "
                      f"{a['diff']:+.4f} (±{a['tol']:.4f}) | {s['kl_mean']:.3e} | {p['kl_mean']:.3e} | "
                      f"{k['diff']:+.2e} (±{k['tol']:.2e}) | {r['accept']}"
-                     f"{' (' + '; '.join(r['failed']) + ')' if r['failed'] else ''} | "
+                     f"{' (' + '; '.join(r['failed']) + ')' if r['failed'] else _bound_note(r)} | "
                      f"{r.get('agreement', 'PASS' if r['agree'] else 'FAIL')} |")
     for r in doc["rows"]:
         if r.get("agreement") == "inconclusive":
@@ -305,8 +309,23 @@ def render(doc: dict) -> str:
         lines.append(gain_line(doc["served_gain"], e["backend"]))
     lines.append(f"tolerance: {int(doc['confidence'] * 100)}% paired t-interval over windows (+ the 16-bit "
                  "disagreement for ΔPPL); docs/serving.md#served-vs-predicted")
+    lines.append(f"bar: each clause judged on the served figures' one-sided {LEVEL:.0%} Student-t bound over the "
+                 "windows (the upper bound of a <= clause; kvcal.evaluate.bounds)"
+                 + "".join(f"; {r['run']}: INCONCLUSIVE, " + (f"{r['accept_windows_needed']} windows would decide it"
+                                                              if r.get("accept_windows_needed") else
+                                                              "no window count would decide it at this spread")
+                           for r in doc["rows"] if r["accept"] == "INCONCLUSIVE"))
     lines.append("verify: " + doc.get("verdict", "PASS" if doc["passed"] else "FAIL"))
     return "\n".join(lines)
+
+
+def _bound_note(r: dict) -> str:
+    """`` (KL bound 1.3e-02)``: the bound a passing row's clauses were judged on (its ``accept_bounds``)."""
+    from kvcal.evaluate.bounds import bound_text
+
+    bs = r.get("accept_bounds") or {}
+    parts = [f"{m} {bound_text(bs, m)}" for m in bs if str(bs[m].get("method", "")).startswith("one-sided")]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 __all__ = ["VerifyConfig", "verify", "render", "agreement", "read_checkpoint", "no_scale_view", "run_engine",

@@ -196,7 +196,8 @@ def predict(model, windows, plans: dict, chunk_rows: int = 256) -> dict:
 
 
 def summarize(run: dict, ref: dict) -> dict:
-    """``{"ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree", "tokens"}`` of a run's per-token rows."""
+    """``{"ppl", "delta_ppl", "kl_mean", "kl_p999", "top1_agree", "tokens", "per_window"}`` of a run's per-token rows
+    (``per_window``: the per-window means :func:`kvcal.evaluate.bounds.judge_bounded` bounds)."""
     import torch
 
     nll = [x for r in run["nll"] for x in r]
@@ -206,4 +207,6 @@ def summarize(run: dict, ref: dict) -> dict:
     top1 = [x for r in run["top1"] for x in r]
     return {"ppl": ppl, "delta_ppl": ppl - ref_ppl, "kl_mean": float(kl.mean()),
             "kl_p999": float(torch.quantile(kl, 0.999)) if kl.numel() > 1 else float(kl.max()),
-            "top1_agree": sum(top1) / len(top1), "tokens": len(nll)}
+            "top1_agree": sum(top1) / len(top1), "tokens": len(nll),
+            "per_window": {"nll": _window_means(run["nll"]), "ref_nll": _window_means(ref["nll"]),
+                           "kl_mean": _window_means(run["kl"]), "top1_agree": _window_means(run["top1"])}}
