@@ -51,6 +51,17 @@ def _hook_fn(module, query, key, value, attention_mask, **kwargs):
     return _original_fn(module, impl)(module, query, key, value, attention_mask, **kwargs)
 
 
+def original_attention(module) -> Callable:
+    """The model's own attention function (sdpa / eager / flash) that the active hook delegates to, for a
+    callback that runs attention itself on replaced tensors (same masking, GQA, scaling, softcapping as the
+    model). Call it as ``fn(module, query, key, value, attention_mask, **kwargs)`` with the callback's
+    arguments; it returns ``(output [B, S, H_q, D], weights or None)``. Raises ``RuntimeError`` outside an
+    :func:`attention_hook` context."""
+    if not _ACTIVE:
+        raise RuntimeError("original_attention called outside of an attention_hook() context")
+    return _original_fn(module, _ACTIVE[-1][1])
+
+
 def _register(impl: str) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
