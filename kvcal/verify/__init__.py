@@ -47,6 +47,7 @@ from kvcal.verify.engine import (
     RUNNER,
     check_engine_python,
     cpu_fp8_support,
+    name_setting,
     run_engine,
 )
 from kvcal.verify.figures import (
@@ -129,8 +130,10 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
                           split=cfg.split)
     pre = preflight(str(ck.path), corpus, config=ck.config)  # the checkpoint's config.json, read once
     max_pos = pre.model.max_positions
-    if max_pos is not None and cfg.context > max_pos:
-        raise KvcalError(f"--context {cfg.context} exceeds the model's max_position_embeddings {max_pos}")
+    if max_pos is not None and cfg.context + 1 > max_pos:  # the engine's max_model_len: the window + 1 token
+        raise KvcalError(f"--context {cfg.context}: the engine serves each window and the one token it generates "
+                         f"({cfg.context + 1} positions), beyond the model's max_position_embeddings {max_pos}; use "
+                         f"--context {max_pos - 1} or less")
     with tempfile.TemporaryDirectory(prefix="kvcal-verify-") as td:
         work = Path(td)
         view = no_scale_view(ck, work / "no-scales")
@@ -145,14 +148,27 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
             raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens: fewer than 2 windows of {cfg.context} "
                              "(use a longer corpus or a smaller --context)")
         sk = [str(i) for i in skip]
-        runs = [{"name": "16-bit", "model_dir": str(view), "kv_cache_dtype": "auto"}]
+        # what the engine's messages call the directories it serves: never a temporary path, gone once verify ends
+        shown = (f"the export of {cfg.checkpoint}'s choice" if rec_tmp is not None and
+                 Path(rec_tmp.name) in Path(ck.path).parents else str(ck.path))
+        shown_view = f"{shown} without its k/v scales"
+        runs = [{"name": "16-bit", "model_dir": str(view), "kv_cache_dtype": "auto", "label": shown_view}]
         if has_scales:
             runs.append({"name": f"{dtype} checkpoint scales", "model_dir": os.path.abspath(ck.path), "kv_cache_dtype": dtype,
-                         "skip_layers": sk})
-        runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype, "skip_layers": sk})
+                         "skip_layers": sk, "label": shown})
+        runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype, "skip_layers": sk,
+                     "label": shown_view})
         log(f"engine: {len(runs)} runs x {len(wins)} windows x {cfg.context} tokens in {engine_python}")
-        served = run_engine(engine_python, {"windows": wins.tolist(), "max_model_len": cfg.context, "dtype": "float32",
-                                            "runs": runs, "reference": "16-bit", "top_k": 5}, work, cfg.timeout_s)
+        try:
+            served = run_engine(engine_python, {"windows": wins.tolist(), "max_model_len": cfg.context, "dtype": "float32",
+                                                "runs": runs, "reference": "16-bit", "top_k": 5}, work, cfg.timeout_s)
+        except KvcalError as e:  # the engine's words, with the kvcal option behind the engine argument they name
+            msg = str(e).replace(str(view), shown_view).replace(os.path.abspath(ck.path), shown)
+            raise KvcalError(name_setting(msg, {
+                "max_model_len": f"vLLM's max_model_len is --context + 1 = {cfg.context + 1} (each window and the one "
+                                 "token it generates): use a smaller --context",
+                "kv_cache_dtype_skip_layers": f"--skip-layers {','.join(sk)} sets it; drop --skip-layers to serve "
+                                              f"every layer in {dtype}"})) from None
         impls = {i for r in served["runs"].values() for i in r.get("attention_impl", [])}
         engine_backend = next((IMPL_BACKEND[i] for i in impls if i in IMPL_BACKEND), "cuda")
         if backend is not None and backend != engine_backend:
@@ -312,4 +328,5 @@ def render(doc: dict) -> str:
 __all__ = ["VerifyConfig", "verify", "render", "agreement", "read_checkpoint", "no_scale_view", "run_engine",
            "cpu_fp8_support", "check_engine_python", "VERIFY_METRICS",
            "ALIGN_TOL", "CONFIDENCE", "IMPL_BACKEND", "RUNNER", "Checkpoint", "check_accept", "from_recommend", "predict",
+           "name_setting",
            "summarize", "t_quantile"]

@@ -53,6 +53,18 @@ def cpu_fp8_support(cpuinfo: str | None = None) -> str | None:
     return "this CPU has neither AVX-512 nor AMX; vLLM's CPU backend serves an FP8 KV cache only with one of them"
 
 
+def name_setting(msg: str, settings: dict) -> str:
+    """An engine refusal ``msg`` that names an engine argument kvcal set from one of its own options (``settings``:
+    engine argument → the sentence saying which option sets it, and its fix): cut after the engine's sentence naming
+    it (what follows is the engine's advice to its own users) and that sentence appended; else ``msg`` unchanged."""
+    for arg, said in settings.items():
+        m = re.search(rf"\b{re.escape(arg)}\b", msg)
+        if m:
+            end = re.search(r"\.\s+(?=[A-Z])", msg[m.end():])
+            return (msg[:m.end() + end.start()] if end else msg.rstrip(". ")) + f"; {said}"
+    return msg
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the engine's process group (the engine and whatever it started: compile workers), then reap it."""
     try:
