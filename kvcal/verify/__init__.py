@@ -97,6 +97,13 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
     if dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         raise KvcalError(f"--kv-cache-dtype {dtype}: verify checks the static-scale FP8 dtypes (fp8, fp8_e4m3, "
                          "fp8_e5m2)")
+    if dtype == "fp8_e5m2" and ck.kv_cache_dtype is not None:  # vLLM's attention.py, before any weight loads
+        what = f"--kv-cache-dtype {dtype}" if cfg.kv_cache_dtype else f"{cfg.checkpoint}'s choice {dtype}"
+        raise KvcalError(f"{what}: {ck.path} declares an FP8 kv_cache_scheme (e4m3, the dtype its scales were "
+                         "calibrated for), and vLLM refuses fp8_e5m2 on a checkpoint that declares one (\"fp8_e5m2 "
+                         "kv-cache is not supported with fp8 checkpoints\"); verify it with --kv-cache-dtype fp8 (or "
+                         "without --kv-cache-dtype), or verify the model it was exported from with --kv-cache-dtype "
+                         "fp8_e5m2")
     if dtype == "fp8_e5m2" and any(s is not None for s in ck.k_scales):
         log("note: the checkpoint's scales were calibrated for e4m3; served here with fp8_e5m2 as vLLM would")
     backend = cfg.backend

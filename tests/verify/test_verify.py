@@ -533,3 +533,21 @@ def test_a_context_the_engine_cannot_serve_is_refused_before_it_starts(tiny_expo
         "the model's max_position_embeddings 256; use --context 255 or less"), r.output
     r = _verify([*base, "--context", "255"])
     assert r.exit_code == 2 and "engine refused: cannot import vllm in this Python" in r.output, r.output
+
+
+def test_e5m2_on_an_e4m3_checkpoint_is_refused_before_the_engine_starts(tiny_export, shared_data, tmp_path):
+    """vLLM refuses fp8_e5m2 for a checkpoint that declares a kv_cache_scheme (its attention layer, as it starts):
+    verify says so in one line before starting it (no 'engine:' line, no note that it serves it "as vLLM would"),
+    naming the fix; the same model without the scheme (verify's own scale-free view) gets past that check to the
+    engine (kvcal's own Python, which has no vllm)."""
+    base = ["--corpus", str(shared_data / "wikitext2_valid.txt"), "--context", "64", "--windows", "2",
+            "--engine-python", sys.executable, "--kv-cache-dtype", "fp8_e5m2"]
+    r = _verify([str(tiny_export), *base])
+    assert r.exit_code == 2 and r.output.strip() == (
+        f"error: --kv-cache-dtype fp8_e5m2: {tiny_export} declares an FP8 kv_cache_scheme (e4m3, the dtype its scales "
+        "were calibrated for), and vLLM refuses fp8_e5m2 on a checkpoint that declares one (\"fp8_e5m2 kv-cache is not "
+        "supported with fp8 checkpoints\"); verify it with --kv-cache-dtype fp8 (or without --kv-cache-dtype), or "
+        "verify the model it was exported from with --kv-cache-dtype fp8_e5m2"), r.output
+    plain = no_scale_view(read_checkpoint(str(tiny_export)), tmp_path / "plain")
+    r = _verify([str(plain), *base])
+    assert r.exit_code == 2 and "engine refused: cannot import vllm in this Python" in r.output, r.output
