@@ -551,3 +551,27 @@ def test_e5m2_on_an_e4m3_checkpoint_is_refused_before_the_engine_starts(tiny_exp
     plain = no_scale_view(read_checkpoint(str(tiny_export)), tmp_path / "plain")
     r = _verify([str(plain), *base])
     assert r.exit_code == 2 and "engine refused: cannot import vllm in this Python" in r.output, r.output
+
+
+def test_more_windows_than_the_corpus_holds_says_what_is_served(tiny_export, shared_data, tmp_path, monkeypatch):
+    """--windows 8 on a corpus holding fewer 64-token windows: verify says how many it serves, and that number is
+    the number of windows it hands the engine (each of 64 tokens; stubbed engine) — never silently fewer."""
+    import kvcal.verify
+
+    text = (shared_data / "wikitext2_valid.txt").read_text()[:1200]
+    corpus = tmp_path / "short.txt"
+    corpus.write_text(text)
+    sent = []
+
+    def engine(python, request, workdir, timeout_s):
+        sent.append(request["windows"])
+        raise KvcalError("engine stub")
+
+    monkeypatch.setattr(kvcal.verify, "run_engine", engine)
+    r = _verify([str(tiny_export), "--corpus", str(corpus), "--context", "64", "--windows", "8",
+                 "--engine-python", sys.executable])
+    assert r.exit_code == 2 and r.output.strip().endswith("error: engine stub"), r.output
+    wins = sent[0]
+    assert 2 <= len(wins) < 8 and all(len(w) == 64 for w in wins)
+    assert f"note: --windows 8: the corpus holds {len(wins)} windows of 64 tokens; verifying on those {len(wins)}" \
+        in r.output.splitlines()
