@@ -10,7 +10,8 @@ Request::
 
     {"windows": [[token ids], ...],            # N windows of T tokens each
      "max_model_len": T, "dtype": "float32",
-     "runs": [{"name": "16-bit", "model_dir": DIR, "kv_cache_dtype": "auto"},
+     "runs": [{"name": "16-bit", "model_dir": DIR, "kv_cache_dtype": "auto",
+               "label": "what DIR is, for messages"},          # optional: default DIR
               {"name": "fp8", "model_dir": DIR, "kv_cache_dtype": "fp8",
                "skip_layers": ["0", "29"]}, ...],          # optional: --kv-cache-dtype-skip-layers
      "reference": "16-bit", "top_k": 5,
@@ -108,6 +109,27 @@ def _cpu_fp8_refusal(torch, dtypes: list) -> str | None:
            "FP8 attention kernel)"
 
 
+def _engine_message(e: BaseException) -> str:
+    """``"<exception type>: <message>"`` of the root cause of ``e``, the engine's own words on what it refused: for a
+    configuration error (pydantic's ``ValidationError``, whose text ends in a link to pydantic's documentation
+    after a dump of every argument) its errors' messages; else the last line of its text that is not such a link."""
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    name = type(root).__name__
+    try:
+        errors = root.errors() if callable(getattr(root, "errors", None)) else None
+        msgs = [" ".join(str(x.get("msg", "")).split()) for x in errors or () if isinstance(x, dict)]
+    except Exception:  # not pydantic's errors(): read the text below
+        msgs = []
+    msgs = [m[len("Value error, "):] if m.startswith("Value error, ") else m for m in msgs if m]
+    if msgs:
+        return f"{name}: {'; '.join(msgs)}"
+    lines = [ln.strip() for ln in (str(root).strip() or str(e)).splitlines()
+             if ln.strip() and not ln.strip().startswith("For further information visit")]
+    return f"{name}: {lines[-1]}" if lines else name
+
+
 def main(req_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -151,14 +173,8 @@ def main(req_path: str, out_path: str) -> None:
                           max_model_len=int(req["max_model_len"]) + 1, max_logprobs=top_k, skip_tokenizer_init=True,
                           seed=0, max_num_seqs=1, **extra)
             except Exception as e:
-                msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                root = e
-                while root.__cause__ is not None:
-                    root = root.__cause__
-                if root is not e and str(root).strip():
-                    msg = str(root).strip().splitlines()[-1]
-                _fail(out_path, f"vLLM {vllm.__version__} cannot serve {run['model_dir']} with --kv-cache-dtype "
-                                f"{run['kv_cache_dtype']}: {type(root).__name__}: {msg}")
+                _fail(out_path, f"vLLM {vllm.__version__} cannot serve {run.get('label') or run['model_dir']} with "
+                                f"--kv-cache-dtype {run['kv_cache_dtype']}: {_engine_message(e)}")
             start_s = time.perf_counter() - t0
             handles = llm.apply_model(lambda m: m.logits_processor.register_forward_hook(hook))
             scales = llm.apply_model(_layer_scales)[0]

@@ -79,7 +79,8 @@ def export(
     can load says so (``nan_risk`` in ``kvcal-export.json``, a warning, ``kvcal inspect``).
 
     Raises :class:`ExportError` (a :class:`kvcal.errors.KvcalError`) when the target cannot load the
-    artifact (the message lists the targets that can), ``out`` exists without ``overwrite``,
+    artifact (the message lists the targets that can), ``clipped_scales`` with ``clip_free`` or ``headroom``,
+    ``out`` exists without ``overwrite``,
     ``out`` is the source checkpoint, or the checkpoint does not match the artifact.
     """
     from kvcal.export.checkpoint import check_matches, check_weights, open_checkpoint
@@ -107,6 +108,12 @@ def export(
         ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path) + check_weights(art.metadata, ckpt)
     if clipped_scales and clip_free:
         raise ExportError("--clipped-scales and --clip-free name two different scale sets; give one")
+    has_amax = any((e.get(side) or {}).get("amax") is not None for e in art.metadata.get("layers", [])
+                   if isinstance(e, dict) for side in ("k", "v"))
+    if clipped_scales and headroom is not None and has_amax:  # it would undo what the flag asks for: refused
+        raise ExportError(f"--clipped-scales with --headroom {headroom:g}: --headroom raises every scale to at least "
+                          f"{headroom:g}x the one that just holds the observed max, so no scale would clip and the "
+                          "searched scales --clipped-scales asks for would not be written; give one of the two")
     cw = (art.metadata.get("calibration") or {}).get("cache_write")
     from kvcal.formats.fp8 import CACHE_WRITES
 

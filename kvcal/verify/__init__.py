@@ -48,6 +48,7 @@ from kvcal.verify.engine import (
     RUNNER,
     check_engine_python,
     cpu_fp8_support,
+    name_setting,
     run_engine,
 )
 from kvcal.verify.figures import (
@@ -98,6 +99,13 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
     if dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         raise KvcalError(f"--kv-cache-dtype {dtype}: verify checks the static-scale FP8 dtypes (fp8, fp8_e4m3, "
                          "fp8_e5m2)")
+    if dtype == "fp8_e5m2" and ck.kv_cache_dtype is not None:  # vLLM's attention.py, before any weight loads
+        what = f"--kv-cache-dtype {dtype}" if cfg.kv_cache_dtype else f"{cfg.checkpoint}'s choice {dtype}"
+        raise KvcalError(f"{what}: {ck.path} declares an FP8 kv_cache_scheme (e4m3, the dtype its scales were "
+                         "calibrated for), and vLLM refuses fp8_e5m2 on a checkpoint that declares one (\"fp8_e5m2 "
+                         "kv-cache is not supported with fp8 checkpoints\"); verify it with --kv-cache-dtype fp8 (or "
+                         "without --kv-cache-dtype), or verify the model it was exported from with --kv-cache-dtype "
+                         "fp8_e5m2")
     if dtype == "fp8_e5m2" and any(s is not None for s in ck.k_scales):
         log("note: the checkpoint's scales were calibrated for e4m3; served here with fp8_e5m2 as vLLM would")
     backend = cfg.backend
@@ -131,8 +139,10 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
                           split=cfg.split)
     pre = preflight(str(ck.path), corpus, config=ck.config)  # the checkpoint's config.json, read once
     max_pos = pre.model.max_positions
-    if max_pos is not None and cfg.context > max_pos:
-        raise KvcalError(f"--context {cfg.context} exceeds the model's max_position_embeddings {max_pos}")
+    if max_pos is not None and cfg.context + 1 > max_pos:  # the engine's max_model_len: the window + 1 token
+        raise KvcalError(f"--context {cfg.context}: the engine serves each window and the one token it generates "
+                         f"({cfg.context + 1} positions), beyond the model's max_position_embeddings {max_pos}; use "
+                         f"--context {max_pos - 1} or less")
     with tempfile.TemporaryDirectory(prefix="kvcal-verify-") as td:
         work = Path(td)
         view = no_scale_view(ck, work / "no-scales")
@@ -147,14 +157,27 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
             raise KvcalError(f"corpus {cfg.corpus} has {ids.numel()} tokens: fewer than 2 windows of {cfg.context} "
                              "(use a longer corpus or a smaller --context)")
         sk = [str(i) for i in skip]
-        runs = [{"name": "16-bit", "model_dir": str(view), "kv_cache_dtype": "auto"}]
+        # what the engine's messages call the directories it serves: never a temporary path, gone once verify ends
+        shown = (f"the export of {cfg.checkpoint}'s choice" if rec_tmp is not None and
+                 Path(rec_tmp.name) in Path(ck.path).parents else str(ck.path))
+        shown_view = f"{shown} without its k/v scales"
+        runs = [{"name": "16-bit", "model_dir": str(view), "kv_cache_dtype": "auto", "label": shown_view}]
         if has_scales:
             runs.append({"name": f"{dtype} checkpoint scales", "model_dir": os.path.abspath(ck.path), "kv_cache_dtype": dtype,
-                         "skip_layers": sk})
-        runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype, "skip_layers": sk})
+                         "skip_layers": sk, "label": shown})
+        runs.append({"name": f"{dtype} scales 1.0", "model_dir": str(view), "kv_cache_dtype": dtype, "skip_layers": sk,
+                     "label": shown_view})
         log(f"engine: {len(runs)} runs x {len(wins)} windows x {cfg.context} tokens in {engine_python}")
-        served = run_engine(engine_python, {"windows": wins.tolist(), "max_model_len": cfg.context, "dtype": "float32",
-                                            "runs": runs, "reference": "16-bit", "top_k": 5}, work, cfg.timeout_s)
+        try:
+            served = run_engine(engine_python, {"windows": wins.tolist(), "max_model_len": cfg.context, "dtype": "float32",
+                                                "runs": runs, "reference": "16-bit", "top_k": 5}, work, cfg.timeout_s)
+        except KvcalError as e:  # the engine's words, with the kvcal option behind the engine argument they name
+            msg = str(e).replace(str(view), shown_view).replace(os.path.abspath(ck.path), shown)
+            raise KvcalError(name_setting(msg, {
+                "max_model_len": f"vLLM's max_model_len is --context + 1 = {cfg.context + 1} (each window and the one "
+                                 "token it generates): use a smaller --context",
+                "kv_cache_dtype_skip_layers": f"--skip-layers {','.join(sk)} sets it; drop --skip-layers to serve "
+                                              f"every layer in {dtype}"})) from None
         impls = {i for r in served["runs"].values() for i in r.get("attention_impl", [])}
         engine_backend = next((IMPL_BACKEND[i] for i in impls if i in IMPL_BACKEND), "cuda")
         if backend is not None and backend != engine_backend:
@@ -331,4 +354,5 @@ def _bound_note(r: dict) -> str:
 __all__ = ["VerifyConfig", "verify", "render", "agreement", "read_checkpoint", "no_scale_view", "run_engine",
            "cpu_fp8_support", "check_engine_python", "VERIFY_METRICS",
            "ALIGN_TOL", "CONFIDENCE", "IMPL_BACKEND", "RUNNER", "Checkpoint", "check_accept", "from_recommend", "predict",
+           "name_setting",
            "summarize", "t_quantile"]

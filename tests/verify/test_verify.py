@@ -453,3 +453,125 @@ def test_render_says_inconclusive_instead_of_pass():
     assert "| PASS | inconclusive |" in text
     assert "about 40 windows would decide it" in text
     assert text.splitlines()[-1] == "verify: inconclusive"
+
+
+#: vLLM 0.32's refusal of a max_model_len above the model's (a pydantic ValidationError of its ModelConfig)
+VLLM_MAX_LEN = ("User-specified max_model_len ({n}) is greater than the derived max_model_len "
+                "(max_position_embeddings=256.0 or model_max_length=None in model's config.json). To allow overriding "
+                "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. VLLM_ALLOW_LONG_MAX_MODEL_LEN must be "
+                "used with extreme caution.")
+
+FAKE_ENGINE = '''#!{python}
+"""A stand-in engine Python: the real runner, with a vllm whose LLM refuses as vLLM's ModelConfig does."""
+import runpy, sys, types
+import pydantic
+
+
+class ModelConfig(pydantic.BaseModel):
+    model: str
+    max_model_len: int
+
+    @pydantic.field_validator("max_model_len")
+    @classmethod
+    def limit(cls, v):
+        raise ValueError({msg!r}.format(n=v))
+
+
+class LLM:
+    def __init__(self, model, max_model_len, **kw):
+        ModelConfig(model=model, max_model_len=max_model_len)
+
+
+vllm = types.ModuleType("vllm")
+vllm.__version__, vllm.LLM, vllm.SamplingParams = "fake", LLM, object
+sys.modules["vllm"] = vllm
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_an_engine_configuration_error_names_the_kvcal_setting(tiny_export, shared_data, tmp_path):
+    """The engine refuses its configuration with pydantic's ValidationError, whose text is an argument dump holding
+    verify's temporary model path and ends in a link to pydantic's documentation: verify's one line gives the
+    engine's own sentence (max_model_len 65), names the checkpoint as given (never the temporary directory, gone
+    by then) and the kvcal option behind vLLM's max_model_len with its fix, and drops the engine's advice to set
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN."""
+    py = tmp_path / "engine-python"
+    py.write_text(FAKE_ENGINE.format(python=sys.executable, msg=VLLM_MAX_LEN))
+    py.chmod(0o755)
+    r = _verify([str(tiny_export), "--corpus", str(shared_data / "wikitext2_valid.txt"), "--context", "64",
+                 "--windows", "2", "--engine-python", str(py)])
+    assert r.exit_code == 2, r.output
+    err = r.output.strip().splitlines()[-1]
+    assert err == (f"error: engine refused: vLLM fake cannot serve {tiny_export} without its k/v scales with "
+                   "--kv-cache-dtype auto: ValidationError: " + VLLM_MAX_LEN.format(n=65).split(". To allow")[0]
+                   + "; vLLM's max_model_len is --context + 1 = 65 (each window and the one token it generates): "
+                     "use a smaller --context"), err
+
+
+def test_name_setting_cuts_the_engine_advice_and_names_the_option():
+    """The sentence naming the engine argument is kept, what follows it is replaced by kvcal's sentence; a message
+    naming no argument of ``settings`` (kv_cache_dtype is not kv_cache_dtype_skip_layers) is unchanged."""
+    from kvcal.verify import name_setting
+
+    msg = "engine refused: x: ValueError: " + VLLM_MAX_LEN.format(n=257)
+    assert name_setting(msg, {"max_model_len": "S"}) == msg.split(". To allow")[0] + "; S"
+    assert name_setting("bad max_model_len.", {"max_model_len": "S"}) == "bad max_model_len; S"
+    other = "ValueError: kv_cache_dtype fp8 is not supported."
+    assert name_setting(other, {"kv_cache_dtype_skip_layers": "S"}) == other
+
+
+def test_a_context_the_engine_cannot_serve_is_refused_before_it_starts(tiny_export, shared_data):
+    """The engine serves each window plus the one token it generates (max_model_len = --context + 1): --context 256
+    on a model with max_position_embeddings 256 is refused before the engine starts, naming the largest that fits;
+    --context 255 gets past that check to the engine (kvcal's own Python, which has no vllm)."""
+    base = [str(tiny_export), "--corpus", str(shared_data / "wikitext2_valid.txt"), "--windows", "2",
+            "--engine-python", sys.executable]
+    r = _verify([*base, "--context", "256"])
+    assert r.exit_code == 2 and r.output.strip() == (
+        "error: --context 256: the engine serves each window and the one token it generates (257 positions), beyond "
+        "the model's max_position_embeddings 256; use --context 255 or less"), r.output
+    r = _verify([*base, "--context", "255"])
+    assert r.exit_code == 2 and "engine refused: cannot import vllm in this Python" in r.output, r.output
+
+
+def test_e5m2_on_an_e4m3_checkpoint_is_refused_before_the_engine_starts(tiny_export, shared_data, tmp_path):
+    """vLLM refuses fp8_e5m2 for a checkpoint that declares a kv_cache_scheme (its attention layer, as it starts):
+    verify says so in one line before starting it (no 'engine:' line, no note that it serves it "as vLLM would"),
+    naming the fix; the same model without the scheme (verify's own scale-free view) gets past that check to the
+    engine (kvcal's own Python, which has no vllm)."""
+    base = ["--corpus", str(shared_data / "wikitext2_valid.txt"), "--context", "64", "--windows", "2",
+            "--engine-python", sys.executable, "--kv-cache-dtype", "fp8_e5m2"]
+    r = _verify([str(tiny_export), *base])
+    assert r.exit_code == 2 and r.output.strip() == (
+        f"error: --kv-cache-dtype fp8_e5m2: {tiny_export} declares an FP8 kv_cache_scheme (e4m3, the dtype its scales "
+        "were calibrated for), and vLLM refuses fp8_e5m2 on a checkpoint that declares one (\"fp8_e5m2 kv-cache is not "
+        "supported with fp8 checkpoints\"); verify it with --kv-cache-dtype fp8 (or without --kv-cache-dtype), or "
+        "verify the model it was exported from with --kv-cache-dtype fp8_e5m2"), r.output
+    plain = no_scale_view(read_checkpoint(str(tiny_export)), tmp_path / "plain")
+    r = _verify([str(plain), *base])
+    assert r.exit_code == 2 and "engine refused: cannot import vllm in this Python" in r.output, r.output
+
+
+def test_more_windows_than_the_corpus_holds_says_what_is_served(tiny_export, shared_data, tmp_path, monkeypatch):
+    """--windows 8 on a corpus holding fewer 64-token windows: verify says how many it serves, and that number is
+    the number of windows it hands the engine (each of 64 tokens; stubbed engine) — never silently fewer."""
+    import kvcal.verify
+
+    text = (shared_data / "wikitext2_valid.txt").read_text()[:1200]
+    corpus = tmp_path / "short.txt"
+    corpus.write_text(text)
+    sent = []
+
+    def engine(python, request, workdir, timeout_s):
+        sent.append(request["windows"])
+        raise KvcalError("engine stub")
+
+    monkeypatch.setattr(kvcal.verify, "run_engine", engine)
+    r = _verify([str(tiny_export), "--corpus", str(corpus), "--context", "64", "--windows", "8",
+                 "--engine-python", sys.executable])
+    assert r.exit_code == 2 and r.output.strip().endswith("error: engine stub"), r.output
+    wins = sent[0]
+    assert 2 <= len(wins) < 8 and all(len(w) == 64 for w in wins)
+    assert f"note: --windows 8: the corpus holds {len(wins)} windows of 64 tokens; verifying on those {len(wins)}" \
+        in r.output.splitlines()
