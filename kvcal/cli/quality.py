@@ -145,7 +145,8 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
 @click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
 @corpus_options
 @click.option("--engine", required=True, type=click.Choice(["vllm"]), help="Serving engine (vllm 0.33).")
-@click.option("--out", required=True, type=click.Path(), help="New directory: deploy.md, deploy.json, artifact/ (fp8) or artifact-nvfp4/ (nvfp4) when chosen with calibrated scales.")
+@click.option("--out", required=True, type=click.Path(), help="New directory: deploy.md, deploy.json, artifact/ (fp8), artifact-fp8-head/ (fp8 per-KV-head) or "
+                   "artifact-nvfp4/ (nvfp4) when chosen with calibrated scales.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing --out, only when it is a kvcal recommend output and git tracks none of it.")
 @click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
@@ -159,9 +160,18 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
 @click.option("--dtypes", default=None,
               help="Comma-separated vLLM --kv-cache-dtype menu [default: fp8, the *_per_token_head, nvfp4, turboquant].")
 @click.option("--context", default=512, show_default=True, type=count(2), help="Tokens per window.")
-@click.option("--windows", default=4, show_default=True, type=count(1), help="Held-out evaluation windows.")
+@click.option("--windows", default=4, show_default=True, type=count(1),
+              help="Held-out evaluation windows every measured row gets first.")
+@click.option("--max-windows", default=16, show_default=True, type=count(1),
+              help="Most held-out windows a row gets while its confidence bound straddles the bar (doubling from "
+                   "--windows; at most what the corpus holds).")
 @click.option("--probe-tokens", default=1024, show_default=True, type=count(2),
               help="Tokens of the per-layer sensitivity probe (windows before the evaluation ones).")
+@click.option("--measure-all", is_flag=True,
+              help="Measure every row of the menu (no screening, no early stop, every calibration): the full table, "
+                   "slower.")
+@click.option("--no-per-head", "no_per_head", is_flag=True,
+              help="Leave out the per-KV-head fp8 rescue rows (they need vLLM's FlashAttention-3 backend, Hopper).")
 @click.option("--eval-corpus", default=None, type=click.Path(), help="Evaluate on this file instead of the corpus tail.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
@@ -170,8 +180,9 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
                    "fp8_e5m2, written by truncation; the default menu becomes fp8,fp8_e5m2).")
 @user_errors
 def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model, accept, max_bytes_per_token,
-                  max_skip, dtypes, context, windows, probe_tokens, eval_corpus, device, quiet, backend="cuda",
-                  overwrite=False):
+                  max_skip, dtypes, context, windows, max_windows, probe_tokens, measure_all, no_per_head, eval_corpus,
+                  device,
+                  quiet, backend="cuda", overwrite=False):
     """Choose the vLLM KV-cache dtype and 16-bit layers to deploy, measured on your corpus; write the commands.
 
     Exit 0 with a configuration, 1 when none passes the bar within the budget, 2 on bad input."""
@@ -179,7 +190,8 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
     from kvcal.options import split_list
 
     opts = dict(model=model, accept=accept, max_bytes_per_token=max_bytes_per_token, max_skip=max_skip,
-                context=context, windows=windows, probe_tokens=probe_tokens, eval_corpus=eval_corpus,
+                context=context, windows=windows, max_windows=max_windows, probe_tokens=probe_tokens,
+                per_head=not no_per_head, measure_all=measure_all, eval_corpus=eval_corpus,
                 device=device, text_field=text_field, messages_field=messages_field, split=split,
                 backend=backend, overwrite=overwrite)
     if dtypes is not None:  # --dtypes "" is refused, not the default menu

@@ -133,22 +133,26 @@ def _inverse(to, target: float, lo: float, hi: float) -> float:
     return (lo + hi) / 2
 
 
-def judge_bounded(row: dict, criteria: list[tuple[str, str, float]], level: float = LEVEL) -> dict:
+def judge_bounded(row: dict, criteria: list[tuple[str, str, float]], level: float = LEVEL,
+                  fail_level: float | None = None) -> dict:
     """Judge an evaluated ``row`` against parsed ``criteria`` (:func:`kvcal.evaluate.accept.parse_accept`) on
     one-sided ``level`` bounds over its windows (module doc). Returns ``{"status": "PASS" | "FAIL" |
     INCONCLUSIVE, "failed": [clause texts that fail or cannot be decided], "bounds": {metric: {"estimate",
     "bound", "lower", "upper", "method"}}, "windows_needed": int | None}``: ``bound`` is the side a PASS is judged
     on (the upper bound of a ``<=`` clause, the lower of a ``>=``); ``windows_needed`` the most windows any
-    undecided clause needs at its observed mean and spread (``None`` when decided, or when no count would)."""
+    undecided clause needs at its observed mean and spread (``None`` when decided, or when no count would).
+    ``fail_level``: the level of the opposite bound a FAIL is judged on (default ``level``; a sequential search
+    spends its error on false PASSes and may judge FAILs at a lower level)."""
     import math as _m
 
     bounds, failed, undecided, need = {}, [], [], []
     for name, op, bar in criteria:
         b = metric_bounds(row, name, level)
+        bf = b if fail_level is None or fail_level == level else metric_bounds(row, name, fail_level)
         est = b["estimate"]
         upper_side = op in ("<=", "<")
         side = b["upper"] if upper_side else b["lower"]
-        other = b["lower"] if upper_side else b["upper"]
+        other = bf["lower"] if upper_side else bf["upper"]
         bounds[name] = {"estimate": est, "bound": side, "lower": b["lower"], "upper": b["upper"],
                         "method": b["method"]}
         if est is None or not isinstance(est, (int, float)) or _m.isnan(est) or side is None or _m.isnan(side):

@@ -45,7 +45,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 # the probe and its scale reader live in the evaluate layer (calibrate --skip-layers auto uses them too)
-from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_fp8_scales
+from kvcal.evaluate.bounds import INCONCLUSIVE, LEVEL, judge_bounded
+from kvcal.evaluate.sequential import WindowedRows
+from kvcal.evaluate.vllm_probe import attention_sensitivity, layer_sensitivity, vllm_fp8_scales
 from kvcal.recommend.artifacts import _artifact_scales, record_skip_layers
 from kvcal.recommend.candidates import WRITE_TIME, calibrations, candidate_sets, row_scales, scales_source
 from kvcal.recommend.checks import (
@@ -61,10 +63,13 @@ from kvcal.recommend.config import (
     CPU_MENU,
     DEFAULT_MAX_SKIP,
     DEFAULT_MENU,
+    HEAD_ARTIFACT,
     NOT_APPLICABLE,
+    NOT_MEASURED,
     RECOMMEND_METRICS,
     RULE_COUNT,
     SCALES_CALIBRATED,
+    SCALES_CALIBRATED_HEAD,
     SCALES_DEFAULT,
     SCALES_WRITE_TIME,
     SCHEMA,
@@ -101,8 +106,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 
     from kvcal.artifact import write_dir_atomically
     from kvcal.errors import KvcalError
-    from kvcal.evaluate.accept import default_accept, judge, parse_accept
-    from kvcal.evaluate.protocol_a import teacher_forced
+    from kvcal.evaluate.accept import default_accept, parse_accept
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.formats.memory import model_shape, vllm_bytes_per_token, vllm_token_shares
     from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_backend, vllm_dtype
@@ -140,11 +144,11 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     bos = served_bos(tok)  # as kvcal evaluate: a window starts with the BOS the tokenizer adds (Gemma), if any
     probe = cut_windows(ids, T, n_probe, bos=bos)
     if cfg.eval_corpus is None:
-        ev = cut_windows(ids, T, cfg.windows, skip=n_probe, bos=bos)
+        ev = cut_windows(ids, T, max(cfg.windows, cfg.max_windows), skip=n_probe, bos=bos)
         eval_info = {**info, "windows_after_probe": n_probe}
     else:
         eids, eval_info = corpus_stream(cfg.eval_corpus, tok, **opts, checked=True)
-        ev = cut_windows(eids, T, cfg.windows, bos=bos)
+        ev = cut_windows(eids, T, max(cfg.windows, cfg.max_windows), bos=bos)
     if cfg.eval_corpus is not None and len(ev) == 0 and len(probe) == n_probe:  # name the file that is short
         raise KvcalError(f"--eval-corpus {cfg.eval_corpus} has {eids.numel()} tokens; one evaluation window of "
                          f"{T} tokens needs {T} (lower --context, or give a longer --eval-corpus)")
@@ -176,100 +180,261 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         notes = list(menu_notes) + ([skip_note] if skip_note else [])
         scales, artifact_of = {}, {}  # menu dtype -> vllm_scales of its calibrated artifact / its directory name
         calib = calibrations(cfg.dtypes)
-        for cd, uses, name, _ in calib:  # fp8 first, as before nvfp4 was calibrated (its figures unchanged)
+        progress_bar = _RunBar(progress)
+
+        def calibrate_one(cd: str, name: str, granularity: str | None = None) -> dict:
             from kvcal.calibrate import CalibrateConfig, calibrate
 
             fp8 = vllm_dtype(cd).family == "fp8"  # fp8 or fp8_e4m3, the menu's spelling (calibrations)
-            log(f"{cd}: calibrating {'k/v scales' if fp8 else 'NVFP4 outer scales'} and q_scale "
-                f"(kvcal calibrate --engine vllm --kv-cache-dtype {cd})")
-            extra = cfg.fp8_kwargs if fp8 else cfg.nvfp4_kwargs
+            log(f"{cd}: calibrating {'per-KV-head ' if granularity == 'head' else ''}"
+                f"{'k/v scales' if fp8 else 'NVFP4 outer scales'} and q_scale (kvcal calibrate --engine vllm "
+                f"--kv-cache-dtype {cd}{' --granularity head' if granularity == 'head' else ''})")
+            extra = dict((cfg.fp8_kwargs if fp8 else cfg.nvfp4_kwargs) or {})
+            if granularity is not None:
+                extra["granularity"] = granularity
             calibrate(CalibrateConfig(corpus=cfg.corpus, out=str(staging / name), model=cfg.model,
                                       max_samples=cfg.fp8_samples, max_seq_len=cfg.fp8_seq_len, device=cfg.device,
                                       engine="vllm", kv_cache_dtype=cd,
                                       backend=None if cfg.backend == "cuda" else cfg.backend,
-                                      **opts, **(extra or {})),
-                      log=lambda s: None, progress=progress, model=model, tokenizer=tok, corpus=pre.corpus)
-            sc = _artifact_scales(cd, staging / name, L)
-            for d in uses:
-                if d in cfg.dtypes:
-                    scales[d], artifact_of[d] = sc, name
-        sens, cands = {}, []
+                                      **opts, **extra),
+                      log=lambda s: None, progress=False, model=model, tokenizer=tok, corpus=pre.corpus)
+            return _artifact_scales(cd, staging / name, L)
+
+        # fp8 is calibrated up front (vLLM's default 1.0 saturates keys beyond ±448); nvfp4 and the per-KV-head
+        # rescue only when screening says their rows could matter (lazy, below)
+        lazy = []
+        for cd, uses, name, _ in calib:
+            if vllm_dtype(cd).family == "fp8":
+                sc = calibrate_one(cd, name)
+                for d in uses:
+                    if d in cfg.dtypes:
+                        scales[d], artifact_of[d] = sc, name
+            else:
+                lazy.append((cd, uses, name))
+        ev_rows = WindowedRows(model, ev, on_forward=progress_bar.tick)
+        n0 = min(cfg.windows, len(ev))
+        cap = max(n0, min(cfg.max_windows, len(ev)))
+        looks = 1 + max(0, math.ceil(math.log2(cap / n0)))
+        pass_level = 1 - (1 - LEVEL) / looks  # Bonferroni over a row's looks: a false PASS has probability <= 5%
+        sens, cands, groups = {}, [], {}
+
+        def add_group(d: str, label: str, vsc: dict, sets: list, head: bool = False):
+            key = (d, label)
+            for c in sets:
+                plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"],
+                                  **{"backend": cfg.backend, **vsc})
+                nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"], context=bctx)
+                row = {"dtype": d, "scales": label, "granularity": "head" if head else "tensor",
+                       "choice": c["choice"], "skip_layers": list(plan.skipped), "deployable": c["deployable"],
+                       "bytes_per_token": nb, "vs_16bit": nb / b16,
+                       "criteria": crit_given or default_accept(plan), "_plan": plan}
+                groups.setdefault(key, []).append(len(cands))
+                cands.append(row)
+            return key
+
+        def sets_of(name: str, d: str) -> list:
+            costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim, shares)
+            return candidate_sets(d, sens[name], costs, L, cfg.max_skip)
+
+        def probe_groups(plans: dict):
+            log(f"per-layer probe: {', '.join(plans)} on {len(probe)} x {T} tokens (one 16-bit forward per window, "
+                "each dtype's attention-output error per layer)")
+            sens.update(attention_sensitivity(model, list(probe), plans, progress=False))
+
+        def judge_row(i: int, n: int):
+            c = cands[i]
+            ev_rows.measure(i, c["_plan"], n)
+            r = ev_rows.result(i)
+            j = judge_bounded(r, parse_accept(c["criteria"]), level=pass_level, fail_level=LEVEL)
+            c.update({k: r[k] for k in ("kl_mean", "kl_p999", "delta_ppl", "ppl", "top1_agree")})
+            c.update(windows=r["windows"], status=j["status"], failed=j["failed"], bounds=j["bounds"],
+                     windows_needed=j["windows_needed"],
+                     per_window={k: r["per_window"][k] for k in ("kl_mean", "nll", "ref_nll")})
+
+        def in_budget(i: int) -> bool:
+            return cfg.max_bytes_per_token is None or cands[i]["bytes_per_token"] <= cfg.max_bytes_per_token
+
+        def screen(key):
+            """A group's cheapest deployable row and its row with the most 16-bit layers, on the first windows;
+            when the latter FAILs on its bound, the group's rows with fewer 16-bit layers are not measured."""
+            dep = [i for i in groups[key] if cands[i]["deployable"] and in_budget(i)]
+            if not dep or cfg.measure_all:
+                return
+            lo = min(dep, key=lambda i: (cands[i]["bytes_per_token"], i))
+            hi = max(dep, key=lambda i: (len(cands[i]["skip_layers"]), cands[i]["bytes_per_token"], -i))
+            for i in dict.fromkeys([lo, hi]):
+                progress_bar.plan(n0)
+                judge_row(i, n0)
+            if cands[hi]["status"] == "FAIL":
+                why = (f"not measured: this group's row with the most 16-bit layers ({_layers(cands[hi])}) fails its "
+                       f"bar on its bound ({cands[hi]['failed'][0]}); rows with fewer 16-bit layers (the probe's sets "
+                       "are nested) are not expected to pass")
+                for i in groups[key]:
+                    if "status" not in cands[i] and in_budget(i):
+                        cands[i].update(status=NOT_MEASURED, failed=[why])
+
         for d in dict.fromkeys(cfg.dtypes):
-            sc = scales.get(d, {})
             if d in not_applicable:  # not probed, not evaluated: one row saying why
                 c = candidate_sets(d, None, [], L, cfg.max_skip)[0]
-                cands.append({"dtype": d, "scales": row_scales(d, d in scales), "choice": c["choice"],
-                              "skip_layers": c["skip"], "deployable": False, "bytes_per_token": b16, "vs_16bit": 1.0,
+                cands.append({"dtype": d, "scales": row_scales(d, d in scales), "granularity": "tensor",
+                              "choice": c["choice"], "skip_layers": c["skip"], "deployable": False,
+                              "bytes_per_token": b16, "vs_16bit": 1.0,
                               "criteria": crit_given or default_accept(VllmKVPlan(d, L, add_boundary=False)),
                               "status": NOT_APPLICABLE, "failed": [c["not_applicable"]]})
                 notes.append(f"{d} not applicable on this model: {c['not_applicable']}")
-                continue
-            log(f"{d}: per-layer sensitivity probe on {len(probe)} x {T} tokens")
-            sens[d] = layer_sensitivity(model, list(probe), d, L, progress=progress, **{"backend": cfg.backend, **sc})
-            costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim, shares)
-            sets = candidate_sets(d, sens[d], costs, L, cfg.max_skip)
+        menu = [d for d in dict.fromkeys(cfg.dtypes) if d not in not_applicable]
+        probe_groups({d: VllmKVPlan(d, L, add_boundary=False, **{"backend": cfg.backend, **scales.get(d, {})})
+                      for d in menu})
+        for d in menu:
+            sets = sets_of(d, d)
             # a calibrated dtype is also run at vLLM's default scales (no checkpoint scales: 1.0), on the same
-            # 16-bit layer sets (the probe above ran with the calibrated scales; no second probe)
-            for label, vsc in ([(SCALES_CALIBRATED, sc), (SCALES_DEFAULT, {})] if d in scales
+            # 16-bit layer sets (the probe ran with the calibrated scales)
+            for label, vsc in ([(SCALES_CALIBRATED, scales[d]), (SCALES_DEFAULT, {})] if d in scales
                                else [(row_scales(d, False), {})]):
-                for c in sets:
-                    plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"],
-                                      **{"backend": cfg.backend, **vsc})
-                    nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"], context=bctx)
-                    cands.append({"dtype": d, "scales": label, "choice": c["choice"], "skip_layers": list(plan.skipped),
-                                  "deployable": c["deployable"], "bytes_per_token": nb, "vs_16bit": nb / b16,
-                                  "criteria": crit_given or default_accept(plan), "_plan": plan})
-        todo = {i: c["_plan"] for i, c in enumerate(cands) if "_plan" in c
-                and (cfg.max_bytes_per_token is None or c["bytes_per_token"] <= cfg.max_bytes_per_token)}
-        rounding = {}  # a backend that truncates: each dtype's cheapest evaluated row again, written by rounding
-        if cfg.backend != "cuda":
-            for i, p in list(todo.items()):
-                key = (cands[i]["dtype"], cands[i]["scales"])
-                if key not in rounding.values() and not p.skipped:
-                    twin = VllmKVPlan(p.kv_cache_dtype, L, k_scales=p.k_scales, v_scales=p.v_scales, backend="cuda",
-                                      quantize_query=False)
-                    rounding[("rounding", i)] = key
-                    todo[("rounding", i)] = twin
-        log(f"evaluating {len(todo)} of {len(cands) + len(rounding)} candidates on {len(ev)} held-out windows x "
-            f"{T} tokens")
-        res = teacher_forced(model, ev, todo, progress=progress)
-        truncation_cost = []
-        for key, (d, label) in rounding.items():
-            i = key[1]
-            t, r = res[i], res[key]
-            truncation_cost.append({"dtype": d, "scales": label, "kl_truncate": t["kl_mean"], "kl_round": r["kl_mean"],
-                                    "delta_ppl_truncate": t["delta_ppl"], "delta_ppl_round": r["delta_ppl"]})
-            notes.append(f"{d} ({label}), no 16-bit layer: backend {cfg.backend} writes FP8 by truncation: KL "
-                         f"{t['kl_mean']:.3e}, ΔPPL {t['delta_ppl']:+.4f}; the same scales written by rounding to "
-                         f"nearest (GPU kernels, queries kept 16-bit): KL {r['kl_mean']:.3e}, ΔPPL "
-                         f"{r['delta_ppl']:+.4f} ({t['kl_mean'] / max(r['kl_mean'], 1e-30):.2f}x the KL)")
-        for i, c in enumerate(cands):
-            if c.pop("_plan", None) is None:  # not applicable: status and reason already set
-                continue
-            if i not in todo:
+                screen(add_group(d, label, vsc, sets))
+        # lazy calibrations: nvfp4's outer scales when its rows at vLLM's default scales are not out of reach
+        # (their row with the most 16-bit layers does not FAIL); the calibrated rows reuse those layer sets
+        amax = _fp8_amax(staging, artifact_of)
+        for cd, uses, name in lazy:
+            for d in (x for x in uses if x in menu):
+                key = (d, row_scales(d, False))
+                hi = [cands[i] for i in groups.get(key, []) if cands[i].get("status") == "FAIL"
+                      and len(cands[i]["skip_layers"]) == max(len(cands[j]["skip_layers"]) for j in groups[key])]
+                if hi and _default_outer_ok(amax) and not cfg.measure_all:
+                    lo_a = min(a for pair in amax for a in pair)
+                    hi_a = max(a for pair in amax for a in pair)
+                    notes.append(f"{d}: not calibrated — at vLLM's default outer scale 1.0 its row with the most "
+                                 f"16-bit layers ({_layers(hi[0])}) fails its bar on its bound ({hi[0]['failed'][0]}); "
+                                 f"every layer's K/V amax ({lo_a:.3g} to {hi_a:.3g}, from the fp8 calibration) keeps "
+                                 "1.0 well conditioned (no block scale saturates, the largest stay 3 octaves inside "
+                                 "e4m3's normal range), so calibrating moves only the blocks' alignment on the e4m3 "
+                                 "grid — a few percent of KL on the models measured (docs/results.md), not the factor "
+                                 "this bar needs; --measure-all calibrates it anyway")
+                    continue
+                scales[d], artifact_of[d] = calibrate_one(cd, name), name
+                for c in (cands[i] for i in groups[key]):  # the default rows become the calibrated rows' twins
+                    c["scales"] = SCALES_DEFAULT
+                screen(add_group(d, SCALES_CALIBRATED, scales[d], sets_of(d, d)))
+        # the per-KV-head FP8 rescue (vLLM: compressed-tensors strategy attn_head, FlashAttention-3): calibrated
+        # and measured when per-tensor FP8 without 16-bit layers does not pass on its bound
+        fp8d = next((d for d in menu if d in ("fp8", "fp8_e4m3") and d in scales), None)
+        if fp8d is not None and cfg.backend == "cuda" and cfg.per_head:
+            base = [cands[i] for key in ((fp8d, SCALES_CALIBRATED), (fp8d, SCALES_DEFAULT))
+                    for i in groups.get(key, []) if not cands[i]["skip_layers"] and cands[i]["deployable"]]
+            if base and (cfg.measure_all or all(c.get("status") != "PASS" for c in base)):
+                hs = calibrate_one(fp8d, HEAD_ARTIFACT, granularity="head")
+                head_key = f"{fp8d} per-KV-head"
+                probe_groups({head_key: VllmKVPlan(fp8d, L, add_boundary=False, **{"backend": cfg.backend, **hs})})
+                artifact_of[head_key] = HEAD_ARTIFACT
+                scales[head_key] = hs
+                screen(add_group(fp8d, SCALES_CALIBRATED_HEAD, hs, sets_of(head_key, fp8d), head=True))
+                notes.append(f"{fp8d} per-KV-head rows: per-tensor {fp8d} without 16-bit layers does not pass "
+                             f"({base[0]['status']}: {'; '.join(base[0]['failed']) or 'undecided'}), so per-KV-head "
+                             "k/v/q scales were calibrated (kvcal calibrate --granularity head) as a rescue; vLLM "
+                             "loads them through compressed-tensors strategy attn_head on the FlashAttention-3 "
+                             "backend (Hopper GPUs) only")
+            elif base:
+                notes.append(f"per-KV-head {fp8d} not calibrated: per-tensor {fp8d} without 16-bit layers passes")
+        # cheapest first, adding windows where a bound straddles the bar (doubling, up to the cap); once a row
+        # passes, every dearer row is left unmeasured
+        best = None
+        order = sorted((i for i, c in enumerate(cands) if "_plan" in c), key=lambda i: (cands[i]["bytes_per_token"], i))
+        for i in order:
+            c = cands[i]
+            if not in_budget(i):
                 c.update(status="OVER-BUDGET", failed=[f"bytes_per_token {c['bytes_per_token']} > "
                                                        f"{cfg.max_bytes_per_token}"])
                 continue
-            r = res[i]
-            c.update({k: r[k] for k in ("kl_mean", "kl_p999", "delta_ppl", "ppl", "top1_agree")})
-            c["status"], c["failed"] = judge(r, parse_accept(c["criteria"]))
+            if c.get("status") in ("FAIL", NOT_MEASURED):
+                continue
+            if not c["deployable"] and not cfg.measure_all:
+                if "status" not in c:
+                    c.update(status=NOT_MEASURED, failed=["not measured: not deployable on stock vLLM 0.33 (its forced "
+                                                          "first-2/last-2 16-bit layers)"])
+                continue
+            if best is not None and c["bytes_per_token"] > cands[best]["bytes_per_token"] and not cfg.measure_all:
+                if c.get("status") != "PASS":
+                    c.update(status=NOT_MEASURED if "kl_mean" not in c else c["status"],
+                             failed=(c.get("failed") or []) + [f"not measured further: a cheaper row passed "
+                                                              f"({_row_name(cands[best])})"])
+                continue
+            while True:
+                n = max(ev_rows.measured(i), n0) if c.get("status") != INCONCLUSIVE else min(2 * c["windows"], cap)
+                if "kl_mean" in c and n <= c.get("windows", 0):
+                    break
+                progress_bar.plan(n - ev_rows.measured(i))
+                judge_row(i, n)
+                if c["status"] != INCONCLUSIVE or c["windows"] >= cap:
+                    break
+            if c["status"] == "PASS" and c["deployable"] and (best is None or c["bytes_per_token"] < cands[best]["bytes_per_token"]):
+                best = i
+        for c in cands:
+            if "status" not in c:  # a row never reached (a dearer row behind a decided one)
+                c.update(status=NOT_MEASURED, failed=["not measured"])
+        # a backend that truncates: each dtype's cheapest measured row without 16-bit layers again, written by
+        # rounding (the GPU kernels' write), on the same windows — what truncation costs
+        rounding, truncation_cost = {}, []
+        if cfg.backend != "cuda":
+            for i in order:
+                c = cands[i]
+                key = (c["dtype"], c["scales"])
+                if key in rounding.values() or c["skip_layers"] or "kl_mean" not in c:
+                    continue
+                p = c["_plan"]
+                twin = VllmKVPlan(p.kv_cache_dtype, L, k_scales=p.k_scales, v_scales=p.v_scales, backend="cuda",
+                                  quantize_query=False)
+                rounding[("rounding", i)] = key
+                ev_rows.measure(("rounding", i), twin, c["windows"])
+                t, r = ev_rows.result(i), ev_rows.result(("rounding", i))
+                truncation_cost.append({"dtype": c["dtype"], "scales": c["scales"], "kl_truncate": t["kl_mean"],
+                                        "kl_round": r["kl_mean"], "delta_ppl_truncate": t["delta_ppl"],
+                                        "delta_ppl_round": r["delta_ppl"]})
+                notes.append(f"{c['dtype']} ({c['scales']}), no 16-bit layer: backend {cfg.backend} writes FP8 by "
+                             f"truncation: KL {t['kl_mean']:.3e}, ΔPPL {t['delta_ppl']:+.4f}; the same scales written "
+                             f"by rounding to nearest (GPU kernels, queries kept 16-bit): KL {r['kl_mean']:.3e}, ΔPPL "
+                             f"{r['delta_ppl']:+.4f} ({t['kl_mean'] / max(r['kl_mean'], 1e-30):.2f}x the KL)")
+        progress_bar.close()
+        for c in cands:
+            c.pop("_plan", None)
+        used = max((c.get("windows", 0) for c in cands), default=0)
         ok = [c for c in cands if c["status"] == "PASS" and c["deployable"]]
-        # cheapest, then lower KL; at an exact tie the first listed (a calibrated row precedes its default twin)
-        chosen = min(ok, key=lambda c: (c["bytes_per_token"], c["kl_mean"])) if ok else None
+        # cheapest; at equal bytes a row that needs no particular attention backend (per-tensor scales), then lower
+        # KL; at an exact tie the first listed (a calibrated row precedes its default twin)
+        chosen = (min(ok, key=lambda c: (c["bytes_per_token"], c["granularity"] == "head", c["kl_mean"]))
+                  if ok else None)
+        if chosen is None:
+            notes.append(_what_would_pass(cands, cfg, cap, len(ev)))
+        notes.append(f"every status is judged on one-sided bounds over the evaluation windows (kvcal.evaluate.bounds): "
+                     f"a PASS needs each clause's {pass_level:.2%} Student-t bound inside the bar ({LEVEL:.0%} split "
+                     f"over up to {looks} looks per row: {n0} windows, doubled while undecided, at most {cap}), a "
+                     f"FAIL the {LEVEL:.0%} opposite bound outside it; INCONCLUSIVE otherwise. Rows are measured "
+                     "cheapest first and a row dearer than a PASS is not measured; each group (dtype and scales) is "
+                     "screened first by its cheapest row and its row with the most 16-bit layers")
+        notes.append(f"per-layer probe: each dtype's attention-output error per layer when only that layer is "
+                     f"quantized (kvcal.evaluate.vllm_probe.attention_sensitivity; one 16-bit forward per probe "
+                     f"window for the whole menu); it ranks the layers kept at 16 bits, the rows are judged on their "
+                     f"measured model-level figures. {ev_rows.forwards} evaluation forward passes of {T} tokens")
         commands = None
         if chosen is not None:
             skip_arg = serve_skip_arg(chosen["skip_layers"])
-            if chosen["scales"] == SCALES_CALIBRATED:  # export its artifact's scales into the checkpoint
+            if chosen["scales"] in (SCALES_CALIBRATED, SCALES_CALIBRATED_HEAD):  # export its artifact's scales
                 ck = Path(cfg.out) / "checkpoint"
+                head = chosen["granularity"] == "head"
                 if src.gguf_file:
                     notes.append(f"{src.model_id} is a GGUF model: kvcal export --model-dir needs its HF safetensors "
                                  "checkpoint; replace the --model-dir path with that one")
                 q = shlex.quote  # shell lines, pasted as they are printed (a path may hold spaces)
                 # the row was measured with the artifact's scales as calibrated; export --target vllm writes exactly
                 # those by default (kvcal.export.export: the searched set for a saturating engine)
-                commands = {"export": f"kvcal export --artifact {q(str(Path(cfg.out) / artifact_of[chosen['dtype']]))} "
+                art_dir = HEAD_ARTIFACT if head else artifact_of[chosen["dtype"]]
+                commands = {"export": f"kvcal export --artifact {q(str(Path(cfg.out) / art_dir))} "
                                       f"--target vllm --model-dir {q(str(model_dir))} --out {q(str(ck))}",
-                            "serve": f"vllm serve {q(str(ck))} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
+                            "serve": ("VLLM_ATTENTION_BACKEND=FLASH_ATTN " if head else "")
+                                     + f"vllm serve {q(str(ck))} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
+                if head:
+                    notes.append("the chosen row uses per-KV-head k/v/q scales: vLLM loads them (compressed-tensors "
+                                 "strategy attn_head) on the FlashAttention-3 backend only, i.e. Hopper GPUs; the serve "
+                                 "line selects it (VLLM_ATTENTION_BACKEND=FLASH_ATTN)")
             else:
                 commands = {"export": None, "serve": f"vllm serve {shlex.quote(str(serve_model))} --kv-cache-dtype "
                                                      f"{chosen['dtype']}{skip_arg}"}
@@ -289,13 +454,18 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 else:
                     notes.append(f"{chosen['dtype']} computes its scales at write time: no checkpoint scales to "
                                  "export, the vllm serve line is the whole deployment")
-        keep = (artifact_of.get(chosen["dtype"]) if chosen is not None and chosen["scales"] == SCALES_CALIBRATED
-                else None)  # a row at vLLM's default scales keeps no calibrated artifact
+        keep = None  # a row at vLLM's default scales keeps no calibrated artifact
+        if chosen is not None and chosen["scales"] == SCALES_CALIBRATED_HEAD:
+            keep = HEAD_ARTIFACT
+        elif chosen is not None and chosen["scales"] == SCALES_CALIBRATED:
+            keep = artifact_of.get(chosen["dtype"])
         if keep is not None:  # its export prints and records the chosen 16-bit layers, as deploy.md does
-            record_skip_layers(staging / keep, chosen, cfg, sens[chosen["dtype"]],
-                               {"source": "recommend probe windows", "samples": len(probe), "tokens": len(probe) * T},
+            probe_key = f"{chosen['dtype']} per-KV-head" if keep == HEAD_ARTIFACT else chosen["dtype"]
+            record_skip_layers(staging / keep, chosen, cfg, sens[probe_key],
+                               {"source": "recommend probe windows", "samples": len(probe), "tokens": len(probe) * T,
+                                "metric": "attention-output error per layer (relative)"},
                                b16)
-        for _, _, name, _ in calib:  # only a chosen calibrated row's artifact stays in the output
+        for name in [*(c[2] for c in calib), HEAD_ARTIFACT]:  # only a chosen calibrated row's artifact stays
             if name != keep and (staging / name).exists():
                 shutil.rmtree(staging / name)
         if any(c["choice"] == "auto-free" for c in cands):
@@ -312,6 +482,10 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                          "the whole corpus, which may overlap the evaluation windows; pass --eval-corpus for a "
                          "disjoint evaluation file")
         source = {d: scales_source(d, d in scales) for d in dict.fromkeys(cfg.dtypes)}
+        if any(c["granularity"] == "head" for c in cands):
+            source[f"{fp8d} per-KV-head"] = (f"per-KV-head k_scale, v_scale and q_scale calibrated on the corpus "
+                                             f"(kvcal calibrate --engine vllm --kv-cache-dtype {fp8d} --granularity "
+                                             f"head, {HEAD_ARTIFACT}/)")
         for d, name in artifact_of.items():  # the directory a note names is only there for the chosen dtype
             if name != keep and d in source:
                 source[d] += f"; {name}/ not kept (only the artifact of a chosen calibrated row stays in the output)"
@@ -335,9 +509,12 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             "bytes_per_token_16bit": b16, "bytes_per_token_context": bctx, "accept": cfg.accept or "kvcal evaluate defaults by precision",
             "data": {"probe": {"corpus": info["path"], "windows": len(probe), "context": T},
                      "bos_token_id": bos,  # every probe and evaluation window starts with it (None: no BOS added)
-                     "evaluation": {"corpus": eval_info["path"], "windows": len(ev), "context": T,
+                     "evaluation": {"corpus": eval_info["path"], "windows": used, "windows_available": len(ev),
+                                    "windows_first": n0, "windows_cap": cap, "forward_passes": ev_rows.forwards,
+                                    "pass_level": pass_level, "fail_level": LEVEL,
+                                    "context": T,
                                     "skipped_windows": 0 if cfg.eval_corpus else n_probe},
-                     "reference_ppl": res["16-bit"]["ppl"]},
+                     "reference_ppl": ev_rows.reference_ppl(used) if used else None},
             "sensitivity": sens, "candidates": cands, "notes": notes})
         (staging / "deploy.json").write_text(json.dumps(doc, indent=2) + "\n")
         (staging / "deploy.md").write_text(render_markdown(doc))
@@ -345,6 +522,96 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     write_dir_atomically(Path(cfg.out), fill, overwrite=cfg.overwrite,
                          inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus}, kind="recommendation")
     return doc
+
+
+#: The range of every layer's K/V amax in which vLLM's default NVFP4 outer scale 1.0 is well conditioned, so that
+#: recommend may skip calibrating nvfp4 when its default-scale rows fail: at 1.0 a block's e4m3 scale is its amax/6,
+#: so the largest block neither saturates (amax <= 448 x 6 = 2688) nor sits within 3 octaves of e4m3's smallest
+#: normal 2^-6 (amax/6 >= 2^-3); calibration then only moves the blocks' alignment on the e4m3 grid.
+NVFP4_DEFAULT_AMAX_RANGE = (6 * 2.0 ** -3, 448.0 * 6)
+
+
+def _fp8_amax(staging: Path, artifact_of: dict) -> list[tuple[float, float]] | None:
+    """Per-layer ``(k_amax, v_amax)`` recorded by the fp8 calibration of this run (None without one)."""
+    from kvcal.artifact import load_artifact
+    from kvcal.evaluate.baselines import artifact_amax
+
+    name = artifact_of.get("fp8") or artifact_of.get("fp8_e4m3")
+    if name is None or not (staging / name).exists():
+        return None
+    return artifact_amax(load_artifact(staging / name).metadata)
+
+
+def _default_outer_ok(amax: list[tuple[float, float]] | None) -> bool:
+    """Whether every layer's K and V amax lies in :data:`NVFP4_DEFAULT_AMAX_RANGE` (False when none is known)."""
+    lo, hi = NVFP4_DEFAULT_AMAX_RANGE
+    return bool(amax) and all(lo <= a <= hi for pair in amax for a in pair)
+
+
+class _RunBar:
+    """One progress bar for the whole run, in forward passes of evaluation windows: its total grows as rows are
+    planned (a row's first windows, and more while its bound is undecided), so tqdm's ETA is for the work known."""
+
+    def __init__(self, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=0, desc="recommend (windows)", unit="fwd", disable=not enabled)
+
+    def plan(self, n: int):
+        self.bar.total += max(0, int(n))
+        self.bar.refresh()
+
+    def tick(self):
+        if self.bar.n >= self.bar.total:  # a reference window (not planned per row)
+            self.bar.total += 1
+        self.bar.update()
+
+    def close(self):
+        self.bar.close()
+
+
+def _layers(c: dict) -> str:
+    return ",".join(map(str, c["skip_layers"])) or "none"
+
+
+def _row_name(c: dict) -> str:
+    """``fp8 (calibrated), 16-bit layers 0,1, 11904 B/token``."""
+    return f"{c['dtype']} ({c['scales']}), 16-bit layers {_layers(c)}, {c['bytes_per_token']} B/token"
+
+
+def _what_would_pass(cands: list[dict], cfg: RecommendConfig, cap: int, available: int) -> str:
+    """The note when no row passes: the measured deployable row nearest its bar (the smallest ratio of a clause's
+    bound to its bar, worst clause), its memory, its 16-bit layers and granularity, and what would decide or
+    rescue it."""
+    from kvcal.evaluate.accept import parse_accept
+
+    best, worst_ratio = None, None
+    for c in cands:
+        if not c.get("deployable") or not c.get("bounds"):
+            continue
+        ratios = []
+        for name, op, bar in parse_accept(c["criteria"]):
+            b = c["bounds"].get(name) or {}
+            bd = b.get("bound")
+            if bd is None or bar == 0:
+                continue
+            ratios.append(bd / bar if op in ("<=", "<") else bar / bd if bd > 0 else math.inf)
+        r = max(ratios) if ratios else math.inf
+        if worst_ratio is None or (r, c["bytes_per_token"]) < (worst_ratio, best["bytes_per_token"]):
+            best, worst_ratio = c, r
+    if best is None:
+        return "no configuration passes, and no deployable row was measured: widen --max-bytes-per-token or --dtypes"
+    what = (f"no configuration passes its bar on its bound; nearest: {_row_name(best)} "
+            f"({best['vs_16bit']:.3f}x 16-bit, {best['granularity']} scales): {best['status']}, "
+            f"{'; '.join(best['failed']) or 'undecided'}")
+    if best["status"] == INCONCLUSIVE:
+        need = best.get("windows_needed")
+        what += (f"; about {need} evaluation windows would decide it (--max-windows {need}"
+                 + (f", the corpus holds {available}" if need and need > available else "") + ")"
+                 if need else "; more windows would not decide it at this spread")
+    elif len(best["skip_layers"]) >= cfg.max_skip:
+        what += f"; it already keeps --max-skip {cfg.max_skip} layers at 16 bits: raise --max-skip, or loosen --accept"
+    return what
 
 
 __all__ = ["RecommendConfig", "DEFAULT_MENU", "DEFAULT_MAX_SKIP", "NOT_APPLICABLE", "CALIBRATIONS", "calibrations",

@@ -39,6 +39,9 @@ def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
             ("greedy_agree", "greedy_prefix"), "it generates no text: every candidate is judged teacher-forced"))
     if cfg.max_bytes_per_token is not None and cfg.max_bytes_per_token < 1:
         raise KvcalError(f"--max-bytes-per-token must be >= 1, got {cfg.max_bytes_per_token}")
+    if cfg.windows < 1 or cfg.max_windows < cfg.windows:
+        raise KvcalError(f"--max-windows {cfg.max_windows} is below --windows {cfg.windows}: a row gets --windows "
+                         "windows first and at most --max-windows; give --max-windows >= --windows")
     if cfg.max_skip is not None and cfg.max_skip < 0:
         raise KvcalError(f"--max-skip must be >= 0, got {cfg.max_skip}")
     check_output_dir(cfg.out, cfg.overwrite, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus},

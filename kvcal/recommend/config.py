@@ -16,6 +16,10 @@ RULE_COUNT = 4
 DEFAULT_MAX_SKIP = 6
 #: The status of a menu dtype that has no deployment on the model (:func:`kvcal.search.skip_layers.not_applicable`).
 NOT_APPLICABLE = "NOT-APPLICABLE"
+#: The status of a row left unmeasured (a cheaper row passed, or its group was screened out; ``failed`` says which).
+NOT_MEASURED = "NOT-MEASURED"
+#: The directory of the per-KV-head FP8 calibration (the rescue rows), beside ``artifact/``.
+HEAD_ARTIFACT = "artifact-fp8-head"
 SCHEMA = "kvcal-recommend/1"
 #: What recommend calibrates before probing: ``(kvcal calibrate --kv-cache-dtype, the menu dtypes that use its
 #: scales, the artifact directory in the staging/output directory, what is calibrated)``, in calibration order.
@@ -28,6 +32,9 @@ SCALES_CALIBRATED = "calibrated"
 #: A candidate row's ``scales``: vLLM's defaults, every static k/v/q scale 1.0 — what vLLM runs when the checkpoint
 #: has no k_scale/v_scale/q_scale (:class:`kvcal.vllm_plan.VllmKVPlan` with no scales); nothing to export.
 SCALES_DEFAULT = "vLLM default (1.0)"
+#: A candidate row's ``scales``: per-KV-head k/v/q scales kvcal calibrated (``kvcal calibrate --granularity head``),
+#: loaded by vLLM through compressed-tensors ``strategy: attn_head`` on the FlashAttention-3 backend.
+SCALES_CALIBRATED_HEAD = "calibrated per-KV-head"
 #: A candidate row's ``scales`` for a dtype whose scales vLLM computes when it writes the cache.
 SCALES_WRITE_TIME = "write time"
 
@@ -39,7 +46,9 @@ class RecommendConfig:
     kept at 16 bits (vLLM's turboquant boundary layers count), in ``[0, num_layers - 1]`` (refused otherwise:
     every layer at 16 bits stores nothing in the dtype); ``None``: :data:`DEFAULT_MAX_SKIP` capped at
     ``num_layers - 1`` (:func:`effective_max_skip`). ``context``/``windows``: evaluation
-    window length (tokens) and count; ``probe_tokens``: tokens of the sensitivity probe.
+    window length (tokens) and the windows every measured row gets first; ``max_windows``: the most a row gets
+    while its bound straddles its bar (doubling from ``windows``); ``per_head``: allow the per-KV-head fp8 rescue
+    rows; ``probe_tokens``: tokens of the sensitivity probe.
     ``fp8_samples``/``fp8_seq_len``: kvcal calibrate's --max-samples/--max-seq-len for every calibrated dtype
     (fp8 and nvfp4, :data:`CALIBRATIONS`); ``fp8_kwargs``/``nvfp4_kwargs``: further
     :class:`~kvcal.calibrate.CalibrateConfig` options for the fp8 / nvfp4 calibration."""
@@ -54,6 +63,9 @@ class RecommendConfig:
     dtypes: tuple[str, ...] = DEFAULT_MENU
     context: int = 512
     windows: int = 4
+    max_windows: int = 16  # a row whose bound straddles its bar gets more windows, doubling, up to this many
+    per_head: bool = True  # calibrate and measure per-KV-head fp8 rows when per-tensor fp8 does not pass
+    measure_all: bool = False  # measure every row (no screening, no early stop, every calibration): the full table
     probe_tokens: int = 1024
     eval_corpus: str | None = None
     fp8_samples: int = 32

@@ -49,27 +49,63 @@ def run(args):
 
 
 BASE = ["--corpus", CHAT, "--context", 64, "--windows", 2, "--probe-tokens", 128]
+#: RecommendConfig options of the tests that compare rows across runs: every row on the same 2 windows (no extension)
+SAME_WINDOWS = {"windows": 2, "max_windows": 2}
+
+
+def _t_bounds(xs, level):
+    """Mean and the one-sided Student-t bounds at ``level`` of per-window samples, from scipy (the reference the
+    rows' stored bounds are checked against)."""
+    import math
+    import statistics
+
+    from scipy.stats import t
+
+    m, n = statistics.fmean(xs), len(xs)
+    h = t.ppf(level, n - 1) * statistics.stdev(xs) / math.sqrt(n)
+    return m - h, m + h
 
 
 def test_recommend_end_to_end(tiny_dir, tmp_path):
-    """`kvcal recommend`: every candidate's bytes/token equal vLLM's page bytes by hand, auto skip sets are
-    the probe's top-n layers, the chosen one is the cheapest deployable PASS, and its KL equals Protocol A's exactly."""
+    """`kvcal recommend`: every candidate's bytes/token equal vLLM's page bytes by hand; auto skip sets are the
+    probe's top-n layers; every measured row's status follows from Student-t bounds of its per-window KL recomputed
+    here (scipy) at the levels the document states; rows are measured cheapest first — every deployable row cheaper
+    than the chosen one was measured and did not pass, the chosen one is the cheapest deployable PASS, and its KL
+    equals Protocol A's on the windows it was measured on exactly."""
     out = tmp_path / "rec"
     accept = "kl_mean<=5e-4"
     r = run([*BASE, "--model", tiny_dir, "--out", out, "--dtypes", "int4_per_token_head,turboquant_4bit_nc",
-             "--max-skip", 5, "--accept", accept])
+             "--max-skip", 5, "--accept", accept, "--max-windows", 4])
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "deploy.json").read_text())
     md = (out / "deploy.md").read_text()
     assert doc["schema"] == "kvcal-recommend/1" and doc["passed"]
+    ev_info = doc["data"]["evaluation"]
+    assert ev_info["windows_first"] == 2 and ev_info["windows_cap"] == 4
     cands = doc["candidates"]
     # every candidate: vLLM's page bytes by hand (16-bit slot 4*D per head, int4_per_token_head D+8,
-    # turboquant_4bit_nc key D/2+2 + value D/2+4, rounded to even), judged by the given bar
+    # turboquant_4bit_nc key D/2+2 + value D/2+4, rounded to even)
     slot = {"int4_per_token_head": D + 8, "turboquant_4bit_nc": (D // 2 + 2 + D // 2 + 4 + 1) // 2 * 2}
+    measured = [c for c in cands if "kl_mean" in c]
+    assert measured
     for c in cands:
         n = len(c["skip_layers"])
         assert c["bytes_per_token"] == H_KV * (n * 4 * D + (L - n) * slot[c["dtype"]])
-        assert c["status"] == ("PASS" if c["kl_mean"] <= 5e-4 else "FAIL") and c["criteria"] == accept
+        assert c["criteria"] == accept
+        assert c["status"] in ("PASS", "FAIL", "INCONCLUSIVE", "NOT-MEASURED")
+        if "kl_mean" not in c:
+            assert c["status"] == "NOT-MEASURED" and c["failed"]
+            continue
+        kl = c["per_window"]["kl_mean"]
+        assert len(kl) == c["windows"] in (2, 4)
+        assert abs(sum(kl) / len(kl) - c["kl_mean"]) <= 1e-12 * c["kl_mean"] + 1e-18  # equal-length windows
+        _, up = _t_bounds(kl, ev_info["pass_level"])
+        lo, _ = _t_bounds(kl, ev_info["fail_level"])
+        b = c["bounds"]["kl_mean"]
+        assert b["upper"] == pytest.approx(up, rel=1e-9) and b["bound"] == b["upper"]
+        assert c["status"] == ("PASS" if up <= 5e-4 else "FAIL" if lo > 5e-4 else "INCONCLUSIVE")
+        if c["status"] == "INCONCLUSIVE":  # undecided rows get windows up to the cap
+            assert c["windows"] == 4
     int4 = [c for c in cands if c["dtype"] == "int4_per_token_head"]
     assert int4[0]["choice"] == "rule" and int4[0]["skip_layers"] == [0, 1, 4, 5]
     # auto sets follow the probe: the n most sensitive layers (uniform costs), n = 0..5 (one equal to the
@@ -82,15 +118,18 @@ def test_recommend_end_to_end(tiny_dir, tmp_path):
     assert tq[0]["choice"] == "rule" and tq[0]["skip_layers"] == [0, 1, 4, 5] and tq[0]["deployable"]
     assert all(set(c["skip_layers"]) >= {0, 1, 4, 5} for c in tq if c["deployable"])
     free = [c for c in tq if not c["deployable"]]
-    assert len(free) == 1 and len(free[0]["skip_layers"]) == 4
-    # the chosen one is the cheapest deployable PASS
-    ok = [c for c in cands if c["status"] == "PASS" and c["deployable"]]
+    assert len(free) == 1 and len(free[0]["skip_layers"]) == 4 and free[0]["status"] == "NOT-MEASURED"
+    # the chosen one is the cheapest deployable PASS, and nothing cheaper was left unmeasured or passed
     ch = doc["chosen"]
+    ok = [c for c in cands if c["status"] == "PASS" and c["deployable"]]
     assert ch["bytes_per_token"] == min(c["bytes_per_token"] for c in ok)
+    cheaper = [c for c in cands if c["deployable"] and c["bytes_per_token"] < ch["bytes_per_token"]]
+    assert all(c["status"] in ("FAIL", "INCONCLUSIVE") or "most 16-bit layers" in c["failed"][0] for c in cheaper)
     skip = " ".join(map(str, ch["skip_layers"]))
     serve = f"vllm serve {tiny_dir} --kv-cache-dtype {ch['dtype']}" + (f" --kv-cache-dtype-skip-layers {skip}" if skip else "")
     assert doc["commands"] == {"export": None, "serve": serve}
     assert serve in md and serve in r.output and "| bytes/token |" in md and "← chosen" in md
+    assert "KL mean [bound]" in md
     assert not (out / "artifact").exists()
     # its KL re-measured through Protocol A on the same evaluation windows (the tail after the probe windows)
     from kvcal.evaluate.protocol_a import teacher_forced
@@ -100,24 +139,27 @@ def test_recommend_end_to_end(tiny_dir, tmp_path):
 
     tok = load_tokenizer(str(tiny_dir))
     ids, _ = corpus_stream(str(CHAT), tok)
-    ev = cut_windows(ids, 64, 2, skip=2)
+    ev = cut_windows(ids, 64, ch["windows"], skip=2)
     model = load_model(str(tiny_dir))
     res = teacher_forced(model, ev, {"x": VllmKVPlan(ch["dtype"], L, skip_layers=tuple(ch["skip_layers"]))},
                          progress=False)
-    assert res["x"]["kl_mean"] == ch["kl_mean"]  # same arithmetic: exact
+    assert res["x"]["kl_mean"] == pytest.approx(ch["kl_mean"], rel=1e-12)  # same forward; window-wise float64 sums
+    assert res["x"]["delta_ppl"] == pytest.approx(ch["delta_ppl"], rel=1e-9, abs=1e-9)
 
 
-def test_nothing_passes_exits_1_with_the_table(tiny_dir, tmp_path):
-    """With an unreachable bar (kl_mean<=0) recommend exits 1, every candidate FAILs, nothing is chosen,
-    and deploy.md says no configuration passes."""
+def test_nothing_passes_exits_1_and_says_what_is_nearest(tiny_dir, tmp_path):
+    """With an unreachable bar (kl_mean<=0) recommend exits 1, nothing passes, nothing is chosen, and deploy.md and
+    the notes name the measured row nearest the bar with its memory and layers (never only "nothing passes")."""
     out = tmp_path / "rec"
     r = run([*BASE, "--model", tiny_dir, "--out", out, "--dtypes", "int4_per_token_head", "--max-skip", 1,
-             "--accept", "kl_mean<=0"])  # KL is 0 only with every layer at 16 bits; at most 1 here
+             "--accept", "kl_mean<=0", "--max-windows", 2])  # KL is 0 only with every layer at 16 bits
     assert r.exit_code == 1, r.output
     doc = json.loads((out / "deploy.json").read_text())
     assert doc["chosen"] is None and doc["commands"] is None and not doc["passed"]
-    assert all(c["status"] == "FAIL" for c in doc["candidates"])
+    assert all(c["status"] != "PASS" for c in doc["candidates"])
     assert "No configuration passes" in (out / "deploy.md").read_text()
+    near = [n for n in doc["notes"] if n.startswith("no configuration passes its bar on its bound; nearest: ")]
+    assert len(near) == 1 and "int4_per_token_head" in near[0] and "B/token" in near[0] and "16-bit layers" in near[0]
 
 
 def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_small_kv, tmp_path):
@@ -133,7 +175,7 @@ def test_fp8_choice_writes_the_calibrated_artifact_and_export_line(tiny_small_kv
 
     out = tmp_path / "rec"
     doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_small_kv), dtypes=("fp8",), max_skip=0,
-                                    context=64, windows=2, probe_tokens=128, accept="kl_mean<=1",
+                                    context=64, **SAME_WINDOWS, probe_tokens=128, accept="kl_mean<=1",
                                     fp8_samples=8, fp8_seq_len=64,
                                     fp8_kwargs={"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2,
                                                 "max_queries": 16}),
@@ -202,7 +244,8 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
     monkeypatch.setattr(R, "_artifact_scales", spy)
     out = tmp_path / "rec"
     doc = R.recommend(R.RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_dir),
-                                        dtypes=("nvfp4", "nvfp4_4over6"), max_skip=0, context=64, windows=2,
+                                        dtypes=("nvfp4", "nvfp4_4over6"), max_skip=0, context=64, **SAME_WINDOWS,
+                                        measure_all=True,
                                         probe_tokens=128, accept="kl_mean<=0", fp8_samples=8, fp8_seq_len=64,
                                         nvfp4_kwargs=NVFP4_CAL), log=lambda s: None, progress=False)
     assert list(seen) == ["nvfp4", "nvfp4_dir"] and seen["nvfp4_dir"] == "artifact-nvfp4"
@@ -215,7 +258,7 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
     assert any(x != 1.0 for x in sc["k_scales"] + sc["v_scales"])  # calibrated, not vLLM's default
     rows = {(c["dtype"], c["scales"]): c for c in doc["candidates"]}
     assert [c["skip_layers"] for c in doc["candidates"]] == [[], [], []]
-    assert list(rows) == [("nvfp4", "calibrated"), ("nvfp4", "vLLM default (1.0)"), ("nvfp4_4over6", "vLLM default (1.0)")]
+    assert set(rows) == {("nvfp4", "calibrated"), ("nvfp4", "vLLM default (1.0)"), ("nvfp4_4over6", "vLLM default (1.0)")}
     assert rows["nvfp4", "calibrated"]["bytes_per_token"] == rows["nvfp4", "vLLM default (1.0)"]["bytes_per_token"]
     tok = load_tokenizer(str(tiny_dir))
     ids, _ = corpus_stream(str(CHAT), tok)
@@ -249,13 +292,13 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     from kvcal.recommend import RecommendConfig, recommend
     from kvcal.search.skip_layers import serve_skip_arg
 
-    def rec(out, accept):
+    def rec(out, accept, **kw):
         return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_small_kv), dtypes=("nvfp4",),
-                                         max_skip=3, context=64, windows=2, probe_tokens=128, accept=accept,
-                                         fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL),
+                                         max_skip=3, context=64, **SAME_WINDOWS, probe_tokens=128, accept=accept,
+                                         fp8_samples=8, fp8_seq_len=64, nvfp4_kwargs=NVFP4_CAL, **kw),
                          log=lambda s: None, progress=False)
 
-    bar, want = recommend_bar(rec(tmp_path / "first", "kl_mean<=0"), "calibrated")
+    bar, want = recommend_bar(rec(tmp_path / "first", "kl_mean<=0", measure_all=True), "calibrated")
     out = tmp_path / "rec"
     doc = rec(out, bar)
     assert doc["chosen"]["dtype"] == "nvfp4" and doc["chosen"]["scales"] == "calibrated"
@@ -291,6 +334,7 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     (["--max-bytes-per-token", 10], "--max-bytes-per-token 10: the cheapest dtype of the menu"),
     (["--context", 4096], "--context 4096 exceeds the model's max_position_embeddings 512"),
     (["--context", 512, "--probe-tokens", 100000], "196 probe window(s) of 512 tokens and at least one evaluation window"),
+    (["--windows", 4, "--max-windows", 2], "--max-windows 2 is below --windows 4"),
 ])
 def test_refusals_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, args, msg):
     """Each bad option (unknown dtype, unknown metric, byte bound below the cheapest dtype, context past
@@ -335,7 +379,7 @@ def test_cpu_backend_menu_rows_and_what_truncation_costs(tiny_small_kv, tmp_path
 
     out = tmp_path / "rec"
     doc = recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_small_kv), max_skip=1,
-                                    context=64, windows=2, probe_tokens=128, accept="kl_mean<=1", backend="vllm-cpu",
+                                    context=64, **SAME_WINDOWS, probe_tokens=128, accept="kl_mean<=1", backend="vllm-cpu",
                                     fp8_samples=8, fp8_seq_len=64,
                                     fp8_kwargs={"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2,
                                                 "max_queries": 16}),
