@@ -319,8 +319,13 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         # and measured when per-tensor FP8 without 16-bit layers does not pass on its bound
         fp8d = next((d for d in menu if d in ("fp8", "fp8_e4m3") and d in scales), None)
         if fp8d is not None and cfg.backend == "cuda" and cfg.per_head:
-            base = [cands[i] for key in ((fp8d, SCALES_CALIBRATED), (fp8d, SCALES_DEFAULT))
-                    for i in groups.get(key, []) if not cands[i]["skip_layers"] and cands[i]["deployable"]]
+            base_i = [i for key in ((fp8d, SCALES_CALIBRATED), (fp8d, SCALES_DEFAULT))
+                      for i in groups.get(key, []) if not cands[i]["skip_layers"] and cands[i]["deployable"]]
+            for i in base_i:  # measured by the screening, or here (--measure-all screens nothing)
+                if "kl_mean" not in cands[i]:
+                    progress_bar.plan(n0)
+                    judge_row(i, n0)
+            base = [cands[i] for i in base_i]
             if base and (cfg.measure_all or all(c.get("status") != "PASS" for c in base)):
                 hs = calibrate_one(fp8d, HEAD_ARTIFACT, granularity="head")
                 head_key = f"{fp8d} per-KV-head"
@@ -404,6 +409,16 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                   if ok else None)
         if chosen is None:
             notes.append(_what_would_pass(cands, cfg, cap, len(ev)))
+        elif chosen["skip_layers"] or chosen["granularity"] == "head":  # a rescue: say why the plain row was not it
+            plain = [c for c in cands if c["dtype"] == chosen["dtype"] and c["deployable"] and c["granularity"] ==
+                     "tensor" and not c["skip_layers"] and "kl_mean" in c and c["status"] != "PASS"]
+            for c in plain:
+                notes.append(f"why not per-tensor {c['dtype']} ({c['scales']}) without 16-bit layers: {c['status']} — "
+                             f"{'; '.join(c['failed']) or 'undecided'} (KL {c['kl_mean']:.3e} on {c['windows']} "
+                             f"windows); the chosen rescue keeps {_layers(chosen)} at 16 bits"
+                             + (" with per-KV-head scales" if chosen["granularity"] == "head" else "")
+                             + f" (the probe's most sensitive layers: "
+                             f"{', '.join(map(str, _top_layers(sens, chosen)))})")
         notes.append(f"every status is judged on one-sided bounds over the evaluation windows (kvcal.evaluate.bounds): "
                      f"a PASS needs each clause's {pass_level:.2%} Student-t bound inside the bar ({LEVEL:.0%} split "
                      f"over up to {looks} looks per row: {n0} windows, doubled while undecided, at most {cap}), a "
@@ -568,6 +583,13 @@ class _RunBar:
 
     def close(self):
         self.bar.close()
+
+
+def _top_layers(sens: dict, c: dict, n: int = 3) -> list[int]:
+    """The ``n`` layers the probe found most sensitive for row ``c``'s dtype (and granularity)."""
+    key = f"{c['dtype']} per-KV-head" if c.get("granularity") == "head" else c["dtype"]
+    s = sens.get(key) or []
+    return sorted(range(len(s)), key=lambda i: -s[i])[:n]
 
 
 def _layers(c: dict) -> str:

@@ -4,6 +4,7 @@ configuration re-measured independently, exit codes and refusals before the mode
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,54 @@ def test_cpu_backend_menu_rows_and_what_truncation_costs(tiny_small_kv, tmp_path
     if doc["artifact"] is not None:  # a calibrated fp8 row chosen: its artifact carries no q_scale
         art = load_artifact(out / doc["artifact"])
         assert art.metadata["vllm"]["backend"] == "cpu" and not any(n.endswith("q_scale") for n in art.tensors)
+
+
+# ---- the hard-model class: early-layer keys with large per-channel offsets (issue 39) -------------------------------
+@pytest.fixture(scope="module")
+def offset_model(tmp_path_factory, smollm_tokenizer):
+    """A 6-layer tiny Llama with q/k/v projection biases whose layers 0 and 1 carry k_proj bias offsets of ±1000 on 4
+    channels per KV head (helpers.models.offset_keys, as Qwen2-style biases produce): their keys' range is set by the
+    offsets, far above the spread, so per-tensor FP8 resolves what attention reads there worst."""
+    from helpers.models import TINY_LLAMA_16, offset_keys, save_tiny_llama
+
+    d = save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-offset-recommend", vocab_size=49152,
+                        attention_bias=True, **{**TINY_LLAMA_16, "num_hidden_layers": L})
+    return offset_keys(d, layers=(0, 1), offset=1000.0)
+
+
+def test_offset_key_model_deploys_a_rescue_row(offset_model, tmp_path):
+    """On the offset-key model, per-tensor FP8 without 16-bit layers fails a bar that keeping the offset layers at
+    16 bits passes: recommend deploys that rescue row (the probe finds layers 0 and 1), and says why per-tensor FP8
+    was rejected. The bar comes from a first run measuring every row on the same windows: between the rescue row's
+    upper bound and the plain row's lower bound (the test's premise, asserted)."""
+    from kvcal.recommend import RecommendConfig, recommend
+
+    cal = {"batch_size": 2, "reservoir": 3, "heldout_reservoir": 2, "max_queries": 16}
+
+    def rec(out, accept, **kw):
+        return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(offset_model), dtypes=("fp8",),
+                                         max_skip=2, context=64, windows=4, max_windows=4, probe_tokens=128,
+                                         accept=accept, fp8_samples=8, fp8_seq_len=64, fp8_kwargs=cal, **kw),
+                         log=lambda s: None, progress=False)
+
+    first = rec(tmp_path / "first", "kl_mean<=0", measure_all=True)
+    # the probe ranks the offset layers first, for per-tensor and per-KV-head scales alike
+    for key, s in first["sensitivity"].items():
+        assert sorted(range(L), key=lambda i: -s[i])[:2] == [0, 1], key
+    rows = {(c["scales"], tuple(c["skip_layers"])): c for c in first["candidates"]}
+    plain = rows["calibrated", ()]
+    rescue = rows["calibrated", (0, 1)]
+    lo_plain = plain["bounds"]["kl_mean"]["lower"]
+    up_rescue = max(c["bounds"]["kl_mean"]["upper"] for c in first["candidates"] if c["skip_layers"] == [0, 1])
+    assert up_rescue < lo_plain, (rescue, plain)  # premise: the offset layers carry the error, decisively
+    bar = math.sqrt(up_rescue * lo_plain)
+    doc = rec(tmp_path / "rec", f"kl_mean<={bar!r}")
+    ch = doc["chosen"]
+    assert ch is not None and ch["dtype"] == "fp8" and set(ch["skip_layers"]) >= {0, 1}, doc["candidates"]
+    assert ch["status"] == "PASS" and ch["bounds"]["kl_mean"]["upper"] <= bar
+    plain2 = next(c for c in doc["candidates"] if c["scales"] == "calibrated" and not c["skip_layers"])
+    assert plain2["status"] == "FAIL"
+    why = [n for n in doc["notes"] if n.startswith("why not per-tensor fp8 (calibrated) without 16-bit layers: FAIL")]
+    assert len(why) == 1 and "0,1" in why[0], doc["notes"]
+    md = (tmp_path / "rec" / "deploy.md").read_text()
+    assert "why not per-tensor fp8" in md and "--kv-cache-dtype-skip-layers 0 1" in doc["commands"]["serve"]
