@@ -254,21 +254,39 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         def in_budget(i: int) -> bool:
             return cfg.max_bytes_per_token is None or cands[i]["bytes_per_token"] <= cfg.max_bytes_per_token
 
-        def screen(key):
-            """A group's cheapest deployable row and its row with the most 16-bit layers, on the first windows;
-            when the latter FAILs on its bound, the group's rows with fewer 16-bit layers are not measured."""
+        def screen(key, probe_name: str):
+            """A group (dtype and scales) on the first windows: its cheapest deployable row; when that does not
+            pass, the group's rows with more 16-bit layers are either pruned by the probe (its cheapest row FAILs a
+            KL clause by more than keeping the max_skip most sensitive layers could remove, with a factor 2 of
+            margin for the probe's approximation) or judged by the row with the most 16-bit layers, whose FAIL
+            prunes the rows with fewer (the probe's sets are nested)."""
             dep = [i for i in groups[key] if cands[i]["deployable"] and in_budget(i)]
             if not dep or cfg.measure_all:
                 return
             lo = min(dep, key=lambda i: (cands[i]["bytes_per_token"], i))
             hi = max(dep, key=lambda i: (len(cands[i]["skip_layers"]), cands[i]["bytes_per_token"], -i))
-            for i in dict.fromkeys([lo, hi]):
+            progress_bar.plan(n0)
+            judge_row(lo, n0)
+            if cands[lo]["status"] == "PASS" or hi == lo:
+                return
+            why = None
+            if cands[lo]["status"] == "FAIL":
+                kept = _probe_share(sens[probe_name], cands[lo]["skip_layers"], cands[hi]["skip_layers"])
+                for name, op, bar in parse_accept(cands[lo]["criteria"]):
+                    lb = (cands[lo]["bounds"].get(name) or {}).get("lower")
+                    if name == "kl_mean" and op in ("<=", "<") and lb is not None and lb * (1 - kept) > 2 * bar:
+                        why = (f"not measured: without 16-bit layers beyond {_layers(cands[lo])} this group FAILs "
+                               f"(KL lower bound {lb:.3e}); its {len(cands[hi]['skip_layers'])} most sensitive layers "
+                               f"hold {kept:.0%} of the probe's error, so at best about {lb * (1 - kept):.3e} "
+                               f"remains — over twice the bar {bar:g}")
+            if why is None:
                 progress_bar.plan(n0)
-                judge_row(i, n0)
-            if cands[hi]["status"] == "FAIL":
-                why = (f"not measured: this group's row with the most 16-bit layers ({_layers(cands[hi])}) fails its "
-                       f"bar on its bound ({cands[hi]['failed'][0]}); rows with fewer 16-bit layers (the probe's sets "
-                       "are nested) are not expected to pass")
+                judge_row(hi, n0)
+                if cands[hi]["status"] == "FAIL":
+                    why = (f"not measured: this group's row with the most 16-bit layers ({_layers(cands[hi])}) fails "
+                           f"its bar on its bound ({cands[hi]['failed'][0]}); rows with fewer 16-bit layers (the "
+                           "probe's sets are nested) are not expected to pass")
+            if why is not None:
                 for i in groups[key]:
                     if "status" not in cands[i] and in_budget(i):
                         cands[i].update(status=NOT_MEASURED, failed=[why])
@@ -291,14 +309,14 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             # 16-bit layer sets (the probe ran with the calibrated scales)
             for label, vsc in ([(SCALES_CALIBRATED, scales[d]), (SCALES_DEFAULT, {})] if d in scales
                                else [(row_scales(d, False), {})]):
-                screen(add_group(d, label, vsc, sets))
+                screen(add_group(d, label, vsc, sets), d)
         # lazy calibrations: nvfp4's outer scales when its rows at vLLM's default scales are not out of reach
         # (their row with the most 16-bit layers does not FAIL); the calibrated rows reuse those layer sets
         amax = _fp8_amax(staging, artifact_of)
         for cd, uses, name in lazy:
             for d in (x for x in uses if x in menu):
                 key = (d, row_scales(d, False))
-                hi = [cands[i] for i in groups.get(key, []) if cands[i].get("status") == "FAIL"
+                hi = [cands[i] for i in groups.get(key, []) if cands[i].get("status") in ("FAIL", NOT_MEASURED)
                       and len(cands[i]["skip_layers"]) == max(len(cands[j]["skip_layers"]) for j in groups[key])]
                 if hi and _default_outer_ok(amax) and not cfg.measure_all:
                     lo_a = min(a for pair in amax for a in pair)
@@ -314,7 +332,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 scales[d], artifact_of[d] = calibrate_one(cd, name), name
                 for c in (cands[i] for i in groups[key]):  # the default rows become the calibrated rows' twins
                     c["scales"] = SCALES_DEFAULT
-                screen(add_group(d, SCALES_CALIBRATED, scales[d], sets_of(d, d)))
+                screen(add_group(d, SCALES_CALIBRATED, scales[d], sets_of(d, d)), d)
         # the per-KV-head FP8 rescue (vLLM: compressed-tensors strategy attn_head, FlashAttention-3): calibrated
         # and measured when per-tensor FP8 without 16-bit layers does not pass on its bound
         fp8d = next((d for d in menu if d in ("fp8", "fp8_e4m3") and d in scales), None)
@@ -332,7 +350,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 probe_groups({head_key: VllmKVPlan(fp8d, L, add_boundary=False, **{"backend": cfg.backend, **hs})})
                 artifact_of[head_key] = HEAD_ARTIFACT
                 scales[head_key] = hs
-                screen(add_group(fp8d, SCALES_CALIBRATED_HEAD, hs, sets_of(head_key, fp8d), head=True))
+                screen(add_group(fp8d, SCALES_CALIBRATED_HEAD, hs, sets_of(head_key, fp8d), head=True), head_key)
                 notes.append(f"{fp8d} per-KV-head rows: per-tensor {fp8d} without 16-bit layers does not pass "
                              f"({base[0]['status']}: {'; '.join(base[0]['failed']) or 'undecided'}), so per-KV-head "
                              "k/v/q scales were calibrated (kvcal calibrate --granularity head) as a rescue; vLLM "
@@ -583,6 +601,16 @@ class _RunBar:
 
     def close(self):
         self.bar.close()
+
+
+def _probe_share(sensitivity: list[float], base: list[int], more: list[int]) -> float:
+    """The share of the probe's per-layer error outside ``base`` (layers already at 16 bits) that the layers of
+    ``more`` not in ``base`` hold: what keeping them at 16 bits removes under an additive model."""
+    rest = [i for i in range(len(sensitivity)) if i not in set(base)]
+    total = sum(sensitivity[i] for i in rest)
+    if total <= 0:
+        return 1.0
+    return sum(sensitivity[i] for i in set(more) - set(base)) / total
 
 
 def _top_layers(sens: dict, c: dict, n: int = 3) -> list[int]:
