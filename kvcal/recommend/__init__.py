@@ -316,22 +316,23 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         for cd, uses, name in lazy:
             for d in (x for x in uses if x in menu):
                 key = (d, row_scales(d, False))
-                hi = [cands[i] for i in groups.get(key, []) if cands[i].get("status") in ("FAIL", NOT_MEASURED)
-                      and len(cands[i]["skip_layers"]) == max(len(cands[j]["skip_layers"]) for j in groups[key])]
-                if hi and _default_outer_ok(amax) and not cfg.measure_all:
+                rows = [cands[i] for i in groups.get(key, []) if "kl_mean" in cands[i]]
+                near = [c for c in rows if any(n == "kl_mean" and c["kl_mean"] <= NVFP4_NEAR * bar
+                                               for n, _, bar in parse_accept(c["criteria"]))]
+                if _default_outer_ok(amax) and not near and not cfg.measure_all:
                     lo_a = min(a for pair in amax for a in pair)
                     hi_a = max(a for pair in amax for a in pair)
-                    notes.append(f"{d}: not calibrated — at vLLM's default outer scale 1.0 its row with the most "
-                                 f"16-bit layers ({_layers(hi[0])}) fails its bar on its bound ({hi[0]['failed'][0]}); "
-                                 f"every layer's K/V amax ({lo_a:.3g} to {hi_a:.3g}, from the fp8 calibration) keeps "
-                                 "1.0 well conditioned (no block scale saturates, the largest stay 3 octaves inside "
-                                 "e4m3's normal range), so calibrating moves only the blocks' alignment on the e4m3 "
-                                 "grid — a few percent of KL on the models measured (docs/results.md), not the factor "
-                                 "this bar needs; --measure-all calibrates it anyway")
+                    best_kl = min((c["kl_mean"] for c in rows), default=None)
+                    notes.append(f"{d}: not calibrated — every layer's K/V amax ({lo_a:.3g} to {hi_a:.3g}, from the "
+                                 "fp8 calibration) keeps vLLM's default outer scale 1.0 well conditioned (no block "
+                                 "scale saturates, the largest stay 3 octaves inside e4m3's normal range), so "
+                                 "calibrating moves only the blocks' alignment on the e4m3 grid — a few percent of "
+                                 "KL on the models measured (docs/results.md) — and no measured row at 1.0 is within "
+                                 f"{NVFP4_NEAR:g}x of its KL bar"
+                                 + (f" (best {best_kl:.3e})" if best_kl is not None else "")
+                                 + "; --measure-all calibrates it anyway")
                     continue
                 scales[d], artifact_of[d] = calibrate_one(cd, name), name
-                for c in (cands[i] for i in groups[key]):  # the default rows become the calibrated rows' twins
-                    c["scales"] = SCALES_DEFAULT
                 screen(add_group(d, SCALES_CALIBRATED, scales[d], sets_of(d, d)), d)
         # the per-KV-head FP8 rescue (vLLM: compressed-tensors strategy attn_head, FlashAttention-3): calibrated
         # and measured when per-tensor FP8 without 16-bit layers does not pass on its bound
@@ -562,6 +563,11 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 #: so the largest block neither saturates (amax <= 448 x 6 = 2688) nor sits within 3 octaves of e4m3's smallest
 #: normal 2^-6 (amax/6 >= 2^-3); calibration then only moves the blocks' alignment on the e4m3 grid.
 NVFP4_DEFAULT_AMAX_RANGE = (6 * 2.0 ** -3, 448.0 * 6)
+
+
+#: A row at vLLM's default NVFP4 outer scale within this factor of its KL bar gets nvfp4 calibrated (the few percent
+#: calibration moves could decide it).
+NVFP4_NEAR = 1.25
 
 
 def _fp8_amax(staging: Path, artifact_of: dict) -> list[tuple[float, float]] | None:
