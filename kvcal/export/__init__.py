@@ -123,8 +123,11 @@ def export(
         fig = (f" (held-out mean over {figs['layers']} layers, as the search measured: K attention KL "
                f"{figs['k']:.3e}, V output error {figs['v']:.3e})" if figs else "")
         write = f" for a {cw} FP8 write ({CACHE_WRITES[cw]})" if cw else ""
-        notes.append((f"k/v scales: the searched ones, as calibrated{write}" if prep.source == "searched" else
-                      "k/v scales: the clip-free ones the search chose (nothing the calibration observed saturates)")
+        cf = ("k/v scales: the clip-free ones the search chose (nothing the calibration observed saturates)"
+              if not prep.amax_rule else
+              f"k/v scales: clip-free (nothing the calibration observed saturates), {prep.amax_rule} of "
+              f"{2 * prep.num_layers} sides by the amax rule (not measured), the others as the search chose")
+        notes.append((f"k/v scales: the searched ones, as calibrated{write}" if prep.source == "searched" else cf)
                      + fig + ("; then raised by --headroom" if prep.raised else ""))
         if prep.source == "clip_free" or sglang_only:
             line = set_cost_line(art)
@@ -194,7 +197,8 @@ def export(
             "model_dir": str(ckpt.path) if ckpt else None,
             "tp": tp,
             "headroom": headroom,
-            "scales": prep.source + (" + headroom" if prep.raised else ""),
+            "scales": prep.source + (f" ({prep.amax_rule} sides by the amax rule, not measured)" if prep.amax_rule
+                                     else "") + (" + headroom" if prep.raised else ""),
             "cache_write": cw,
             "nan_risk": nan_risk,
             "source_format": prep.format,

@@ -62,6 +62,7 @@ class PreparedScales:
     notes: list[str] = field(default_factory=list)
     source: str = "searched"  # which recorded set: "searched" or "clip_free" (before any --headroom)
     raised: dict[int, list[str]] = field(default_factory=dict)  # layer -> sides --headroom raised
+    amax_rule: int = 0  # clip-free sides the artifact records no choice for, set to observed max / fmt_max (not measured)
 
     def combined(self, layer: int) -> torch.Tensor:
         """One scale per layer shared by K and V (legacy JSON / TRT-LLM): ``max(k, v)``, shape
@@ -357,7 +358,7 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
     n = artifact.num_layers
     p = PreparedScales(n, gran, fmt, {}, {}, {}, {}, out_fmt_max, notes=notes,
                        source="clip_free" if clip_free else "searched")
-    raised, amax_rule, changed = 0, 0, 0
+    raised, amax_rule, changed, recorded, unknown = 0, 0, 0, 0, 0
     for i in range(n):
         p.amax[i] = {}
         for side in ("k", "v"):
@@ -372,9 +373,12 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
                 if cf is not None:
                     t = torch.as_tensor(cf, dtype=torch.float32)
                     if t.numel() == s.numel():
+                        recorded += 1
                         changed += int(not torch.equal(t.reshape(shape), s))
                         s = t.reshape(shape).clone()
-                elif amax is not None and bool((amax / out_fmt_max > s / conv).any()):
+                elif amax is None:
+                    unknown += 1
+                elif bool((amax / out_fmt_max > s / conv).any()):
                     s = torch.maximum(s, amax / out_fmt_max * conv)
                     amax_rule += 1
             s = s * conv
@@ -395,10 +399,17 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
             p.q[i] = q.detach().to(torch.float32).clone() * conv
     no_amax = all(p.amax[i][s] is None for i in range(n) for s in ("k", "v"))
     if clip_free:
-        notes.append(f"{changed} of {2 * n} clip-free scales differ from the searched ones (the searched scale clips "
-                     "there)"
-                     + (f"; {amax_rule} side(s) of an artifact that records no clip-free choice get the amax rule "
-                        "(observed max / 448, the search's absmax candidate)" if amax_rule else ""))
+        p.amax_rule = amax_rule
+        missing = 2 * n - recorded
+        line = (f"{changed} of {recorded} recorded clip-free scales differ from the searched ones (the searched scale "
+                "clips there)" if recorded else "the artifact records no clip-free choice (written by an older kvcal)")
+        if missing:
+            kept = missing - amax_rule - unknown
+            line += (f"; {amax_rule} of the {missing} sides without one get the amax rule (observed max / "
+                     f"{out_fmt_max:g}, not measured: `kvcal evaluate --artifact OUT` measures the export)"
+                     + (f", {kept} keep the searched scale (it clips nothing observed)" if kept else "")
+                     + (f", {unknown} keep the searched scale unchecked (no observed amax recorded)" if unknown else ""))
+        notes.append(line)
     if headroom is not None:
         if no_amax:
             notes.append("--headroom ignored: the artifact records no observed amax per layer")

@@ -856,3 +856,52 @@ def _read_artifact(path):
 
     with safe_open(str(path / "kv_scales.safetensors"), framework="pt") as fh:
         return json.loads(fh.metadata()["kvcal"]), {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+def test_clip_free_of_an_artifact_recording_none_says_how_many_sides_got_the_amax_rule(tmp_path):
+    """An artifact (clip 0.9: every searched scale clips) whose layer 0 serves amax / 448 (clips nothing) and whose
+    layer 1 alone records a clip-free choice (amax / 448 x 1.1), as an older kvcal's partial records: --clip-free on
+    vllm and the sglang-json default write layer 1's recorded choice, keep layer 0's searched scale and give
+    layers 2-3 the amax rule; the note counts them (2 of 2 recorded differ; 4 of the 6 sides without one by the
+    amax rule, 2 kept) and kvcal-export.json's scales says 4 sides are by the amax rule, not measured. The counts
+    and values are recomputed here from make_artifact's amax."""
+    from helpers.export import edited_copy
+
+    src, truth = make_artifact(tmp_path / "src", clip=0.9)
+    amax = {(i, s): max(truth[(i, s)][1]) for i in range(L) for s in "kv"}
+    own = {(1, s): torch.tensor([amax[(1, s)] / 448 * 1.1], dtype=torch.float32) for s in "kv"}
+
+    def edit(meta, tensors):
+        for s in "kv":
+            tensors[f"model.layers.0.self_attn.{s}_scale"] = torch.tensor([amax[(0, s)] / 448], dtype=torch.float32)
+            meta["layers"][1][s]["clip_free"] = {"scale": own[(1, s)].tolist(), "heldout": 0.01}
+
+    path = edited_copy(src, tmp_path / "art", edit, resign=True)
+    want = {}
+    for i in range(L):
+        for s in "kv":
+            a = torch.tensor([amax[(i, s)]], dtype=torch.float32)
+            want[(i, s)] = (own[(i, s)] if i == 1 else
+                            torch.tensor([amax[(0, s)] / 448], dtype=torch.float32) if i == 0 else a / 448)
+    by_rule = sum(1 for i in range(L) for s in "kv" if i >= 2)  # clipped and without a recorded choice
+    assert by_rule == 4
+    res = export(path, "vllm", tmp_path / "v", clip_free=True)
+    t = tensors_in(res.out / SCALES_SHARD)
+    for (i, s), w in want.items():
+        assert torch.equal(t[vllm_names(i)[s]].reshape(-1), w), (i, s)
+    note = next(n for n in res.notes if "recorded clip-free scales differ" in n)
+    assert note.startswith("2 of 2 recorded clip-free scales differ from the searched ones")
+    assert f"; {by_rule} of the 6 sides without one get the amax rule" in note and ", 2 keep the searched scale" in note
+    assert any(n.startswith(f"k/v scales: clip-free (nothing the calibration observed saturates), {by_rule} of 8 "
+                            "sides by the amax rule (not measured)") for n in res.notes)
+    scales = f"clip_free ({by_rule} sides by the amax rule, not measured)"
+    assert json.loads((tmp_path / "v" / "kvcal-export.json").read_text())["scales"] == scales
+    sj = export(path, "sglang-json", tmp_path / "sj")
+    assert json.loads((tmp_path / "sj" / "kvcal-export.json").read_text())["scales"] == scales
+    doc = json.loads((tmp_path / "sj" / "kv_cache_scales.json").read_text())
+    for i in range(L):
+        assert doc["kv_cache"]["scaling_factor"]["0"][str(i)] == float(torch.maximum(want[(i, "k")], want[(i, "v")]))
+    assert any(f"{by_rule} of the 6 sides without one get the amax rule" in n for n in sj.notes)
+    full, _ = make_artifact(tmp_path / "full", clip=1.0)  # nothing clips, nothing recorded: no side by the rule
+    export(full, "sglang-json", tmp_path / "f")
+    assert json.loads((tmp_path / "f" / "kvcal-export.json").read_text())["scales"] == "clip_free"
