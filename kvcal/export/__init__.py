@@ -39,6 +39,7 @@ from kvcal.export.base import (
     headroom_cost,
     prepare_scales,
     set_cost_line,
+    shared_figures,
     stage_output,
     target_names,
     targets_that_can_load,
@@ -119,15 +120,21 @@ def export(
     use_clip_free = clip_free or (sglang_only and not clipped_scales)
     prep = prepare_scales(art, headroom, clip_free=use_clip_free)
     if prep.format != "nvfp4":
-        figs = set_figures(art.metadata, prep.source)
-        fig = (f" (held-out mean over {figs['layers']} layers, as the search measured: K attention KL "
-               f"{figs['k']:.3e}, V output error {figs['v']:.3e})" if figs else "")
+        figs = shared_figures(art, prep) if t.shared_kv else set_figures(art.metadata, prep.source)
+        sep = set_figures(art.metadata, prep.source) if t.shared_kv and figs is None else None
+        fig = (f" (held-out mean over {figs['layers']} layers, as the search measured"
+               + (" at the shared max(K, V) scale the files hold" if t.shared_kv else "")
+               + f": K attention KL {figs['k']:.3e}, V output error {figs['v']:.3e})" if figs else
+               f" (held-out mean over {sep['layers']} layers of the separate K and V scales: K attention KL "
+               f"{sep['k']:.3e}, V output error {sep['v']:.3e}; the files hold the shared max(K, V) scale, which the "
+               "artifact records no measurement of at these scales: see the shared-scale line)" if sep else "")
         write = f" for a {cw} FP8 write ({CACHE_WRITES[cw]})" if cw else ""
         cf = ("k/v scales: the clip-free ones the search chose (nothing the calibration observed saturates)"
               if not prep.amax_rule else
               f"k/v scales: clip-free (nothing the calibration observed saturates), {prep.amax_rule} of "
               f"{2 * prep.num_layers} sides by the amax rule (not measured), the others as the search chose")
         notes.append((f"k/v scales: the searched ones, as calibrated{write}" if prep.source == "searched" else cf)
+                     + (", served as one shared max(K, V) scale per layer" if t.shared_kv else "")
                      + fig + ("; then raised by --headroom" if prep.raised else ""))
         if prep.source == "clip_free" or sglang_only:
             line = set_cost_line(art)
@@ -198,7 +205,8 @@ def export(
             "tp": tp,
             "headroom": headroom,
             "scales": prep.source + (f" ({prep.amax_rule} sides by the amax rule, not measured)" if prep.amax_rule
-                                     else "") + (" + headroom" if prep.raised else ""),
+                                     else "") + (" + headroom" if prep.raised else "")
+                      + (", as one shared max(K, V) scale per layer" if t.shared_kv else ""),
             "cache_write": cw,
             "nan_risk": nan_risk,
             "source_format": prep.format,

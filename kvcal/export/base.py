@@ -105,7 +105,8 @@ class ExportResult:
 class Target:
     """Base class of an export target. Subclasses set ``name``, ``aliases``, ``engines`` (who
     loads it), ``formats`` / ``granularities`` (what it can load), ``non_saturating`` (engines
-    among those that cast to FP8 without saturating: SGLang) and implement :meth:`write`."""
+    among those that cast to FP8 without saturating: SGLang), ``shared_kv`` (its files hold one scale per
+    layer for K and V, ``max(k, v)``) and implement :meth:`write`."""
 
     name = "base"
     order = 99  # position in listings
@@ -114,6 +115,7 @@ class Target:
     formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e4m3fnuz")
     granularities: tuple[str, ...] = ("tensor",)
     non_saturating: tuple[str, ...] = ()
+    shared_kv = False  # one scale per layer for K and V (max of the two): sglang-json, trtllm-legacy
     accepts_model_dir = True
     description = ""
 
@@ -455,6 +457,31 @@ def set_cost_line(art: Artifact) -> str | None:
     return (f"clip-free vs searched scales, held-out mean over {a['layers']} layers (measured by the search): K "
             f"attention KL {b['k']:.3e} vs {a['k']:.3e} ({rel(a['k'], b['k'])}), V output error {b['v']:.3e} vs "
             f"{a['v']:.3e} ({rel(a['v'], b['v'])})")
+
+
+def shared_figures(art: Artifact, p: PreparedScales) -> dict | None:
+    """Held-out means of the shared scale a shared-K/V target writes (``max(k, v)`` per layer, the scales ``p``), as
+    the search measured them at exactly that scale (``layers[i].shared[p.source].heldout``,
+    :func:`kvcal.search.fp8.measure_shared`): ``{"k": mean attention KL, "v": mean relative output error,
+    "layers": n}``, or ``None`` when some layer records no such measurement, records it for another scale (an
+    artifact without clip-free records given the amax rule) or ``--headroom`` changed the scales."""
+    if p.raised or p.format == "nvfp4":
+        return None
+    conv = (FP8_E4M3FNUZ_MAX / FP8_E4M3_MAX) if p.format == "fp8_e4m3fnuz" else 1.0
+    stats = {e.get("layer"): e for e in art.metadata.get("layers") or [] if isinstance(e, dict)}
+    out = {"k": 0.0, "v": 0.0}
+    for i in range(p.num_layers):
+        sh = (stats.get(i, {}).get("shared") or {}).get(p.source)
+        served = float(p.combined(i))
+        if not isinstance(sh, dict) or not isinstance(sh.get("scale"), (int, float)) or \
+                abs(sh["scale"] * conv / served - 1) >= 1e-5:
+            return None
+        for sd in ("k", "v"):
+            x = (sh.get("heldout") or {}).get(sd)
+            if not isinstance(x, (int, float)):
+                return None
+            out[sd] += float(x) / p.num_layers
+    return {**out, "layers": p.num_layers}
 
 
 def headroom_cost(art: Artifact, p: PreparedScales) -> str | None:

@@ -76,7 +76,9 @@ def test_default_export_writes_the_measured_set(offset_artifact, offset_model, t
     model_dir = None if target == "trtllm-legacy" else str(offset_model)
     res = export(str(offset_artifact), target, tmp_path / "out", model_dir=model_dir)
     man = json.loads((tmp_path / "out" / "kvcal-export.json").read_text())
-    assert man["scales"] == which and man["cache_write"] == "saturating"
+    shared = target in ("trtllm-legacy", "sglang-json")
+    assert man["scales"] == which + (", as one shared max(K, V) scale per layer" if shared else "")
+    assert man["cache_write"] == "saturating"
     if target in ("vllm", "modelopt"):
         t = safetensors_dir(tmp_path / "out")
         fmt = ("model.layers.{i}.self_attn.{s}_scale" if target == "vllm" else
@@ -101,6 +103,10 @@ def test_default_export_writes_the_measured_set(offset_artifact, offset_model, t
         assert art.metadata["layers"][i]["shared"][which]["scale"] == shared
     rows = man["shared_scale"]
     assert all(r.get("measured", {}).get(s) for r in rows for s in "kv" if r["ratio"][s] > 1 + 1e-5)
+    head = next(n for n in res.notes if n.startswith("k/v scales:"))  # the headline: the measured shared figures
+    figs = {s: sum(lm["shared"][which]["heldout"][s] for lm in art.metadata["layers"]) / L for s in "kv"}
+    assert head.endswith(f"at the shared max(K, V) scale the files hold: K attention KL {figs['k']:.3e}, V output "
+                         f"error {figs['v']:.3e})"), head
     assert not any("not measured" in n for n in res.notes + res.warnings)
 
 
@@ -215,7 +221,9 @@ def test_load_deployed_reads_exactly_the_exported_files(offset_artifact, offset_
             assert float(art.scale(i, s).reshape(-1)[0]) == want[(i, s)], (i, s)
             assert float(getattr(plan.layers[i], s).scale.reshape(-1)[0]) == want[(i, s)], (i, s)
     dep = art.metadata["deployed"]
-    assert dep["target"] == target and dep["scales"] == ("clip_free" if target == "sglang-json" else "searched")
+    assert dep["target"] == target and dep["scales"] == {
+        "sglang-json": "clip_free, as one shared max(K, V) scale per layer",
+        "trtllm-legacy": "searched, as one shared max(K, V) scale per layer"}.get(target, "searched")
     assert art.metadata["model"] == load_artifact(offset_artifact).metadata["model"]
 
 

@@ -897,11 +897,59 @@ def test_clip_free_of_an_artifact_recording_none_says_how_many_sides_got_the_ama
     scales = f"clip_free ({by_rule} sides by the amax rule, not measured)"
     assert json.loads((tmp_path / "v" / "kvcal-export.json").read_text())["scales"] == scales
     sj = export(path, "sglang-json", tmp_path / "sj")
-    assert json.loads((tmp_path / "sj" / "kvcal-export.json").read_text())["scales"] == scales
+    assert json.loads((tmp_path / "sj" / "kvcal-export.json").read_text())["scales"] == (
+        scales + ", as one shared max(K, V) scale per layer")
     doc = json.loads((tmp_path / "sj" / "kv_cache_scales.json").read_text())
     for i in range(L):
         assert doc["kv_cache"]["scaling_factor"]["0"][str(i)] == float(torch.maximum(want[(i, "k")], want[(i, "v")]))
     assert any(f"{by_rule} of the 6 sides without one get the amax rule" in n for n in sj.notes)
     full, _ = make_artifact(tmp_path / "full", clip=1.0)  # nothing clips, nothing recorded: no side by the rule
     export(full, "sglang-json", tmp_path / "f")
-    assert json.loads((tmp_path / "f" / "kvcal-export.json").read_text())["scales"] == "clip_free"
+    assert json.loads((tmp_path / "f" / "kvcal-export.json").read_text())["scales"] == (
+        "clip_free, as one shared max(K, V) scale per layer")
+
+
+def test_shared_targets_headline_the_measured_shared_figures(tmp_path):
+    """trtllm-legacy and sglang-json write max(K, V) per layer, so export's headline held-out means are the search's
+    measurement at that shared scale (layers[i].shared[set].heldout, averaged here over the layers), not the separate
+    K/V figures, and kvcal-export.json's scales says the files hold one shared max(K, V) scale per layer; where the
+    recorded shared scale is not the one written (--headroom raised it) the headline says the shared scale is not
+    measured and gives the separate figures (layers[i].{k,v}.heldout.chosen) as such."""
+    from helpers.export import edited_copy
+
+    src, truth = make_artifact(tmp_path / "src", clip=1.0)
+    figs = {i: {"k": 0.001 * (i + 1), "v": 0.02 * (i + 2)} for i in range(L)}  # distinct from heldout.chosen 0.01
+
+    def edit(meta, tensors):
+        for i in range(L):
+            m = float(torch.maximum(tensors[f"model.layers.{i}.self_attn.k_scale"],
+                                    tensors[f"model.layers.{i}.self_attn.v_scale"]))
+            meta["layers"][i]["shared"] = {w: {"scale": m, "heldout": dict(figs[i])} for w in ("searched", "clip_free")}
+
+    path = edited_copy(src, tmp_path / "art", edit, resign=True)
+    k = sum(f["k"] for f in figs.values()) / L
+    v = sum(f["v"] for f in figs.values()) / L
+    want = f"at the shared max(K, V) scale the files hold: K attention KL {k:.3e}, V output error {v:.3e})"
+    for target, kw, which in (("trtllm-legacy", {}, "searched"), ("sglang-json", {"clipped_scales": True}, "searched"),
+                              ("sglang-json", {}, "clip_free")):
+        out = tmp_path / f"{target}-{which}"
+        res = export(path, target, out, **kw)
+        head = next(n for n in res.notes if n.startswith("k/v scales:"))
+        assert ", served as one shared max(K, V) scale per layer (held-out mean over 4 layers" in head, head
+        assert head.endswith(want), head
+        man = json.loads((out / "kvcal-export.json").read_text())
+        assert man["scales"] == f"{which}, as one shared max(K, V) scale per layer"
+    res = export(path, "trtllm-legacy", tmp_path / "h", headroom=2.0)
+    head = next(n for n in res.notes if n.startswith("k/v scales:"))
+    sep = sum(lm[s]["heldout"]["chosen"] for lm in load_artifact_meta(path)["layers"] for s in "k") / L
+    assert f"of the separate K and V scales: K attention KL {sep:.3e}" in head and "records no measurement" in head
+    assert json.loads((tmp_path / "h" / "kvcal-export.json").read_text())["scales"] == (
+        "searched + headroom, as one shared max(K, V) scale per layer")
+    v = export(path, "vllm", tmp_path / "v")  # separate K and V scales: the separate figures, no shared wording
+    assert not any("shared" in n for n in v.notes if n.startswith("k/v scales:"))
+
+
+def load_artifact_meta(path):
+    from kvcal.artifact import load_artifact
+
+    return load_artifact(path).metadata
