@@ -183,6 +183,17 @@ def _serving_engine(rep: Report, meta: dict) -> None:
     rep.add(Bullets(items))
 
 
+def _deployed(rep: Report, meta: dict) -> None:
+    """calibrate's "What is deployed" section (:func:`kvcal.report.markdown.deployed_items`): the cache write
+    searched for, the scale set each export target writes and each set's measured held-out means; nothing for an
+    artifact that records no clip-free set."""
+    from kvcal.report.markdown import deployed_items
+
+    items = deployed_items(meta)
+    if items:
+        rep.add(Heading("What is deployed"), Bullets(items))
+
+
 def _skip_choice(sec) -> list[str]:
     """How the 16-bit layers were chosen (``vllm.skip_layers_choice``, ``kvcal calibrate --skip-layers``) in
     the artifact's :class:`~kvcal.artifact.sections.VllmSection` ``sec``: a bullet with the method, the budget,
@@ -482,6 +493,7 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
     rep.add(Bullets(summary))
     _what_is_quantized(rep, meta)
     _serving_engine(rep, meta)
+    _deployed(rep, meta)
     _weights(rep, meta, ev)
     _corpora(rep, meta, ev, reg)
     _regimes(rep, meta, ev, reg)

@@ -175,6 +175,30 @@ def test_report_states_the_figures_of_each_deployed_set(offset_artifact):
         assert f"K attention KL {k:.3e}, V output error {v:.3e}" in line, line
 
 
+def test_kvcal_report_renders_what_is_deployed(offset_artifact, tmp_path):
+    """`kvcal report` (the re-rendered disclosure report) has calibrate's "What is deployed" section: the cache write
+    searched for and, per set, the held-out means recomputed here from the per-layer records (4 significant
+    digits), in report.md and report.html."""
+    from click.testing import CliRunner
+
+    from kvcal.cli import main
+
+    art = load_artifact(offset_artifact)
+    r = CliRunner().invoke(main, ["report", "--artifact", str(offset_artifact), "--out", str(tmp_path / "rep")])
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "rep" / "report.md").read_text()
+    start = text.index("## What is deployed")
+    sec = text[start:text.index("\n## ", start + 1)]
+    assert "**saturating**" in sec
+    lay = art.metadata["layers"]
+    for which, get in (("searched", lambda r: r["heldout"]["chosen"]), ("clip-free", lambda r: r["clip_free"]["heldout"])):
+        k = sum(get(lm["k"]) for lm in lay) / len(lay)
+        v = sum(get(lm["v"]) for lm in lay) / len(lay)
+        line = next(x for x in sec.splitlines() if f"**{which}**" in x)
+        assert f"K attention KL {k:.3e}, V output error {v:.3e}" in line, line
+    assert "What is deployed</h2>" in (tmp_path / "rep" / "report.html").read_text()
+
+
 # ---- kvcal evaluate judges an export: the scales its files hold ------------------------------------------------
 
 
