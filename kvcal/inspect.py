@@ -467,11 +467,30 @@ def _inspect_json(f: Path, tp: int | None) -> Inspection:
             raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}] must map layer index -> scale, "
                                f"got {type(layers).__name__}")
         for i, v in layers.items():
+            if not (isinstance(i, str) and i.isdigit()):
+                raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}] has the key {i!r}, not a layer index "
+                                   "(\"0\", \"1\", ...)")
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}][{i!r}] = {v!r} is not a number")
     rank0 = sf.get("0") or next(iter(sf.values()), {})
-    n = len(rank0)
+    # layers: the highest index any rank lists, or the model's count where the export's source artifact gives it
+    # (a layer removed from every rank, the last one included, is then reported, not a silently smaller count)
+    n = max((int(i) + 1 for layers in sf.values() for i in layers), default=0)
+    src = None
+    from kvcal.export.base import MANIFEST
+
+    if (f.parent / MANIFEST).is_file():
+        art, _ = _source_artifact(f.parent, _read_json(f.parent / MANIFEST))
+        src = art.num_layers if art is not None else None
+        n = max(n, src or 0)
     ins = Inspection(f, "sglang-json", n, kv.get("dtype"), "tensor", model={"model_type": doc.get("model_type")})
+    for r, layers in sf.items():
+        lacking = [i for i in range(n) if str(i) not in layers]
+        if lacking:
+            ins.warnings.append(
+                f"{f}: rank {r!r} has no scale for layer(s) {_ranges(lacking)} of {n} ("
+                + (f"the model of the artifact it was exported from has {src}" if src else
+                   "the highest layer index any rank lists") + "): SGLang refuses the file at startup — re-export")
     for i in range(n):
         v = rank0.get(str(i))
         vals = [float(v)] if v is not None else None

@@ -245,3 +245,35 @@ def test_inspect_export_flags_a_bad_scale(tmp_path, plain_ckpt, bad):
     f.write_text(json.dumps(doc))
     w = [x for x in inspect_path(f).warnings if "not finite and > 0" in x]
     assert len(w) == 1 and w[0].startswith(f"{f}: kv_cache.scaling_factor['0']['2'] = {bad!r}")
+
+
+def test_inspect_json_with_a_layer_removed_reports_it(tmp_path):
+    """An sglang-json export (TP 2, 4 layers) with the last layer removed from every rank still counts the 4 layers
+    of the artifact it was exported from and warns, per rank, that layer 3 has no scale (its row empty, SGLang's row
+    a startup error); a copy without the manifest, missing layer 1, counts 4 from the highest index and names
+    layer 1; a key that is not a layer index is refused in one line."""
+    path, _ = make_artifact(tmp_path / "art")
+    export(path, "sglang-json", tmp_path / "s", tp=2)
+    f = tmp_path / "s" / "kv_cache_scales.json"
+    doc = json.loads(f.read_text())
+    for r in ("0", "1"):
+        del doc["kv_cache"]["scaling_factor"][r]["3"]
+    f.write_text(json.dumps(doc))
+    ins = inspect_path(f)
+    assert ins.num_layers == L and ins.layers[3]["k"] is None
+    w = [x for x in ins.warnings if "has no scale" in x]
+    assert w == [f"{f}: rank {r!r} has no scale for layer(s) 3 of 4 (the model of the artifact it was exported from "
+                 "has 4): SGLang refuses the file at startup — re-export" for r in ("0", "1")]
+    assert ins.engines["SGLang"].count("error") == L
+    lone = tmp_path / "lone.json"
+    doc = json.loads(json.dumps(doc))
+    doc["kv_cache"]["scaling_factor"]["0"]["3"] = doc["kv_cache"]["scaling_factor"]["0"].pop("1")
+    lone.write_text(json.dumps(doc))
+    ins = inspect_path(lone)
+    assert ins.num_layers == L
+    assert any(x.startswith(f"{lone}: rank '0' has no scale for layer(s) 1 of 4 (the highest layer index")
+               for x in ins.warnings), ins.warnings
+    doc["kv_cache"]["scaling_factor"]["0"]["x"] = 0.1
+    lone.write_text(json.dumps(doc))
+    r = CliRunner().invoke(main, ["inspect", str(lone)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "has the key 'x', not a layer index" in r.output

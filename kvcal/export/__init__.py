@@ -108,6 +108,13 @@ def export(
         ckpt_warnings = check_matches(art.metadata, ckpt.config, ckpt.path) + check_weights(art.metadata, ckpt)
     if clipped_scales and clip_free:
         raise ExportError("--clipped-scales and --clip-free name two different scale sets; give one")
+    from kvcal.artifact import vllm_section
+
+    sec = vllm_section(art.metadata)
+    if clipped_scales and sec is not None and sec.nvfp4_dtype is not None:
+        raise ExportError(f"--clipped-scales: {art.path} holds vLLM NVFP4 outer scales, which have one set only (no "
+                          "clip-free set to opt out of: vLLM's NVFP4 cache saturates its block scales); drop "
+                          "--clipped-scales")
     cw = (art.metadata.get("calibration") or {}).get("cache_write")
     from kvcal.formats.fp8 import CACHE_WRITES
 

@@ -335,9 +335,14 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
     fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
     sec = vllm_section(meta)
     nvfp4 = sec is not None and sec.nvfp4_dtype is not None
-    if headroom is not None and not (1.0 <= headroom <= MAX_HEADROOM):
+    finite = isinstance(headroom, (int, float)) and math.isfinite(headroom)
+    if headroom is not None and not (finite and headroom >= 1.0):
+        raise ExportError(f"--headroom must be a number >= 1.0, a margin over the observed max (e.g. 1.25), got "
+                          f"{headroom}: " + ("a margin below 1 clips values the calibration observed" if finite else
+                                             "not a finite number"))
+    if headroom is not None and headroom > MAX_HEADROOM:
         raise ExportError(
-            f"--headroom must be a margin between 1.0 and {MAX_HEADROOM:g} (e.g. 1.25), got {headroom}: a margin of "
+            f"--headroom must be at most {MAX_HEADROOM:g} (e.g. 1.25), got {headroom}: a margin of "
             f"{MAX_HEADROOM:g} already puts the observed max at 1/{MAX_HEADROOM:g} of the format's range and pushes "
             "small values into its subnormals; a larger one flushes the cache toward zero")
     if nvfp4:
@@ -547,7 +552,8 @@ def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, lis
     recorded or the served scale lies beyond them. An estimate from recorded statistics, not a
     measurement (``kvcal evaluate`` measures the served configuration on the model).
 
-    Returns ``(summary line or None when no layer pays a cost, per-layer rows)``.
+    Returns ``(summary line or None when no layer pays a cost, per-layer rows)``; the line names the three layer
+    sides with the largest held-out error increase (measured, else estimated), then those without one by ratio.
     """
     meta = art.metadata
     fmt_max = FORMAT_MAX.get(p.format, FP8_E4M3_MAX)
@@ -585,7 +591,9 @@ def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, lis
         rows.append(row)
     if not costly:
         return None, rows
-    costly.sort(reverse=True)
+    # the layers whose held-out error the shared scale raises most first (measured where layers[i].shared records it,
+    # else estimated), then those without a figure by how much coarser their side is served
+    costly.sort(key=lambda c: (c[3] is not None, c[3] if c[3] is not None else 0.0, c[0]), reverse=True)
     how = {(r["layer"], sd): "" if r.get("measured", {}).get(sd) else "est. " for r in rows for sd in ("k", "v")}
     worst = ", ".join(f"layer {i} {sd.upper()} {r:.1f}x" + (f" ({how[(i, sd)]}held-out attention error {inc:+.0%})"
                                                            if inc is not None else "")
