@@ -344,3 +344,48 @@ def test_load_deployed_reads_any_family_names_and_the_checkpoints_q_scale(offset
     del man["artifact_sha256"]  # what an export of an earlier kvcal holds
     (out2 / "kvcal-export.json").write_text(json.dumps(man))
     assert load_deployed(out2).metadata["deployed"]["source_hash_checked"] is False
+
+
+# ---- forged artifacts (issue 40, class 8): the content hash recomputed by hand -----------------------------------
+
+
+def test_forged_artifacts_are_refused_by_inspect_export_and_report(offset_artifact, tmp_path):
+    """A copy of a real calibration with layer 3's K and V scale tensors swapped, or with model.id pointed at another
+    local model (a tiny Llama whose config differs), each with its content hash recomputed as kvcal computes it
+    (helpers.export.edited_copy, resign): `kvcal inspect`, `kvcal export` and `kvcal report` exit 2 with one line
+    naming the artifact file, the layer and field (layers[3].k.scale / model.id) and the fix (re-run calibrate).
+    The unforged artifact's id does name its local model, so that check ran on it and passed."""
+    from click.testing import CliRunner
+    from helpers.export import edited_copy, make_checkpoint
+
+    from kvcal.artifact.io import _model_config_file
+    from kvcal.cli import main
+
+    art = load_artifact(offset_artifact)
+    assert _model_config_file(art.metadata["model"]["id"]) is not None  # the id's config is here: checked on load
+    k3, v3 = (art.scale(3, s) for s in "kv")
+    assert not torch.equal(k3, v3)
+
+    def swap(meta, tensors):
+        a, b = "model.layers.3.self_attn.k_scale", "model.layers.3.self_attn.v_scale"
+        tensors[a], tensors[b] = tensors[b], tensors[a]
+
+    other = make_checkpoint(tmp_path / "other-model", sharded=False)
+
+    def rename(meta, tensors):
+        meta["model"]["id"] = str(other)
+
+    cases = ((swap, "swap", f"tensor model.layers.3.self_attn.k_scale holds [{float(v3)!r}] but metadata field "
+                            f"layers[3].k.scale records [{float(k3)!r}]"),
+             (rename, "renamed", f"metadata field model.id '{other}' names a model whose config"))
+    for edit, name, want in cases:
+        forged = edited_copy(offset_artifact, tmp_path / name, edit, resign=True)
+        f = forged / "kv_scales.safetensors"
+        for args in (["inspect", str(forged)],
+                     ["export", "--artifact", str(forged), "--target", "vllm", "--out", str(tmp_path / f"{name}-x")],
+                     ["report", "--artifact", str(forged), "--out", str(tmp_path / f"{name}-r")]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code == 2 and r.output.count("\n") == 1, (args, r.output)
+            assert r.output.startswith(f"error: {f}: ") and want in r.output, r.output
+            assert "re-run `kvcal calibrate" in r.output
+        assert not (tmp_path / f"{name}-x").exists() and not (tmp_path / f"{name}-r").exists()
