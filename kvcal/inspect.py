@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kvcal.errors import KvcalError
 from kvcal.export.hf_loader import check_transformers_kv
 from kvcal.export.layouts import FAMILIES, family, to_canonical
@@ -86,8 +88,9 @@ def _read_json(p: Path) -> dict:
     return doc
 
 
-def _kv_tensors(files: list[Path]) -> dict:
-    """Load only the KV-scale-like tensors (and q scales) from safetensors ``files``."""
+def _kv_tensors(files: list[Path], where: dict | None = None) -> dict:
+    """Load only the KV-scale-like tensors (and q scales) from safetensors ``files``; ``where``, when given, is
+    filled with tensor name -> the file holding it."""
     from safetensors import safe_open
 
     from kvcal.export.checkpoint import read_header
@@ -102,7 +105,39 @@ def _kv_tensors(files: list[Path]) -> dict:
         with safe_open(str(f), framework="pt") as fh:
             for n in names:
                 out[n] = fh.get_tensor(n)
+                if where is not None:
+                    where[n] = f
     return out
+
+
+def _bad_scale_warnings(tensors: dict, where: dict) -> list[str]:
+    """One warning per scale tensor of ``tensors`` (name -> tensor; ``where``: name -> file) holding a zero,
+    negative, NaN or infinite value: engines load such a scale without error (``kvcal evaluate --artifact`` of an
+    export refuses it, :func:`kvcal.artifact.deployed.read_scales`)."""
+    out = []
+    for name, t in sorted(tensors.items()):
+        v = t.float().flatten()
+        bad = ~torch.isfinite(v) | (v <= 0)
+        if bool(bad.any()):
+            out.append(f"{where.get(name, '?')}: tensor {name} holds {v[bad][:3].tolist()} ({int(bad.sum())} of "
+                       f"{v.numel()} values), not finite and > 0: engines load it without error and quantize that "
+                       "layer's cache to NaN, Inf or zeros (kvcal evaluate refuses it) — re-export")
+    return out
+
+
+def _bad_json_warnings(f: Path, doc: dict) -> list[str]:
+    """A warning naming the entries of an SGLang scales JSON ``f`` (parsed ``doc``) that are not finite and > 0."""
+    import math
+
+    sf = (doc.get("kv_cache") or {}).get("scaling_factor") or {}
+    bad = [f"[{r!r}][{i!r}] = {v!r}" for r, layers in sf.items() if isinstance(layers, dict)
+           for i, v in layers.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+           and not (math.isfinite(v) and v > 0)]
+    if not bad:
+        return []
+    return [f"{f}: kv_cache.scaling_factor{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} ({len(bad)} "
+            "entries) not finite and > 0: a zero, negative, NaN or infinite scale turns that layer's cache into NaN, "
+            "Inf or zeros (kvcal evaluate refuses it) — re-export"]
 
 
 def _stored_layers(tensors: dict, n: int) -> list[dict]:
@@ -270,7 +305,8 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
         files = [p / f for f in sorted(set(read_index(p / INDEX, InspectError)["weight_map"].values()))]
     else:
         files = sorted(p.glob("*.safetensors"))
-    tensors = _kv_tensors(files)
+    where: dict = {}
+    tensors = _kv_tensors(files, where)
     qc = cfg.get("quantization_config")
     hq = (read_hf_quant_config(p / "hf_quant_config.json", InspectError) if (p / "hf_quant_config.json").is_file()
           else None)
@@ -278,6 +314,7 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
     fam = family(tc.get("model_type"))
     ins.layers = _stored_layers(_any_layout(fam, tensors) if fam else tensors, n)
     ins.granularity = _granularity(ins.layers)
+    ins.warnings += _bad_scale_warnings(tensors, where)
     hf = check_transformers_kv(cfg)
     if fam is None:
         ins.engines["vLLM"] = simulate_vllm(tensors, n, nkv, qc)
@@ -321,6 +358,7 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
         ranks = len((doc.get("kv_cache") or {}).get("scaling_factor") or {})
         ins.engines["SGLang (--quantization-param-path)"] = simulate_sglang_json(
             doc, n, tp or ranks, tc.get("model_type"))
+        ins.warnings += _bad_json_warnings(p / JSON_NAME, doc)
     _add_manifest_notes(p, ins)
     ins.notes = [x for x in ins.notes if x.removeprefix("export warning: ") not in ins.warnings]  # said once
     return ins
@@ -384,7 +422,8 @@ def _inspect_standalone(p: Path) -> Inspection:
     from kvcal.export.checkpoint_json import read_hf_quant_config, read_quantization_config_json
 
     files = sorted(p.glob("*.safetensors"))
-    tensors = _kv_tensors(files)
+    where: dict = {}
+    tensors = _kv_tensors(files, where)
     n = _num_layers_from_names(tensors)
     qc = None
     if (p / "quantization_config.json").is_file():
@@ -396,6 +435,7 @@ def _inspect_standalone(p: Path) -> Inspection:
         algo = ((_read_json(p / "quantization.json").get("quantization") or {}).get("kv_cache_quant_algo"))
         fmt = f"{algo} (quantization.json)" if algo else None
     ins = Inspection(p, "standalone", n, fmt)
+    ins.warnings += _bad_scale_warnings(tensors, where)
     ins.layers = _stored_layers(tensors, n)
     ins.granularity = _granularity(ins.layers)
     nkv = len(ins.layers[0]["k"]) if ins.layers and ins.layers[0]["k"] else None
@@ -427,16 +467,36 @@ def _inspect_json(f: Path, tp: int | None) -> Inspection:
             raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}] must map layer index -> scale, "
                                f"got {type(layers).__name__}")
         for i, v in layers.items():
+            if not (isinstance(i, str) and i.isdigit()):
+                raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}] has the key {i!r}, not a layer index "
+                                   "(\"0\", \"1\", ...)")
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise InspectError(f"{f}: kv_cache.scaling_factor[{r!r}][{i!r}] = {v!r} is not a number")
     rank0 = sf.get("0") or next(iter(sf.values()), {})
-    n = len(rank0)
+    # layers: the highest index any rank lists, or the model's count where the export's source artifact gives it
+    # (a layer removed from every rank, the last one included, is then reported, not a silently smaller count)
+    n = max((int(i) + 1 for layers in sf.values() for i in layers), default=0)
+    src = None
+    from kvcal.export.base import MANIFEST
+
+    if (f.parent / MANIFEST).is_file():
+        art, _ = _source_artifact(f.parent, _read_json(f.parent / MANIFEST))
+        src = art.num_layers if art is not None else None
+        n = max(n, src or 0)
     ins = Inspection(f, "sglang-json", n, kv.get("dtype"), "tensor", model={"model_type": doc.get("model_type")})
+    for r, layers in sf.items():
+        lacking = [i for i in range(n) if str(i) not in layers]
+        if lacking:
+            ins.warnings.append(
+                f"{f}: rank {r!r} has no scale for layer(s) {_ranges(lacking)} of {n} ("
+                + (f"the model of the artifact it was exported from has {src}" if src else
+                   "the highest layer index any rank lists") + "): SGLang refuses the file at startup — re-export")
     for i in range(n):
         v = rank0.get(str(i))
         vals = [float(v)] if v is not None else None
         ins.layers.append({"layer": i, "k": vals, "v": vals})
     ins.engines["SGLang"] = simulate_sglang_json(doc, n, tp or len(sf), doc.get("model_type"))
+    ins.warnings += _bad_json_warnings(f, doc)
     vl = EngineLoad("vLLM", problems=["--quantization-param-path was removed in vLLM 0.8: nothing loads, 1.0 is used"])
     ins.engines["vLLM"] = vl
     ins.notes.append(f"{len(sf)} TP rank(s) in the file; one scale per layer shared by K and V")
@@ -452,18 +512,7 @@ def _add_manifest_notes(d: Path, ins: Inspection) -> None:
         ins.notes.append(f"exported by kvcal {m.get('kvcal_version')} for target {m.get('target')} from "
                          f"{m.get('source_format')} per-{m.get('granularity')} artifact {m.get('artifact')}")
         ins.notes += [f"export warning: {w}" for w in m.get("warnings", [])]
-        risk = m.get("nan_risk")
-        if isinstance(risk, dict) and risk.get("scales"):  # kvcal.export.export: clipping scales SGLang would load
-            sides = [str(x) for x in risk["scales"]]
-            line = (f"{len(sides)} K/V scales clip values the calibration observed ({', '.join(sides[:6])}"
-                    f"{', ...' if len(sides) > 6 else ''}; up to {risk.get('worst_ratio')}x): SGLang casts to FP8 "
-                    "without saturating and turns those values into NaN — export with --clip-free for SGLang")
-            for name in risk.get("engines") or []:
-                if name in ins.engines:
-                    ins.engines[name].notes.append(line)  # loaded, but NaN where the scales clip
-                    break
-            else:
-                ins.notes.append(line)
+        _nan_risk_from_files(d, m, ins)
         skip = m.get("kv_cache_dtype_skip_layers")
         if isinstance(skip, list) and skip:  # recorded by export --target vllm from the artifact's vllm.skip_layers
             ins.notes.append(f"serve with --kv-cache-dtype {m.get('kv_cache_dtype')} --kv-cache-dtype-skip-layers "
@@ -473,6 +522,88 @@ def _add_manifest_notes(d: Path, ins: Inspection) -> None:
             ins.notes.append("the K/V scales are NVFP4 outer scales for vLLM --kv-cache-dtype nvfp4 (about observed "
                              "max / 2688); an engine row above that loads them as FP8 scales (SGLang, vLLM without "
                              "the flag) would saturate or overflow at 448 x them")
+
+
+def _source_artifact(d: Path, m: dict):
+    """The artifact the export in ``d`` (manifest ``m``) was written from, as :func:`kvcal.artifact.load_artifact`
+    loads it and unchanged since (the manifest's ``artifact_sha256``): ``(Artifact, None)``, or ``(None, reason)``."""
+    from kvcal.artifact import artifact_sha256, load_artifact
+    from kvcal.export.base import MANIFEST
+
+    src = m.get("artifact_path") or m.get("artifact")
+    if not isinstance(src, str) or (not m.get("artifact_path") and not Path(src).is_absolute()):
+        return None, f"{d / MANIFEST} records no absolute path of the artifact it was exported from"
+    if not (Path(src) / "kv_scales.safetensors").is_file():
+        return None, f"the artifact it was exported from, {src}, is gone"
+    try:
+        art = load_artifact(src)
+        if m.get("artifact_sha256") and artifact_sha256(src) != m["artifact_sha256"]:
+            return None, f"the artifact at {src} changed after the export (its sha256 differs from the manifest's)"
+    except KvcalError as e:
+        return None, str(e)
+    return art, None
+
+
+def _nan_risk_from_files(d: Path, m: dict, ins: Inspection) -> None:
+    """Which exported K/V scales clip values the calibration observed, recomputed as :func:`kvcal.export.export`
+    computes ``nan_risk`` — ``observed amax / (scale x 448) > 1`` (:data:`kvcal.export.base.CLIP_RTOL`), the amax
+    from the source artifact's ``layers[i].{k,v}.amax`` — but from the scales in the exported files (``ins.layers``;
+    ``kv_cache_scales.json`` for an sglang-json export), never from the manifest. Adds the line to the row of the
+    engine that casts without saturating (SGLang), or a note when it cannot be recomputed."""
+    from kvcal.export.base import CLIP_RTOL, FP8_E4M3_MAX, MANIFEST, ExportError, get_target
+
+    try:
+        t = get_target(str(m.get("target")))
+    except ExportError:
+        ins.warnings.append(f"{d / MANIFEST}: target {m.get('target')!r} is not one kvcal exports; re-export")
+        return
+    engines = t.non_saturating if m.get("granularity") == "tensor" and m.get("source_format") != "nvfp4" else ()
+    if not engines:
+        return
+    rows = ins.layers
+    if t.name == "sglang-json" and (d / JSON_NAME).is_file():  # the JSON, also beside a linked checkpoint
+        rank0 = ((_read_json(d / JSON_NAME).get("kv_cache") or {}).get("scaling_factor") or {}).get("0") or {}
+        rows = [{"layer": i, "k": [float(v)], "v": [float(v)]} for i in range(ins.num_layers)
+                if isinstance(v := rank0.get(str(i)), (int, float)) and not isinstance(v, bool)]
+    art, why = _source_artifact(d, m)
+    if art is None:
+        ins.notes.append(f"NaN risk in {'/'.join(engines)} not checked: {why} (its recorded observed amax is what "
+                         "the scales are checked against); re-export from the artifact to check it")
+        return
+    stats = {e.get("layer"): e for e in art.metadata.get("layers") or [] if isinstance(e, dict)}
+    clipped: dict[str, float] = {}
+    checked = 0
+    for r in rows:
+        for side in ("k", "v"):
+            amax = (stats.get(r["layer"], {}).get(side) or {}).get("amax")
+            if not r.get(side) or not amax:
+                continue
+            sc, a = torch.tensor(r[side], dtype=torch.float32), torch.tensor(amax, dtype=torch.float32).flatten()
+            if not bool((torch.isfinite(sc) & (sc > 0)).all()):
+                continue  # a bad scale: its own warning (_bad_scale_warnings)
+            a = a if a.numel() == sc.numel() else a.max()
+            checked += 1
+            ratio = float((a / (sc * FP8_E4M3_MAX)).max())
+            if ratio > 1.0 + CLIP_RTOL:
+                clipped[f"{side.upper()}{r['layer']}"] = ratio
+    if not checked:
+        ins.notes.append(f"NaN risk in {'/'.join(engines)} not checked: {art.path} records no observed amax for "
+                         "the exported scales")
+        return
+    sides = sorted(clipped, key=lambda x: (int(x[1:]), x[0]))
+    if not sides:
+        return
+    line = (f"{len(sides)} K/V scales clip values the calibration observed ({', '.join(sides[:6])}"
+            f"{', ...' if len(sides) > 6 else ''}; up to {max(clipped.values()):.4g}x, recomputed from the files): "
+            f"{'/'.join(engines)} casts to FP8 without saturating and turns those values into NaN — export with "
+            "--clip-free for SGLang")
+    names = [f"{e} (--quantization-param-path)" for e in engines] if t.name == "sglang-json" else []
+    for name in [*names, *engines]:
+        if name in ins.engines:
+            ins.engines[name].notes.append(line)  # loaded, but NaN where the scales clip
+            break
+    else:
+        ins.notes.append(line)
 
 
 # ---- text ---------------------------------------------------------------------------------------

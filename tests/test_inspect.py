@@ -159,3 +159,121 @@ def test_inspect_standalone_export_without_config_says_so(tmp_path):
         probs = ins.engines[name].problems
         assert probs and probs[0].startswith("these are TensorRT-LLM names (transformer.layers.*)")
         assert not any(p.startswith("config.json has no quantization_config") for p in probs)
+
+
+# ---- an export's NaN risk and bad scales: from the files, never from kvcal-export.json ------------------------
+
+
+def _sglang_risk_line(ins) -> str | None:
+    return next((n for e, row in ins.engines.items() if e.startswith("SGLang") for n in row.notes
+                 if "without saturating" in n), None)
+
+
+def test_inspect_export_recomputes_nan_risk_from_the_scale_files(tmp_path):
+    """An unclipped artifact exported for vllm, then its scale file edited so K1 and V2 clip (x0.5, x0.8) and
+    kvcal-export.json left saying nan_risk null: inspect's SGLang row names exactly the sides whose file scale
+    clips the artifact's recorded amax (amax / (scale x 448) > 1, recomputed here from the file and the amax
+    make_artifact drew) with the worst ratio; with the artifact gone it says it could not check, not the manifest."""
+    import shutil
+
+    path, truth = make_artifact(tmp_path / "art", clip=1.0)
+    out = tmp_path / "v"
+    export(path, "vllm", out)
+    man = json.loads((out / "kvcal-export.json").read_text())
+    assert man["nan_risk"] is None
+    f = out / "kvcal-kv-scales.safetensors"
+    t = load_file(f)
+    t["model.layers.1.self_attn.k_scale"] = t["model.layers.1.self_attn.k_scale"] * 0.5
+    t["model.layers.2.self_attn.v_scale"] = t["model.layers.2.self_attn.v_scale"] * 0.8
+    f.unlink()
+    save_file(t, f, metadata={"format": "pt"})
+    rtol = 1e-5  # kvcal.export.base.CLIP_RTOL: a scale exactly at amax/448 (float32 rounding) does not clip
+    ratios = {f"{s.upper()}{i}": max(truth[(i, s)][1]) / (float(t[f"model.layers.{i}.self_attn.{s}_scale"]) * 448)
+              for i in range(L) for s in "kv"}
+    want = [k for k, r in ratios.items() if r > 1 + rtol]
+    assert want == ["K1", "V2"]
+    line = _sglang_risk_line(inspect_path(out))
+    assert line and line.startswith(f"2 K/V scales clip values the calibration observed (K1, V2; up to "
+                                    f"{max(ratios[k] for k in want):.4g}x"), line
+    shutil.rmtree(tmp_path / "art")
+    ins = inspect_path(out)
+    assert _sglang_risk_line(ins) is None
+    assert any(n.startswith("NaN risk in SGLang not checked") and str(tmp_path / "art") in n for n in ins.notes)
+
+
+def test_inspect_export_clipped_manifest_but_unclipped_files(tmp_path):
+    """A clipping vllm export (clip 0.9) whose file scales were raised back to amax / 448: the manifest still
+    records nan_risk, but inspect reports no NaN risk (the files clip nothing)."""
+    path, truth = make_artifact(tmp_path / "art", clip=0.9)
+    out = tmp_path / "v"
+    export(path, "vllm", out)
+    assert json.loads((out / "kvcal-export.json").read_text())["nan_risk"]["scales"]
+    assert _sglang_risk_line(inspect_path(out)) is not None
+    f = out / "kvcal-kv-scales.safetensors"
+    t = load_file(f)
+    for i in range(L):
+        for s in "kv":
+            t[f"model.layers.{i}.self_attn.{s}_scale"] = torch.tensor([max(truth[(i, s)][1]) / 448 * 1.01])
+    f.unlink()
+    save_file(t, f, metadata={"format": "pt"})
+    assert _sglang_risk_line(inspect_path(out)) is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -0.5, float("inf")])
+def test_inspect_export_flags_a_bad_scale(tmp_path, plain_ckpt, bad):
+    """A NaN, zero, negative or infinite scale in an export (a vllm checkpoint export, a standalone export, an
+    sglang-json file) is a warning naming the file and the tensor (or JSON entry) — what `kvcal evaluate --artifact`
+    refuses — in inspect's output and the CLI's."""
+    path, _ = make_artifact(tmp_path / "art")
+    for out, model_dir in ((tmp_path / "ck", plain_ckpt), (tmp_path / "st", None)):
+        export(path, "vllm", out, model_dir=model_dir)
+        f = out / "kvcal-kv-scales.safetensors"
+        t = load_file(f)
+        t["model.layers.3.self_attn.v_scale"] = torch.tensor([bad])
+        f.unlink()
+        save_file(t, f, metadata={"format": "pt"})
+        ins = inspect_path(out)
+        w = [x for x in ins.warnings if "model.layers.3.self_attn.v_scale" in x]
+        assert len(w) == 1 and w[0].startswith(f"{f}: tensor model.layers.3.self_attn.v_scale holds")
+        assert "not finite and > 0" in w[0]
+        r = CliRunner().invoke(main, ["inspect", str(out)])
+        assert r.exit_code == 0 and f"warning: {w[0]}" in r.output
+    export(path, "sglang-json", tmp_path / "s")
+    f = tmp_path / "s" / "kv_cache_scales.json"
+    doc = json.loads(f.read_text())
+    doc["kv_cache"]["scaling_factor"]["0"]["2"] = bad
+    f.write_text(json.dumps(doc))
+    w = [x for x in inspect_path(f).warnings if "not finite and > 0" in x]
+    assert len(w) == 1 and w[0].startswith(f"{f}: kv_cache.scaling_factor['0']['2'] = {bad!r}")
+
+
+def test_inspect_json_with_a_layer_removed_reports_it(tmp_path):
+    """An sglang-json export (TP 2, 4 layers) with the last layer removed from every rank still counts the 4 layers
+    of the artifact it was exported from and warns, per rank, that layer 3 has no scale (its row empty, SGLang's row
+    a startup error); a copy without the manifest, missing layer 1, counts 4 from the highest index and names
+    layer 1; a key that is not a layer index is refused in one line."""
+    path, _ = make_artifact(tmp_path / "art")
+    export(path, "sglang-json", tmp_path / "s", tp=2)
+    f = tmp_path / "s" / "kv_cache_scales.json"
+    doc = json.loads(f.read_text())
+    for r in ("0", "1"):
+        del doc["kv_cache"]["scaling_factor"][r]["3"]
+    f.write_text(json.dumps(doc))
+    ins = inspect_path(f)
+    assert ins.num_layers == L and ins.layers[3]["k"] is None
+    w = [x for x in ins.warnings if "has no scale" in x]
+    assert w == [f"{f}: rank {r!r} has no scale for layer(s) 3 of 4 (the model of the artifact it was exported from "
+                 "has 4): SGLang refuses the file at startup — re-export" for r in ("0", "1")]
+    assert ins.engines["SGLang"].count("error") == L
+    lone = tmp_path / "lone.json"
+    doc = json.loads(json.dumps(doc))
+    doc["kv_cache"]["scaling_factor"]["0"]["3"] = doc["kv_cache"]["scaling_factor"]["0"].pop("1")
+    lone.write_text(json.dumps(doc))
+    ins = inspect_path(lone)
+    assert ins.num_layers == L
+    assert any(x.startswith(f"{lone}: rank '0' has no scale for layer(s) 1 of 4 (the highest layer index")
+               for x in ins.warnings), ins.warnings
+    doc["kv_cache"]["scaling_factor"]["0"]["x"] = 0.1
+    lone.write_text(json.dumps(doc))
+    r = CliRunner().invoke(main, ["inspect", str(lone)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "has the key 'x', not a layer index" in r.output

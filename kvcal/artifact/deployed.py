@@ -114,11 +114,25 @@ def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.T
         f = d / SGLANG_JSON
         try:
             doc = json.loads(f.read_text(encoding="utf-8"))
-            per = doc["kv_cache"]["scaling_factor"]["0"]
-            vals = [torch.tensor([float(per[str(i)])]) for i in range(num_layers)]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ArtifactError(f"{f}: no kv_cache.scaling_factor for rank 0, layer {e} (the file was edited or is "
-                                "not kvcal's export); re-export") from None
+        except OSError as e:
+            raise ArtifactError(f"{d / EXPORT_MANIFEST} names target {target} but {f} cannot be read ({e.strerror}): "
+                                "the export is incomplete or its manifest was edited — re-export") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ArtifactError(f"{f} is not readable JSON ({e}); it was edited — re-export") from None
+        per = ((doc.get("kv_cache") or {}).get("scaling_factor") or {}).get("0") if isinstance(doc, dict) else None
+        if not isinstance(per, dict):
+            raise ArtifactError(f"{f}: no kv_cache.scaling_factor for rank \"0\" (the file was edited or is not "
+                                "kvcal's export); re-export")
+        vals = []
+        for i in range(num_layers):
+            v = per.get(str(i))
+            if v is None:
+                raise ArtifactError(f"{f}: kv_cache.scaling_factor[\"0\"] has no scale for layer {i} (the model has "
+                                    f"{num_layers} layers); the file was edited — re-export")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ArtifactError(f"{f}: kv_cache.scaling_factor[\"0\"][\"{i}\"] = {v!r} is not a number; the file "
+                                    "was edited — re-export")
+            vals.append(torch.tensor([float(v)]))
         out = {"k": vals, "v": [v.clone() for v in vals]}
     elif target == "trtllm-legacy":
         name = {i: TRTLLM_NAME.format(i=i) for i in range(num_layers)}

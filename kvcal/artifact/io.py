@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kvcal.artifact.schema import CONTENT_HASH_KEY, SIDES, content_sha256, validate_metadata_schema
-from kvcal.artifact.validate import validate_scales, validate_tensors
+from kvcal.artifact.validate import check_recorded_scales, validate_scales, validate_tensors
 from kvcal.errors import ArtifactError
 from kvcal.outputs import SCALES_FILE, write_dir_atomically
 from kvcal.plan import tensor_name
@@ -199,7 +199,70 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
             f"{f}: content does not match its {CONTENT_HASH_KEY}: scales or metadata were changed after kvcal wrote "
             "the file, so it is not what was calibrated and measured — re-run `kvcal calibrate` (kvcal refuses "
             "edited artifacts rather than serve them)")
+    check_recorded_scales(f, meta, tensors)  # a forged file (hash recomputed) with swapped or edited scales
+    _check_model_id(f, meta)
     return Artifact(path=p if p.is_dir() else p.parent, tensors=tensors, metadata=meta)
+
+
+def _model_config_file(model_id: str) -> Path | None:
+    """The ``config.json`` that ``model_id`` names on this machine — a local Hugging Face directory, or a hub id in
+    the local Hugging Face cache (never downloaded) — or ``None`` (the embedded GGUF models, a .gguf file, a model
+    not here)."""
+    try:
+        p = Path(model_id).expanduser()
+        if p.is_dir():
+            return p / "config.json" if (p / "config.json").is_file() else None
+        if p.exists() or model_id.count("/") != 1 or model_id.startswith((".", "/", "~")):
+            return None
+    except (OSError, ValueError, RuntimeError):  # a name no file system takes (a NUL byte, too long, ~nobody)
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # an id huggingface_hub refuses as a repo name: not a hub model
+        return None
+    return Path(hit) if isinstance(hit, str) and Path(hit).is_file() else None
+
+
+def _check_model_id(f: Path, meta: dict) -> None:
+    """The recorded ``model.id`` must name the model whose configuration the artifact records (``model.config_sha256``,
+    :func:`kvcal.weights.config_hash` of its config.json's text config) wherever that model is on this machine
+    (:func:`_model_config_file`; config.json hashed as export does, and where that differs, the config transformers
+    loads from it hashed as calibrate does); an id kvcal cannot resolve here is not checked. Raises :class:`ArtifactError` naming
+    the file, the field and the fix."""
+    m = meta["model"]
+    mid, want = m.get("id"), m.get("config_sha256")
+    if not isinstance(mid, str) or not mid or not isinstance(want, str):
+        return
+    cfg_file = _model_config_file(mid)
+    if cfg_file is None:
+        return
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # not a readable config: nothing to compare (loading that model would name it)
+    if not isinstance(cfg, dict):
+        return
+    from kvcal.weights import config_hash
+
+    got = config_hash(cfg.get("text_config") or cfg)
+    if got != want:  # confirmed as calibrate hashed it (a loaded transformers config: a nested text_config's
+        # config.json may omit fields equal to their defaults) before the artifact is refused
+        from kvcal.errors import ModelLoadError
+        from kvcal.models.config import load_model_config
+
+        try:
+            loaded = load_model_config(str(cfg_file.parent))
+        except ModelLoadError:
+            return  # not a config transformers reads: loading that model would name it
+        tc = loaded.get_text_config() if hasattr(loaded, "get_text_config") else loaded
+        got = config_hash(tc.to_dict())
+    if got != want:
+        raise ArtifactError(
+            f"{f}: metadata field model.id {mid!r} names a model whose config ({cfg_file}, sha256 {got[:16]}…) is not "
+            f"the one the artifact records (model.config_sha256 {want[:16]}…): the id was changed after calibration, "
+            f"or the model at that path was replaced — re-run `kvcal calibrate --model {shlex.quote(mid)}`")
 
 
 def _refuse_stripped_hash(f: Path, meta: dict) -> None:

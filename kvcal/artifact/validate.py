@@ -207,3 +207,48 @@ def _check_scale_ranges(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -
                     f"calibration absmax {float(a[j]):.4g} recorded for layer {i} {side.upper()} (a plausible "
                     f"{spec['format']} scale lies in [{float(lo[j]):.3g}, {float(hi[j]):.3g}]); the file was "
                     "edited — re-run calibration")
+
+
+def _same_values(recorded: torch.Tensor, stored: torch.Tensor, side: str) -> bool:
+    """Whether the float32 values a calibration record holds are exactly the tensor's: the same values where the
+    same float32 numbers are stored (K and V scales, NVFP4 outer scales: ``ScaleChoice.scale.tolist()`` beside the
+    tensor built from it); for ``q_scale`` also the rules of :func:`kvcal.search.vllm_fp8.q_scale_tensor` — a
+    per-tensor tensor holds the first recorded value, a per-KV-head-group one the single recorded value broadcast."""
+    if recorded.numel() == stored.numel():
+        return torch.equal(recorded, stored)
+    if side != "q":
+        return False
+    if stored.numel() == 1:
+        return torch.equal(recorded[:1], stored)
+    return recorded.numel() == 1 and torch.equal(recorded.expand(stored.numel()), stored)
+
+
+def check_recorded_scales(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Every scale the metadata records per layer (``layers[i].{k,v,q}.scale``: what the search chose, and what
+    ``kvcal report`` and export's figures describe) must be the scale tensor the file holds for that layer and side
+    (``model.layers.{i}.self_attn.{k,v}_scale``; the ``{k,v}_outer_scale`` of an NVFP4 artifact; ``q_scale``),
+    compared exactly in float32 (:func:`_same_values`). A swapped or hand-edited tensor whose content hash was
+    recomputed is caught here. Records without a ``scale`` (integer artifacts, older kvcal) are not compared.
+    Raises :class:`ArtifactError` naming the file, the layer and field, and the fix."""
+    sec = vllm_section(meta)
+    nvfp4 = sec is not None and sec.nvfp4_dtype is not None
+    for lm in meta.get("layers") or []:
+        i = lm["layer"]
+        for side in (*SIDES, "q"):
+            rec = lm.get(side)
+            if not isinstance(rec, dict) or rec.get("scale") is None:
+                continue
+            name = (f"model.layers.{i}.self_attn.q_scale" if side == "q" else
+                    f"model.layers.{i}.self_attn.{side}_{_OUTER_KIND}" if nvfp4 else tensor_name(i, side))
+            t = tensors.get(name)
+            if t is None:
+                raise ArtifactError(f"{f}: metadata field layers[{i}].{side}.scale records a scale but the file holds "
+                                    f"no {name}; the file was edited — re-run `kvcal calibrate`")
+            r = torch.tensor(rec["scale"], dtype=torch.float32).flatten()
+            v = t.detach().to(torch.float32).flatten()
+            if not _same_values(r, v, side):
+                raise ArtifactError(
+                    f"{f}: tensor {name} holds {[float(x) for x in v[:3]]} but metadata field layers[{i}].{side}.scale "
+                    f"records {[float(x) for x in r[:3]]} (the scale the calibration chose): the scales were swapped "
+                    "or edited after kvcal wrote them — re-run `kvcal calibrate`")
+

@@ -39,6 +39,7 @@ from kvcal.export.base import (
     headroom_cost,
     prepare_scales,
     set_cost_line,
+    shared_figures,
     stage_output,
     target_names,
     targets_that_can_load,
@@ -114,6 +115,13 @@ def export(
         raise ExportError(f"--clipped-scales with --headroom {headroom:g}: --headroom raises every scale to at least "
                           f"{headroom:g}x the one that just holds the observed max, so no scale would clip and the "
                           "searched scales --clipped-scales asks for would not be written; give one of the two")
+    from kvcal.artifact import vllm_section
+
+    sec = vllm_section(art.metadata)
+    if clipped_scales and sec is not None and sec.nvfp4_dtype is not None:
+        raise ExportError(f"--clipped-scales: {art.path} holds vLLM NVFP4 outer scales, which have one set only (no "
+                          "clip-free set to opt out of: vLLM's NVFP4 cache saturates its block scales); drop "
+                          "--clipped-scales")
     cw = (art.metadata.get("calibration") or {}).get("cache_write")
     from kvcal.formats.fp8 import CACHE_WRITES
 
@@ -126,12 +134,21 @@ def export(
     use_clip_free = clip_free or (sglang_only and not clipped_scales)
     prep = prepare_scales(art, headroom, clip_free=use_clip_free)
     if prep.format != "nvfp4":
-        figs = set_figures(art.metadata, prep.source)
-        fig = (f" (held-out mean over {figs['layers']} layers, as the search measured: K attention KL "
-               f"{figs['k']:.3e}, V output error {figs['v']:.3e})" if figs else "")
+        figs = shared_figures(art, prep) if t.shared_kv else set_figures(art.metadata, prep.source)
+        sep = set_figures(art.metadata, prep.source) if t.shared_kv and figs is None else None
+        fig = (f" (held-out mean over {figs['layers']} layers, as the search measured"
+               + (" at the shared max(K, V) scale the files hold" if t.shared_kv else "")
+               + f": K attention KL {figs['k']:.3e}, V output error {figs['v']:.3e})" if figs else
+               f" (held-out mean over {sep['layers']} layers of the separate K and V scales: K attention KL "
+               f"{sep['k']:.3e}, V output error {sep['v']:.3e}; the files hold the shared max(K, V) scale, which the "
+               "artifact records no measurement of at these scales: see the shared-scale line)" if sep else "")
         write = f" for a {cw} FP8 write ({CACHE_WRITES[cw]})" if cw else ""
-        notes.append((f"k/v scales: the searched ones, as calibrated{write}" if prep.source == "searched" else
-                      "k/v scales: the clip-free ones the search chose (nothing the calibration observed saturates)")
+        cf = ("k/v scales: the clip-free ones the search chose (nothing the calibration observed saturates)"
+              if not prep.amax_rule else
+              f"k/v scales: clip-free (nothing the calibration observed saturates), {prep.amax_rule} of "
+              f"{2 * prep.num_layers} sides by the amax rule (not measured), the others as the search chose")
+        notes.append((f"k/v scales: the searched ones, as calibrated{write}" if prep.source == "searched" else cf)
+                     + (", served as one shared max(K, V) scale per layer" if t.shared_kv else "")
                      + fig + ("; then raised by --headroom" if prep.raised else ""))
         if prep.source == "clip_free" or sglang_only:
             line = set_cost_line(art)
@@ -201,7 +218,9 @@ def export(
             "model_dir": str(ckpt.path) if ckpt else None,
             "tp": tp,
             "headroom": headroom,
-            "scales": prep.source + (" + headroom" if prep.raised else ""),
+            "scales": prep.source + (f" ({prep.amax_rule} sides by the amax rule, not measured)" if prep.amax_rule
+                                     else "") + (" + headroom" if prep.raised else "")
+                      + (", as one shared max(K, V) scale per layer" if t.shared_kv else ""),
             "cache_write": cw,
             "nan_risk": nan_risk,
             "source_format": prep.format,

@@ -62,6 +62,7 @@ class PreparedScales:
     notes: list[str] = field(default_factory=list)
     source: str = "searched"  # which recorded set: "searched" or "clip_free" (before any --headroom)
     raised: dict[int, list[str]] = field(default_factory=dict)  # layer -> sides --headroom raised
+    amax_rule: int = 0  # clip-free sides the artifact records no choice for, set to observed max / fmt_max (not measured)
 
     def combined(self, layer: int) -> torch.Tensor:
         """One scale per layer shared by K and V (legacy JSON / TRT-LLM): ``max(k, v)``, shape
@@ -104,7 +105,8 @@ class ExportResult:
 class Target:
     """Base class of an export target. Subclasses set ``name``, ``aliases``, ``engines`` (who
     loads it), ``formats`` / ``granularities`` (what it can load), ``non_saturating`` (engines
-    among those that cast to FP8 without saturating: SGLang) and implement :meth:`write`."""
+    among those that cast to FP8 without saturating: SGLang), ``shared_kv`` (its files hold one scale per
+    layer for K and V, ``max(k, v)``) and implement :meth:`write`."""
 
     name = "base"
     order = 99  # position in listings
@@ -113,6 +115,7 @@ class Target:
     formats: tuple[str, ...] = ("fp8_e4m3", "fp8_e4m3fnuz")
     granularities: tuple[str, ...] = ("tensor",)
     non_saturating: tuple[str, ...] = ()
+    shared_kv = False  # one scale per layer for K and V (max of the two): sglang-json, trtllm-legacy
     accepts_model_dir = True
     description = ""
 
@@ -332,9 +335,14 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
     fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
     sec = vllm_section(meta)
     nvfp4 = sec is not None and sec.nvfp4_dtype is not None
-    if headroom is not None and not (1.0 <= headroom <= MAX_HEADROOM):
+    finite = isinstance(headroom, (int, float)) and math.isfinite(headroom)
+    if headroom is not None and not (finite and headroom >= 1.0):
+        raise ExportError(f"--headroom must be a number >= 1.0, a margin over the observed max (e.g. 1.25), got "
+                          f"{headroom}: " + ("a margin below 1 clips values the calibration observed" if finite else
+                                             "not a finite number"))
+    if headroom is not None and headroom > MAX_HEADROOM:
         raise ExportError(
-            f"--headroom must be a margin between 1.0 and {MAX_HEADROOM:g} (e.g. 1.25), got {headroom}: a margin of "
+            f"--headroom must be at most {MAX_HEADROOM:g} (e.g. 1.25), got {headroom}: a margin of "
             f"{MAX_HEADROOM:g} already puts the observed max at 1/{MAX_HEADROOM:g} of the format's range and pushes "
             "small values into its subnormals; a larger one flushes the cache toward zero")
     if nvfp4:
@@ -357,7 +365,7 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
     n = artifact.num_layers
     p = PreparedScales(n, gran, fmt, {}, {}, {}, {}, out_fmt_max, notes=notes,
                        source="clip_free" if clip_free else "searched")
-    raised, amax_rule, changed = 0, 0, 0
+    raised, amax_rule, changed, recorded, unknown = 0, 0, 0, 0, 0
     for i in range(n):
         p.amax[i] = {}
         for side in ("k", "v"):
@@ -372,9 +380,12 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
                 if cf is not None:
                     t = torch.as_tensor(cf, dtype=torch.float32)
                     if t.numel() == s.numel():
+                        recorded += 1
                         changed += int(not torch.equal(t.reshape(shape), s))
                         s = t.reshape(shape).clone()
-                elif amax is not None and bool((amax / out_fmt_max > s / conv).any()):
+                elif amax is None:
+                    unknown += 1
+                elif bool((amax / out_fmt_max > s / conv).any()):
                     s = torch.maximum(s, amax / out_fmt_max * conv)
                     amax_rule += 1
             s = s * conv
@@ -395,10 +406,17 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
             p.q[i] = q.detach().to(torch.float32).clone() * conv
     no_amax = all(p.amax[i][s] is None for i in range(n) for s in ("k", "v"))
     if clip_free:
-        notes.append(f"{changed} of {2 * n} clip-free scales differ from the searched ones (the searched scale clips "
-                     "there)"
-                     + (f"; {amax_rule} side(s) of an artifact that records no clip-free choice get the amax rule "
-                        "(observed max / 448, the search's absmax candidate)" if amax_rule else ""))
+        p.amax_rule = amax_rule
+        missing = 2 * n - recorded
+        line = (f"{changed} of {recorded} recorded clip-free scales differ from the searched ones (the searched scale "
+                "clips there)" if recorded else "the artifact records no clip-free choice (written by an older kvcal)")
+        if missing:
+            kept = missing - amax_rule - unknown
+            line += (f"; {amax_rule} of the {missing} sides without one get the amax rule (observed max / "
+                     f"{out_fmt_max:g}, not measured: `kvcal evaluate --artifact OUT` measures the export)"
+                     + (f", {kept} keep the searched scale (it clips nothing observed)" if kept else "")
+                     + (f", {unknown} keep the searched scale unchecked (no observed amax recorded)" if unknown else ""))
+        notes.append(line)
     if headroom is not None:
         if no_amax:
             notes.append("--headroom ignored: the artifact records no observed amax per layer")
@@ -444,6 +462,31 @@ def set_cost_line(art: Artifact) -> str | None:
     return (f"clip-free vs searched scales, held-out mean over {a['layers']} layers (measured by the search): K "
             f"attention KL {b['k']:.3e} vs {a['k']:.3e} ({rel(a['k'], b['k'])}), V output error {b['v']:.3e} vs "
             f"{a['v']:.3e} ({rel(a['v'], b['v'])})")
+
+
+def shared_figures(art: Artifact, p: PreparedScales) -> dict | None:
+    """Held-out means of the shared scale a shared-K/V target writes (``max(k, v)`` per layer, the scales ``p``), as
+    the search measured them at exactly that scale (``layers[i].shared[p.source].heldout``,
+    :func:`kvcal.search.fp8.measure_shared`): ``{"k": mean attention KL, "v": mean relative output error,
+    "layers": n}``, or ``None`` when some layer records no such measurement, records it for another scale (an
+    artifact without clip-free records given the amax rule) or ``--headroom`` changed the scales."""
+    if p.raised or p.format == "nvfp4":
+        return None
+    conv = (FP8_E4M3FNUZ_MAX / FP8_E4M3_MAX) if p.format == "fp8_e4m3fnuz" else 1.0
+    stats = {e.get("layer"): e for e in art.metadata.get("layers") or [] if isinstance(e, dict)}
+    out = {"k": 0.0, "v": 0.0}
+    for i in range(p.num_layers):
+        sh = (stats.get(i, {}).get("shared") or {}).get(p.source)
+        served = float(p.combined(i))
+        if not isinstance(sh, dict) or not isinstance(sh.get("scale"), (int, float)) or \
+                abs(sh["scale"] * conv / served - 1) >= 1e-5:
+            return None
+        for sd in ("k", "v"):
+            x = (sh.get("heldout") or {}).get(sd)
+            if not isinstance(x, (int, float)):
+                return None
+            out[sd] += float(x) / p.num_layers
+    return {**out, "layers": p.num_layers}
 
 
 def headroom_cost(art: Artifact, p: PreparedScales) -> str | None:
@@ -509,7 +552,8 @@ def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, lis
     recorded or the served scale lies beyond them. An estimate from recorded statistics, not a
     measurement (``kvcal evaluate`` measures the served configuration on the model).
 
-    Returns ``(summary line or None when no layer pays a cost, per-layer rows)``.
+    Returns ``(summary line or None when no layer pays a cost, per-layer rows)``; the line names the three layer
+    sides with the largest held-out error increase (measured, else estimated), then those without one by ratio.
     """
     meta = art.metadata
     fmt_max = FORMAT_MAX.get(p.format, FP8_E4M3_MAX)
@@ -547,7 +591,9 @@ def shared_scale_cost(art: Artifact, p: PreparedScales) -> tuple[str | None, lis
         rows.append(row)
     if not costly:
         return None, rows
-    costly.sort(reverse=True)
+    # the layers whose held-out error the shared scale raises most first (measured where layers[i].shared records it,
+    # else estimated), then those without a figure by how much coarser their side is served
+    costly.sort(key=lambda c: (c[3] is not None, c[3] if c[3] is not None else 0.0, c[0]), reverse=True)
     how = {(r["layer"], sd): "" if r.get("measured", {}).get(sd) else "est. " for r in rows for sd in ("k", "v")}
     worst = ", ".join(f"layer {i} {sd.upper()} {r:.1f}x" + (f" ({how[(i, sd)]}held-out attention error {inc:+.0%})"
                                                            if inc is not None else "")

@@ -47,6 +47,7 @@ class SglangJsonTarget(Target):
     aliases = ("quantization-param-path",)
     engines = ("SGLang",)
     non_saturating = ("SGLang",)
+    shared_kv = True
     description = "legacy --quantization-param-path JSON, one entry per TP rank and layer (max of K and V)"
 
     def can_load(self, meta: dict) -> str | None:

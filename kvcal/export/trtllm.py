@@ -31,6 +31,7 @@ class TrtllmLegacyTarget(Target):
     name = "trtllm-legacy"
     order = 2
     engines = ("TensorRT-LLM",)
+    shared_kv = True
     formats = ("fp8_e4m3", "fp8_e4m3fnuz", "int8")
     accepts_model_dir = False
     description = "legacy TensorRT-LLM kv_cache_scaling_factor (max of K and V) + reciprocal"

@@ -183,6 +183,17 @@ def _serving_engine(rep: Report, meta: dict) -> None:
     rep.add(Bullets(items))
 
 
+def _deployed(rep: Report, meta: dict) -> None:
+    """calibrate's "What is deployed" section (:func:`kvcal.report.markdown.deployed_items`): the cache write
+    searched for, the scale set each export target writes and each set's measured held-out means; nothing for an
+    artifact that records no clip-free set."""
+    from kvcal.report.markdown import deployed_items
+
+    items = deployed_items(meta)
+    if items:
+        rep.add(Heading("What is deployed"), Bullets(items))
+
+
 def _skip_choice(sec) -> list[str]:
     """How the 16-bit layers were chosen (``vllm.skip_layers_choice``, ``kvcal calibrate --skip-layers``) in
     the artifact's :class:`~kvcal.artifact.sections.VllmSection` ``sec``: a bullet with the method, the budget,
@@ -496,6 +507,7 @@ def build_report(meta: dict, ev: dict | None = None, tensors: dict | None = None
     rep.add(Bullets(summary))
     _what_is_quantized(rep, meta)
     _serving_engine(rep, meta)
+    _deployed(rep, meta)
     _weights(rep, meta, ev)
     _corpora(rep, meta, ev, reg)
     _regimes(rep, meta, ev, reg)
@@ -543,6 +555,21 @@ def check_out_holds_no_other_artifact(art_dir: Path, od: Path) -> None:
                          "goes into the --artifact directory) or choose a directory without an artifact")
 
 
+def _meta_with_stored_scales(art) -> dict:
+    """A copy of ``art.metadata`` whose per-layer ``layers[i].{k,v}.scale`` are the scale tensors the artifact file
+    holds (``model.layers.{i}.self_attn.{k,v}_scale``, flattened): the report shows what is deployed, read from the
+    tensors (:func:`kvcal.artifact.load_artifact` has refused a file whose tensors and records disagree)."""
+    import copy
+
+    meta = copy.deepcopy(art.metadata)
+    for lm in meta.get("layers") or []:
+        for side in ("k", "v"):
+            t = art.scale(lm.get("layer"), side)
+            if t is not None and isinstance(lm.get(side), dict) and "scale" in lm[side]:
+                lm[side]["scale"] = t.reshape(-1).tolist()
+    return meta
+
+
 def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dict | None = None,
                  out: str | os.PathLike | None = None) -> dict:
     """Render ``report.md`` (+ ``figures/*.png``) and ``report.html`` for an artifact directory.
@@ -571,7 +598,7 @@ def write_report(artifact: str | os.PathLike, eval_json: str | os.PathLike | dic
     inputs = {"--artifact": artifact, "--eval": None if isinstance(eval_json, dict) else eval_json}
     for p in (md, ht):  # before the figures are drawn (seconds); the figures' own files are checked below
         check_output_file(p, "report", inputs, KvcalError, "--out")
-    rep = build_report(art.metadata, ev, art.tensors, artifact_path=str(artifact))
+    rep = build_report(_meta_with_stored_scales(art), ev, art.tensors, artifact_path=str(artifact))
     mark = f"\n{REPORT_MD_MARK} {__version__}; kvcal report replaces this file when it runs again -->\n"
     files = [(od / "figures" / f"{name}.png", f.png, "figure") for name, f in rep.figures.items()]
     files += [(ht, to_html(rep), "report"), (md, to_markdown(rep) + mark, "report")]

@@ -114,18 +114,19 @@ def _skip_line(meta: dict) -> str:
             f"{'; ' + how if how else ''}{nb}.\n")
 
 
-def deployed_section(meta: dict) -> str:
-    """The report's "What is deployed" section of a static FP8 artifact: the cache write its scales were searched
-    for (``calibration.cache_write``), which scale set each ``kvcal export`` target writes by default, and the
-    held-out errors the search measured for each set (:func:`kvcal.artifact.sections.set_figures`), so the figures
-    a user reads are those of the bytes they deploy. ``""`` for an artifact that records no clip-free set (older
-    kvcal, NVFP4 outer scales, integer formats)."""
+def deployed_items(meta: dict) -> list[str]:
+    """The bullet lines (markdown) of the "What is deployed" section of a static FP8 artifact: the cache write its
+    scales were searched for (``calibration.cache_write``), which scale set each ``kvcal export`` target writes by
+    default, and the held-out errors the search measured for each set (:func:`kvcal.artifact.sections.set_figures`),
+    so the figures a user reads are those of the bytes they deploy. ``[]`` for an artifact that records no
+    clip-free set (older kvcal, NVFP4 outer scales, integer formats). Shared by calibrate's ``report.md``
+    (:func:`deployed_section`) and ``kvcal report`` (:func:`kvcal.report.disclosure.build_report`)."""
     from kvcal.artifact.sections import set_figures
     from kvcal.formats.fp8 import CACHE_WRITES
 
     a, b = set_figures(meta, "searched"), set_figures(meta, "clip_free")
     if a is None or b is None:
-        return ""
+        return []
     from kvcal.report.data import heldout_word
 
     w = heldout_word(meta)  # "held-out", or the calibration data's name when there was no held-out split
@@ -135,13 +136,26 @@ def deployed_section(meta: dict) -> str:
     per_tensor = meta["kv"]["k"]["granularity"] == "tensor"
     sglang = ("`--target sglang-json` (SGLang, which casts to FP8 without saturating) and `--clip-free` write the "
               "**clip-free** set" if per_tensor else "`--clip-free` writes the **clip-free** set")
-    return f"""## What is deployed
-- Scales searched for the cache write: **{cw or "not recorded"}**{f" ({CACHE_WRITES[cw]})" if cw in CACHE_WRITES else ""}.
-- `kvcal export --target vllm`, `modelopt`{", `trtllm-legacy`" if per_tensor else ""} write the **searched** scales (the table below) unchanged ({w} mean: K attention KL {_fmt(a["k"])}, V output error {_fmt(a["v"])}){" — trtllm-legacy as max(K, V) per layer, its cost measured in `layers[i].shared`" if per_tensor else ""}.
-- {sglang}: the search's best among candidates that clip nothing it observed ({n} of {2 * a["layers"]} scales differ; {w} mean: K attention KL {_fmt(b["k"])}, V output error {_fmt(b["v"])}).
-- `--headroom` changes scales after the search; export prints its cost from the search's recorded candidates. `kvcal evaluate --artifact EXPORT_DIR` measures any export on the model.
+    return [
+        f"Scales searched for the cache write: **{cw or 'not recorded'}**"
+        f"{f' ({CACHE_WRITES[cw]})' if cw in CACHE_WRITES else ''}.",
+        f"`kvcal export --target vllm`, `modelopt`{', `trtllm-legacy`' if per_tensor else ''} write the **searched** "
+        f"scales (the table below) unchanged ({w} mean: K attention KL {_fmt(a['k'])}, V output error "
+        f"{_fmt(a['v'])}){' — trtllm-legacy as max(K, V) per layer, its cost measured in `layers[i].shared`' if per_tensor else ''}.",
+        f"{sglang}: the search's best among candidates that clip nothing it observed ({n} of {2 * a['layers']} "
+        f"scales differ; {w} mean: K attention KL {_fmt(b['k'])}, V output error {_fmt(b['v'])}).",
+        "`--headroom` changes scales after the search; export prints its cost from the search's recorded candidates. "
+        "`kvcal evaluate --artifact EXPORT_DIR` measures any export on the model.",
+    ]
 
-"""
+
+def deployed_section(meta: dict) -> str:
+    """The report's "What is deployed" section (markdown, :func:`deployed_items` as bullets), or ``""`` when the
+    artifact records no clip-free set."""
+    items = deployed_items(meta)
+    if not items:
+        return ""
+    return "## What is deployed\n" + "".join(f"- {x}\n" for x in items) + "\n"
 
 
 def render_calibration_report(meta: dict) -> str:

@@ -76,7 +76,9 @@ def test_default_export_writes_the_measured_set(offset_artifact, offset_model, t
     model_dir = None if target == "trtllm-legacy" else str(offset_model)
     res = export(str(offset_artifact), target, tmp_path / "out", model_dir=model_dir)
     man = json.loads((tmp_path / "out" / "kvcal-export.json").read_text())
-    assert man["scales"] == which and man["cache_write"] == "saturating"
+    shared = target in ("trtllm-legacy", "sglang-json")
+    assert man["scales"] == which + (", as one shared max(K, V) scale per layer" if shared else "")
+    assert man["cache_write"] == "saturating"
     if target in ("vllm", "modelopt"):
         t = safetensors_dir(tmp_path / "out")
         fmt = ("model.layers.{i}.self_attn.{s}_scale" if target == "vllm" else
@@ -101,6 +103,10 @@ def test_default_export_writes_the_measured_set(offset_artifact, offset_model, t
         assert art.metadata["layers"][i]["shared"][which]["scale"] == shared
     rows = man["shared_scale"]
     assert all(r.get("measured", {}).get(s) for r in rows for s in "kv" if r["ratio"][s] > 1 + 1e-5)
+    head = next(n for n in res.notes if n.startswith("k/v scales:"))  # the headline: the measured shared figures
+    figs = {s: sum(lm["shared"][which]["heldout"][s] for lm in art.metadata["layers"]) / L for s in "kv"}
+    assert head.endswith(f"at the shared max(K, V) scale the files hold: K attention KL {figs['k']:.3e}, V output "
+                         f"error {figs['v']:.3e})"), head
     assert not any("not measured" in n for n in res.notes + res.warnings)
 
 
@@ -169,6 +175,30 @@ def test_report_states_the_figures_of_each_deployed_set(offset_artifact):
         assert f"K attention KL {k:.3e}, V output error {v:.3e}" in line, line
 
 
+def test_kvcal_report_renders_what_is_deployed(offset_artifact, tmp_path):
+    """`kvcal report` (the re-rendered disclosure report) has calibrate's "What is deployed" section: the cache write
+    searched for and, per set, the held-out means recomputed here from the per-layer records (4 significant
+    digits), in report.md and report.html."""
+    from click.testing import CliRunner
+
+    from kvcal.cli import main
+
+    art = load_artifact(offset_artifact)
+    r = CliRunner().invoke(main, ["report", "--artifact", str(offset_artifact), "--out", str(tmp_path / "rep")])
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "rep" / "report.md").read_text()
+    start = text.index("## What is deployed")
+    sec = text[start:text.index("\n## ", start + 1)]
+    assert "**saturating**" in sec
+    lay = art.metadata["layers"]
+    for which, get in (("searched", lambda r: r["heldout"]["chosen"]), ("clip-free", lambda r: r["clip_free"]["heldout"])):
+        k = sum(get(lm["k"]) for lm in lay) / len(lay)
+        v = sum(get(lm["v"]) for lm in lay) / len(lay)
+        line = next(x for x in sec.splitlines() if f"**{which}**" in x)
+        assert f"K attention KL {k:.3e}, V output error {v:.3e}" in line, line
+    assert "What is deployed</h2>" in (tmp_path / "rep" / "report.html").read_text()
+
+
 # ---- kvcal evaluate judges an export: the scales its files hold ------------------------------------------------
 
 
@@ -215,7 +245,9 @@ def test_load_deployed_reads_exactly_the_exported_files(offset_artifact, offset_
             assert float(art.scale(i, s).reshape(-1)[0]) == want[(i, s)], (i, s)
             assert float(getattr(plan.layers[i], s).scale.reshape(-1)[0]) == want[(i, s)], (i, s)
     dep = art.metadata["deployed"]
-    assert dep["target"] == target and dep["scales"] == ("clip_free" if target == "sglang-json" else "searched")
+    assert dep["target"] == target and dep["scales"] == {
+        "sglang-json": "clip_free, as one shared max(K, V) scale per layer",
+        "trtllm-legacy": "searched, as one shared max(K, V) scale per layer"}.get(target, "searched")
     assert art.metadata["model"] == load_artifact(offset_artifact).metadata["model"]
 
 
@@ -312,3 +344,48 @@ def test_load_deployed_reads_any_family_names_and_the_checkpoints_q_scale(offset
     del man["artifact_sha256"]  # what an export of an earlier kvcal holds
     (out2 / "kvcal-export.json").write_text(json.dumps(man))
     assert load_deployed(out2).metadata["deployed"]["source_hash_checked"] is False
+
+
+# ---- forged artifacts (issue 40, class 8): the content hash recomputed by hand -----------------------------------
+
+
+def test_forged_artifacts_are_refused_by_inspect_export_and_report(offset_artifact, tmp_path):
+    """A copy of a real calibration with layer 3's K and V scale tensors swapped, or with model.id pointed at another
+    local model (a tiny Llama whose config differs), each with its content hash recomputed as kvcal computes it
+    (helpers.export.edited_copy, resign): `kvcal inspect`, `kvcal export` and `kvcal report` exit 2 with one line
+    naming the artifact file, the layer and field (layers[3].k.scale / model.id) and the fix (re-run calibrate).
+    The unforged artifact's id does name its local model, so that check ran on it and passed."""
+    from click.testing import CliRunner
+    from helpers.export import edited_copy, make_checkpoint
+
+    from kvcal.artifact.io import _model_config_file
+    from kvcal.cli import main
+
+    art = load_artifact(offset_artifact)
+    assert _model_config_file(art.metadata["model"]["id"]) is not None  # the id's config is here: checked on load
+    k3, v3 = (art.scale(3, s) for s in "kv")
+    assert not torch.equal(k3, v3)
+
+    def swap(meta, tensors):
+        a, b = "model.layers.3.self_attn.k_scale", "model.layers.3.self_attn.v_scale"
+        tensors[a], tensors[b] = tensors[b], tensors[a]
+
+    other = make_checkpoint(tmp_path / "other-model", sharded=False)
+
+    def rename(meta, tensors):
+        meta["model"]["id"] = str(other)
+
+    cases = ((swap, "swap", f"tensor model.layers.3.self_attn.k_scale holds [{float(v3)!r}] but metadata field "
+                            f"layers[3].k.scale records [{float(k3)!r}]"),
+             (rename, "renamed", f"metadata field model.id '{other}' names a model whose config"))
+    for edit, name, want in cases:
+        forged = edited_copy(offset_artifact, tmp_path / name, edit, resign=True)
+        f = forged / "kv_scales.safetensors"
+        for args in (["inspect", str(forged)],
+                     ["export", "--artifact", str(forged), "--target", "vllm", "--out", str(tmp_path / f"{name}-x")],
+                     ["report", "--artifact", str(forged), "--out", str(tmp_path / f"{name}-r")]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code == 2 and r.output.count("\n") == 1, (args, r.output)
+            assert r.output.startswith(f"error: {f}: ") and want in r.output, r.output
+            assert "re-run `kvcal calibrate" in r.output
+        assert not (tmp_path / f"{name}-x").exists() and not (tmp_path / f"{name}-r").exists()

@@ -385,13 +385,17 @@ def test_sglang_headroom_warning_when_calibration_clipped(tmp_path):
         assert res.tensors[str(i)].item() >= amax / 448 * 1.1 * (1 - 1e-6)  # float32 rounding (≤ 2 eps32) below
     unclipped, _ = make_artifact(tmp_path / "art2", clip=1.0)
     assert not export(unclipped, "sglang-json", tmp_path / "e").warnings
-    with pytest.raises(ExportError, match="headroom"):
-        export(unclipped, "sglang-json", tmp_path / "f", headroom=0.5)
+    # below 1 and NaN / inf: what is valid (a number >= 1.0) and why, without the upper bound that does not apply
+    for bad, why in ((0.5, "a margin below 1 clips values the calibration observed"),
+                     (float("nan"), "not a finite number"), (float("inf"), "not a finite number")):
+        with pytest.raises(ExportError, match=r"^--headroom must be a number >= 1\.0") as e:
+            export(unclipped, "sglang-json", tmp_path / "f", headroom=bad)
+        assert str(e.value).endswith(why) and "16" not in str(e.value), str(e.value)
     # --headroom 1e9 would raise layer 0's k_scale to 2.4e7 (every K/V flushed to 0 in FP8)
-    for bad in (1e9, 16.5, float("inf"), float("nan")):
-        with pytest.raises(ExportError, match="between 1.0 and 16"):
+    for bad in (1e9, 16.5):
+        with pytest.raises(ExportError, match="must be at most 16"):
             export(unclipped, "sglang-json", tmp_path / "g", headroom=bad)
-    assert not (tmp_path / "g").exists()
+    assert not (tmp_path / "f").exists() and not (tmp_path / "g").exists()
     export(unclipped, "sglang-json", tmp_path / "h", headroom=16.0)  # the bound itself is accepted
 
 
@@ -887,3 +891,192 @@ def _read_artifact(path):
 
     with safe_open(str(path / "kv_scales.safetensors"), framework="pt") as fh:
         return json.loads(fh.metadata()["kvcal"]), {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+def test_clip_free_of_an_artifact_recording_none_says_how_many_sides_got_the_amax_rule(tmp_path):
+    """An artifact (clip 0.9: every searched scale clips) whose layer 0 serves amax / 448 (clips nothing) and whose
+    layer 1 alone records a clip-free choice (amax / 448 x 1.1), as an older kvcal's partial records: --clip-free on
+    vllm and the sglang-json default write layer 1's recorded choice, keep layer 0's searched scale and give
+    layers 2-3 the amax rule; the note counts them (2 of 2 recorded differ; 4 of the 6 sides without one by the
+    amax rule, 2 kept) and kvcal-export.json's scales says 4 sides are by the amax rule, not measured. The counts
+    and values are recomputed here from make_artifact's amax."""
+    from helpers.export import edited_copy
+
+    src, truth = make_artifact(tmp_path / "src", clip=0.9)
+    amax = {(i, s): max(truth[(i, s)][1]) for i in range(L) for s in "kv"}
+    own = {(1, s): torch.tensor([amax[(1, s)] / 448 * 1.1], dtype=torch.float32) for s in "kv"}
+
+    def edit(meta, tensors):
+        for s in "kv":
+            tensors[f"model.layers.0.self_attn.{s}_scale"] = torch.tensor([amax[(0, s)] / 448], dtype=torch.float32)
+            meta["layers"][1][s]["clip_free"] = {"scale": own[(1, s)].tolist(), "heldout": 0.01}
+
+    path = edited_copy(src, tmp_path / "art", edit, resign=True)
+    want = {}
+    for i in range(L):
+        for s in "kv":
+            a = torch.tensor([amax[(i, s)]], dtype=torch.float32)
+            want[(i, s)] = (own[(i, s)] if i == 1 else
+                            torch.tensor([amax[(0, s)] / 448], dtype=torch.float32) if i == 0 else a / 448)
+    by_rule = sum(1 for i in range(L) for s in "kv" if i >= 2)  # clipped and without a recorded choice
+    assert by_rule == 4
+    res = export(path, "vllm", tmp_path / "v", clip_free=True)
+    t = tensors_in(res.out / SCALES_SHARD)
+    for (i, s), w in want.items():
+        assert torch.equal(t[vllm_names(i)[s]].reshape(-1), w), (i, s)
+    note = next(n for n in res.notes if "recorded clip-free scales differ" in n)
+    assert note.startswith("2 of 2 recorded clip-free scales differ from the searched ones")
+    assert f"; {by_rule} of the 6 sides without one get the amax rule" in note and ", 2 keep the searched scale" in note
+    assert any(n.startswith(f"k/v scales: clip-free (nothing the calibration observed saturates), {by_rule} of 8 "
+                            "sides by the amax rule (not measured)") for n in res.notes)
+    scales = f"clip_free ({by_rule} sides by the amax rule, not measured)"
+    assert json.loads((tmp_path / "v" / "kvcal-export.json").read_text())["scales"] == scales
+    sj = export(path, "sglang-json", tmp_path / "sj")
+    assert json.loads((tmp_path / "sj" / "kvcal-export.json").read_text())["scales"] == (
+        scales + ", as one shared max(K, V) scale per layer")
+    doc = json.loads((tmp_path / "sj" / "kv_cache_scales.json").read_text())
+    for i in range(L):
+        assert doc["kv_cache"]["scaling_factor"]["0"][str(i)] == float(torch.maximum(want[(i, "k")], want[(i, "v")]))
+    assert any(f"{by_rule} of the 6 sides without one get the amax rule" in n for n in sj.notes)
+    full, _ = make_artifact(tmp_path / "full", clip=1.0)  # nothing clips, nothing recorded: no side by the rule
+    export(full, "sglang-json", tmp_path / "f")
+    assert json.loads((tmp_path / "f" / "kvcal-export.json").read_text())["scales"] == (
+        "clip_free, as one shared max(K, V) scale per layer")
+
+
+def test_shared_targets_headline_the_measured_shared_figures(tmp_path):
+    """trtllm-legacy and sglang-json write max(K, V) per layer, so export's headline held-out means are the search's
+    measurement at that shared scale (layers[i].shared[set].heldout, averaged here over the layers), not the separate
+    K/V figures, and kvcal-export.json's scales says the files hold one shared max(K, V) scale per layer; where the
+    recorded shared scale is not the one written (--headroom raised it) the headline says the shared scale is not
+    measured and gives the separate figures (layers[i].{k,v}.heldout.chosen) as such."""
+    from helpers.export import edited_copy
+
+    src, truth = make_artifact(tmp_path / "src", clip=1.0)
+    figs = {i: {"k": 0.001 * (i + 1), "v": 0.02 * (i + 2)} for i in range(L)}  # distinct from heldout.chosen 0.01
+
+    def edit(meta, tensors):
+        for i in range(L):
+            m = float(torch.maximum(tensors[f"model.layers.{i}.self_attn.k_scale"],
+                                    tensors[f"model.layers.{i}.self_attn.v_scale"]))
+            meta["layers"][i]["shared"] = {w: {"scale": m, "heldout": dict(figs[i])} for w in ("searched", "clip_free")}
+
+    path = edited_copy(src, tmp_path / "art", edit, resign=True)
+    k = sum(f["k"] for f in figs.values()) / L
+    v = sum(f["v"] for f in figs.values()) / L
+    want = f"at the shared max(K, V) scale the files hold: K attention KL {k:.3e}, V output error {v:.3e})"
+    for target, kw, which in (("trtllm-legacy", {}, "searched"), ("sglang-json", {"clipped_scales": True}, "searched"),
+                              ("sglang-json", {}, "clip_free")):
+        out = tmp_path / f"{target}-{which}"
+        res = export(path, target, out, **kw)
+        head = next(n for n in res.notes if n.startswith("k/v scales:"))
+        assert ", served as one shared max(K, V) scale per layer (held-out mean over 4 layers" in head, head
+        assert head.endswith(want), head
+        man = json.loads((out / "kvcal-export.json").read_text())
+        assert man["scales"] == f"{which}, as one shared max(K, V) scale per layer"
+    res = export(path, "trtllm-legacy", tmp_path / "h", headroom=2.0)
+    head = next(n for n in res.notes if n.startswith("k/v scales:"))
+    sep = sum(lm[s]["heldout"]["chosen"] for lm in load_artifact_meta(path)["layers"] for s in "k") / L
+    assert f"of the separate K and V scales: K attention KL {sep:.3e}" in head and "records no measurement" in head
+    assert json.loads((tmp_path / "h" / "kvcal-export.json").read_text())["scales"] == (
+        "searched + headroom, as one shared max(K, V) scale per layer")
+    v = export(path, "vllm", tmp_path / "v")  # separate K and V scales: the separate figures, no shared wording
+    assert not any("shared" in n for n in v.notes if n.startswith("k/v scales:"))
+
+
+def load_artifact_meta(path):
+    from kvcal.artifact import load_artifact
+
+    return load_artifact(path).metadata
+
+
+# ---- error texts (issue 38/40 follow-ups) -----------------------------------------------------------------------
+
+
+def test_wrong_target_manifest_and_edited_json_are_named(tmp_path):
+    """load_deployed of a vllm export whose kvcal-export.json was edited to say sglang-json names the manifest, the
+    target and the missing kv_cache_scales.json with the OS reason (no OS text where a layer belongs); an sglang-json
+    export missing layer 2 names layer 2; a non-number names the entry. One line each."""
+    from kvcal.artifact.deployed import load_deployed
+    from kvcal.errors import ArtifactError
+
+    path, _ = make_artifact(tmp_path / "art")
+    export(path, "vllm", tmp_path / "v")
+    man = json.loads((tmp_path / "v" / "kvcal-export.json").read_text())
+    man["target"] = "sglang-json"
+    (tmp_path / "v" / "kvcal-export.json").write_text(json.dumps(man))
+    with pytest.raises(ArtifactError) as e:
+        load_deployed(tmp_path / "v")
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'v' / 'kvcal-export.json'} names target sglang-json but "
+                          f"{tmp_path / 'v' / 'kv_cache_scales.json'} cannot be read (No such file or directory)"), msg
+    assert "layer" not in msg and "\n" not in msg
+    export(path, "sglang-json", tmp_path / "s")
+    f = tmp_path / "s" / "kv_cache_scales.json"
+    doc = json.loads(f.read_text())
+    del doc["kv_cache"]["scaling_factor"]["0"]["2"]
+    f.write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match=r'scaling_factor\["0"\] has no scale for layer 2 \(the model has 4 layers\)'):
+        load_deployed(tmp_path / "s")
+    doc["kv_cache"]["scaling_factor"]["0"]["2"] = "x"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match=r'scaling_factor\["0"\]\["2"\] = \'x\' is not a number'):
+        load_deployed(tmp_path / "s")
+
+
+def test_shared_scale_line_names_the_layers_with_the_worst_measured_cost(tmp_path):
+    """With the shared scale's held-out error measured per layer (layers[i].shared), the shared-scale line of a
+    trtllm-legacy export names the three layers whose V error it raises most, in that order, with the measured
+    increase — here costs assigned in the reverse order of the ratios, so the largest ratio is named last or not at
+    all. The increase and ratio are recomputed from the records (V own error heldout.chosen = 0.01)."""
+    from helpers.export import edited_copy
+
+    src, truth = make_artifact(tmp_path / "src", clip=1.0)  # keys ~4x values: V is served coarser in every layer
+    ratio = {i: float(truth[(i, "k")][0]) / float(truth[(i, "v")][0]) for i in range(L)}
+    assert all(r > 1 for r in ratio.values())
+    by_ratio = sorted(ratio, key=ratio.get)  # smallest ratio first: it gets the largest cost
+    cost = {i: 0.01 * (2.0 + 0.5 * (L - rank)) for rank, i in enumerate(by_ratio)}
+
+    def edit(meta, tensors):
+        for i in range(L):
+            k = float(tensors[f"model.layers.{i}.self_attn.k_scale"])
+            meta["layers"][i]["shared"] = {"searched": {"scale": k, "heldout": {"k": 0.01, "v": cost[i]}}}
+
+    path = edited_copy(src, tmp_path / "art", edit, resign=True)
+    res = export(path, "trtllm-legacy", tmp_path / "t")
+    line = next(n for n in res.notes + res.warnings if n.startswith("K and V share one scale per layer (max of the "
+                                                                    "two): "))
+    inc = {i: cost[i] / 0.01 - 1 for i in range(L)}
+    worst = sorted(inc, key=inc.get, reverse=True)[:3]
+    want = ", ".join(f"layer {i} V {ratio[i]:.1f}x (held-out attention error {inc[i]:+.0%})" for i in worst)
+    assert f"worst: {want};" in line, line
+    assert worst[0] == by_ratio[0] and by_ratio[-1] not in worst
+
+
+def test_headroom_nan_and_clipped_scales_on_nvfp4_are_one_line_refusals(tmp_path):
+    """`kvcal export --headroom nan` exits 2 with one line saying a number >= 1.0 is valid (no maximum of 16); an
+    NVFP4 artifact (vLLM outer scales) refuses --clipped-scales in one line naming the artifact, where it used to be
+    accepted silently; without the flag it exports."""
+    from kvcal.artifact import write_artifact
+
+    path, truth = make_artifact(tmp_path / "art")
+    r = CliRunner().invoke(main, ["export", "--artifact", str(path), "--target", "vllm", "--out",
+                                  str(tmp_path / "o"), "--headroom", "nan"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "16" not in r.output, r.output
+    assert "--headroom must be a number >= 1.0" in r.output and "not a finite number" in r.output
+    meta, t = _read_artifact(path)
+    spec = {"format": "nvfp4", "granularity": "token_group", "group_size": 16, "symmetric": True,
+            "scale_dtype": "float8_e4m3fn", "dynamic": True, "bits": 4}
+    meta["kv"]["k"], meta["kv"]["v"] = dict(spec), dict(spec)
+    outer = {}
+    for i in range(L):
+        for s in "kv":
+            outer[f"model.layers.{i}.self_attn.{s}_outer_scale"] = torch.tensor([max(truth[(i, s)][1]) / 2688])
+    meta["vllm"] = {"engine": "vllm", "vllm_version": "0.33.0", "kv_cache_dtype": "nvfp4", "skip_layers": [],
+                    "query_quantization": "fp8_e4m3 static q_scale per tensor"}
+    nv = write_artifact(tmp_path / "nv", outer, {k: v for k, v in meta.items() if k != "tensor_names"})
+    with pytest.raises(ExportError) as e:
+        export(nv, "vllm", tmp_path / "n", clipped_scales=True)
+    assert str(e.value).startswith(f"--clipped-scales: {nv} holds vLLM NVFP4 outer scales") and "\n" not in str(e.value)
+    assert not (tmp_path / "n").exists()
+    export(nv, "vllm", tmp_path / "n")
