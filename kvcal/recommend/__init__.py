@@ -325,7 +325,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                     best_kl = min((c["kl_mean"] for c in rows), default=None)
                     notes.append(f"{d}: not calibrated — every layer's K/V amax ({lo_a:.3g} to {hi_a:.3g}, from the "
                                  "fp8 calibration) keeps vLLM's default outer scale 1.0 well conditioned (no block "
-                                 "scale saturates, the largest stay 3 octaves inside e4m3's normal range), so "
+                                 "scale saturates, the largest stay inside e4m3's normal range), so "
                                  "calibrating moves only the blocks' alignment on the e4m3 grid — a few percent of "
                                  "KL on the models measured (docs/results.md) — and no measured row at 1.0 is within "
                                  f"{NVFP4_NEAR:g}x of its KL bar"
@@ -559,10 +559,10 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 
 
 #: The range of every layer's K/V amax in which vLLM's default NVFP4 outer scale 1.0 is well conditioned, so that
-#: recommend may skip calibrating nvfp4 when its default-scale rows fail: at 1.0 a block's e4m3 scale is its amax/6,
-#: so the largest block neither saturates (amax <= 448 x 6 = 2688) nor sits within 3 octaves of e4m3's smallest
-#: normal 2^-6 (amax/6 >= 2^-3); calibration then only moves the blocks' alignment on the e4m3 grid.
-NVFP4_DEFAULT_AMAX_RANGE = (6 * 2.0 ** -3, 448.0 * 6)
+#: recommend may skip calibrating nvfp4 when no default-scale row is near its bar: at 1.0 a block's e4m3 scale is its
+#: amax/6, so the largest block neither saturates (amax <= 448 x 6 = 2688) nor leaves e4m3's normal range (amax/6 at
+#: least one octave above its smallest normal 2^-6); calibration then moves the blocks' alignment on the e4m3 grid.
+NVFP4_DEFAULT_AMAX_RANGE = (6 * 2.0 ** -5, 448.0 * 6)
 
 
 #: A row at vLLM's default NVFP4 outer scale within this factor of its KL bar gets nvfp4 calibrated (the few percent
