@@ -445,3 +445,52 @@ def test_offset_key_model_deploys_a_rescue_row(offset_model, tmp_path):
     assert len(why) == 1 and "0,1" in why[0], doc["notes"]
     md = (tmp_path / "rec" / "deploy.md").read_text()
     assert "why not per-tensor fp8" in md and "--kv-cache-dtype-skip-layers 0 1" in doc["commands"]["serve"]
+
+
+# ---- issue 40: recommend's output directory is claimed atomically and a full disk ends in one line --------------------
+def test_recommend_never_replaces_an_out_another_run_wrote_meanwhile(tiny_dir, tmp_path, monkeypatch):
+    """While recommend A runs, run B writes a recommend output at the same --out and finishes first (simulated inside
+    A's deploy.md rendering): A refuses in one line (exit 2), B's deploy.json is intact, no staging directory stays."""
+    import kvcal.recommend as R
+    from kvcal.outputs import write_dir_atomically
+
+    out = tmp_path / "rec"
+    real = R.render_markdown
+
+    def render_then_b_finishes(doc):
+        write_dir_atomically(out, lambda d: (d / "deploy.json").write_text('{"schema": "kvcal-recommend/1", "b": 1}'),
+                             kind="recommendation")
+        return real(doc)
+
+    monkeypatch.setattr(R, "render_markdown", render_then_b_finishes)
+    r = run([*BASE, "--model", tiny_dir, "--out", out, "--dtypes", "int4_per_token_head", "--max-skip", 0,
+             "--accept", "kl_mean<=1"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: ") and "written by another process" in r.output
+    assert json.loads((out / "deploy.json").read_text()) == {"schema": "kvcal-recommend/1", "b": 1}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".rec.")) == []
+
+
+def test_recommend_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(tiny_dir, tmp_path):
+    """recommend's --out on a full filesystem (a 256 KiB tmpfs filled but for 2 KiB; skipped where one cannot be
+    mounted): exit 2, one line naming the path and "No space left on device", nothing left in the filesystem."""
+    import os
+    import subprocess
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(fs)], capture_output=True)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({m.stderr.decode().strip() or m.returncode})")
+    try:
+        st = os.statvfs(fs)
+        (fs / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 2048))
+        r = run([*BASE, "--model", tiny_dir, "--out", fs / "rec", "--dtypes", "int4_per_token_head", "--max-skip", 0,
+                 "--accept", "kl_mean<=1"])
+        assert r.exit_code == 2, r.output
+        last = r.output.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "No space left on device" in last and str(fs) in last, r.output
+        assert "Traceback" not in r.output
+        assert sorted(p.name for p in fs.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", str(fs)], capture_output=True)
