@@ -618,3 +618,17 @@ def test_every_writer_reports_a_full_disk_in_one_line_and_leaves_nothing(full_fs
     msg = run_cli(["report", "--artifact", str(art), "--out", str(rep)], code=2)
     assert "No space left on device" in msg and "nothing was written" in msg
     assert list(rep.iterdir()) == []
+
+
+def test_single_file_writer_on_a_full_disk_says_so_and_leaves_nothing(full_fs):
+    """The one-file writer behind `evaluate --json` and `verify --json` (and calibrate's --checkpoint-every state) on a
+    full filesystem: one line naming the path and "No space left on device", no temporary sibling or partial file
+    left."""
+    from kvcal.errors import KvcalError
+    from kvcal.outputs import write_file_atomically
+
+    out = full_fs / "e.json"
+    with pytest.raises(KvcalError, match="No space left on device") as e:
+        write_file_atomically(out, "x" * 65536, "evaluation", flag="--json")
+    assert "\n" not in str(e.value) and str(out) in str(e.value)
+    assert sorted(p.name for p in full_fs.iterdir()) == ["filler"]
