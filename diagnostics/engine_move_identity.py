@@ -207,7 +207,7 @@ def main() -> int:
 
             traceback.print_exception(r.exception)
         out["steps"][name] = {"exit": r.exit_code, "stdout": sha(scrub_text(r.output, w).encode()),
-                              "argv": [a.replace(w, "<W>") for a in argv]}
+                              "argv": [a.replace(w, "<W>").replace(str(REPO), "<REPO>") for a in argv]}
         print(f"{name}: exit {r.exit_code}", file=sys.stderr, flush=True)
     for p in sorted(work.rglob("*")):
         rel = str(p.relative_to(work))
