@@ -52,8 +52,8 @@ def by_type(values, types) -> dict:
 def stage_skip(out: Path, model, tok) -> dict:
     from kvcal.artifact import load_artifact
     from kvcal.calibrate import CalibrateConfig, calibrate
-    from kvcal.formats.memory import vllm_bytes_per_token, vllm_token_shares
-    from kvcal.search.skip_layers import budget_skip_layers, skip_costs
+    from kvcal.engines.vllm.memory import vllm_bytes_per_token, vllm_token_shares
+    from kvcal.engines.vllm.skip_layers import budget_skip_layers, skip_costs
 
     types = types_of(model)
     t0 = time.perf_counter()

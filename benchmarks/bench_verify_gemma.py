@@ -57,10 +57,10 @@ def build(out: Path) -> dict:
 def predicted(paths: dict, n: int, T: int, out: Path) -> None:
     import torch
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.models import load_model, load_tokenizer
     from kvcal.verify import _window_means, agreement, predict, read_checkpoint, summarize
-    from kvcal.vllm_plan import VllmKVPlan
 
     tok = load_tokenizer(str(paths["hf"]))
     ids, _ = corpus_stream(str(DATA), tok)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from kvcal.formats import vllm_dtypes as V
+from kvcal.engines.vllm import dtypes as V
 
 
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -53,11 +53,11 @@ def main(argv=None):
         from pathlib import Path
 
         from kvcal.capture.hooks import capture_kv
+        from kvcal.engines.vllm.memory import vllm_bytes_per_token
+        from kvcal.engines.vllm.plan import VllmKVPlan
         from kvcal.evaluate.protocol_a import teacher_forced
         from kvcal.evaluate.windows import text_windows
-        from kvcal.formats.memory import vllm_bytes_per_token
         from kvcal.models import load_model, load_tokenizer
-        from kvcal.vllm_plan import VllmKVPlan
 
         model, tok = load_model(a.model), load_tokenizer(a.model)
         wins = text_windows(tok, Path(a.text).read_text(encoding="utf-8"), a.tokens, a.windows)

@@ -4,7 +4,7 @@ Embedded SmolLM2-135M (fp32). Calibration: ``--calib`` windows of ``--seq-len`` 
 ``../shared/data/wikitext2_valid.txt`` taken after the evaluation region (kvcal's capture, reservoir and
 held-out split defaults). Evaluation: the first ``--eval`` windows of ``--eval-len`` tokens of the same
 file (never seen by calibration), teacher-forced (Protocol A) with every layer's K/V stored as vLLM
-stores them and the queries FP8-quantized with the layer's ``q_scale`` (:class:`kvcal.vllm_plan.VllmKVPlan`).
+stores them and the queries FP8-quantized with the layer's ``q_scale`` (:class:`kvcal.engines.vllm.plan.VllmKVPlan`).
 
 Rows: (a) llm-compressor-style checkpoint (k/v = calibration amax/448 per tensor, no q_scale → vLLM's 1.0);
 (b) no checkpoint scales (unity); (c) kvcal ``calibrate --engine vllm --kv-cache-dtype fp8`` k/v/q scales;
@@ -34,10 +34,10 @@ def main(argv=None):
                     help="calibrate on this kvcal corpus instead (e.g. calibration_sets/chat.jsonl: how it transfers)")
     a = ap.parse_args(argv)
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
+    from kvcal.engines.vllm.search_fp8 import search_vllm_fp8
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.search.fp8 import search_scales
-    from kvcal.search.vllm_fp8 import search_vllm_fp8
-    from kvcal.vllm_plan import VllmKVPlan
 
     t0 = time.perf_counter()
     s = load_and_capture(a, a.calib_corpus)

@@ -5,7 +5,7 @@ Embedded SmolLM2-135M (fp32). Calibration: ``--calib`` windows of ``--seq-len`` 
 held-out split defaults). Evaluation: the first ``--eval`` windows of ``--eval-len`` tokens of the same file
 (never seen by calibration), teacher-forced (Protocol A): every layer's K/V stored as vLLM stores NVFP4
 (E2M1 in 16-channel blocks, e4m3 block scales computed at write time, the static outer scale) and, on
-the SM100 path, the queries FP8-quantized with the layer's ``q_scale`` (:class:`kvcal.vllm_plan.VllmKVPlan`).
+the SM100 path, the queries FP8-quantized with the layer's ``q_scale`` (:class:`kvcal.engines.vllm.plan.VllmKVPlan`).
 
 Rows (outer scales = vLLM's per-layer ``k_scale``/``v_scale`` for an NVFP4 cache):
 (a) amax rule: outer = calibration amax / 2688 (e4m3 max x E2M1 max), no q_scale → vLLM's 1.0;
@@ -30,9 +30,9 @@ def main(argv=None):
 
     a = window_parser(__doc__, calib=8).parse_args(argv)
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
+    from kvcal.engines.vllm.search_nvfp4 import NVFP4_AMAX_DIVISOR, search_vllm_nvfp4
     from kvcal.evaluate.protocol_a import teacher_forced
-    from kvcal.search.vllm_nvfp4 import NVFP4_AMAX_DIVISOR, search_vllm_nvfp4
-    from kvcal.vllm_plan import VllmKVPlan
 
     t0 = time.perf_counter()
     s = load_and_capture(a)

@@ -98,12 +98,12 @@ def recheck(doc: dict, a, out: Path) -> None:
     """The chosen configuration on ``--recheck-windows`` WikiText windows after the evaluated ones."""
     import torch
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.accept import judge, parse_accept
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
     from kvcal.recommend import _artifact_scales
-    from kvcal.vllm_plan import VllmKVPlan
 
     torch.set_num_threads(1)
     ch = doc["chosen"]

@@ -1,7 +1,7 @@
 """vLLM's 16-bit layers chosen by a measured probe (``--skip-layers auto``) vs vLLM's fixed first-2/last-2 rule.
 
 For each ``--kv-cache-dtype`` (default ``turboquant_4bit_nc``) on the embedded model: the per-layer
-sensitivity ``s_l`` (Protocol-A KL with only layer ``l`` quantized, :func:`kvcal.evaluate.vllm_probe.layer_sensitivity`)
+sensitivity ``s_l`` (Protocol-A KL with only layer ``l`` quantized, :func:`kvcal.engines.vllm.probe.layer_sensitivity`)
 on ``--probe-windows`` WikiText windows; then Protocol A (:func:`kvcal.evaluate.teacher_forced`) on the
 next ``--windows`` windows (disjoint) for
 
@@ -62,13 +62,15 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
 
+    from kvcal.engines.vllm.memory import vllm_bytes_per_token
+    from kvcal.engines.vllm.plan import VllmKVPlan
+    from kvcal.engines.vllm.probe import layer_sensitivity, vllm_scales
+    from kvcal.engines.vllm.skip_layers import probe_plans, rule_skip_layers, skip_costs
     from kvcal.evaluate.protocol_a import plans_kl, plans_kl_nll, teacher_forced
-    from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_scales
     from kvcal.evaluate.windows import cut_windows
-    from kvcal.formats.memory import model_shape, vllm_bytes_per_token
+    from kvcal.formats.memory import model_shape
     from kvcal.models import load_model, load_tokenizer
-    from kvcal.search.skip_layers import choose_skip_layers, probe_plans, rule_skip_layers, skip_costs
-    from kvcal.vllm_plan import VllmKVPlan
+    from kvcal.search.skip_layers import choose_skip_layers
 
     tok = load_tokenizer(a.model)
     model = load_model(a.model)

@@ -10,7 +10,7 @@ independently of kvcal's exporters) and evaluated teacher-forced (Protocol A) on
 ``--eval-len`` tokens, one window at a time, with two cache writes:
 
 * ``gpu``: kvcal's emulation (not an engine run) of vLLM 0.33's GPU write, FP8 e4m3 rounded to nearest with saturation and the queries FP8 at q_scale 1.0
-  (:class:`kvcal.vllm_plan.VllmKVPlan`, ``--kv-cache-dtype fp8``, backend ``cuda``) — what a vLLM user serves;
+  (:class:`kvcal.engines.vllm.plan.VllmKVPlan`, ``--kv-cache-dtype fp8``, backend ``cuda``) — what a vLLM user serves;
 * ``kvcal``: kvcal's own runtime write (the same rounding, queries exact).
 
 Rows: no scales (1.0, what vLLM does without a checkpoint scale), absmax (calibration amax / 448: llm-compressor's
@@ -98,11 +98,11 @@ def main(argv=None):
 
     from kvcal.artifact import load_artifact
     from kvcal.calibrate import CalibrateConfig, calibrate
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import cut_windows
     from kvcal.export import export
     from kvcal.models import load_model, load_tokenizer
-    from kvcal.vllm_plan import VllmKVPlan
 
     t0 = time.perf_counter()
     tok, model = load_tokenizer(None), load_model(None)

@@ -212,6 +212,7 @@ def memory(model: str = "smollm2-135m", fmt: str = "fp8", *, granularity: str | 
 
 
 def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sinks, context, batch, skip_layers):
+    from kvcal.engines import with_attr
     from kvcal.formats.granularity import granularity_from_name
     from kvcal.formats.memory import memory_report, peak_cache_bytes
     from kvcal.formats.spec import KVCacheConfig, TensorQuantSpec
@@ -219,7 +220,8 @@ def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sin
 
     shape = model_shape_of(model)
     b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
-    if fmt.startswith("vllm:"):
+    engine_name, colon, engine_dtype = fmt.partition(":")
+    if colon and engine_name in with_attr("cache_bytes"):  # <engine>:<dtype>: the pages that engine allocates
         given = [name for name, v in (("--granularity", granularity is not None),
                                       ("--group-size", group_size is not None),
                                       ("--symmetric/--asymmetric", symmetric is not None),
@@ -228,7 +230,7 @@ def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sin
             raise ValueError(f"{', '.join(given)}: not with --format {fmt}: vLLM's --kv-cache-dtype fixes the page "
                              "layout (no residual window or sink tokens kept at 16 bits), so the bytes printed would "
                              "leave them out; drop them (--skip-layers names the layers vLLM keeps at 16 bits)")
-        return _memory_vllm(model, shape, fmt[len("vllm:"):], skip_layers, context, batch, b16)
+        return _memory_engine(engine_name, model, shape, engine_dtype, skip_layers, context, batch, b16)
     if skip_layers is not None:
         raise ValueError("--skip-layers applies to vllm:<dtype> formats only (e.g. --format vllm:fp8)")
     if group_size is not None and group_size < 1:
@@ -272,12 +274,14 @@ def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sin
                         peak=peak if peak[0] > rep.total else None)
 
 
-def _memory_vllm(model, shape, dtype, skip_layers, context, batch, b16) -> MemoryResult:
-    """``kvcal memory --format vllm:<dtype>``: the pages vLLM 0.33 allocates (raises ValueError)."""
-    from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
-    from kvcal.formats.vllm_dtypes import VLLM_VERSION, boundary_skip_layers, vllm_dtype
+def _memory_engine(name, model, shape, dtype, skip_layers, context, batch, b16) -> MemoryResult:
+    """``kvcal memory --format <engine>:<dtype>`` (``vllm:fp8``): the pages engine ``name`` allocates (its facade,
+    :mod:`kvcal.engines`: ``bytes_per_token``, ``cache_bytes``, ``boundary_skip_layers``; vLLM 0.33's,
+    :mod:`kvcal.engines.vllm.memory`). Raises ValueError (the engine's ``DTypeError`` for an unknown dtype)."""
+    from kvcal.engines import engine
 
-    vllm_dtype(dtype)
+    eng = engine(name)
+    eng.dtype(dtype)
     from kvcal.options import split_list
 
     skip = []
@@ -295,9 +299,9 @@ def _memory_vllm(model, shape, dtype, skip_layers, context, batch, b16) -> Memor
         check_max_positions(context, shape.max_position_embeddings, "--context")
     if batch < 1 or ctx < 0:
         raise ValueError(f"--batch must be >= 1 and --context >= 0, got {batch} and {ctx}")
-    bpt = vllm_bytes_per_token(shape, dtype, skip)
-    total = vllm_cache_bytes(shape, dtype, ctx, batch, skip_layers=skip)
-    all_skip = sorted(set(skip) | set(boundary_skip_layers(dtype, shape.num_layers)))
-    return MemoryResult(model, f"vllm:{dtype}", shape, ctx, batch, b16,
-                        vllm={"dtype": dtype, "version": VLLM_VERSION, "skip_layers": all_skip, "bytes_per_token": bpt,
+    bpt = eng.bytes_per_token(shape, dtype, skip)
+    total = eng.cache_bytes(shape, dtype, ctx, batch, skip_layers=skip)
+    all_skip = sorted(set(skip) | set(eng.boundary_skip_layers(dtype, shape.num_layers)))
+    return MemoryResult(model, f"{name}:{dtype}", shape, ctx, batch, b16,
+                        vllm={"dtype": dtype, "version": eng.VERSION, "skip_layers": all_skip, "bytes_per_token": bpt,
                               "total": total, "block_size": 16})

@@ -10,9 +10,9 @@ and assembles the artifact metadata. The stages live in their own modules:
    attention hook — streaming statistics and two bounded reservoirs of real (q, k, v) sequences
    (data parallel: :mod:`kvcal.capture.distributed`; resumable: :mod:`kvcal.capture.checkpoint`);
 4. the search: :mod:`kvcal.search.fp8` (static FP8 scales, K by attention KL, V by attention-output
-   error, guarded on held-out), :mod:`kvcal.search.vllm_fp8` (``--engine vllm``: k/v/q scales) or
-   :mod:`kvcal.search.integer` (integer presets and ``--bits`` allocation) — every one returns a
-   :class:`~kvcal.search.result.SearchResult`;
+   error, guarded on held-out), the engine's (``--engine NAME``: ``calibrate_search`` of its facade,
+   :mod:`kvcal.engines`; vLLM's k/v/q scales or NVFP4 outer scales) or :mod:`kvcal.search.integer` (integer
+   presets and ``--bits`` allocation) — every one returns a :class:`~kvcal.search.result.SearchResult`;
 5. the artifact, written atomically (``kv_scales.safetensors`` + ``report.md`` from
    :func:`kvcal.report.markdown.render_report`, :mod:`kvcal.artifact`).
 
@@ -35,7 +35,6 @@ from kvcal.capture.checkpoint import Checkpointing
 from kvcal.capture.distributed import finish_distributed, init_distributed
 from kvcal.capture.run import CaptureResult, run_capture, split_heldout
 from kvcal.errors import KvcalError
-from kvcal.formats.vllm_dtypes import vllm_dtype
 from kvcal.search.fp8 import plan_from_choices, search_scales
 from kvcal.search.integer import bits_precheck, search_int
 from kvcal.search.result import SearchResult
@@ -63,9 +62,11 @@ class CalibrateConfig:
     ``k4v2``); ``bits``: an average budget in bits per cached element *including* every scale,
     zero point, 16-bit sink and per-layer metadata at ``budget_context`` tokens — per-layer K/V
     formats are then allocated from measured sensitivity (overrides ``preset``).
-    ``skip_layers`` (``--engine vllm``): ``"auto"`` or the layer indices vLLM keeps at 16 bits; ``auto``
-    chooses them under ``max_skip`` / ``max_bytes_per_token`` by a per-layer probe on the ``probe_tokens``
-    held-out tokens (:mod:`kvcal.vllm_skip`); recorded in the ``vllm`` metadata section.
+    ``engine`` (``--engine``): calibrate what that engine serves (:mod:`kvcal.engines`; its facade checks
+    ``kv_cache_dtype``, ``backend`` and the 16-bit layers, and runs the search). ``skip_layers`` (``--engine vllm``):
+    ``"auto"`` or the layer indices vLLM keeps at 16 bits; ``auto`` chooses them under ``max_skip`` /
+    ``max_bytes_per_token`` by a per-layer probe on the ``probe_tokens`` held-out tokens
+    (:mod:`kvcal.engines.vllm.skip`); recorded in the ``vllm`` metadata section.
     ``probe_tokens`` (integer paths, ``--skip-layers auto``): tokens of held-out samples (in order; the last one cut to fit;
     calibration samples when there is no held-out split) on which, with ``bits``, each layer's K and
     V are quantized alone to measure the model-level KL that weights the allocation
@@ -116,9 +117,9 @@ class CalibrateConfig:
     text_field: str | None = None  # corpus field holding raw text (kvcal.corpus; default: detected)
     messages_field: str | None = None  # corpus field holding the conversation
     split: str | None = None  # dataset split of a save_to_disk / hub corpus
-    engine: str | None = None  # "vllm": calibrate what vLLM serves for ``kv_cache_dtype`` (kvcal.search.vllm_fp8)
+    engine: str | None = None  # "vllm": calibrate what vLLM serves for ``kv_cache_dtype`` (kvcal.engines.vllm)
     kv_cache_dtype: str | None = None  # vLLM --kv-cache-dtype (fp8 / fp8_e4m3: k/v/q scales)
-    skip_layers: str | tuple[int, ...] | None = None  # --skip-layers: "auto" or 16-bit layer indices (kvcal.vllm_skip)
+    skip_layers: str | tuple[int, ...] | None = None  # --skip-layers: "auto" or 16-bit layer indices (kvcal.engines.vllm.skip)
     max_skip: int | None = None  # --skip-layers auto: most layers at 16 bits
     max_bytes_per_token: int | None = None  # --skip-layers auto: KV bytes per token, all layers, as vLLM allocates
     backend: str | None = None  # --engine vllm: the attention backend's write path searched (cuda default; cpu)
@@ -126,29 +127,17 @@ class CalibrateConfig:
     def __post_init__(self):
         if self.batch_size < 1:
             raise KvcalError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if self.engine is not None or self.kv_cache_dtype is not None:
-            from kvcal.search.vllm_fp8 import check_engine_options
+        if any(v is not None for v in (self.engine, self.kv_cache_dtype, self.backend, self.skip_layers, self.max_skip,
+                                       self.max_bytes_per_token)):  # the engine's options: its facade checks them
+            from kvcal.engines import engine, with_attr
 
-            check_engine_options(self.engine, self.kv_cache_dtype, self.preset, self.bits, self.format, self.granularity)
-        if self.backend is not None:
-            from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend
-
-            if self.engine != "vllm":
-                raise KvcalError("--backend applies with --engine vllm --kv-cache-dtype fp8; add them or drop --backend")
-            try:
-                object.__setattr__(self, "backend", vllm_backend(self.backend).name)  # frozen dataclass
-                check_backend_serves(self.backend, self.kv_cache_dtype)
-            except VllmDTypeError as e:
-                raise KvcalError(f"--backend: {e}") from None
-            if self.backend == "cpu" and self.granularity == "head":
-                raise KvcalError("--granularity head: vLLM's CPU backend reads one k_scale/v_scale per layer "
-                                 "(layer._k_scale_float); drop --granularity head for --backend cpu")
-        if self.skip_layers is not None or self.max_skip is not None or self.max_bytes_per_token is not None:
-            from kvcal.search.skip_layers import parse_skip_layers
-            from kvcal.vllm_skip import check_skip_config
-
-            object.__setattr__(self, "skip_layers", parse_skip_layers(self.skip_layers))  # frozen dataclass
-            check_skip_config(self.engine, self.kv_cache_dtype, self.skip_layers, self.max_skip, self.max_bytes_per_token)
+            calibrating = with_attr("calibrate_check")  # the engines kvcal calibrates for
+            if self.engine is not None and self.engine not in calibrating:
+                raise KvcalError(f"--engine {self.engine!r}: kvcal calibrates for {'/'.join(calibrating)} only; use "
+                                 f"--engine {calibrating[0]} or drop --engine")
+            # with no --engine, the engine that takes these options says what to add
+            for name, value in engine(self.engine or calibrating[0]).calibrate_check(self).items():
+                object.__setattr__(self, name, value)  # frozen dataclass: normalized backend, parsed skip_layers
         # options given explicitly (not None) are never dropped silently, even when equal to their defaults
         if self.bits is not None and self.preset is not None:
             raise KvcalError(f"--bits {self.bits:g} allocates formats per layer and replaces --preset; give one of them")
@@ -317,7 +306,7 @@ def preflight(cfg: CalibrateConfig, model=None, corpus=None):
     if cfg.checkpoint_every and not cfg.resume:  # its checkpoint file is an output too (--resume checks it on load)
         check_output_file(checkpoint_path(out), "checkpoint", _out_inputs(cfg), KvcalError, "--out")
     # the full config only where a check below reads more than the shape (a GGUF's header suffices otherwise)
-    full = cfg.bits is not None or cfg.engine == "vllm" or cfg.skip_layers is not None
+    full = cfg.bits is not None or cfg.engine is not None or cfg.skip_layers is not None
     pre = resolve_inputs(cfg.model, corpus, loaded=model, full=full)
     check_max_positions(cfg.max_seq_len, pre.model.max_positions, "--max-seq-len")
     if not full:
@@ -325,18 +314,10 @@ def preflight(cfg: CalibrateConfig, model=None, corpus=None):
     mconf = pre.model.config
     if cfg.bits is not None:  # an infeasible budget is known from the config alone
         bits_precheck(cfg.bits, mconf, cfg.budget_context, cfg.sink_tokens, cfg.residual_window)
-    if cfg.engine == "vllm":  # a head_dim the dtype cannot store (nvfp4: multiple of 16)
-        from kvcal.formats.memory import model_shape
-        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
+    if cfg.engine is not None:  # the engine's: a head_dim the dtype cannot store, the 16-bit layers' range and bytes
+        from kvcal.engines import engine
 
-        try:
-            check_head_dim(cfg.kv_cache_dtype, model_shape(mconf).head_dim)
-        except VllmDTypeError as e:
-            raise KvcalError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: {e}; choose fp8") from None
-    if cfg.skip_layers is not None:  # layer range and byte budget are known from the config alone
-        from kvcal.vllm_skip import check_skip_model
-
-        check_skip_model(cfg.skip_layers, cfg.kv_cache_dtype, mconf, cfg.max_skip, cfg.max_bytes_per_token)
+        engine(cfg.engine).calibrate_preflight(cfg, mconf)
     return out, pre
 
 
@@ -375,8 +356,8 @@ def _channel_ranges(cap: CaptureResult, layers_meta: list[dict]) -> None:
 
 
 def _search(cfg, cap, mmeta, progress, log, probe, int_path: bool) -> SearchResult:
-    """Run the search the options name: integer presets / ``--bits`` (:func:`search_int`), vLLM NVFP4
-    outer scales, vLLM FP8 k/v/q scales, or kvcal's static FP8 scales — one
+    """Run the search the options name: integer presets / ``--bits`` (:func:`search_int`), the engine's
+    (``--engine``: vLLM's NVFP4 outer scales or FP8 k/v/q scales), or kvcal's static FP8 scales — one
     :class:`~kvcal.search.result.SearchResult` whichever it is."""
     from kvcal.search.fp8 import static_result
 
@@ -388,19 +369,12 @@ def _search(cfg, cap, mmeta, progress, log, probe, int_path: bool) -> SearchResu
                           log=log, probe=probe if cfg.bits is not None else None,
                           sink_probe=probe.plans_kl if probe is not None and cfg.sink_tokens is None else None)
     t1 = time.perf_counter()
-    if cfg.engine == "vllm" and vllm_dtype(cfg.kv_cache_dtype).family == "nvfp4":  # outer scales (kvcal.search.vllm_nvfp4)
-        from kvcal.search import vllm_nvfp4
+    if cfg.engine is not None:  # what the engine reads (kvcal.engines.<name>: calibrate_search)
+        from kvcal.engines import engine
 
-        rows = vllm_nvfp4.search_vllm_nvfp4(cap, cfg.max_queries, progress)
-        plan, layers_meta = vllm_nvfp4.plan_from_rows(rows)
+        rows, plan, layers_meta = engine(cfg.engine).calibrate_search(cfg, cap, mmeta, progress)
     else:
-        if cfg.engine == "vllm":  # k/v/q scales for vLLM's FP8 queries (kvcal.search.vllm_fp8)
-            from kvcal.search.vllm_fp8 import search_vllm_fp8
-
-            rows = search_vllm_fp8(cap, cfg.granularity == "head", cfg.max_queries, progress,
-                                   backend=cfg.backend or "cuda")
-        else:
-            rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
+        rows = search_scales(cap, cfg.format, cfg.granularity == "head", cfg.max_queries, progress)
         plan, layers_meta = plan_from_choices(rows, cfg.format, cfg.granularity, mmeta["num_kv_heads"])
     return static_result(rows, plan, layers_meta, time.perf_counter() - t1)
 
@@ -419,44 +393,28 @@ def _search_and_write(cfg, cap, corpus, shape, held_idx, mmeta, out, log, progre
     tensors = res.plan.to_tensors()
     common = _calibration_common(cfg, cap, corpus, held_idx)
     if not int_path:  # the cache write the static scales were searched for (kvcal.formats.fp8.CACHE_WRITES)
-        common["cache_write"] = "truncating" if (cfg.backend or "cuda") == "cpu" else "saturating"
+        common["cache_write"] = "saturating" if cfg.engine is None else _engine(cfg).cache_write(cfg)
     meta = {
         **_meta_head(mmeta, res.plan),
         "calibration": res.calibration_meta(common, bool(held_idx)),
         "corpus": _corpus_meta(corpus, shape),
         "layers": res.layers_meta,
     }
-    if cfg.engine == "vllm":
-        _add_vllm_sections(cfg, res.rows, tensors, meta, model, corpus, held_idx, mmeta, progress, log)
+    if cfg.engine is not None:  # the engine's section (vLLM: q_scale / NVFP4 outer scales / 16-bit layers)
+        _engine(cfg).calibrate_finish(cfg, res.rows, tensors, meta, model, mmeta,
+                                      lambda: _held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log),
+                                      progress, log)
     path = write_artifact(out, tensors, meta, extra_files={"report.md": render_report(meta)},
                           overwrite=cfg.overwrite, inputs=_out_inputs(cfg))
     return {"out": str(path), "metadata": meta, "table": console_summary(meta), "config": asdict(cfg),
             "plan": res.plan}
 
 
-def _add_vllm_sections(cfg, rows, tensors, meta, model, corpus, held_idx, mmeta, progress, log) -> None:
-    """``--engine vllm``: the ``vllm`` metadata section and q_scale / NVFP4 outer-scale tensors
-    (:func:`kvcal.search.vllm_fp8.add_to_artifact`, :func:`kvcal.search.vllm_nvfp4.add_to_artifact`), then
-    the 16-bit layers of ``--skip-layers`` (:func:`kvcal.vllm_skip.choose_skip_layers_for_artifact`)."""
-    from kvcal.vllm_skip import choose_skip_layers_for_artifact
+def _engine(cfg):
+    """The facade of ``cfg.engine`` (:mod:`kvcal.engines`)."""
+    from kvcal.engines import engine
 
-    if vllm_dtype(cfg.kv_cache_dtype).family == "nvfp4":
-        from kvcal.search import vllm_nvfp4
-
-        vllm_nvfp4.add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype)
-    else:
-        from kvcal.search.vllm_fp8 import add_to_artifact
-
-        add_to_artifact(rows, tensors, meta, cfg.kv_cache_dtype, cfg.granularity == "head", mmeta["num_kv_heads"],
-                        cfg.backend or "cuda")
-    pr = (_held_out_probe(model, corpus, held_idx, cfg.probe_tokens, progress, log)
-          if cfg.skip_layers == "auto" else None)  # the probe reads the scales just calibrated (kvcal.vllm_skip)
-    if pr is not None and not pr.samples:
-        raise KvcalError(f"--skip-layers auto: {pr.why_empty}, or name the layers (--skip-layers 0,1,...)")
-    if cfg.skip_layers is not None:  # --skip-layers: the 16-bit layers, recorded in meta["vllm"]
-        choose_skip_layers_for_artifact(model, pr.samples if pr else [], pr.meta if pr else {}, tensors, meta,
-                                        cfg.skip_layers, cfg.max_skip, cfg.max_bytes_per_token,
-                                        progress=progress, log=log)
+    return engine(cfg.engine)
 
 
 def _meta_head(mmeta: dict, plan) -> dict:
@@ -539,7 +497,7 @@ def _held_out_probe(model, corpus, held_idx, probe_tokens: int, progress: bool, 
         return plans_kl(model, picked, plans, progress=progress)
 
     probe.meta = {"source": source, "samples": len(picked), "tokens": n, "probe_tokens": probe_tokens}
-    probe.samples = picked  # --skip-layers auto probes these too (kvcal.vllm_skip)
+    probe.samples = picked  # --skip-layers auto probes these too (kvcal.engines.vllm.skip)
     probe.why_empty = why  # what to fix when picked is empty (not in meta: the artifact records meta)
     sink_probe.meta = {"probe": dict(probe.meta)}
     probe.plans_kl = sink_probe

@@ -21,19 +21,11 @@ from pathlib import Path
 
 import torch
 
+from kvcal.engines import engine
 from kvcal.errors import KvcalError
 from kvcal.export.hf_loader import check_transformers_kv
 from kvcal.export.layouts import FAMILIES, family, to_canonical
-from kvcal.export.rules import (
-    EngineLoad,
-    LayerLoad,
-    is_kv_scale_name,
-    simulate_sglang,
-    simulate_sglang_json,
-    simulate_trtllm,
-    simulate_vllm,
-    vllm_remap,
-)
+from kvcal.export.rules import EngineLoad, LayerLoad, is_kv_scale_name, remap_kv_scale_name
 
 JSON_NAME = "kv_cache_scales.json"
 
@@ -98,7 +90,7 @@ def _kv_tensors(files: list[Path], where: dict | None = None) -> dict:
     out = {}
     for f in files:
         header, _ = read_header(f)
-        names = [n for n in header if n != "__metadata__" and (is_kv_scale_name(n) or vllm_remap(n)
+        names = [n for n in header if n != "__metadata__" and (is_kv_scale_name(n) or remap_kv_scale_name(n)
                                                                or n.endswith((".k_scale", ".v_scale", ".kv_scale", ".q_scale")))]
         if not names:
             continue
@@ -143,19 +135,18 @@ def _bad_json_warnings(f: Path, doc: dict) -> list[str]:
 def _stored_layers(tensors: dict, n: int) -> list[dict]:
     """Per-layer K/V values stored under any engine-recognised name (vLLM names first, then the
     legacy TensorRT-LLM shared factor)."""
-    from kvcal.export.rules import _TRTLLM_LEGACY
-
+    legacy = engine("trtllm").LEGACY_SCALE_NAME  # TensorRT-LLM's kv_cache_scaling_factor
     rows = [{"layer": i, "k": None, "v": None, "q": None} for i in range(n)]
     for name, t in sorted(tensors.items()):
         vals = [float(x) for x in t.float().flatten().tolist()]
-        r = vllm_remap(name)
+        r = remap_kv_scale_name(name)
         if r is not None and r.layer < n and r.param == "q_scale":  # vLLM's FP8 query scale
             rows[r.layer]["q"] = vals
         elif r is not None and r.layer < n and r.param in ("k_scale", "v_scale"):
             rows[r.layer][r.param[0]] = vals[:1] if r.rule == "output_scale" else vals
             if r.rule == "kv_scale":
                 rows[r.layer]["v"] = vals
-        elif (m := _TRTLLM_LEGACY.match(name)) and int(m.group(1)) < n:
+        elif (m := legacy.match(name)) and int(m.group(1)) < n:
             rows[int(m.group(1))]["k"] = rows[int(m.group(1))]["v"] = vals
     return rows
 
@@ -238,15 +229,15 @@ def _has_kvcal_meta(f: Path) -> bool:
 
 
 def _inspect_artifact(p: Path) -> Inspection:
-    from kvcal.artifact import load_artifact, vllm_section
+    from kvcal.artifact import load_artifact
+    from kvcal.artifact.sections import engine_section
     from kvcal.export import target_names
     from kvcal.export.base import get_target
-    from kvcal.export.vllm import kv_only_quantization_config
 
     art = load_artifact(p)
     meta = art.metadata
     n = art.num_layers
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     nvfp4 = sec.nvfp4_dtype if sec else None  # calibrate --engine vllm --kv-cache-dtype nvfp4: per-layer outer scales
     kv = meta["kv"]
     k = kv.get("k") or {}
@@ -266,7 +257,7 @@ def _inspect_artifact(p: Path) -> Inspection:
                          f"query quantization {sec.query_quantization}; skipped layers "
                          f"{list(sec.skip_layers) or 'none'}")
     nkv = meta["model"].get("num_kv_heads")
-    qc = kv_only_quantization_config(k.get("granularity", "tensor"))
+    qc = engine("vllm").kv_only_quantization_config(k.get("granularity", "tensor"))
     scales = {name: t for name, t in art.tensors.items() if name.endswith(("k_scale", "v_scale"))}
     if nvfp4:
         scales = {f"model.layers.{i}.self_attn.{s}_scale": art.tensors[f"model.layers.{i}.self_attn.{s}_outer_scale"]
@@ -275,11 +266,11 @@ def _inspect_artifact(p: Path) -> Inspection:
                          "layer's k_scale/v_scale, per tensor; export --target vllm writes them so); Q scale: FP8 "
                          "query scale (used on SM100 FlashInfer trtllm-gen only). SGLang and TensorRT-LLM rows "
                          "omitted: they load no NVFP4 KV outer scales from these names")
-        ins.engines["vLLM"] = simulate_vllm(scales, n, nkv, qc)
+        ins.engines["vLLM"] = engine("vllm").simulate(scales, n, nkv, qc)
     else:
-        ins.engines["vLLM"] = simulate_vllm(scales, n, nkv, qc)
-        ins.engines["SGLang"] = simulate_sglang(scales, n, nkv, qc)
-        ins.engines["TensorRT-LLM"] = simulate_trtllm(scales, n)
+        ins.engines["vLLM"] = engine("vllm").simulate(scales, n, nkv, qc)
+        ins.engines["SGLang"] = engine("sglang").simulate(scales, n, nkv, qc)
+        ins.engines["TensorRT-LLM"] = engine("trtllm").simulate(scales, n)
     ins.notes.append("engine rows: the artifact's names as if copied into a checkpoint with a compressed-tensors "
                      "kv_cache_scheme; use `kvcal export` to produce what each engine loads")
     from kvcal.artifact import CONTENT_HASH_KEY
@@ -317,14 +308,14 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
     ins.warnings += _bad_scale_warnings(tensors, where)
     hf = check_transformers_kv(cfg)
     if fam is None:
-        ins.engines["vLLM"] = simulate_vllm(tensors, n, nkv, qc)
-        ins.engines["SGLang"] = simulate_sglang(tensors, n, nkv, qc)
+        ins.engines["vLLM"] = engine("vllm").simulate(tensors, n, nkv, qc)
+        ins.engines["SGLang"] = engine("sglang").simulate(tensors, n, nkv, qc)
         if tensors:
             ins.notes.append(f"model_type {tc.get('model_type')!r} is not in kvcal's layout table "
                              f"({', '.join(FAMILIES)}): engine rows use the Llama naming rules")
     else:  # each engine sees only the names its loader maps for this family (kvcal.export.layouts)
-        ins.engines["vLLM"] = simulate_vllm(to_canonical(fam, "vLLM", tensors), n, nkv, qc)
-        ins.engines["SGLang"] = simulate_sglang(to_canonical(fam, "SGLang", tensors), n, nkv, qc)
+        ins.engines["vLLM"] = engine("vllm").simulate(to_canonical(fam, "vLLM", tensors), n, nkv, qc)
+        ins.engines["SGLang"] = engine("sglang").simulate(to_canonical(fam, "SGLang", tensors), n, nkv, qc)
         qs = sorted(t for t in tensors if t.endswith(".q_scale"))
         if qs and fam.sglang_unknown == "raises":  # kvcal.export.layouts: its load_weights indexes params_dict[name]
             ins.engines["SGLang"].problems.append(
@@ -335,7 +326,7 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
         tmpl = hf.param_template if hf is not None else None
         ins.params = _param_rows(fam, tensors, n, tmpl)
         ins.family = fam
-    ins.engines["TensorRT-LLM"] = simulate_trtllm(tensors, n, hq)
+    ins.engines["TensorRT-LLM"] = engine("trtllm").simulate(tensors, n, hq)
     if hf is not None:
         ins.engines["transformers + compressed-tensors"] = _transformers_load(hf, fam, tensors, n)
         if hf.warning():
@@ -356,7 +347,7 @@ def _inspect_checkpoint(p: Path, tp: int | None) -> Inspection:
     if (p / JSON_NAME).is_file():
         doc = _read_json(p / JSON_NAME)
         ranks = len((doc.get("kv_cache") or {}).get("scaling_factor") or {})
-        ins.engines["SGLang (--quantization-param-path)"] = simulate_sglang_json(
+        ins.engines["SGLang (--quantization-param-path)"] = engine("sglang").simulate_json(
             doc, n, tp or ranks, tc.get("model_type"))
         ins.warnings += _bad_json_warnings(p / JSON_NAME, doc)
     _add_manifest_notes(p, ins)
@@ -439,9 +430,9 @@ def _inspect_standalone(p: Path) -> Inspection:
     ins.layers = _stored_layers(tensors, n)
     ins.granularity = _granularity(ins.layers)
     nkv = len(ins.layers[0]["k"]) if ins.layers and ins.layers[0]["k"] else None
-    ins.engines["vLLM"] = simulate_vllm(tensors, n, nkv, qc)
-    ins.engines["SGLang"] = simulate_sglang(tensors, n, nkv, qc)
-    ins.engines["TensorRT-LLM"] = simulate_trtllm(tensors, n, hq)
+    ins.engines["vLLM"] = engine("vllm").simulate(tensors, n, nkv, qc)
+    ins.engines["SGLang"] = engine("sglang").simulate(tensors, n, nkv, qc)
+    ins.engines["TensorRT-LLM"] = engine("trtllm").simulate(tensors, n, hq)
     if qc is None:  # there is no config.json here at all: say that, not that its quantization_config is missing
         trt = any(n.startswith("transformer.layers.") for n in tensors)
         why = ("these are TensorRT-LLM names (transformer.layers.*), which vLLM and SGLang never load" if trt else
@@ -495,7 +486,7 @@ def _inspect_json(f: Path, tp: int | None) -> Inspection:
         v = rank0.get(str(i))
         vals = [float(v)] if v is not None else None
         ins.layers.append({"layer": i, "k": vals, "v": vals})
-    ins.engines["SGLang"] = simulate_sglang_json(doc, n, tp or len(sf), doc.get("model_type"))
+    ins.engines["SGLang"] = engine("sglang").simulate_json(doc, n, tp or len(sf), doc.get("model_type"))
     ins.warnings += _bad_json_warnings(f, doc)
     vl = EngineLoad("vLLM", problems=["--quantization-param-path was removed in vLLM 0.8: nothing loads, 1.0 is used"])
     ins.engines["vLLM"] = vl

@@ -1,25 +1,55 @@
-"""Import direction of the kvcal package.
+"""Import direction of the kvcal package, and where its engines live.
 
-Claim checked: every import of a ``kvcal`` module by a ``kvcal`` module — at top level or inside a
+Claims checked: every import of a ``kvcal`` module by a ``kvcal`` module — at top level or inside a
 function, class or ``if TYPE_CHECKING`` block — goes to the same layer or a lower one of the map in
 :mod:`kvcal._layers` (formats ← plan ← capture/search/kernels ← artifact/runtime/evaluate ←
-export/report/api ← cli), every module is placed in that map, and the graph of imports between
-units (``kvcal.<subpackage or module>``) has no cycle. Imports are read with :mod:`ast` from the
-source files, so nothing is imported or executed; a wrong-way import found only in a rarely
-called function fails the test as well.
+export/report/api ← cli), every module is placed in that map, and neither the graph of imports between
+modules nor the one between units (``kvcal.<subpackage or module>``, ``kvcal.engines.<name>``) has a cycle.
+
+Engines (issue 41, "one engine, one room"): every module that names an engine lives in that engine's package,
+``kvcal/engines/<name>/``, and no module outside an engine's package imports one (the floors reach an engine
+only by name, through the registry :mod:`kvcal.engines`, which loads it with :mod:`importlib`). The rule,
+read with :mod:`ast` (:func:`engine_names_in`): a module *names* engine ``E`` when a word of
+:data:`ENGINE_WORDS` for ``E`` appears (case-insensitive, anywhere in the identifier) in
+
+* its dotted module name;
+* an import statement anywhere in it: the module imported, a name imported from it, or an alias;
+* a name it defines: a function or class (at any depth), or a module-level assignment target.
+
+Not read: string literals, comments and docstrings — an engine's name is data there (a CLI option such as
+``--vllm-dtype``, a JSON key such as the artifact's ``"vllm"`` section, a row label ``vllm:fp8``, the engine's
+source file cited as the source of a constant: ``vllm/v1/attention/backends/flash_attn.py``), and the floors
+ask the registry for an engine by such a string; nor attribute names, parameters and local variables, which keep
+the public Python API and CLI unchanged (``EvalConfig.vllm_dtypes``, ``MemoryResult.vllm``, ``recommend``'s
+document keys). A module of ``kvcal/engines/<name>/`` names no other engine.
+
+Imports are read with :mod:`ast` from the source files, so nothing is imported or executed; a wrong-way import
+found only in a rarely called function fails the test as well.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 import kvcal
-from kvcal._layers import LAYERS, layer_of, unit_of
+from kvcal._layers import LAYERS, engine_of, layer_of, unit_of
 
 PKG = Path(kvcal.__file__).parent
+
+#: engine package name -> the words that name it in an identifier (case-insensitive substrings). Every package under
+#: kvcal/engines/ must be listed (:func:`test_every_engine_package_has_its_words`): adding an engine adds its words.
+ENGINE_WORDS: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm",),
+    "sglang": ("sglang",),
+    "trtllm": ("trtllm", "tensorrt"),
+    "llamacpp": ("llamacpp", "llama_cpp", "llama.cpp"),
+}
+_WORD = {w: name for name, words in ENGINE_WORDS.items() for w in words}
+_WORD_RE = re.compile("|".join(re.escape(w) for w in sorted(_WORD, key=len, reverse=True)), re.I)
 
 
 def module_name(path: Path) -> str:
@@ -161,7 +191,7 @@ def test_no_import_cycle_between_units():
 @pytest.mark.parametrize("module,layer", [
     ("kvcal", "base"), ("kvcal.formats.quant", "formats"), ("kvcal.plan", "plan"),
     ("kvcal.search.optimizer", "stages"), ("kvcal.kernels.attn_error", "stages"),
-    ("kvcal.artifact", "products"), ("kvcal.export.vllm", "front"), ("kvcal.cli", "cli"),
+    ("kvcal.artifact", "products"), ("kvcal.engines.vllm.export", "front"), ("kvcal.cli", "cli"),
     ("kvcal.outputs", "base"), ("kvcal.corpus.jsonl", "stages"), ("kvcal.artifact.io", "products"),
     ("kvcal.cli.quality", "cli"), ("kvcal.planning", None), ("kvcal.checkpoint", None),
 ])
@@ -171,3 +201,134 @@ def test_layer_map_places_by_longest_prefix(module, layer):
     ``kvcal.checkpoint`` (no such module) nowhere."""
     i = layer_of(module)
     assert (LAYERS[i][0] if i is not None else None) == layer
+
+
+# ---- no cycle between modules --------------------------------------------------------------------------------------
+
+
+def module_graph() -> dict[str, set[str]]:
+    """``{module: {kvcal modules it imports}}`` read from the AST (self-imports left out)."""
+    graph: dict[str, set[str]] = {}
+    for mod, path in all_modules().items():
+        graph[mod] = {t for _, t in kvcal_imports(path) if t != mod}
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """The graph of imports between modules (every kvcal module, the package ``__init__`` files included: a
+    submodule importing its own package and the package importing it is a circle too) has no cycle. The circles
+    issue 41 cut: formats.spec <-> formats.variants, capture.distributed <-> capture.run, the vLLM FP8 and NVFP4
+    searches, the vLLM dtypes package <-> its modules (the GPU-only constants), kernels <-> kernels.triton_quant."""
+    graph = module_graph()
+    cycle = _cycle(graph)
+    assert cycle is None, f"import cycle between modules: {' -> '.join(cycle)}"
+
+
+# ---- engines: one room each ----------------------------------------------------------------------------------------
+
+
+def engine_names_in(module: str, source: str) -> dict[str, list[str]]:
+    """``{engine: [what names it]}`` for module ``module`` with source ``source``, by the rule of the module
+    docstring: its dotted name, every import statement (module, names, aliases), every function or class it defines
+    and its module-level assignment targets. Strings, comments, docstrings, attributes, parameters and locals are
+    not read."""
+    found: dict[str, list[str]] = {}
+
+    def see(ident: str | None, what: str) -> None:
+        for m in _WORD_RE.finditer(ident or ""):
+            found.setdefault(_WORD[m.group(0).lower()], []).append(f"{what} {ident}")
+
+    see(module, "module")
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                see(a.name, "import")
+                see(a.asname, "import ... as")
+        elif isinstance(node, ast.ImportFrom):
+            see(node.module, "from")
+            for a in node.names:
+                see(a.name, "import")
+                see(a.asname, "import ... as")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            see(node.name, "def")
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name):
+                    see(n.id, "assigns")
+    return found
+
+
+def test_engine_rule_reads_what_it_says():
+    """The reader of the rule on a hand-written module: imports (module, name, alias), definitions at any depth and
+    module-level assignments name an engine; a string, a comment, a docstring, an attribute, a parameter and a local
+    do not."""
+    src = (
+        '"""Cites vllm/v1/attention/backends/flash_attn.py."""\n'
+        "import kvcal.engines  # vllm\n"
+        "from kvcal.engines.vllm import plan\n"          # module path
+        "from kvcal.export.rules import simulate_sglang\n"  # a name
+        "from kvcal import x as trtllm_x\n"                # an alias
+        "SGLANG_FILE = 'f.json'\n"                         # module-level assignment
+        "def f(vllm_dtypes=()):\n"                         # a parameter: not read
+        "    llamacpp_local = 'vllm'\n"                     # a local and a string: not read
+        "    def tensorrt_helper(): pass\n"                 # a nested function: read
+        "    return cfg.vllm\n"                             # an attribute: not read
+    )
+    got = engine_names_in("kvcal.example", src)
+    assert sorted(got) == ["sglang", "trtllm", "vllm"]
+    assert got["vllm"] == ["from kvcal.engines.vllm"]
+    assert got["sglang"] == ["import simulate_sglang", "assigns SGLANG_FILE"]
+    assert got["trtllm"] == ["import ... as trtllm_x", "def tensorrt_helper"]
+    assert engine_names_in("kvcal.engines.llamacpp.export", "") == {"llamacpp": ["module kvcal.engines.llamacpp.export"]}
+
+
+def test_every_engine_package_has_its_words():
+    """Every package under kvcal/engines/ is an engine of ENGINE_WORDS (so the rule below knows the words that name
+    it), and its facade sets ``NAME`` to the package name (the name the registry finds it by)."""
+    packages = sorted(p.name for p in (PKG / "engines").iterdir() if (p / "__init__.py").is_file())
+    assert packages, "no engine package under kvcal/engines/"
+    assert set(packages) <= set(ENGINE_WORDS), f"add the words naming {sorted(set(packages) - set(ENGINE_WORDS))}"
+    for name in packages:
+        tree = ast.parse((PKG / "engines" / name / "__init__.py").read_text(encoding="utf-8"))
+        values = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                  if isinstance(t, ast.Name)}
+        assert isinstance(values.get("NAME"), ast.Constant) and values["NAME"].value == name, \
+            f"kvcal/engines/{name}/__init__.py must set NAME = {name!r}"
+
+
+def test_every_module_naming_an_engine_lives_in_its_room():
+    """Every kvcal module that names an engine (rule: module docstring) lives under ``kvcal/engines/<that engine>/``;
+    a module there names no other engine. Each offender is listed with what names which engine."""
+    bad = []
+    for mod, path in all_modules().items():
+        home = engine_of(mod)
+        for eng, why in engine_names_in(mod, path.read_text(encoding="utf-8")).items():
+            if eng != home:
+                bad.append(f"{path.relative_to(PKG.parent)} names {eng} ({'; '.join(why[:3])}) but lives "
+                           + (f"in kvcal/engines/{home}/" if home else "outside kvcal/engines/") + f"; move it to "
+                           f"kvcal/engines/{eng}/ or reach {eng} through kvcal.engines.engine({eng!r})")
+    assert not bad, "modules naming an engine outside its package:\n" + "\n".join(bad)
+
+
+def test_no_module_outside_an_engine_imports_one():
+    """No module imports a module of an engine's package unless it is in that package: the floors (and the other
+    engines) reach an engine only through the registry ``kvcal.engines`` (whatever the engine's name: this does not
+    depend on ENGINE_WORDS)."""
+    bad = []
+    for mod, path in all_modules().items():
+        for line, target in kvcal_imports(path):
+            them = engine_of(target)
+            if them is not None and them != engine_of(mod):
+                bad.append(f"{path.relative_to(PKG.parent)}:{line}: {mod} imports {target}")
+    assert not bad, "imports of an engine's package from outside it (use kvcal.engines.engine(name)):\n" + "\n".join(bad)
+
+
+def test_the_registry_imports_no_engine():
+    """``kvcal.engines`` (the registry, base layer) imports no engine package and nothing above the base layer: it
+    finds engines on disk and loads one with importlib only when asked."""
+    path = PKG / "engines" / "__init__.py"
+    assert all(layer_of(t) == 0 and engine_of(t) is None for _, t in kvcal_imports(path)), kvcal_imports(path)

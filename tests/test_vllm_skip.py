@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kvcal.errors import KvcalError
-from kvcal.search.skip_layers import (
+from kvcal.engines.vllm.skip_layers import (
     budget_skip_layers,
     check_skip_layers,
-    check_skip_options,
     not_applicable,
-    parse_skip_layers,
     serve_skip_arg,
     skip_count_range,
 )
+from kvcal.errors import KvcalError
+from kvcal.search.skip_layers import check_skip_options, parse_skip_layers
 
 CHAT = Path(__file__).resolve().parents[1] / "calibration_sets" / "chat.jsonl"
 

@@ -17,7 +17,7 @@ sibling directory which is renamed into place only when complete (:mod:`kvcal.ou
 Modules: :mod:`kvcal.artifact.io` (the :class:`Artifact`, writing, loading, hashing),
 :mod:`kvcal.artifact.schema` (the metadata schema and content hash), :mod:`kvcal.artifact.validate`
 (tensor names, shapes and scale ranges), :mod:`kvcal.artifact.sections` (typed read views of metadata
-sections: :class:`VllmSection`, :func:`vllm_section`).
+sections: :func:`engine_section`, the engine's own view of the section it calibrated).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvcal.artifact.io import (
            write_artifact,
 )
 from kvcal.artifact.schema import CONTENT_HASH_KEY, SIDES, content_sha256, validate_metadata_schema
-from kvcal.artifact.sections import VllmSection, vllm_section
+from kvcal.artifact.sections import engine_section
 from kvcal.artifact.validate import (
            SCALE_SANITY,
            TENSOR_KINDS,
@@ -51,6 +51,6 @@ from kvcal.outputs import (
 )
 
 __all__ = ["CONTENT_HASH_KEY", "SCALES_FILE", "SCALE_SANITY", "SCHEMA_VERSION", "SIDES", "TENSOR_KINDS", "Artifact",
-           "VllmSection", "artifact_sha256", "check_model_match", "check_output_dir", "check_output_file", "content_sha256",
+           "artifact_sha256", "check_model_match", "check_output_dir", "check_output_file", "content_sha256",
            "is_finite_number", "load_artifact", "validate_metadata_schema", "validate_scales", "validate_tensors",
-           "vllm_section", "write_artifact", "write_dir_atomically", "write_file_atomically"]
+           "engine_section", "write_artifact", "write_dir_atomically", "write_file_atomically"]

@@ -27,13 +27,10 @@ from pathlib import Path
 import torch
 
 from kvcal.artifact.io import Artifact, artifact_sha256, load_artifact
+from kvcal.engines import engine
 from kvcal.errors import ArtifactError
 from kvcal.outputs import EXPORT_MANIFEST
 from kvcal.plan import tensor_name
-
-#: trtllm-legacy's one K/V scale per layer ``i`` (vllm and modelopt names are matched by :data:`_SCALE_NAME`)
-TRTLLM_NAME = "transformer.layers.{i}.attention.kv_cache_scaling_factor"
-SGLANG_JSON = "kv_cache_scales.json"
 
 
 def is_export(path: str | os.PathLike) -> bool:
@@ -111,7 +108,7 @@ def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.T
     ``"q"`` where every layer has one (vllm). Shared targets give the one per-layer value to both sides.
     Raises :class:`ArtifactError` naming the first missing scale or a non-finite / non-positive one."""
     if target == "sglang-json":
-        f = d / SGLANG_JSON
+        f = d / engine("sglang").JSON_FILE  # the target's file (kvcal.engines.sglang)
         try:
             doc = json.loads(f.read_text(encoding="utf-8"))
         except OSError as e:
@@ -135,7 +132,8 @@ def read_scales(d: Path, target: str, num_layers: int) -> dict[str, list[torch.T
             vals.append(torch.tensor([float(v)]))
         out = {"k": vals, "v": [v.clone() for v in vals]}
     elif target == "trtllm-legacy":
-        name = {i: TRTLLM_NAME.format(i=i) for i in range(num_layers)}
+        # the one K/V scale per layer ``i`` (vllm and modelopt names are matched by _SCALE_NAME; kvcal.engines.trtllm)
+        name = {i: engine("trtllm").LEGACY_SCALE_TEMPLATE.format(i=i) for i in range(num_layers)}
         t = _tensors(d, set(name.values()))
         missing = [name[i] for i in range(num_layers) if name[i] not in t]
         if missing:
@@ -221,7 +219,7 @@ def load_deployed(path: str | os.PathLike) -> Artifact:
                 q_from_checkpoint = True
             want_n = int(torch.Size(shape).numel())
             if qv.numel() != want_n and qv.numel() % want_n == 0:
-                # per query head [H_q] (kvcal.export.vllm.vllm_q_scale): vLLM's loader keeps each group's max
+                # per query head [H_q] (kvcal.engines.vllm.export.vllm_q_scale): vLLM's loader keeps each group's max
                 qv = qv.reshape(want_n, -1).amax(1)
             if qv.numel() != want_n:
                 raise ArtifactError(f"{d}: layer {i} q_scale has {qv.numel()} values, the artifact {want_n}; "

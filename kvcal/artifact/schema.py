@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact.sections import vllm_section
+from kvcal.engines import engine, with_attr
 from kvcal.errors import ArtifactError
 
 SIDES = ("k", "v")
@@ -117,17 +117,6 @@ _CORPUS_SCHEMA = {  # the corpus summary inspect and report print
     "truncated": (_optional(_NONNEG_INT), False), "length_percentiles": (_optional(_OBJ), False),
 }
 
-_VLLM_SCHEMA = {  # calibrate --engine vllm (kvcal.search.vllm_fp8.vllm_metadata): what inspect and report print
-    "engine": ((lambda v: v == "vllm", '"vllm"'), True), "kv_cache_dtype": (_STR, True),
-    "skip_layers": ((lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
-                     "a list of layer indices"), False),
-    "query_quantization": (_STR, False),
-    "q_scale": ((lambda v: isinstance(v, list) and all(isinstance(r, list) and all(_is_num(x) for x in r) for r in v),
-                 "a list (one per layer) of lists of finite numbers"), False),
-    "k_outer_scale": (_NUM_LIST, False), "v_outer_scale": (_NUM_LIST, False),  # nvfp4 (kvcal.search.vllm_nvfp4)
-}
-
-
 def _check_section(f: Path, where: str, obj, schema: dict) -> None:
     """Check the fields of ``obj`` (metadata section ``where``) against ``schema``; ArtifactError
     naming the field, what it must be, what it is, and how to fix it."""
@@ -178,23 +167,20 @@ def validate_metadata_schema(f: Path, meta) -> None:
         _check_section(f, f"kv.transforms[{i}]", tr, {s: (_STR, False) for s in SIDES})
     if meta.get("corpus") is not None:
         _check_section(f, "corpus", meta["corpus"], _CORPUS_SCHEMA)
-    if meta.get("vllm") is not None:  # checked as stored first; then read through the typed view
-        _check_section(f, "vllm", meta["vllm"], _VLLM_SCHEMA)
-        sec = vllm_section(meta)
-        bad = [x for x in sec.skip_layers if x >= n]
-        if bad:  # export would print a --kv-cache-dtype-skip-layers naming no layer of the model
-            raise ArtifactError(f"{f}: metadata field vllm.skip_layers names layer(s) {bad} but the model has {n} "
-                                "layers (model.num_layers); fix the field or re-run calibration")
-        if n and len(set(sec.skip_layers)) >= n:  # every layer at 16 bits: nothing in the dtype
-            raise ArtifactError(f"{f}: metadata field vllm.skip_layers keeps all {n} layers at 16 bits, so nothing would "
-                                f"be stored in --kv-cache-dtype {sec.kv_cache_dtype} (the 16-bit cache "
-                                "under its name); leave at least one layer out or re-run calibration")
+    for name in with_attr("check_section"):  # an engine's section (calibrate --engine NAME): the engine checks it
+        if meta.get(name) is not None:
+            engine(name).check_section(f, meta)
     for j, lm in enumerate(meta.get("layers") or []):
         _check_section(f, f"layers[{j}]", lm, {"layer": ((lambda v: _is_int(v) and 0 <= v < n,
                                                            f"a layer index in 0..{n - 1}"), True)})
         for side in (*SIDES, "q"):  # "q": vLLM's query scale (calibrate --engine vllm)
             if lm.get(side) is not None:
                 _check_section(f, f"layers[{j}].{side}", lm[side], _LAYER_SIDE_SCHEMA)
+
+
+#: The field checker and the checks an engine's section schema uses (``check_section`` of its facade, e.g.
+#: :func:`kvcal.engines.vllm.section.check_section`).
+check_fields, is_int, is_num, STR, NUM_LIST = _check_section, _is_int, _is_num, _STR, _NUM_LIST
 
 
 def content_sha256(meta: dict, tensors: dict[str, torch.Tensor]) -> str:

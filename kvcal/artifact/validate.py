@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvcal.artifact.schema import SIDES
-from kvcal.artifact.sections import vllm_section
+from kvcal.artifact.sections import engine_section
 from kvcal.errors import ArtifactError
 from kvcal.plan import tensor_name
 
@@ -42,7 +42,7 @@ TENSOR_KINDS = ("scale", "zero_point", "clip_ratio", "mean", "rounding", "channe
 #: Tensors outside the per-layer K/V pattern: the query scale (per layer) and the RoPE table.
 _OTHER_TENSOR = ("q_scale",)
 #: vLLM NVFP4 outer scales (``model.layers.{i}.self_attn.{k,v}_outer_scale``, float32 ``[1]``; written by
-#: ``calibrate --engine vllm --kv-cache-dtype nvfp4``, :mod:`kvcal.search.vllm_nvfp4`): accepted only when
+#: ``calibrate --engine vllm --kv-cache-dtype nvfp4``, :mod:`kvcal.engines.vllm.search_nvfp4`): accepted only when
 #: the metadata's ``vllm.kv_cache_dtype`` is an nvfp4 dtype, and then required for every layer.
 _OUTER_KIND = "outer_scale"
 #: e4m3 max x E2M1 max: the NVFP4 amax rule's divisor (outer = amax / 2688).
@@ -102,7 +102,7 @@ def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
         if kind == _OUTER_KIND:
             _check_outer_scale(f, meta, name, t, i, side)
             continue
-        if side == "q":  # vLLM's static FP8 query scale (kvcal.search.vllm_fp8): per tensor or per KV-head group
+        if side == "q":  # vLLM's static FP8 query scale (kvcal.engines.vllm.search_fp8): per tensor or per KV-head group
             if tuple(t.shape) not in ((1,), (H, 1, 1)):
                 raise ArtifactError(f"{f}: {name} has shape {list(t.shape)}, expected [1] (per tensor) or {[H, 1, 1]} "
                                     f"(one per KV-head group, model.num_kv_heads {H}); the file was edited — re-run "
@@ -132,7 +132,7 @@ def validate_tensors(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> N
             if bool(bad.any()):
                 raise ArtifactError(f"{f}: tensor {name} holds zero, negative or non-finite scales "
                                     f"({t[bad].flatten()[:3].tolist()}); re-run calibration")
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     nvfp4 = sec.nvfp4_dtype if sec else None
     if nvfp4:
         lost = [f"model.layers.{i}.self_attn.{s}_{_OUTER_KIND}" for i in range(n) for s in SIDES
@@ -149,7 +149,7 @@ def _check_outer_scale(f: Path, meta: dict, name: str, t: torch.Tensor, i: int, 
     :data:`SCALE_SANITY` of the amax rule for the calibration absmax ``layers[i].{side}.amax``
     (``[amax/2688/64, 64·max(1, amax/100)]``; the search's candidates — amax/2688 x 2^(-4/8..7/8) and
     1.0 — lie well inside). Raises :class:`ArtifactError` naming the tensor."""
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     if not (sec and sec.nvfp4_dtype):
         have = sec.kv_cache_dtype if sec else None
         raise ArtifactError(f"{f}: holds {name}, a vLLM NVFP4 outer scale, but the metadata says "
@@ -212,7 +212,7 @@ def _check_scale_ranges(f: Path, meta: dict, tensors: dict[str, torch.Tensor]) -
 def _same_values(recorded: torch.Tensor, stored: torch.Tensor, side: str) -> bool:
     """Whether the float32 values a calibration record holds are exactly the tensor's: the same values where the
     same float32 numbers are stored (K and V scales, NVFP4 outer scales: ``ScaleChoice.scale.tolist()`` beside the
-    tensor built from it); for ``q_scale`` also the rules of :func:`kvcal.search.vllm_fp8.q_scale_tensor` — a
+    tensor built from it); for ``q_scale`` also the rules of :func:`kvcal.engines.vllm.search_fp8.q_scale_tensor` — a
     per-tensor tensor holds the first recorded value, a per-KV-head-group one the single recorded value broadcast."""
     if recorded.numel() == stored.numel():
         return torch.equal(recorded, stored)
@@ -230,7 +230,7 @@ def check_recorded_scales(f: Path, meta: dict, tensors: dict[str, torch.Tensor])
     compared exactly in float32 (:func:`_same_values`). A swapped or hand-edited tensor whose content hash was
     recomputed is caught here. Records without a ``scale`` (integer artifacts, older kvcal) are not compared.
     Raises :class:`ArtifactError` naming the file, the layer and field, and the fix."""
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     nvfp4 = sec is not None and sec.nvfp4_dtype is not None
     for lm in meta.get("layers") or []:
         i = lm["layer"]

@@ -7,14 +7,10 @@ histograms) and merges the reservoirs by priority, so every rank ends with one f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvcal.capture.reservoir import SequenceReservoir
-
-if TYPE_CHECKING:
-    from kvcal.capture.run import CaptureResult
+from kvcal.capture.result import CaptureResult
 
 
 def dist_info() -> tuple[int, int]:

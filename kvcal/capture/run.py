@@ -9,7 +9,6 @@ of real post-RoPE (q, k, v) sequences (calibration and held-out) that the search
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -17,25 +16,9 @@ from kvcal.capture.checkpoint import Checkpointing, load_checkpoint, restore_che
 from kvcal.capture.distributed import all_reduce_capture, dist_info
 from kvcal.capture.hooks import attention_scaling, attention_window, capture_kv
 from kvcal.capture.reservoir import SequenceReservoir
+from kvcal.capture.result import CaptureResult
 from kvcal.capture.stats import LayerStats
 from kvcal.errors import KvcalError
-
-
-@dataclass
-class CaptureResult:
-    """What one capture pass produced (all on CPU)."""
-
-    stats: LayerStats
-    calib: SequenceReservoir
-    heldout: SequenceReservoir
-    scaling: dict[int, float] = field(default_factory=dict)
-    #: per layer, the sliding window ``W`` its attention reads (the module's ``sliding_window``: Gemma 3's
-    #: sliding layers), 0 for full attention; the searches mask each layer's objective with it
-    windows: dict[int, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    tokens: int = 0
-    sink_stats: LayerStats | None = None  # statistics without the first tokens (see run_capture)
-    rope: object = None  # per-layer RopeTables (kvcal.models.rope_tables) for pre-RoPE key choices, or None
 
 
 def split_heldout(n: int, fraction: float, seed: int) -> set[int]:

@@ -45,13 +45,16 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
     shape, b16 = res.shape, res.bytes_16bit
     click.echo(f"model: {model} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim})")
     if shape.layer_windows:
-        from kvcal.formats.memory import VLLM_MAX_NUM_BATCHED_TOKENS
-
         sl = shape.sliding_layers
         W = max(shape.layer_windows)
-        held = (f"vLLM reserves min(W - 1 + {VLLM_MAX_NUM_BATCHED_TOKENS} in-flight tokens, context) + 1 block "
-                "for each (max_num_batched_tokens default)") if res.vllm is not None else \
-            f"each holds at most W - 1 = {W - 1} tokens, as transformers' cache does"
+        if res.vllm is not None:  # an <engine>:<dtype> format: that engine's allocator (kvcal.engines)
+            from kvcal.engines import engine
+
+            in_flight = engine(res.format.partition(":")[0]).MAX_NUM_BATCHED_TOKENS
+            held = (f"vLLM reserves min(W - 1 + {in_flight} in-flight tokens, context) + 1 block "
+                    "for each (max_num_batched_tokens default)")
+        else:
+            held = f"each holds at most W - 1 = {W - 1} tokens, as transformers' cache does"
         click.echo(f"layers: {len(sl)} sliding-window (W = {W}), {shape.num_layers - len(sl)} full-attention; {held}; "
                    "bytes per token below count every layer, the cache bytes count what each layer holds")
     if res.vllm is not None:

@@ -21,7 +21,7 @@ entry points. They differ in precision and reduction because their consumers do:
   widths with): log-softmax of float64 logits, summed over positions and vocabulary in float64
   (one number per plan; no per-position tensor is kept).
 
-A plan is a :class:`~kvcal.plan.KVPlan`, a :class:`~kvcal.vllm_plan.VllmKVPlan`, or anything with
+A plan is a :class:`~kvcal.plan.KVPlan`, a :class:`~kvcal.engines.vllm.plan.VllmKVPlan`, or anything with
 ``fake_quant(layer, side, x)`` (``side`` ``"k"``/``"v"``, ``x`` ``[B, H_kv, S, D]``).
 """
 
@@ -39,7 +39,7 @@ from kvcal.capture.hooks import attention_hook
 def plan_hook(plan) -> Callable:
     """Attention-hook callback that fake-quantizes K and V of every layer with ``plan``
     (a :class:`~kvcal.plan.KVPlan`), and the post-RoPE query too when the plan has
-    ``fake_quant_query(layer, q, num_kv_heads)`` (:class:`~kvcal.vllm_plan.VllmKVPlan`: vLLM's
+    ``fake_quant_query(layer, q, num_kv_heads)`` (:class:`~kvcal.engines.vllm.plan.VllmKVPlan`: vLLM's
     FP8 query quantization)."""
 
     def cb(module, q, k, v, mask, kwargs):
@@ -67,7 +67,7 @@ def side_only(plan, side: str, layer: int | None = None):
 
 def first_quantized_layer(plan) -> int:
     """The lowest layer index whose attention ``plan`` changes (K, V or query), from the plan's own
-    ``first_quantized_layer()`` when it has one (:class:`~kvcal.vllm_plan.VllmKVPlan`, :func:`side_only`
+    ``first_quantized_layer()`` when it has one (:class:`~kvcal.engines.vllm.plan.VllmKVPlan`, :func:`side_only`
     views); ``0`` otherwise (any layer may be quantized). Every layer below it computes exactly what the
     unquantized model computes."""
     f = getattr(plan, "first_quantized_layer", None)

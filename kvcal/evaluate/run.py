@@ -65,15 +65,15 @@ class EvalConfig:
 
     def __post_init__(self):
         from kvcal.errors import KvcalError
-        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_dtypes_served, vllm_backend
 
+        eng = _rows_engine()
         try:
-            object.__setattr__(self, "backend", vllm_backend(self.backend).name)
-        except VllmDTypeError as e:
+            object.__setattr__(self, "backend", eng.backend(self.backend).name)
+        except eng.DTypeError as e:
             raise KvcalError(f"--backend: {e}") from None
         try:
-            check_dtypes_served(self.backend, self.vllm_dtypes)
-        except VllmDTypeError as e:
+            eng.check_dtypes_served(self.backend, self.vllm_dtypes)
+        except eng.DTypeError as e:
             raise KvcalError(f"--vllm-dtype: {e}") from None
         if self.backend != "cuda" and not self.vllm_dtypes:  # it would change no row: refused, not ignored
             raise KvcalError(f"--backend {self.backend} chooses the write path of the vllm:* rows, and there are none: "
@@ -110,7 +110,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
     import time
 
     from kvcal import __version__
-    from kvcal.artifact import artifact_sha256, check_model_match, vllm_section
+    from kvcal.artifact import artifact_sha256, check_model_match, engine_section
     from kvcal.artifact.deployed import load_artifact_or_export
     from kvcal.errors import ArtifactError, KvcalError
     from kvcal.formats.memory import model_shape
@@ -139,13 +139,12 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         raise ArtifactError(f"{art.path}: {e}") from None
     hd = (art.metadata.get("model") or {}).get("head_dim")
     if isinstance(hd, int) and hd > 0:  # a --vllm-dtype the model's head_dim cannot hold (nvfp4: multiple of 16)
-        from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, check_head_dim
-
+        eng = _rows_engine()
         for d in cfg.vllm_dtypes:
             try:
-                check_head_dim(d, hd)
-                check_backend_serves(cfg.backend, d, hd)
-            except VllmDTypeError as e:
+                eng.check_head_dim(d, hd)
+                eng.check_backend_serves(cfg.backend, d, hd)
+            except eng.DTypeError as e:
                 raise KvcalError(f"--vllm-dtype {d}: {e}; drop it from --vllm-dtype") from None
     pre = preflight(cfg.model, corpus, loaded=model)  # the model's config, read once
     if model is None:
@@ -209,14 +208,14 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
             roles[name] = "baseline"
         notes.append(f"kivi4/kivi2 keep the {cfg.kivi_window} most recent tokens in 16 bits in decode mode "
                      "(KIVI's residual); teacher-forced rows quantize every key/value attention reads.")
-    vllm_names = set()
-    sec = vllm_section(art.metadata)
+    engine_rows = set()  # the methods run as the engine serves them (vllm:<dtype>)
+    sec = engine_section(art.metadata)
     # an artifact calibrated for a vLLM dtype and backend is judged as that engine serves it (issue 40, class 1):
     # the vllm:<its dtype> row sets the verdict, added with the artifact's backend when --vllm-dtype omits it
     backend_of = dict.fromkeys(cfg.vllm_dtypes, cfg.backend)
     served_d = None
     if sec is not None and sec.kv_cache_dtype:
-        served_d = next((d for d in cfg.vllm_dtypes if _same_vllm_dtype(d, sec.kv_cache_dtype)), None)
+        served_d = next((d for d in cfg.vllm_dtypes if _rows_engine().same_dtype(d, sec.kv_cache_dtype)), None)
         if served_d is None:
             served_d = sec.kv_cache_dtype
             backend_of[served_d] = sec.backend
@@ -227,13 +226,11 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
             notes.append(f"the artifact was calibrated for backend {sec.backend}; vllm:{served_d} runs backend "
                          f"{cfg.backend} as --backend asks, and its verdict is for that backend")
     for d in backend_of:
-        from kvcal.formats.vllm_dtypes import vllm_dtype
-        from kvcal.vllm_plan import VllmKVPlan
-
+        eng = _rows_engine()
         qt = [art.tensors.get(f"model.layers.{i}.self_attn.q_scale") for i in range(L)]  # calibrate --engine vllm
         nv = sec.nvfp4_dtype if sec else None  # --kv-cache-dtype nvfp4 artifact
         kw = ({"q_scales": [t.reshape(-1) if t.numel() > 1 else float(t.reshape(-1)[0]) for t in qt]}
-              if vllm_dtype(d).family == "fp8" and all(t is not None for t in qt) and nv is None else {})
+              if eng.dtype(d).family == "fp8" and all(t is not None for t in qt) and nv is None else {})
         if d == nv:  # its NVFP4 outer scales (vLLM's k_scale/v_scale) and q_scale, per tensor
             kw = {f"{s}_scales": [float(art.tensors[f"model.layers.{i}.self_attn.{s}_outer_scale"].reshape(-1)[0])
                                   for i in range(L)] for s in "kv"}
@@ -241,9 +238,9 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         art_skip = sec.skip_layers_for(d) if sec else ()
         if art_skip:  # calibrate --skip-layers / recommend: the 16-bit layers its export serves with
             kw["skip_layers"] = art_skip
-        plans[f"vllm:{d}"], note = VllmKVPlan.from_kvcal_plan(d, plan, backend=backend_of[d], **kw)
+        plans[f"vllm:{d}"], note = eng.Plan.from_kvcal_plan(d, plan, backend=backend_of[d], **kw)
         roles[f"vllm:{d}"] = "vllm"
-        vllm_names.add(f"vllm:{d}")
+        engine_rows.add(f"vllm:{d}")
         notes.append(note + (f"; layers {', '.join(map(str, art_skip))} in the model dtype (the artifact's "
                              "--kv-cache-dtype-skip-layers)" if art_skip else ""))
     skip_all = sec.skip_layers if sec else None
@@ -253,7 +250,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                      f"with layers {', '.join(map(str, skip_all))} in the model dtype (--kv-cache-dtype-skip-layers), "
                      + ("measured in the vllm:* row of its dtype" if any(sec.skip_layers_for(d) for d in cfg.vllm_dtypes)
                         else f"which --vllm-dtype {dt} measures"))
-    if vllm_names and "decode" in cfg.modes:
+    if engine_rows and "decode" in cfg.modes:
         notes.append("vllm:* rows are teacher-forced only: every vLLM dtype quantizes each token's K/V on its own "
                      "(static or per-token scales), so a decode step reads exactly what Protocol A reads at that "
                      "position; kvcal's runtime cache does not hold vLLM layouts.")
@@ -267,7 +264,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                  "quantized_tensors": ["k", "v"] if p.quantized_bits() else [], **p.describe(),
                  "label": f"vLLM --kv-cache-dtype {p.kv_cache_dtype}"
                           + ("" if p.backend == "cuda" else f" (backend {p.backend})"), "bits": plan_bits(p)}
-                if name in vllm_names else describe_plan(p))
+                if name in engine_rows else describe_plan(p))
         methods[name] = {"role": roles[name], **desc, "criteria": crit_str[name]}
 
     results, measured = [], []
@@ -303,7 +300,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
                 log(f"decode: {len(w)} windows x {T} tokens, batch {B}, {min(cfg.decode_tokens, T - 1)} decoded "
                     f"positions each, {len(plans)} methods")
                 meas: list = []
-                res = decode_eval(model, w, {n: p for n, p in plans.items() if n not in vllm_names}, B,
+                res = decode_eval(model, w, {n: p for n, p in plans.items() if n not in engine_rows}, B,
                                   cfg.decode_tokens, cfg.greedy_tokens, progress, meas)
                 add_rows(res, "decode", T, B, len(w), time.perf_counter() - t0)
                 eval_tokens.setdefault(str(T), {})["decode"] = res["16-bit"]["tokens"]
@@ -319,7 +316,7 @@ def evaluate(cfg: EvalConfig, log: Callable[[str], None] = print, progress: bool
         log(f"per-layer errors on one window of {T0} tokens")
         per_layer = per_layer_errors(model, wins[contexts[0]][:1, :T0], plans)
 
-    memory = memory_section(plans, vllm_names, shp, L, contexts, batches, measured)
+    memory = memory_section(plans, engine_rows, shp, L, contexts, batches, measured)
 
     judged_method = f"vllm:{served_d}" if served_d is not None else "artifact"
     if served_d is not None:
@@ -389,7 +386,7 @@ def window_source(kind: str, bos: int | None) -> str:
             "model is served (its tokenizer adds BOS to every prompt); the BOS position is not predicted")
 
 
-def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts: list[int], batches: list[int],
+def memory_section(plans: dict, engine_rows: set, shp, num_layers: int, contexts: list[int], batches: list[int],
                    measured: list) -> dict:
     """The ``"memory"`` section of the document: exact KV-cache bytes per token and per
     (context, batch) regime of every method, from :mod:`kvcal.formats.memory` (kvcal plans:
@@ -405,13 +402,12 @@ def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts:
     b16 = int(bytes_per_token(shp, preset("bf16")))
     memory = {"bytes_per_token": {}, "bytes_per_token_16bit": b16, "cache_bytes": {}, "measured": measured}
     for name, p in plans.items():
-        if name in vllm_names:
-            from kvcal.formats.memory import vllm_bytes_per_token, vllm_cache_bytes
-
-            memory["bytes_per_token"][name] = vllm_bytes_per_token(shp, p.kv_cache_dtype, p.skipped)
+        if name in engine_rows:  # the pages the engine allocates (its facade: bytes_per_token, cache_bytes)
+            eng = _rows_engine()
+            memory["bytes_per_token"][name] = eng.bytes_per_token(shp, p.kv_cache_dtype, p.skipped)
             memory["cache_bytes"][name] = [
-                {"context": T, "batch": B, "bytes": (nb := vllm_cache_bytes(shp, p.kv_cache_dtype, T, B,
-                                                                            skip_layers=p.skipped)),
+                {"context": T, "batch": B, "bytes": (nb := eng.cache_bytes(shp, p.kv_cache_dtype, T, B,
+                                                                          skip_layers=p.skipped)),
                  "vs_16bit": nb / cache_bytes(shp, preset("bf16"), T, B)} for T in contexts for B in batches]
             continue
         cfgs = [p.kv_config(i) for i in range(L)]
@@ -425,6 +421,12 @@ def memory_section(plans: dict, vllm_names: set, shp, num_layers: int, contexts:
     return memory
 
 
-def _same_vllm_dtype(a: str, b: str) -> bool:
-    """Whether two ``--kv-cache-dtype`` spellings name one vLLM dtype (fp8 = fp8_e4m3, vllm/config/cache.py)."""
-    return a == b or {a, b} == {"fp8", "fp8_e4m3"}
+#: The engine whose dtypes ``--vllm-dtype`` names (rows ``vllm:<dtype>``, :attr:`EvalConfig.vllm_dtypes`).
+ROWS_ENGINE = "vllm"
+
+
+def _rows_engine():
+    """The facade of :data:`ROWS_ENGINE` (:mod:`kvcal.engines`): its dtypes, backends, plans and pages."""
+    from kvcal.engines import engine
+
+    return engine(ROWS_ENGINE)

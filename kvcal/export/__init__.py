@@ -1,6 +1,7 @@
 """Exporters: kvcal artifacts in the exact form each serving engine loads.
 
-Targets (one module each, registered by name; see ``shared/docs/runtime-formats.md``):
+Targets (one module each in its engine's package, ``kvcal/engines/<name>/``, registered by name when first asked for:
+:func:`kvcal.export.base.load_targets`; see ``shared/docs/runtime-formats.md``):
 
 =====================  ==========================================================================
 ``vllm``               ``model.layers.{i}.self_attn.{k,v}_scale`` + compressed-tensors
@@ -25,7 +26,6 @@ from pathlib import Path
 from kvcal import __version__
 from kvcal.artifact import Artifact, artifact_sha256, load_artifact
 from kvcal.artifact.sections import set_figures
-from kvcal.export import modelopt, sglang, trtllm, vllm  # noqa: F401  (register the targets)
 from kvcal.export.base import (
     MANIFEST,
     ExportContext,
@@ -115,9 +115,9 @@ def export(
         raise ExportError(f"--clipped-scales with --headroom {headroom:g}: --headroom raises every scale to at least "
                           f"{headroom:g}x the one that just holds the observed max, so no scale would clip and the "
                           "searched scales --clipped-scales asks for would not be written; give one of the two")
-    from kvcal.artifact import vllm_section
+    from kvcal.artifact import engine_section
 
-    sec = vllm_section(art.metadata)
+    sec = engine_section(art.metadata)
     if clipped_scales and sec is not None and sec.nvfp4_dtype is not None:
         raise ExportError(f"--clipped-scales: {art.path} holds vLLM NVFP4 outer scales, which have one set only (no "
                           "clip-free set to opt out of: vLLM's NVFP4 cache saturates its block scales); drop "

@@ -1,6 +1,7 @@
 """Exporter machinery shared by every target: registry, load checks, scale conversion, atomic output.
 
-A target (one module per engine) subclasses :class:`Target`, states which artifacts it can load
+A target (a module of its engine's package, ``kvcal/engines/<name>/export*.py``, named in the facade's
+``EXPORT_MODULES`` and loaded by :func:`load_targets`) subclasses :class:`Target`, states which artifacts it can load
 (:meth:`Target.can_load`) and writes its files into a staging directory (:meth:`Target.write`).
 :func:`kvcal.export.export` does the rest: refuse unloadable artifacts naming the targets that can
 load them, convert scales into the engine convention (:func:`prepare_scales`), stage everything
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import Artifact, vllm_section
+from kvcal.artifact import Artifact, engine_section
 from kvcal.artifact.sections import set_figures
 from kvcal.errors import KvcalError
 from kvcal.outputs import EXPORT_MANIFEST
@@ -122,7 +123,7 @@ class Target:
     def can_load(self, meta: dict) -> str | None:
         """``None`` if this target's engines can load the artifact described by ``meta`` (the
         artifact metadata dict), else a one-line reason."""
-        sec = vllm_section(meta)
+        sec = engine_section(meta)
         d = sec.nvfp4_dtype if sec else None
         if d is not None:
             return (f"the artifact holds vLLM NVFP4 outer scales (calibrate --engine vllm --kv-cache-dtype {d}), "
@@ -150,21 +151,36 @@ _REGISTRY: dict[str, Target] = {}
 
 
 def register(target: Target) -> Target:
-    """Register ``target`` under its name and aliases (used by the per-engine modules)."""
+    """Register ``target`` under its name and aliases (used by the engines' export modules)."""
     for n in (target.name, *target.aliases):
         assert n not in _REGISTRY, f"duplicate export target {n}"
         _REGISTRY[n] = target
     return target
 
 
+def load_targets() -> None:
+    """Import every engine's export modules (``EXPORT_MODULES`` of each facade, :mod:`kvcal.engines`), which
+    :func:`register` their targets; once (later calls find them imported). Every lookup below calls it first."""
+    import importlib
+
+    from kvcal.engines import engine, with_attr
+
+    for name in with_attr("EXPORT_MODULES"):
+        for module in engine(name).EXPORT_MODULES:
+            importlib.import_module(module)
+
+
 def target_names() -> list[str]:
     """All registered names, canonical names first then aliases, e.g. ``['vllm', 'modelopt', ...]``."""
+    load_targets()
     canon = [t.name for t in sorted(dict.fromkeys(_REGISTRY.values()), key=lambda t: (t.order, t.name))]
-    return canon + [n for n in _REGISTRY if n not in canon]
+    # aliases by their target's module (the engine's package), whatever the order the modules were imported in
+    return canon + sorted((n for n in _REGISTRY if n not in canon), key=lambda n: (type(_REGISTRY[n]).__module__, n))
 
 
 def get_target(name: str) -> Target:
     """Look a target up by name or alias; raises :class:`ExportError` listing the valid names."""
+    load_targets()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -173,6 +189,7 @@ def get_target(name: str) -> Target:
 
 def targets_that_can_load(meta: dict) -> list[str]:
     """Names (canonical + aliases) of the registered targets that can load this artifact."""
+    load_targets()
     return [n for n in target_names() if _REGISTRY[n].can_load(meta) is None]
 
 
@@ -215,7 +232,7 @@ def _prepare_nvfp4(artifact: Artifact, headroom: float | None) -> PreparedScales
     fmax = FP8_E4M3_MAX * 6.0
     stats = {int(e["layer"]): e for e in meta.get("layers", []) if isinstance(e, dict) and "layer" in e}
     p = PreparedScales(n, "tensor", "nvfp4", {}, {}, {}, {}, fmax)
-    p.notes.append(f"vLLM --kv-cache-dtype {vllm_section(meta).nvfp4_dtype}: k_scale/v_scale are the NVFP4 outer "
+    p.notes.append(f"vLLM --kv-cache-dtype {engine_section(meta).nvfp4_dtype}: k_scale/v_scale are the NVFP4 outer "
                    "(global) scales, one per layer and side (vLLM's BaseKVCacheMethod takes per-tensor scales only)")
     raised = 0
     for i in range(n):
@@ -333,7 +350,7 @@ def prepare_scales(artifact: Artifact, headroom: float | None = None, clip_free:
     meta = artifact.metadata
     kv = meta["kv"]
     fmt, gran = kv["k"]["format"], kv["k"]["granularity"]
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     nvfp4 = sec is not None and sec.nvfp4_dtype is not None
     finite = isinstance(headroom, (int, float)) and math.isfinite(headroom)
     if headroom is not None and not (finite and headroom >= 1.0):

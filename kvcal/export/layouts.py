@@ -58,6 +58,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvcal.engines import engine as engine_facade
+
 ENGINES = ("vLLM", "SGLang", "transformers")
 
 
@@ -134,16 +136,6 @@ OTHER_FAMILIES: dict[str, FamilyLayout] = {f.model_type: f for f in (
                  sglang="gemma3_causal.py", sglang_remaps=True, sglang_json=False, sglang_unknown="raises"),
 )}
 
-#: ``model_type`` -> SGLang 0.5.23 model file whose model class defines no ``load_kv_cache_scales``, so
-#: ``--quantization-param-path`` stops the server at startup (``load_model_utils.load_kv_cache_scales`` raises
-#: ``RuntimeError``). ``gemma3`` is Gemma3ForConditionalGeneration (``gemma3_mm.py``).
-SGLANG_NO_PARAM_PATH: dict[str, str] = {
-    **{f.model_type: f.sglang for f in (*FAMILIES.values(), *OTHER_FAMILIES.values())
-       if f.sglang is not None and not f.sglang_json},
-    "gemma3": "gemma3_mm.py",
-}
-
-
 def family(model_type: str | None) -> FamilyLayout | None:
     """The :class:`FamilyLayout` of ``model_type``, or ``None`` for a family in neither :data:`FAMILIES` nor
     :data:`OTHER_FAMILIES`."""
@@ -180,15 +172,6 @@ class ParamLoad:
 _SIDE = re.compile(r"\.(k|v|kv)_scale$")
 _LAYER = re.compile(r"\.(\d+)\.")
 
-_VLLM_CACHE_MAPPER = (  # vLLM 0.33 base_config.get_cache_scale_mapper, in its order
-    (re.compile(r"\.kv_scale$"), r".attn.k_scale"),
-    (re.compile(r"\.self_attn\.[kv]_proj\.([kv])_scale$"), r".self_attn.attn.\1_scale"),
-    (re.compile(r"\.self_attn\.qk(?:qk)?v_proj\.([kv])_scale$"), r".self_attn.attn.\1_scale"),
-    (re.compile(r"\.mixer\.[kv]_proj\.([kv])_scale$"), r".mixer.attn.\1_scale"),
-    (re.compile(r"(?<!\.attn)\.([qkv])_scale$"), r".attn.\1_scale"),
-)
-
-
 def _engine_params(fam: FamilyLayout, layer: int) -> dict[str, str]:
     a = fam.engine_attn(layer)
     return {f"{a}.attn.{s}_scale": s for s in "kv"}
@@ -210,7 +193,7 @@ def engine_param(engine: str, fam: FamilyLayout, name: str, hf_template: str | N
         key = name
         if fam.vllm_backend == "transformers" and fam.base_model_prefix != "model":
             key = re.sub(rf"^{re.escape(fam.base_model_prefix)}\.", "model.", key)
-        for pat, rep in _VLLM_CACHE_MAPPER:
+        for pat, rep in engine_facade("vllm").CACHE_SCALE_MAPPER:  # kvcal.engines.vllm.loader
             if pat.search(key):
                 key = pat.sub(rep, key)
         params = _engine_params(fam, layer)

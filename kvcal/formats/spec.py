@@ -37,7 +37,7 @@ from kvcal.formats.granularity import (
     PerTokenGroup,
     granularity_from_name,
 )
-from kvcal.formats.variants import ChannelWidths, Codebook, Rounding, SideVariant
+from kvcal.formats.variants import LOG8, ChannelWidths, Codebook, Rounding, SideVariant
 
 
 class QFormat(str, Enum):
@@ -104,9 +104,8 @@ DEFAULTS = {
 }
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: ``scale_dtype`` of 8-bit log-coded dynamic scales: ``scale = base_h · 2^(code / 16)`` with a
-#: calibrated fp32 base per KV head (see :mod:`kvcal.formats.quant`); held as ``uint8`` codes.
-LOG8 = torch.uint8
+# LOG8, the ``scale_dtype`` of 8-bit log-coded dynamic scales, is imported above from kvcal.formats.variants (defined
+# there so that ScaleCoding reads it without importing this module) and stays importable from here.
 DTYPE_NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
     torch.float8_e4m3fn: "float8_e4m3fn", LOG8: "log8",

@@ -69,7 +69,7 @@ def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
     ``x [..., D]``, ``H_D`` the ±1 Sylvester matrix (``√D ·`` :func:`hadamard_matrix`), by log2(D) stages of
     elementwise radix-2 butterflies in ``x``'s dtype (same shape and dtype). kvcal's one Hadamard: the
     ``hadamard`` transform (:func:`fwht`) and vLLM's rotations (``int4_per_token_head``'s blockwise randomized
-    Hadamard, TurboQuant's rotation; :mod:`kvcal.formats.vllm_dtypes`) all run these butterflies.
+    Hadamard, TurboQuant's rotation; :mod:`kvcal.engines.vllm.dtypes`) all run these butterflies.
     Raises ``ValueError`` when ``D`` is not a power of two."""
     d = x.shape[-1]
     if d < 1 or d & (d - 1):

@@ -35,6 +35,12 @@ from enum import Enum
 
 import torch
 
+#: ``scale_dtype`` of 8-bit log-coded dynamic scales: ``scale = base_h · 2^(code / 16)`` with a calibrated fp32 base
+#: per KV head (see :mod:`kvcal.formats.quant`); held as ``uint8`` codes. :mod:`kvcal.formats.spec` re-exports it
+#: (``spec.LOG8``); it lives here, below the spec, so that :meth:`ScaleCoding.of` needs no import of the spec
+#: (which imports this module: the circle issue 41 cut).
+LOG8 = torch.uint8
+
 
 class Codebook(str, Enum):
     """What a side's integer codes index (see the module docstring)."""
@@ -54,9 +60,7 @@ class ScaleCoding(str, Enum):
     @classmethod
     def of(cls, spec) -> ScaleCoding:
         """The scale coding of a :class:`~kvcal.formats.spec.TensorQuantSpec` (``log8`` iff its
-        ``scale_dtype`` is :data:`~kvcal.formats.spec.LOG8`)."""
-        from kvcal.formats.spec import LOG8
-
+        ``scale_dtype`` is :data:`LOG8`)."""
         return cls.LOG8 if spec.is_quantized and spec.scale_dtype == LOG8 else cls.FLOAT
 
 

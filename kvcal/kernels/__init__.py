@@ -28,6 +28,7 @@ from kvcal.formats.layout import _check_input, _clip_view
 from kvcal.formats.quant import QuantizedTensor
 from kvcal.formats.spec import LOG8, TensorQuantSpec
 from kvcal.formats.variants import ChannelWidths, Codebook, QuantTables, ScaleCoding
+from kvcal.kernels.widths import TRITON_WIDTHS  # payload widths the Triton kernels pack
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -37,8 +38,6 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-#: Payload widths the Triton kernels pack (int6/int5 run on the torch reference).
-TRITON_WIDTHS = (8, 4, 3, 2)
 
 
 def _pow2(n: int) -> bool:

@@ -284,7 +284,7 @@ def _meta(spec: TensorQuantSpec):
 
 
 def _check_width(spec: TensorQuantSpec) -> None:
-    from kvcal.kernels import TRITON_WIDTHS
+    from kvcal.kernels.widths import TRITON_WIDTHS
 
     if spec.bits not in TRITON_WIDTHS:
         raise ValueError(f"the Triton kernels pack 8/4/3/2-bit codes; {spec.format.value} runs on the torch reference")

@@ -2,8 +2,9 @@
 
 For every ``--kv-cache-dtype`` of the menu (:data:`DEFAULT_MENU`) and every number of 16-bit layers up to
 ``max_skip`` (at most the model's layers − 1: a candidate keeps at least one layer in its dtype, see
-:func:`kvcal.search.skip_layers.skip_count_range`), the layers to keep at 16 bits are chosen by a model-level probe
-(:func:`layer_sensitivity` → :func:`kvcal.search.skip_layers.choose_skip_layers`); vLLM's fixed
+:func:`kvcal.engines.vllm.skip_layers.skip_count_range`), the layers to keep at 16 bits are chosen by a model-level probe
+(the engine's ``layer_sensitivity``, :func:`kvcal.engines.vllm.probe.layer_sensitivity` →
+:func:`kvcal.search.skip_layers.choose_skip_layers`); vLLM's fixed
 first-2/last-2 rule is evaluated beside it at the same count (4), so both are reported at equal memory.
 Each candidate runs under Protocol A (:func:`kvcal.evaluate.teacher_forced`, with vLLM's FP8 query
 quantization where vLLM applies it) on evaluation windows disjoint from the probe windows, is judged by
@@ -14,7 +15,7 @@ The dtypes whose static scales vLLM reads from the checkpoint and kvcal calibrat
 (:data:`CALIBRATIONS`) are calibrated first, each into its own artifact, and probed and evaluated with
 those scales: fp8 / fp8_e4m3 through ``kvcal calibrate --engine vllm --kv-cache-dtype fp8`` (k/v scales and
 q_scale, artifact ``artifact/``), nvfp4 through ``kvcal calibrate --engine vllm --kv-cache-dtype nvfp4``
-(NVFP4 outer scales and q_scale, :mod:`kvcal.search.vllm_nvfp4`, artifact ``artifact-nvfp4/``). Each such dtype
+(NVFP4 outer scales and q_scale, :mod:`kvcal.engines.vllm.search_nvfp4`, artifact ``artifact-nvfp4/``). Each such dtype
 is also evaluated at vLLM's default scales (every static scale 1.0: a checkpoint without k/v/q scales) as
 candidates of its own, on the calibrated rows' 16-bit layer sets (one probe per dtype, run with the calibrated
 scales), so that a calibration that measures worse than not calibrating is never the one deployed; each row's
@@ -44,10 +45,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-# the probe and its scale reader live in the evaluate layer (calibrate --skip-layers auto uses them too)
+from kvcal.evaluate.attention_probe import attention_sensitivity
 from kvcal.evaluate.bounds import INCONCLUSIVE, LEVEL, judge_bounded
 from kvcal.evaluate.sequential import WindowedRows
-from kvcal.evaluate.vllm_probe import attention_sensitivity, layer_sensitivity, vllm_fp8_scales
 from kvcal.recommend.artifacts import _artifact_scales, record_skip_layers
 from kvcal.recommend.candidates import WRITE_TIME, calibrations, candidate_sets, row_scales, scales_source
 from kvcal.recommend.checks import (
@@ -105,19 +105,18 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     import shutil
 
     from kvcal.artifact import write_dir_atomically
+    from kvcal.engines import engine
     from kvcal.errors import KvcalError
     from kvcal.evaluate.accept import default_accept, parse_accept
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
-    from kvcal.formats.memory import model_shape, vllm_bytes_per_token, vllm_token_shares
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_backend, vllm_dtype
+    from kvcal.formats.memory import model_shape
     from kvcal.inputs import preflight
     from kvcal.models import check_max_positions, load_model, load_tokenizer, resolve_model
-    from kvcal.search.skip_layers import serve_skip_arg, skip_costs
-    from kvcal.vllm_plan import VllmKVPlan
 
+    eng = engine(cfg.engine)  # the engine's facade (kvcal.engines): dtypes, plans, pages, probe, serve line
     try:
-        cfg = dataclasses.replace(cfg, backend=vllm_backend(cfg.backend).name)
-    except VllmDTypeError as e:
+        cfg = dataclasses.replace(cfg, backend=eng.backend(cfg.backend).name)
+    except eng.DTypeError as e:
         raise KvcalError(f"--backend: {e}") from None
     if cfg.backend != "cuda" and tuple(cfg.dtypes) == DEFAULT_MENU:  # what that backend serves
         cfg = dataclasses.replace(cfg, dtypes=CPU_MENU)
@@ -135,7 +134,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     L = shp.num_layers
     max_skip, skip_note = effective_max_skip(cfg.max_skip, L)  # refuses a given value outside [0, L - 1]
     cfg = dataclasses.replace(cfg, max_skip=max_skip)
-    not_applicable = applicable_dtypes(cfg.dtypes, L)  # {dtype: reason}: vLLM's own 16-bit layers cover the model
+    not_applicable = applicable_dtypes(cfg.dtypes, L, cfg.engine)  # {dtype: reason}: vLLM's own 16-bit layers cover the model
     tok = tokenizer if tokenizer is not None else load_tokenizer(pre.model.source or cfg.model, vocab_size=pre.model.vocab_size)
     opts = pre.corpus.options
     ids, info = corpus_stream(cfg.corpus, tok, **opts, checked=True)
@@ -172,20 +171,20 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     serve_model = str(Path(src.path) / src.gguf_file) if src.gguf_file else cfg.model
     model_dir = src.path
     bctx = budget_context(mconf)  # sliding-window layers: bytes per token averaged over the model's max context
-    shares = vllm_token_shares(mconf, bctx) if bctx is not None else None
-    b16 = vllm_bytes_per_token(mconf, "fp8", range(L), context=bctx)  # every layer skipped = the 16-bit cache
+    shares = eng.token_shares(mconf, bctx) if bctx is not None else None
+    b16 = eng.bytes_per_token(mconf, "fp8", range(L), context=bctx)  # every layer skipped = the 16-bit cache
     doc: dict = {}
 
     def fill(staging: Path):
         notes = list(menu_notes) + ([skip_note] if skip_note else [])
-        scales, artifact_of = {}, {}  # menu dtype -> vllm_scales of its calibrated artifact / its directory name
+        scales, artifact_of = {}, {}  # menu dtype -> the calibrated scales of its artifact / its directory name
         calib = calibrations(cfg.dtypes)
         progress_bar = _RunBar(progress)
 
         def calibrate_one(cd: str, name: str, granularity: str | None = None) -> dict:
             from kvcal.calibrate import CalibrateConfig, calibrate
 
-            fp8 = vllm_dtype(cd).family == "fp8"  # fp8 or fp8_e4m3, the menu's spelling (calibrations)
+            fp8 = eng.dtype(cd).family == "fp8"  # fp8 or fp8_e4m3, the menu's spelling (calibrations)
             log(f"{cd}: calibrating {'per-KV-head ' if granularity == 'head' else ''}"
                 f"{'k/v scales' if fp8 else 'NVFP4 outer scales'} and q_scale (kvcal calibrate --engine vllm "
                 f"--kv-cache-dtype {cd}{' --granularity head' if granularity == 'head' else ''})")
@@ -194,7 +193,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 extra["granularity"] = granularity
             calibrate(CalibrateConfig(corpus=cfg.corpus, out=str(staging / name), model=cfg.model,
                                       max_samples=cfg.fp8_samples, max_seq_len=cfg.fp8_seq_len, device=cfg.device,
-                                      engine="vllm", kv_cache_dtype=cd,
+                                      engine=cfg.engine, kv_cache_dtype=cd,
                                       backend=None if cfg.backend == "cuda" else cfg.backend,
                                       **opts, **extra),
                       log=lambda s: None, progress=False, model=model, tokenizer=tok, corpus=pre.corpus)
@@ -204,7 +203,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         # rescue only when screening says their rows could matter (lazy, below)
         lazy = []
         for cd, uses, name, _ in calib:
-            if vllm_dtype(cd).family == "fp8":
+            if eng.dtype(cd).family == "fp8":
                 sc = calibrate_one(cd, name)
                 for d in uses:
                     if d in cfg.dtypes:
@@ -221,9 +220,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         def add_group(d: str, label: str, vsc: dict, sets: list, head: bool = False):
             key = (d, label)
             for c in sets:
-                plan = VllmKVPlan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"],
+                plan = eng.Plan(d, L, skip_layers=tuple(c["skip"]), add_boundary=c["deployable"],
                                   **{"backend": cfg.backend, **vsc})
-                nb = vllm_bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"], context=bctx)
+                nb = eng.bytes_per_token(mconf, d, plan.skipped, add_boundary=c["deployable"], context=bctx)
                 row = {"dtype": d, "scales": label, "granularity": "head" if head else "tensor",
                        "choice": c["choice"], "skip_layers": list(plan.skipped), "deployable": c["deployable"],
                        "bytes_per_token": nb, "vs_16bit": nb / b16,
@@ -233,8 +232,8 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             return key
 
         def sets_of(name: str, d: str) -> list:
-            costs = skip_costs(d, L, shp.num_kv_heads, shp.head_dim, shares)
-            return candidate_sets(d, sens[name], costs, L, cfg.max_skip)
+            costs = eng.skip_costs(d, L, shp.num_kv_heads, shp.head_dim, shares)
+            return candidate_sets(d, sens[name], costs, L, cfg.max_skip, cfg.engine)
 
         def probe_groups(plans: dict):
             log(f"per-layer probe: {', '.join(plans)} on {len(probe)} x {T} tokens (one 16-bit forward per window, "
@@ -293,29 +292,29 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
 
         for d in dict.fromkeys(cfg.dtypes):
             if d in not_applicable:  # not probed, not evaluated: one row saying why
-                c = candidate_sets(d, None, [], L, cfg.max_skip)[0]
-                cands.append({"dtype": d, "scales": row_scales(d, d in scales), "granularity": "tensor",
+                c = candidate_sets(d, None, [], L, cfg.max_skip, cfg.engine)[0]
+                cands.append({"dtype": d, "scales": row_scales(d, d in scales, cfg.engine), "granularity": "tensor",
                               "choice": c["choice"], "skip_layers": c["skip"], "deployable": False,
                               "bytes_per_token": b16, "vs_16bit": 1.0,
-                              "criteria": crit_given or default_accept(VllmKVPlan(d, L, add_boundary=False)),
+                              "criteria": crit_given or default_accept(eng.Plan(d, L, add_boundary=False)),
                               "status": NOT_APPLICABLE, "failed": [c["not_applicable"]]})
                 notes.append(f"{d} not applicable on this model: {c['not_applicable']}")
         menu = [d for d in dict.fromkeys(cfg.dtypes) if d not in not_applicable]
-        probe_groups({d: VllmKVPlan(d, L, add_boundary=False, **{"backend": cfg.backend, **scales.get(d, {})})
+        probe_groups({d: eng.Plan(d, L, add_boundary=False, **{"backend": cfg.backend, **scales.get(d, {})})
                       for d in menu})
         for d in menu:
             sets = sets_of(d, d)
             # a calibrated dtype is also run at vLLM's default scales (no checkpoint scales: 1.0), on the same
             # 16-bit layer sets (the probe ran with the calibrated scales)
             for label, vsc in ([(SCALES_CALIBRATED, scales[d]), (SCALES_DEFAULT, {})] if d in scales
-                               else [(row_scales(d, False), {})]):
+                               else [(row_scales(d, False, cfg.engine), {})]):
                 screen(add_group(d, label, vsc, sets), d)
         # lazy calibrations: nvfp4's outer scales when its rows at vLLM's default scales are not out of reach
         # (their row with the most 16-bit layers does not FAIL); the calibrated rows reuse those layer sets
         amax = _fp8_amax(staging, artifact_of)
         for cd, uses, name in lazy:
             for d in (x for x in uses if x in menu):
-                key = (d, row_scales(d, False))
+                key = (d, row_scales(d, False, cfg.engine))
                 rows = [cands[i] for i in groups.get(key, []) if "kl_mean" in cands[i]]
                 near = [c for c in rows if any(n == "kl_mean" and c["kl_mean"] <= NVFP4_NEAR * bar
                                                for n, _, bar in parse_accept(c["criteria"]))]
@@ -348,7 +347,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             if base and (cfg.measure_all or all(c.get("status") != "PASS" for c in base)):
                 hs = calibrate_one(fp8d, HEAD_ARTIFACT, granularity="head")
                 head_key = f"{fp8d} per-KV-head"
-                probe_groups({head_key: VllmKVPlan(fp8d, L, add_boundary=False, **{"backend": cfg.backend, **hs})})
+                probe_groups({head_key: eng.Plan(fp8d, L, add_boundary=False, **{"backend": cfg.backend, **hs})})
                 artifact_of[head_key] = HEAD_ARTIFACT
                 scales[head_key] = hs
                 screen(add_group(fp8d, SCALES_CALIBRATED_HEAD, hs, sets_of(head_key, fp8d), head=True), head_key)
@@ -405,7 +404,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 if key in rounding.values() or c["skip_layers"] or "kl_mean" not in c:
                     continue
                 p = c["_plan"]
-                twin = VllmKVPlan(p.kv_cache_dtype, L, k_scales=p.k_scales, v_scales=p.v_scales, backend="cuda",
+                twin = eng.Plan(p.kv_cache_dtype, L, k_scales=p.k_scales, v_scales=p.v_scales, backend="cuda",
                                   quantize_query=False)
                 rounding[("rounding", i)] = key
                 ev_rows.measure(("rounding", i), twin, c["windows"])
@@ -445,12 +444,11 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                      "cheapest first and a row dearer than a PASS is not measured; each group (dtype and scales) is "
                      "screened first by its cheapest row and its row with the most 16-bit layers")
         notes.append(f"per-layer probe: each dtype's attention-output error per layer when only that layer is "
-                     f"quantized (kvcal.evaluate.vllm_probe.attention_sensitivity; one 16-bit forward per probe "
+                     f"quantized (kvcal.evaluate.attention_probe.attention_sensitivity; one 16-bit forward per probe "
                      f"window for the whole menu); it ranks the layers kept at 16 bits, the rows are judged on their "
                      f"measured model-level figures. {ev_rows.forwards} evaluation forward passes of {T} tokens")
         commands = None
         if chosen is not None:
-            skip_arg = serve_skip_arg(chosen["skip_layers"])
             if chosen["scales"] in (SCALES_CALIBRATED, SCALES_CALIBRATED_HEAD):  # export its artifact's scales
                 ck = Path(cfg.out) / "checkpoint"
                 head = chosen["granularity"] == "head"
@@ -463,15 +461,14 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                 art_dir = HEAD_ARTIFACT if head else artifact_of[chosen["dtype"]]
                 commands = {"export": f"kvcal export --artifact {q(str(Path(cfg.out) / art_dir))} "
                                       f"--target vllm --model-dir {q(str(model_dir))} --out {q(str(ck))}",
-                            "serve": ("VLLM_ATTENTION_BACKEND=FLASH_ATTN " if head else "")
-                                     + f"vllm serve {q(str(ck))} --kv-cache-dtype {chosen['dtype']}{skip_arg}"}
+                            "serve": eng.serve_line(q(str(ck)), chosen["dtype"], chosen["skip_layers"], per_head=head)}
                 if head:
                     notes.append("the chosen row uses per-KV-head k/v/q scales: vLLM loads them (compressed-tensors "
                                  "strategy attn_head) on the FlashAttention-3 backend only, i.e. Hopper GPUs; the serve "
                                  "line selects it (VLLM_ATTENTION_BACKEND=FLASH_ATTN)")
             else:
-                commands = {"export": None, "serve": f"vllm serve {shlex.quote(str(serve_model))} --kv-cache-dtype "
-                                                     f"{chosen['dtype']}{skip_arg}"}
+                commands = {"export": None, "serve": eng.serve_line(shlex.quote(str(serve_model)), chosen["dtype"],
+                                                                    chosen["skip_layers"])}
                 if chosen["dtype"] in artifact_of:  # calibrated dtype, chosen at vLLM's default scales
                     twin = next(c for c in cands if c["dtype"] == chosen["dtype"] and c["scales"] == SCALES_CALIBRATED
                                 and c["skip_layers"] == chosen["skip_layers"] and c["deployable"])
@@ -481,7 +478,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                                  f"this one: KL {chosen['kl_mean']:.3e}): no kvcal export, the vllm serve line is the "
                                  "whole deployment — a checkpoint without k_scale/v_scale/q_scale runs at 1.0 (the "
                                  "model's checkpoint must not carry such scales of its own)")
-                elif vllm_dtype(chosen["dtype"]).static_scales:
+                elif eng.dtype(chosen["dtype"]).static_scales:
                     notes.append(f"{chosen['dtype']} runs at vLLM's default scales (1.0; kvcal calibrate does not "
                                  "calibrate it): no checkpoint scales to export, the vllm serve line is the whole "
                                  "deployment")
@@ -515,7 +512,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             notes.append(f"{' and '.join(c[0] for c in calib)} scales come from kvcal calibrate's sample subset of "
                          "the whole corpus, which may overlap the evaluation windows; pass --eval-corpus for a "
                          "disjoint evaluation file")
-        source = {d: scales_source(d, d in scales) for d in dict.fromkeys(cfg.dtypes)}
+        source = {d: scales_source(d, d in scales, cfg.engine) for d in dict.fromkeys(cfg.dtypes)}
         if any(c["granularity"] == "head" for c in cands):
             source[f"{fp8d} per-KV-head"] = (f"per-KV-head k_scale, v_scale and q_scale calibrated on the corpus "
                                              f"(kvcal calibrate --engine vllm --kv-cache-dtype {fp8d} --granularity "
@@ -535,7 +532,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                          f"tokens ({float(shares[sl[0]]):.3f} of a full layer's at {bctx}), so a 16-bit sliding layer "
                          "costs that share of a global one")
         doc.update({
-            "schema": SCHEMA, "engine": "vllm", "vllm_version": "0.33.0", "model": serve_model,
+            "schema": SCHEMA, "engine": cfg.engine, "vllm_version": eng.VERSION, "model": serve_model,
             "backend": cfg.backend, "truncation_cost": truncation_cost,
             "passed": chosen is not None, "chosen": chosen, "commands": commands,
             "calibrated": artifact_of, "artifact": keep, "scales": source,
@@ -672,5 +669,5 @@ def _what_would_pass(cands: list[dict], cfg: RecommendConfig, cap: int, availabl
 
 __all__ = ["RecommendConfig", "DEFAULT_MENU", "DEFAULT_MAX_SKIP", "NOT_APPLICABLE", "CALIBRATIONS", "calibrations",
            "SCALES_CALIBRATED", "SCALES_DEFAULT", "SCALES_WRITE_TIME", "row_scales", "scales_source", "check_options", "check_head_dims", "check_budget", "effective_max_skip",
-           "applicable_dtypes", "layer_sensitivity", "vllm_fp8_scales", "candidate_sets", "record_skip_layers", "recommend", "render_table", "render_markdown",
+           "applicable_dtypes", "candidate_sets", "record_skip_layers", "recommend", "render_table", "render_markdown",
            "CPU_MENU", "RULE_COUNT", "SCHEMA", "RECOMMEND_METRICS", "WRITE_TIME", "budget_context"]

@@ -1,4 +1,4 @@
-"""The calibrated artifacts recommend makes: the vLLM scales read back from one (:func:`_artifact_scales`) and
+"""The calibrated artifacts recommend makes: the engine's scales read back from one (:func:`_artifact_scales`) and
 the chosen 16-bit layers recorded in the kept one (:func:`record_skip_layers`)."""
 
 from __future__ import annotations
@@ -9,12 +9,16 @@ from kvcal.recommend.config import RecommendConfig
 
 
 def _artifact_scales(kv_cache_dtype: str, artifact_dir: Path, num_layers: int) -> dict:
-    """:func:`kvcal.evaluate.vllm_probe.vllm_scales` of the artifact in ``artifact_dir``."""
+    """The calibrated scales of the artifact in ``artifact_dir`` for the probe and the plans, as the engine it was
+    calibrated for reads them (the engine whose metadata section it holds: its ``calibrated_scales``,
+    :func:`kvcal.engines.vllm.probe.vllm_scales`)."""
     from kvcal.artifact import load_artifact
-    from kvcal.evaluate.vllm_probe import vllm_scales
+    from kvcal.artifact.sections import engine_sections
+    from kvcal.engines import engine
 
     art = load_artifact(artifact_dir)
-    return vllm_scales(kv_cache_dtype, art.tensors, art.metadata, num_layers)
+    name = engine_sections(art.metadata)[0][0]
+    return engine(name).calibrated_scales(kv_cache_dtype, art.tensors, art.metadata, num_layers)
 
 
 def record_skip_layers(artifact_dir: Path, chosen: dict, cfg: RecommendConfig, sensitivity: list[float],
@@ -23,7 +27,7 @@ def record_skip_layers(artifact_dir: Path, chosen: dict, cfg: RecommendConfig, s
     tensors unchanged): ``vllm.skip_layers`` = ``chosen["skip_layers"]`` and ``vllm.skip_layers_choice`` =
     ``{"method": "recommend", "choice", "max_skip", "max_bytes_per_token", "bytes_per_token",
     "bytes_per_token_16bit", "sensitivity" (KL per layer, nats), "probe"}``, the fields ``kvcal calibrate
-    --skip-layers`` writes (:func:`kvcal.vllm_skip.choose_skip_layers_for_artifact`), so that ``kvcal export``
+    --skip-layers`` writes (:func:`kvcal.engines.vllm.skip.choose_skip_layers_for_artifact`), so that ``kvcal export``
     prints and records the same ``--kv-cache-dtype-skip-layers`` as deploy.md, and ``inspect``/``report``
     state them. ``report.md`` is re-rendered. Nothing is rewritten when no layer is kept at 16 bits."""
     from kvcal.artifact import load_artifact, write_artifact

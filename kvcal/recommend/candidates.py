@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvcal.recommend.config import (
     CALIBRATIONS,
+    DEFAULT_ENGINE,
     RULE_COUNT,
     SCALES_CALIBRATED,
     SCALES_DEFAULT,
@@ -14,7 +15,7 @@ from kvcal.recommend.config import (
 
 
 def candidate_sets(kv_cache_dtype: str, sensitivity: list[float] | None, costs: list[int], num_layers: int,
-                   max_skip: int) -> list[dict]:
+                   max_skip: int, engine: str = DEFAULT_ENGINE) -> list[dict]:
     """The skip sets evaluated for one dtype: ``{"choice", "skip", "deployable"}`` with ``choice``
     ``"auto"`` (probe-chosen, vLLM's forced boundary layers included for turboquant) for every count up to
     ``max_skip``, ``"rule"`` (first 2 + last 2) at :data:`RULE_COUNT` when ``max_skip`` allows it, and
@@ -23,22 +24,19 @@ def candidate_sets(kv_cache_dtype: str, sensitivity: list[float] | None, costs: 
     (``engine/arg_utils.py`` always adds the boundary layers). Duplicates are dropped (first kept), and so is
     every set that keeps all ``num_layers`` layers at 16 bits (counts above ``num_layers - 1`` are not tried;
     the rule on a model of 4 layers or fewer is such a set): it stores nothing in the dtype. A dtype whose
-    forced boundary alone covers every layer (:func:`kvcal.search.skip_layers.not_applicable`; ``sensitivity``
-    may then be ``None``) gives one row, ``{"choice": "rule", "skip": every layer, "deployable": False,
-    "not_applicable": reason}``, which is not evaluated."""
-    from kvcal.formats.vllm_dtypes import boundary_skip_layers
-    from kvcal.search.skip_layers import (
-        choose_skip_layers,
-        not_applicable,
-        rule_skip_layers,
-        skip_count_range,
-    )
+    forced boundary alone covers every layer (``engine``'s ``not_applicable``,
+    :func:`kvcal.engines.vllm.skip_layers.not_applicable`; ``sensitivity`` may then be ``None``) gives one row,
+    ``{"choice": "rule", "skip": every layer, "deployable": False, "not_applicable": reason}``, which is not
+    evaluated. ``engine``: whose boundary layers, rule and count range (:mod:`kvcal.engines`)."""
+    from kvcal.engines import engine as engine_of
+    from kvcal.search.skip_layers import choose_skip_layers
 
-    forced = boundary_skip_layers(kv_cache_dtype, num_layers)
-    na = not_applicable(kv_cache_dtype, num_layers)
+    eng = engine_of(engine)
+    forced = eng.boundary_skip_layers(kv_cache_dtype, num_layers)
+    na = eng.not_applicable(kv_cache_dtype, num_layers)
     if na:
         return [{"choice": "rule", "skip": list(forced), "deployable": False, "not_applicable": na}]
-    hi = min(max_skip, skip_count_range(kv_cache_dtype, num_layers)[1])
+    hi = min(max_skip, eng.skip_count_range(kv_cache_dtype, num_layers)[1])
     out, seen = [], set()
 
     def add(choice, skip, deployable=True):
@@ -49,7 +47,7 @@ def candidate_sets(kv_cache_dtype: str, sensitivity: list[float] | None, costs: 
 
     rule_n = min(RULE_COUNT, num_layers)
     if rule_n <= max_skip or forced:
-        add("rule", rule_skip_layers(num_layers, rule_n) if not forced else forced)
+        add("rule", eng.rule_skip_layers(num_layers, rule_n) if not forced else forced)
     for n in range(len(forced), hi + 1):
         add("auto", choose_skip_layers(sensitivity, costs, max_skip=n, forced=forced))
     if forced:
@@ -74,14 +72,14 @@ def calibrations(dtypes) -> list[tuple[str, tuple[str, ...], str, str]]:
 WRITE_TIME = "scales computed by vLLM at write time (nothing to calibrate)"
 
 
-def scales_source(kv_cache_dtype: str, calibrated: bool) -> str:
+def scales_source(kv_cache_dtype: str, calibrated: bool, engine: str = DEFAULT_ENGINE) -> str:
     """The scales the ``kv_cache_dtype`` rows of recommend run with, as one phrase: calibrated
     (:data:`CALIBRATIONS`, ``calibrated`` True), vLLM's defaults (1.0) for a static-scale dtype kvcal does
     not calibrate (nvfp4_4over6, fp8_e5m2), or :data:`WRITE_TIME`. Raises ``ValueError`` for a dtype
-    marked ``calibrated`` that :data:`CALIBRATIONS` does not name."""
-    from kvcal.formats.vllm_dtypes import vllm_dtype
+    marked ``calibrated`` that :data:`CALIBRATIONS` does not name. ``engine``: whose dtype (:mod:`kvcal.engines`)."""
+    from kvcal.engines import engine as engine_of
 
-    spec = vllm_dtype(kv_cache_dtype)
+    spec = engine_of(engine).dtype(kv_cache_dtype)
     if calibrated:
         row = next((c for c in CALIBRATIONS if kv_cache_dtype in c[1]), None)
         if row is None:
@@ -96,12 +94,12 @@ def scales_source(kv_cache_dtype: str, calibrated: bool) -> str:
     return WRITE_TIME
 
 
-def row_scales(kv_cache_dtype: str, calibrated: bool) -> str:
+def row_scales(kv_cache_dtype: str, calibrated: bool, engine: str = DEFAULT_ENGINE) -> str:
     """A candidate row's ``scales`` label: :data:`SCALES_CALIBRATED` for a row run with kvcal's calibrated scales,
     else :data:`SCALES_DEFAULT` for a dtype with static scales (vLLM's 1.0) or :data:`SCALES_WRITE_TIME`.
-    Raises :class:`~kvcal.formats.vllm_dtypes.VllmDTypeError` for an unknown dtype."""
-    from kvcal.formats.vllm_dtypes import vllm_dtype
+    Raises the engine's ``DTypeError`` (:class:`~kvcal.engines.vllm.dtypes.VllmDTypeError`) for an unknown dtype."""
+    from kvcal.engines import engine as engine_of
 
     if calibrated:
         return SCALES_CALIBRATED
-    return SCALES_DEFAULT if vllm_dtype(kv_cache_dtype).static_scales else SCALES_WRITE_TIME
+    return SCALES_DEFAULT if engine_of(engine).dtype(kv_cache_dtype).static_scales else SCALES_WRITE_TIME

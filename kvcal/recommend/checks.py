@@ -5,7 +5,13 @@ bound (:func:`check_budget`, averaged over :func:`budget_context`) and ``--max-s
 
 from __future__ import annotations
 
-from kvcal.recommend.config import DEFAULT_MAX_SKIP, DEFAULT_MENU, RECOMMEND_METRICS, RecommendConfig
+from kvcal.recommend.config import (
+    DEFAULT_ENGINE,
+    DEFAULT_MAX_SKIP,
+    DEFAULT_MENU,
+    RECOMMEND_METRICS,
+    RecommendConfig,
+)
 
 
 def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
@@ -14,22 +20,25 @@ def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
     preflight, :class:`kvcal.inputs.CorpusInput`, not checked again). Returns the checked ``(corpus, eval
     corpus or None)`` (:class:`kvcal.inputs.CorpusInput`). Raises :class:`~kvcal.errors.KvcalError`."""
     from kvcal.artifact import check_output_dir
+    from kvcal.engines import engine, with_attr
     from kvcal.errors import KvcalError
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_dtypes_served, vllm_backend
     from kvcal.inputs import check_corpus_input, corpus_input
     from kvcal.options import parse_bar
 
-    if cfg.engine != "vllm":
-        raise KvcalError(f"--engine {cfg.engine!r}: kvcal recommend knows vllm only; use --engine vllm")
+    known = with_attr("Plan")  # the engines whose cache kvcal emulates
+    if cfg.engine not in known:
+        raise KvcalError(f"--engine {cfg.engine!r}: kvcal recommend knows {'/'.join(known)} only; use --engine "
+                         f"{known[0]}")
+    eng = engine(cfg.engine)
     try:
-        vllm_backend(cfg.backend)
-    except VllmDTypeError as e:
+        eng.backend(cfg.backend)
+    except eng.DTypeError as e:
         raise KvcalError(f"--backend: {e}") from None
     if not cfg.dtypes:
         raise KvcalError("--dtypes is empty; name at least one vLLM --kv-cache-dtype (e.g. fp8,turboquant_4bit_nc)")
     try:
-        check_dtypes_served(cfg.backend, cfg.dtypes)
-    except VllmDTypeError as e:
+        eng.check_dtypes_served(cfg.backend, cfg.dtypes)
+    except eng.DTypeError as e:
         raise KvcalError(f"--dtypes: {e}") from None
     if {"fp8", "fp8_e4m3"} <= set(cfg.dtypes):  # one dtype under two names: its outputs would mix them
         raise KvcalError("--dtypes names fp8 and fp8_e4m3, one vLLM dtype under two names (vllm/config/cache.py: "
@@ -53,20 +62,21 @@ def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
 
 def check_head_dims(cfg: RecommendConfig, model_config) -> tuple[tuple[str, ...], list[str]]:
     """The menu dtypes the model's head_dim can hold (nvfp4: a multiple of 16; turboquant: a power of two;
-    :func:`kvcal.formats.vllm_dtypes.check_head_dim`), checked before the model loads. An explicit ``--dtypes``
+    the engine's ``check_head_dim``, :func:`kvcal.engines.vllm.dtypes.check_head_dim`), checked before the model loads. An explicit ``--dtypes``
     naming one it cannot hold is refused, naming the ``--dtypes`` without it; the default menu (no
     ``--dtypes``) drops them, and the returned notes (one per dropped dtype) say so. Returns
     ``(dtypes, notes)``. Raises :class:`~kvcal.errors.KvcalError`."""
+    from kvcal.engines import engine
     from kvcal.errors import KvcalError
     from kvcal.formats.memory import model_shape
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim
 
+    eng = engine(cfg.engine)
     D = model_shape(model_config).head_dim
     bad = []
     for d in dict.fromkeys(cfg.dtypes):
         try:
-            check_head_dim(d, D)
-        except VllmDTypeError as e:
+            eng.check_head_dim(d, D)
+        except eng.DTypeError as e:
             bad.append((d, e))
     keep = tuple(d for d in dict.fromkeys(cfg.dtypes) if d not in dict(bad))
     if bad and (tuple(cfg.dtypes) != DEFAULT_MENU or not keep):
@@ -78,7 +88,7 @@ def check_head_dims(cfg: RecommendConfig, model_config) -> tuple[tuple[str, ...]
 def budget_context(model_config) -> int | None:
     """The context (tokens) bytes per token are averaged over on a model with sliding-window layers: its
     ``max_position_embeddings`` (a sliding layer's pages stop growing at its window, so its share of a
-    token's bytes shrinks with the context: :func:`kvcal.formats.memory.vllm_token_shares`). ``None`` for a
+    token's bytes shrinks with the context: :func:`kvcal.engines.vllm.memory.vllm_token_shares`). ``None`` for a
     model without sliding-window layers, whose bytes per token are the same at every context."""
     from kvcal.formats.memory import model_shape
 
@@ -89,13 +99,13 @@ def budget_context(model_config) -> int | None:
 def check_budget(cfg: RecommendConfig, model_config) -> None:
     """Refuse a ``--max-bytes-per-token`` below every dtype of the menu at its fewest 16-bit layers
     (before the model loads). Raises :class:`~kvcal.errors.KvcalError`."""
+    from kvcal.engines import engine
     from kvcal.errors import KvcalError
-    from kvcal.formats.memory import vllm_bytes_per_token
 
     if cfg.max_bytes_per_token is None:
         return
     ctx = budget_context(model_config)
-    least = {d: vllm_bytes_per_token(model_config, d, context=ctx) for d in cfg.dtypes}
+    least = {d: engine(cfg.engine).bytes_per_token(model_config, d, context=ctx) for d in cfg.dtypes}
     d0 = min(least, key=least.get)
     if least[d0] > cfg.max_bytes_per_token:
         raise KvcalError(f"--max-bytes-per-token {cfg.max_bytes_per_token}: the cheapest dtype of the menu ({d0}) "
@@ -121,14 +131,15 @@ def effective_max_skip(max_skip: int | None, num_layers: int) -> tuple[int, str 
     return max_skip, None
 
 
-def applicable_dtypes(dtypes, num_layers: int) -> dict[str, str]:
-    """``{dtype: reason}`` for the menu dtypes with no deployment on a ``num_layers``-layer model
-    (:func:`kvcal.search.skip_layers.not_applicable`: vLLM's own turboquant boundary layers cover every layer
-    of a 2- or 4-layer model); their rows are reported :data:`NOT_APPLICABLE`, not evaluated. Raises
-    :class:`~kvcal.errors.KvcalError` (before the model loads) when that leaves nothing to evaluate."""
+def applicable_dtypes(dtypes, num_layers: int, engine: str = DEFAULT_ENGINE) -> dict[str, str]:
+    """``{dtype: reason}`` for the menu dtypes with no deployment on a ``num_layers``-layer model (``engine``'s
+    ``not_applicable``, :func:`kvcal.engines.vllm.skip_layers.not_applicable`: vLLM's own turboquant boundary layers
+    cover every layer of a 2- or 4-layer model); their rows are reported :data:`NOT_APPLICABLE`, not evaluated.
+    Raises :class:`~kvcal.errors.KvcalError` (before the model loads) when that leaves nothing to evaluate."""
+    from kvcal.engines import engine as engine_of
     from kvcal.errors import KvcalError
-    from kvcal.search.skip_layers import not_applicable
 
+    not_applicable = engine_of(engine).not_applicable
     na = {d: r for d in dict.fromkeys(dtypes) if (r := not_applicable(d, num_layers))}
     if na and len(na) == len(dict.fromkeys(dtypes)):
         raise KvcalError(f"--dtypes {','.join(na)}: {next(iter(na.values()))}; add a dtype that stores this model's "

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The engine ``kvcal recommend`` deploys on when none is named (the Python API; the CLI requires ``--engine``),
+#: and the one the helper functions of this package ask when not told (:func:`kvcal.engines.engine`).
+DEFAULT_ENGINE = "vllm"
 #: vLLM 0.33 dtypes kvcal emulates, offered by default (fp8_e4m3 = fp8; fp8_e5m2 and nvfp4_4over6 on request).
 DEFAULT_MENU = ("fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4",
                 "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
@@ -14,7 +17,8 @@ CPU_MENU = ("fp8", "fp8_e5m2")
 RULE_COUNT = 4
 #: ``--max-skip`` when not given, capped at the model's layers − 1 (:func:`effective_max_skip`).
 DEFAULT_MAX_SKIP = 6
-#: The status of a menu dtype that has no deployment on the model (:func:`kvcal.search.skip_layers.not_applicable`).
+#: The status of a menu dtype that has no deployment on the model (the engine's ``not_applicable``,
+#: :func:`kvcal.engines.vllm.skip_layers.not_applicable`).
 NOT_APPLICABLE = "NOT-APPLICABLE"
 #: The status of a row left unmeasured (a cheaper row passed, or its group was screened out; ``failed`` says which).
 NOT_MEASURED = "NOT-MEASURED"
@@ -30,7 +34,7 @@ CALIBRATIONS = (("fp8", ("fp8", "fp8_e4m3"), "artifact", "k_scale, v_scale and q
 #: the checkpoint by the deployment's ``kvcal export`` line.
 SCALES_CALIBRATED = "calibrated"
 #: A candidate row's ``scales``: vLLM's defaults, every static k/v/q scale 1.0 — what vLLM runs when the checkpoint
-#: has no k_scale/v_scale/q_scale (:class:`kvcal.vllm_plan.VllmKVPlan` with no scales); nothing to export.
+#: has no k_scale/v_scale/q_scale (:class:`kvcal.engines.vllm.plan.VllmKVPlan` with no scales); nothing to export.
 SCALES_DEFAULT = "vLLM default (1.0)"
 #: A candidate row's ``scales``: per-KV-head k/v/q scales kvcal calibrated (``kvcal calibrate --granularity head``),
 #: loaded by vLLM through compressed-tensors ``strategy: attn_head`` on the FlashAttention-3 backend.
@@ -56,7 +60,7 @@ class RecommendConfig:
     corpus: str
     out: str
     model: str | None = None
-    engine: str = "vllm"
+    engine: str = DEFAULT_ENGINE
     accept: str | None = None
     max_bytes_per_token: int | None = None
     max_skip: int | None = None

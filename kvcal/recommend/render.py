@@ -45,9 +45,9 @@ def render_markdown(doc: dict) -> str:
     """``deploy.md``: the chosen configuration, its commands, the candidate table and the notes."""
     out = ["# kvcal recommend: vLLM KV-cache deployment", ""]
     if doc.get("backend", "cuda") != "cuda":
-        from kvcal.formats.vllm_dtypes import vllm_backend
+        from kvcal.engines import engine
 
-        b = vllm_backend(doc["backend"])
+        b = engine(doc["engine"]).backend(doc["backend"])  # the document's engine (kvcal-recommend/1 "engine")
         out += [f"Backend: {b.name} ({b.engine_name}); every row emulates its write path (FP8 "
                 f"{'truncated toward zero' if b.fp8_rounding == 'truncate' else 'rounded to nearest even'}"
                 f"{', queries not quantized' if not b.quantizes_query else ''}).", ""]

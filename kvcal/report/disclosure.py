@@ -61,9 +61,9 @@ def _gran(row: dict) -> str:
 def _what_is_quantized(rep: Report, meta: dict) -> None:
     kv = meta.get("kv") or {}
     m = meta.get("model") or {}
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.artifact.sections import engine_section
 
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     rep.add(Heading("What is quantized (KV cache)"))
     skip = sec.skip_layers if sec else None
     rep.add(Para(f"**Quantized tensors: {D.quantized_label(meta)}** of every attention layer "
@@ -146,9 +146,9 @@ def _what_is_quantized(rep: Report, meta: dict) -> None:
 def _serving_engine(rep: Report, meta: dict) -> None:
     """Engine, ``--kv-cache-dtype``, skipped layers, query quantization and ``q_scale`` of an artifact
     calibrated with ``kvcal calibrate --engine vllm`` (its ``vllm`` metadata section); nothing otherwise."""
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.artifact.sections import engine_section
 
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     if sec is None:
         return
     rep.add(Heading("Serving engine"))
@@ -170,7 +170,7 @@ def _serving_engine(rep: Report, meta: dict) -> None:
     if qs:
         items.append(f"q_scale: {len(sec.q_scale)} layers, min {_num(min(qs))}, median "
                      f"{_num(sorted(qs)[len(qs) // 2])}, max {_num(max(qs))} (exported as `...self_attn.q_scale`).")
-    for side in ("k", "v"):  # --kv-cache-dtype nvfp4: the static outer scales (kvcal.search.vllm_nvfp4)
+    for side in ("k", "v"):  # --kv-cache-dtype nvfp4: the static outer scales (kvcal.engines.vllm.search_nvfp4)
         xs = sec.outer_scale(side)
         if xs:
             items.append(f"NVFP4 outer {side}_scale: {len(xs)} layers, min {_num(min(xs))}, median "
@@ -196,7 +196,7 @@ def _deployed(rep: Report, meta: dict) -> None:
 
 def _skip_choice(sec) -> list[str]:
     """How the 16-bit layers were chosen (``vllm.skip_layers_choice``, ``kvcal calibrate --skip-layers``) in
-    the artifact's :class:`~kvcal.artifact.sections.VllmSection` ``sec``: a bullet with the method, the budget,
+    the artifact's :class:`~kvcal.engines.vllm.section.VllmSection` ``sec``: a bullet with the method, the budget,
     the bytes per token and the serve argument; none without it."""
     ch = sec.skip_layers_choice
     if ch is None:
@@ -297,9 +297,9 @@ def _regimes(rep: Report, meta: dict, ev: dict | None, reg: dict) -> None:
 def _skip_memory(meta: dict) -> list[str]:
     """A memory bullet for an artifact whose ``vllm.skip_layers`` keeps layers in the model dtype: vLLM's
     bytes per token with them (``vllm.skip_layers_choice``) beside the every-layer figures of this section."""
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.artifact.sections import engine_section
 
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     skip = sec.skip_layers if sec else None
     if not skip:
         return []
@@ -313,7 +313,7 @@ def _skip_memory(meta: dict) -> list[str]:
 def _sliding_memory(meta: dict, mem: dict) -> list[str]:
     """A memory bullet for a model with sliding-window layers (``model.layer_windows``): what each layer type
     holds, the global layers' share of the bytes at the longest context shown, and what vLLM 0.33 reserves
-    for a sliding layer (:func:`kvcal.formats.memory.vllm_layer_tokens`, from ``SlidingWindowSpec``)."""
+    for a sliding layer (:func:`kvcal.engines.vllm.memory.vllm_layer_tokens`, from ``SlidingWindowSpec``)."""
     lw = (meta.get("model") or {}).get("layer_windows")
     if not lw:
         return []

@@ -59,9 +59,9 @@ def corpus_section(meta: dict, concurrency: str) -> str:
 def _query_line(meta: dict) -> str:
     """What the report says about the queries: the model's precision, or for an artifact calibrated for vLLM
     (``kvcal calibrate --engine vllm``: a ``vllm`` section) how that engine quantizes them."""
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.artifact.sections import engine_section
 
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     if not sec:
         return "queries stay in the model's precision"
     qq = sec.query_quantization or "none"
@@ -80,10 +80,10 @@ def _granularity(side: dict) -> str:
 def _scales_kind(meta: dict, side: str) -> str:
     """How ``side``'s scales are set: dynamic, static from calibration, or (``--kv-cache-dtype nvfp4``:
     ``vllm.{side}_outer_scale``) dynamic e4m3 block scales under the calibrated static outer scale."""
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.artifact.sections import engine_section
 
     s = meta["kv"][side]
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     if sec and sec.outer_scale(side):
         return (f"dynamic {s.get('scale_dtype')} block scales under a static per-layer outer scale from calibration "
                 f"(the {side}_scale column)")
@@ -94,9 +94,9 @@ def _skip_line(meta: dict) -> str:
     """The report's bullet on the layers vLLM keeps in the model dtype (``vllm.skip_layers``, written by
     ``kvcal calibrate --skip-layers`` and ``kvcal recommend``): the layers, how they were chosen and the KV
     bytes per token as vLLM allocates pages; ``""`` for an artifact that records none."""
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.artifact.sections import engine_section
 
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     ch = (sec.skip_layers_choice if sec else None) or {}
     skip = sec.skip_layers if sec else ()
     if not skip and not ch:
@@ -161,11 +161,11 @@ def deployed_section(meta: dict) -> str:
 def render_calibration_report(meta: dict) -> str:
     """``report.md`` text: what was quantized, how, on which data, and the held-out errors (labelled as
     calibration-data errors when there was no held-out split)."""
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.artifact.sections import engine_section
     from kvcal.report.data import error_data_label, has_heldout
 
     m, kv, cal = meta["model"], meta["kv"], meta["calibration"]
-    sec = vllm_section(meta)
+    sec = engine_section(meta)
     title = "Held-out error per layer" if has_heldout(meta) else f"Error per layer on {error_data_label(meta)}"
     text = ("held-out calibration-domain text" if has_heldout(meta) else
             "the calibration samples themselves (no held-out split), so they are optimistic")

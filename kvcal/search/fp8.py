@@ -96,8 +96,8 @@ def plan_from_choices(rows: list[dict], fmt: str, granularity: str, num_kv_heads
 
 def static_result(rows: list[dict], plan, layers_meta: list[dict], search_seconds: float) -> SearchResult:
     """The :class:`~kvcal.search.result.SearchResult` of a static-scale search (this module's
-    :func:`search_scales`, :func:`kvcal.search.vllm_fp8.search_vllm_fp8`,
-    :func:`kvcal.search.vllm_nvfp4.search_vllm_nvfp4`): ``rows`` as the search returned them, the plan
+    :func:`search_scales`, :func:`kvcal.engines.vllm.search_fp8.search_vllm_fp8`,
+    :func:`kvcal.engines.vllm.search_nvfp4.search_vllm_nvfp4`): ``rows`` as the search returned them, the plan
     and per-layer metadata built from them, and the search's wall time (seconds)."""
     from kvcal.search.static_scales import DEFAULT_CLIP_RATIOS, DEFAULT_HEADROOM
 

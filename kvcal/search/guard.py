@@ -1,6 +1,6 @@
 """The held-out guard of a per-tensor static-scale search (torch only).
 
-Shared by the vLLM searches (:mod:`kvcal.search.vllm_fp8` per tensor, :mod:`kvcal.search.vllm_nvfp4`):
+Shared by the vLLM searches (:mod:`kvcal.engines.vllm.search_fp8` per tensor, :mod:`kvcal.engines.vllm.search_nvfp4`):
 candidates are scored on the calibration split, the best one is compared on the held-out split with
 the two baselines (candidate 0, the amax rule, and candidate 1, unity = 1.0, the scale an engine uses
 without checkpoint scales), and the lowest held-out error wins (the first of equal errors, so the

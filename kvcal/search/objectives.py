@@ -139,7 +139,7 @@ class SequenceCache:
         evaluated queries, for unmasked scores ``s`` ``[H_kv, G, Tq, T]`` float32 (overwritten: masked in
         place); ``P`` the exact attention, masked keys (causal, sliding window) contributing nothing.
         Callers build ``s`` their way (quantized keys: :meth:`key_kl`; vLLM's folded q/k scales:
-        :func:`kvcal.search.vllm_fp8.joint_key_kl`)."""
+        :func:`kvcal.engines.vllm.search_fp8.joint_key_kl`)."""
         s = s.masked_fill_(self.masked, float("-inf"))
         logp_hat = torch.log_softmax(s, dim=-1).masked_fill_(self.masked, 0.0)
         return (self.p * (self.logp0 - logp_hat)).sum(dim=(1, 2, 3)).double()

@@ -1,7 +1,7 @@
 """The one result type of every scale search: what ``kvcal calibrate`` writes into an artifact.
 
-The static FP8 searches (:mod:`kvcal.search.fp8`, :mod:`kvcal.search.vllm_fp8`,
-:mod:`kvcal.search.vllm_nvfp4`) and the integer search (:mod:`kvcal.search.integer`) all return a
+The static FP8 searches (:mod:`kvcal.search.fp8`, :mod:`kvcal.engines.vllm.search_fp8`,
+:mod:`kvcal.engines.vllm.search_nvfp4`) and the integer search (:mod:`kvcal.search.integer`) all return a
 :class:`SearchResult`; ``calibrate`` turns it into the artifact's ``calibration`` metadata with
 :meth:`SearchResult.calibration_meta` and renders ``report.md`` with
 :func:`kvcal.report.markdown.render_report`, one path for both.

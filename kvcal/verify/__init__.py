@@ -9,9 +9,9 @@ Pipeline (:func:`verify`):
    ``quantization_config`` and the scale tensors left out): what a user serves without kvcal's scales.
 3. Cut the evaluation windows exactly as ``kvcal evaluate`` does (:func:`kvcal.evaluate.windows.corpus_stream`,
    :func:`~kvcal.evaluate.windows.cut_windows`) and serve them in the engine's own Python
-   (``kvcal/engines/vllm_runner.py``, a subprocess): the engine's 16-bit cache (``auto`` on the view) is
+   (``kvcal/engines/vllm/runner.py``, a subprocess): the engine's 16-bit cache (``auto`` on the view) is
    the reference, then the dtype with the checkpoint's scales, then the dtype at 1.0 (the view).
-4. Predict the same runs with kvcal's emulation of that engine backend (:class:`~kvcal.vllm_plan.VllmKVPlan`,
+4. Predict the same runs with kvcal's emulation of that engine backend (:class:`~kvcal.engines.vllm.plan.VllmKVPlan`,
    the backend the engine reports: ``CPUAttentionBackendImpl`` → ``cpu``) on kvcal's own 16-bit model
    (transformers, same weights), per token.
 5. Judge: PASS/FAIL against ``--accept`` on the *served* figures; the served gain of the checkpoint's scales over
@@ -44,6 +44,7 @@ from kvcal.verify.checkpoint import Checkpoint, from_recommend, no_scale_view, r
 from kvcal.verify.config import VERIFY_METRICS, VerifyConfig, check_accept
 from kvcal.verify.engine import (
     ALIGN_TOL,
+    ENGINE,
     IMPL_BACKEND,
     RUNNER,
     check_engine_python,
@@ -73,10 +74,11 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
     import datetime as _dt
 
     from kvcal import __version__
+    from kvcal.engines import engine
     from kvcal.evaluate.accept import DEFAULT_ACCEPT
     from kvcal.evaluate.bounds import judge_bounded
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_backend_serves, vllm_backend
-    from kvcal.vllm_plan import VllmKVPlan
+
+    eng = engine(ENGINE)  # the served engine's facade (kvcal.engines): backends and the plan kvcal predicts with
 
     crit_str = cfg.accept or DEFAULT_ACCEPT[8]
     crit = check_accept(crit_str)
@@ -111,9 +113,9 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
     backend = cfg.backend
     if backend is not None:
         try:
-            backend = vllm_backend(backend).name
-            check_backend_serves(backend, dtype, ck.head_dim)
-        except VllmDTypeError as e:
+            backend = eng.backend(backend).name
+            eng.check_backend_serves(backend, dtype, ck.head_dim)
+        except eng.DTypeError as e:
             raise KvcalError(f"--backend: {e}") from None
     if backend in (None, "cpu"):
         why = cpu_fp8_support()
@@ -199,17 +201,17 @@ def verify(cfg: VerifyConfig, log=print, model=None, corpus=None) -> dict:
         # served = predicted check exists to resolve, so a tolerance wider than it is called inconclusive
         other = "cpu" if backend == "cuda" else "cuda"
         try:  # a write path that cannot hold this model (the CPU build: head_dim a multiple of 32) is not a rival
-            check_backend_serves(other, dtype, ck.head_dim)
-        except VllmDTypeError:
+            eng.check_backend_serves(other, dtype, ck.head_dim)
+        except eng.DTypeError:
             other = None
         for alt in dict.fromkeys([b for b in (backend, other) if b is not None]):
             qq = None if alt == backend or alt == "cpu" else False
             if has_scales:
-                plans[(f"{dtype} checkpoint scales", alt)] = VllmKVPlan(
+                plans[(f"{dtype} checkpoint scales", alt)] = eng.Plan(
                     dtype, L, k_scales=ck.k_scales, v_scales=ck.v_scales, q_scales=qs, backend=alt, quantize_query=qq,
                     skip_layers=skip)
-            plans[(f"{dtype} scales 1.0", alt)] = VllmKVPlan(dtype, L, backend=alt, quantize_query=qq,
-                                                             skip_layers=skip)
+            plans[(f"{dtype} scales 1.0", alt)] = eng.Plan(dtype, L, backend=alt, quantize_query=qq,
+                                                           skip_layers=skip)
         pred = predict(model, wins, {f"{n}@{b}": p for (n, b), p in plans.items()})
     if rec_tmp is not None:
         rec_tmp.cleanup()

@@ -1,5 +1,5 @@
 """Running the engine: the interpreter check (:func:`check_engine_python`), whether this CPU can serve an FP8
-cache in vLLM's CPU build (:func:`cpu_fp8_support`), and one engine run of ``kvcal/engines/vllm_runner.py`` in
+cache in vLLM's CPU build (:func:`cpu_fp8_support`), and one engine run of ``kvcal/engines/vllm/runner.py`` in
 a subprocess (:func:`run_engine`), with the engine-side constants verify reads its results by."""
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvcal.engines import engine
 from kvcal.errors import KvcalError
 
-RUNNER = Path(__file__).resolve().parents[1] / "engines" / "vllm_runner.py"
+#: the engine ``kvcal verify`` serves checkpoints in (its facade, :mod:`kvcal.engines`, holds the runner)
+ENGINE = "vllm"
+#: the script run in the engine's own Python (:data:`kvcal.engines.vllm.RUNNER`: imports no kvcal)
+RUNNER = engine(ENGINE).RUNNER
 
 
-#: engine attention implementation class → kvcal backend (:data:`kvcal.formats.vllm_dtypes.VLLM_BACKENDS`)
+#: engine attention implementation class → kvcal backend (:data:`kvcal.engines.vllm.dtypes.VLLM_BACKENDS`)
 IMPL_BACKEND = {"CPUAttentionBackendImpl": "cpu"}
 #: the served log-probability of each target token must equal log_softmax of the observed logit row to this
 #: (nats): float32 log-softmax over a 49k vocabulary agrees with a float64 one to ~1e-5
@@ -87,7 +91,7 @@ def _inductor_cache_dir() -> str:
 
 
 def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int = 1800) -> dict:
-    """Run :data:`RUNNER` in ``engine_python`` on ``request`` (module doc of ``vllm_runner``); return its
+    """Run :data:`RUNNER` in ``engine_python`` on ``request`` (module doc of :mod:`kvcal.engines.vllm.runner`); return its
     result. Raises :class:`KvcalError` with the engine's one-line refusal, a crash's last line, or a timeout.
 
     The engine's temporary files (vLLM's ``vllm_dist_<uuid>`` rendezvous file, whatever else it writes to

@@ -1,7 +1,7 @@
 """The typed read view of an artifact's ``vllm`` metadata section:
-:class:`kvcal.artifact.VllmSection` from :func:`kvcal.artifact.vllm_section`, checked against hand-written
-metadata for an fp8 and an nvfp4 section and an artifact without one, and the registry rules it answers
-with (dtype family, fp8 = fp8_e4m3)."""
+:class:`kvcal.engines.vllm.section.VllmSection` from :func:`kvcal.engines.vllm.section.vllm_section` (what the floors
+get from :func:`kvcal.artifact.engine_section`), checked against hand-written metadata for an fp8 and an nvfp4 section
+and an artifact without one, and the registry rules it answers with (dtype family, fp8 = fp8_e4m3)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 import kvcal.artifact
-from kvcal.artifact import VllmSection, vllm_section
-from kvcal.formats.vllm_dtypes import VLLM_DTYPE_FAMILIES, VLLM_DTYPES, same_vllm_dtype, vllm_dtype
+from kvcal.engines.vllm.dtypes import VLLM_DTYPE_FAMILIES, VLLM_DTYPES, same_vllm_dtype, vllm_dtype
+from kvcal.engines.vllm.section import VllmSection, vllm_section
 
 FP8_META = {
     "schema_version": 1, "model": {"num_layers": 3, "num_kv_heads": 2, "head_dim": 64}, "kv": {},
@@ -109,11 +109,16 @@ def test_registry_rules_match_the_old_string_tests():
             assert same_vllm_dtype(name, other) == (name == other or (name in fp8 and other in fp8))
 
 
-def test_exposed_by_kvcal_artifact():
-    """VllmSection and vllm_section are public names of kvcal.artifact (listed in its ``__all__``) and are the
-    objects defined in kvcal.artifact.sections (one type, not a copy)."""
-    import kvcal.artifact.sections as sections
+def test_reached_through_kvcal_artifact():
+    """kvcal.artifact.engine_section (public: in its ``__all__``) finds the view by the section's name through the
+    registry: the engine's own VllmSection (one type, defined in the vLLM package, the facade's ``read_section``),
+    ``None`` without a section; engine_sections names the engine."""
+    from kvcal.artifact.sections import engine_sections
+    from kvcal.engines import engine
 
-    assert "VllmSection" in kvcal.artifact.__all__ and "vllm_section" in kvcal.artifact.__all__
-    assert VllmSection is sections.VllmSection and vllm_section is sections.vllm_section
-    assert VllmSection.__module__ == "kvcal.artifact.sections"
+    assert "engine_section" in kvcal.artifact.__all__
+    sec = kvcal.artifact.engine_section(copy.deepcopy(FP8_META))
+    assert type(sec) is VllmSection and sec == vllm_section(copy.deepcopy(FP8_META))
+    assert VllmSection.__module__ == "kvcal.engines.vllm.section" and engine("vllm").read_section is vllm_section
+    assert [n for n, _ in engine_sections(copy.deepcopy(NVFP4_META))] == ["vllm"]
+    assert kvcal.artifact.engine_section({**FP8_META, "vllm": None}) is None

@@ -98,10 +98,10 @@ def test_evaluate_vllm_row_serves_the_artifacts_16bit_layers(given, tiny, tmp_pa
     (another dtype) quantizes every layer."""
     import torch
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
-    from kvcal.vllm_plan import VllmKVPlan
 
     out, art = given
     js = tmp_path / "eval.json"
@@ -204,12 +204,12 @@ def test_recommend_deploys_vllm_default_scales_when_they_measure_better(tiny, tm
     from helpers.recommend import recommend_bar
 
     import kvcal.recommend as R
+    from kvcal.engines.vllm.plan import VllmKVPlan
+    from kvcal.engines.vllm.skip_layers import serve_skip_arg
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
     from kvcal.recommend import RecommendConfig, recommend
-    from kvcal.search.skip_layers import serve_skip_arg
-    from kvcal.vllm_plan import VllmKVPlan
 
     real = R._artifact_scales
 

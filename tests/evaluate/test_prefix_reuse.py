@@ -42,7 +42,7 @@ def test_vllm_layer_probe_is_unchanged_and_cheaper(tiny, one_thread):
     """layer_sensitivity's plans (only layer l through the dtype) give exactly the KL of full passes — the
     layers below l see the same inputs either way, so the arithmetic is shared and the comparison is exact —
     and the reusing run computes L layers for the reference plus L - l for plan l (sum over samples)."""
-    from kvcal.search.skip_layers import probe_plans
+    from kvcal.engines.vllm.skip_layers import probe_plans
 
     plans = probe_plans("int4_per_token_head", L)
     assert [first_quantized_layer(plans[i]) for i in range(L)] == list(range(L))
@@ -80,8 +80,8 @@ def test_plans_kl_nll_matches_an_independent_float64_nll(tiny, one_thread):
     independently from the model's logits in float64 (the same logits and log_softmax, so the per-sample sums
     agree exactly; only the order of the final sum over samples may differ: 2 terms, 1 rounding, so the
     comparison allows 4 ulp of the mean). Its KLs are plans_kl's, bit for bit, with and without prefix reuse."""
+    from kvcal.engines.vllm.skip_layers import probe_plans
     from kvcal.evaluate.protocol_a import plans_kl_nll, protocol_a_logits
-    from kvcal.search.skip_layers import probe_plans
 
     plans = {i: p for i, p in probe_plans("int4_per_token_head", L).items() if i in (0, 2)}
     kl, nll = plans_kl_nll(tiny, _samples(), plans, progress=False)

@@ -15,10 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvcal.cli import main
+from kvcal.engines.sglang.loader import simulate_sglang, simulate_sglang_json
+from kvcal.engines.trtllm.loader import simulate_trtllm
+from kvcal.engines.vllm.loader import simulate_vllm
 from kvcal.errors import KvcalError
 from kvcal.export import ExportError, export, get_target, targets_that_can_load
 from kvcal.export.checkpoint import INDEX, SCALES_SHARD, SINGLE_RENAMED
-from kvcal.export.rules import simulate_sglang, simulate_sglang_json, simulate_trtllm, simulate_vllm
 from kvcal.inspect import inspect_path
 
 # ---- fixtures ------------------------------------------------------------------------------------

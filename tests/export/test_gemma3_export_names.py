@@ -146,8 +146,8 @@ def test_sglang_json_is_refused_for_gemma3(gemma, tmp_path):
     startup for ``--quantization-param-path``: kvcal refuses --target sglang-json for Gemma 3 (it used to write
     kv_cache_scales.json with model_type gemma3_text), names the reason and points to --target vllm; inspect's
     simulation of such a file reports the startup error."""
-    from kvcal.export.rules import simulate_sglang_json
-    from kvcal.export.sglang import scales_json
+    from kvcal.engines.sglang.export import scales_json
+    from kvcal.engines.sglang.loader import simulate_sglang_json
 
     out = tmp_path / "json"
     text = run(["export", "--artifact", str(gemma[1]), "--target", "sglang-json", "--out", str(out)], code=2)

@@ -27,7 +27,7 @@ def test_check_head_dim(name, ok, bad):
     """nvfp4*: multiples of 16 pass; turboquant_*: powers of two pass; fp8 takes any head_dim. A refusal names
     the dtype and the head_dim; head_slot_bytes refuses the same (nvfp4 at D=8 used to give 2·(4 + 0) = 8 per
     head, no block scale)."""
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, check_head_dim, head_slot_bytes
+    from kvcal.engines.vllm.dtypes import VllmDTypeError, check_head_dim, head_slot_bytes
 
     for d in ok:
         check_head_dim(name, d)

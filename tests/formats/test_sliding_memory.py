@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvcal.cli import main
-from kvcal.formats.memory import ModelShape, cache_bytes, model_shape, vllm_cache_bytes, vllm_layer_tokens
+from kvcal.engines.vllm.memory import vllm_cache_bytes, vllm_layer_tokens
+from kvcal.formats.memory import ModelShape, cache_bytes, model_shape
 from kvcal.formats.spec import preset
 
 #: Gemma 3 270M: 18 layers, every 6th global, the others sliding window 512; 1 KV head x 256

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcal.formats import vllm_dtypes as V
-from kvcal.vllm_plan import VllmKVPlan
+from kvcal.engines.vllm import dtypes as V
+from kvcal.engines.vllm.plan import VllmKVPlan
 
 
 def _grid(exp_bits: int, man_bits: int, bias: int, drop_top: bool) -> torch.Tensor:

@@ -18,8 +18,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvcal.formats import vllm_dtypes as V
-from kvcal.formats.memory import ModelShape, vllm_bytes_per_token, vllm_cache_bytes
+from kvcal.engines.vllm import dtypes as V
+from kvcal.engines.vllm.memory import vllm_bytes_per_token, vllm_cache_bytes
+from kvcal.formats.memory import ModelShape
 
 F64 = torch.float64
 EPS32 = 2.0 ** -24  # float32 unit roundoff
@@ -683,8 +684,8 @@ def test_vllm_plan_runs_fp8_with_query_quantization_in_protocol_a():
     """The plan hook hands attention e4m3(q·(1/q_scale))·q_scale and e4m3(k/k_scale)·k_scale —
     checked against a callback written from the float64 grids above, logits bit-identical."""
     from kvcal.capture.hooks import attention_hook
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.protocol_a import plan_hook, teacher_forced
-    from kvcal.vllm_plan import VllmKVPlan
 
     model = _tiny_llama()
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -725,7 +726,7 @@ def test_vllm_plan_runs_fp8_with_query_quantization_in_protocol_a():
 def test_vllm_plan_layers_and_sides(name):
     """VllmKVPlan skips turboquant's boundary layers only and applies fake_quant_kv / fake_quant_query on
     the others; a checkpoint scale for int8_per_token_head and a wrong scale count are refused."""
-    from kvcal.vllm_plan import VllmKVPlan
+    from kvcal.engines.vllm.plan import VllmKVPlan
 
     plan = VllmKVPlan(name, 6)
     x = gaussian_outlier((1, 2, 8, 16), seed=11)
@@ -750,8 +751,8 @@ def test_kvcal_evaluate_runs_vllm_dtypes(tmp_path):
     from helpers.runtime import make_plan, tiny_model, write_tiny_artifact
     from helpers.tokenizers import CharTok
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate import EvalConfig, evaluate, teacher_forced, text_windows
-    from kvcal.vllm_plan import VllmKVPlan
 
     model = tiny_model()
     kv = make_plan("fp8")
@@ -812,9 +813,12 @@ def test_evaluate_cli_refuses_an_unknown_vllm_dtype_before_loading(tmp_path):
 
 
 def test_triton_fp_fusion_switch(monkeypatch):
-    """TRITON_FP_FUSION=True: ``a·b + c`` rounds once (FMA). Re-stated in float64, where the product of
-    two float32 numbers and its sum with an fp16 / small-integer addend are exact."""
-    monkeypatch.setattr(V, "TRITON_FP_FUSION", True)
+    """TRITON_FP_FUSION=True (kvcal.engines.vllm.dtypes.choices, read by the emulations at call time): ``a·b + c``
+    rounds once (FMA). Re-stated in float64, where the product of two float32 numbers and its sum with an fp16 /
+    small-integer addend are exact."""
+    from kvcal.engines.vllm.dtypes import choices
+
+    monkeypatch.setattr(choices, "TRITON_FP_FUSION", True)
     v = gaussian_outlier((2, 3, 16, 64), seed=15)
     codes, s16, z16 = V.turboquant_value_quantize(v, 4)
     got = V.turboquant_value_dequantize(codes, s16, z16)
@@ -826,7 +830,7 @@ def test_triton_fp_fusion_switch(monkeypatch):
     code = torch.trunc(torch.where(y >= 0, f32(xd * inv + 0.5), f32(xd * inv - 0.5)).clamp(-128, 127))
     assert torch.equal(V.per_token_head_fake_quant(v, "int8").double(), f32(code * scale))
     # the two modes differ only where an unfused rounding lands on the other side of a boundary
-    monkeypatch.setattr(V, "TRITON_FP_FUSION", False)
+    monkeypatch.setattr(choices, "TRITON_FP_FUSION", False)
     unfused = V.turboquant_value_dequantize(codes, s16, z16)
     # two roundings vs one: |Δ| <= ½ulp(code·scale) + ½ulp(result) <= eps32·(|code·scale| + |result|)
     bound = EPS32 * 2 * ((codes.double() * s16.double()).abs() + got.double().abs())

@@ -133,10 +133,10 @@ def test_recommend_end_to_end(tiny_dir, tmp_path):
     assert "KL mean [bound]" in md
     assert not (out / "artifact").exists()
     # its KL re-measured through Protocol A on the same evaluation windows (the tail after the probe windows)
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
-    from kvcal.vllm_plan import VllmKVPlan
 
     tok = load_tokenizer(str(tiny_dir))
     ids, _ = corpus_stream(str(CHAT), tok)
@@ -229,10 +229,10 @@ def test_nvfp4_rows_are_evaluated_with_the_calibrated_outer_scales(tiny_dir, tmp
     (kl_mean<=0), so no artifact is kept in OUT, and deploy.json/notes say which dtype was calibrated."""
     import kvcal.recommend as R
     from kvcal.artifact import load_artifact
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.protocol_a import teacher_forced
     from kvcal.evaluate.windows import corpus_stream, cut_windows
     from kvcal.models import load_model, load_tokenizer
-    from kvcal.vllm_plan import VllmKVPlan
 
     seen = {}
     orig = R._artifact_scales
@@ -289,9 +289,9 @@ def test_nvfp4_choice_writes_its_artifact_and_an_export_line_that_exports_it(tin
     from helpers.recommend import recommend_bar
 
     from kvcal.artifact import load_artifact
+    from kvcal.engines.vllm.skip_layers import serve_skip_arg
     from kvcal.export import export
     from kvcal.recommend import RecommendConfig, recommend
-    from kvcal.search.skip_layers import serve_skip_arg
 
     def rec(out, accept, **kw):
         return recommend(RecommendConfig(corpus=str(CHAT), out=str(out), model=str(tiny_small_kv), dtypes=("nvfp4",),

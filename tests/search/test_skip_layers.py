@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from kvcal.search.skip_layers import choose_skip_layers, probe_plans, rule_skip_layers, skip_costs
+from kvcal.engines.vllm.skip_layers import probe_plans, rule_skip_layers, skip_costs
+from kvcal.search.skip_layers import choose_skip_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run faster single-threaded
 
@@ -68,7 +69,7 @@ def test_bad_bounds_are_refused():
 def test_rule_is_vllms_boundary_rule():
     """rule_skip_layers(L, 4) equals vllm_dtypes.boundary_skip_layers for turboquant; hand-worked sets for 0, 3
     and 5 layers of 30; a rule larger than the model is refused."""
-    from kvcal.formats.vllm_dtypes import boundary_skip_layers
+    from kvcal.engines.vllm.dtypes import boundary_skip_layers
 
     for L in (4, 5, 30):
         assert rule_skip_layers(L, 4) == boundary_skip_layers("turboquant_4bit_nc", L)
@@ -105,9 +106,9 @@ def test_probe_finds_a_sensitive_middle_layer_the_rule_misses(smollm_tokenizer):
     ([0, 5]) — measured independently with plans_kl on other tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
+    from kvcal.engines.vllm.probe import layer_sensitivity
     from kvcal.evaluate.protocol_a import plans_kl
-    from kvcal.evaluate.vllm_probe import layer_sensitivity
-    from kvcal.vllm_plan import VllmKVPlan
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers.models import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
 
+from kvcal.engines.vllm import search_fp8 as V
 from kvcal.errors import KvcalError
 from kvcal.formats.fp8 import get_fp8_format
-from kvcal.search import vllm_fp8 as V
 from kvcal.search.objectives import SequenceCache
 from kvcal.search.static_scales import candidate_scales
 

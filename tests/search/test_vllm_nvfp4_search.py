@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers.models import TINY_LLAMA_16, safetensors_dir, save_tiny_llama
 
+from kvcal.engines.vllm import search_nvfp4 as N
+from kvcal.engines.vllm.search_fp8 import joint_key_kl
 from kvcal.errors import KvcalError
-from kvcal.search import vllm_nvfp4 as N
 from kvcal.search.objectives import SequenceCache
-from kvcal.search.vllm_fp8 import joint_key_kl
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "calibration_sets" / "chat.jsonl"
@@ -120,7 +120,7 @@ def test_key_codes_equal_float64_restatement(outer):
     got = N.key_codes(c.k, outer)
     want = _nvfp4_codes64(c.k, outer)
     assert torch.equal(got.double(), want)
-    from kvcal.formats.vllm_dtypes import nvfp4_fake_quant
+    from kvcal.engines.vllm.dtypes import nvfp4_fake_quant
 
     assert torch.equal(got * torch.tensor(outer, dtype=torch.float32), nvfp4_fake_quant(c.k[None], outer)[0])
     if outer == 1e-4:  # 6 * 448 * 1e-4 = 0.2688: larger values clip there
@@ -197,7 +197,7 @@ def test_guard_never_worse_on_heldout_and_figures_recompute():
     for s in "qkv":
         h = getattr(ch, s).heldout
         assert h["chosen"] <= h["absmax"] and h["chosen"] <= h["unity"], (s, h)
-    from kvcal.formats.vllm_dtypes import nvfp4_fake_quant
+    from kvcal.engines.vllm.dtypes import nvfp4_fake_quant
 
     vo = float(ch.v.scale[0])
     num = sum(float(c.value_error(nvfp4_fake_quant(c.v[None], vo)[0])[0].sum()) for c in held)
@@ -401,7 +401,7 @@ def test_auto_skip_layers_probe_the_calibrated_outer_scales(tiny_dir, tmp_path, 
     with the outer scales and q_scale it just calibrated (the values passed to the probe equal the artifact's
     k/v_outer_scale and q_scale tensors, not vLLM's default 1.0), and keeps the layer with the largest recorded
     probe KL at 16 bits (uniform layer costs: the knapsack with one slot is the argmax)."""
-    import kvcal.evaluate.vllm_probe as vp
+    import kvcal.engines.vllm.probe as vp
     from kvcal.artifact import load_artifact
     from kvcal.calibrate import CalibrateConfig, calibrate
 

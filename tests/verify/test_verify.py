@@ -319,9 +319,9 @@ def test_prediction_chunks_give_the_whole_window_figures():
     up to float64 summation order (1e-12 relative)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvcal.engines.vllm.plan import VllmKVPlan
     from kvcal.evaluate.protocol_a import protocol_a_logits
     from kvcal.verify import predict
-    from kvcal.vllm_plan import VllmKVPlan
 
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

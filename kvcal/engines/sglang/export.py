@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
+from kvcal.engines.sglang import JSON_FILE  # the facade's (kvcal.artifact.deployed reads it back)
 from kvcal.export.base import ExportContext, Target, register, report_shared_scale, write_json
 from kvcal.export.checkpoint import INDEX, Checkpoint, filtered_copy, link_or_copy, read_header, staged_path
 from kvcal.export.rules import is_kv_scale_name
-
-JSON_FILE = "kv_cache_scales.json"
 
 
 def scales_json(model_type: str, per_layer: list[float], tp: int) -> dict:
@@ -52,9 +51,10 @@ class SglangJsonTarget(Target):
 
     def can_load(self, meta: dict) -> str | None:
         """Also refuses a model whose SGLang model class reads no ``--quantization-param-path``
-        (:data:`kvcal.export.layouts.SGLANG_NO_PARAM_PATH`: Gemma 3, Mixtral, Qwen3-MoE in SGLang 0.5.23):
+        (:data:`kvcal.engines.sglang.loader.SGLANG_NO_PARAM_PATH`: Gemma 3, Mixtral, Qwen3-MoE in SGLang 0.5.23):
         ``load_model_utils.load_kv_cache_scales`` raises ``RuntimeError`` at startup for it."""
-        from kvcal.export.layouts import SGLANG_NO_PARAM_PATH, family
+        from kvcal.engines.sglang.loader import SGLANG_NO_PARAM_PATH
+        from kvcal.export.layouts import family
 
         mt = (meta.get("model") or {}).get("model_type")
         if mt in SGLANG_NO_PARAM_PATH:

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.formats.vllm_dtypes.common import FP8_E4M3_MAX, NVFP4_BLOCK, _cast_fp8, _check_4d, _f32
-from kvcal.formats.vllm_dtypes.fp8 import fp8_static_fake_quant, query_fp8_fake_quant
-from kvcal.formats.vllm_dtypes.nvfp4 import nvfp4_fake_quant
-from kvcal.formats.vllm_dtypes.per_token_head import (
+from kvcal.engines.vllm.dtypes.common import FP8_E4M3_MAX, NVFP4_BLOCK, _cast_fp8, _check_4d, _f32
+from kvcal.engines.vllm.dtypes.fp8 import fp8_static_fake_quant, query_fp8_fake_quant
+from kvcal.engines.vllm.dtypes.nvfp4 import nvfp4_fake_quant
+from kvcal.engines.vllm.dtypes.per_token_head import (
     int4_per_token_head_fake_quant,
     int4_query_fake_quant,
     per_token_head_fake_quant,
 )
-from kvcal.formats.vllm_dtypes.registry import (
+from kvcal.engines.vllm.dtypes.registry import (
     TQ_PRESETS,
     VLLM_DTYPE_FAMILIES,
     VllmBackend,
@@ -23,7 +23,7 @@ from kvcal.formats.vllm_dtypes.registry import (
     vllm_backend,
     vllm_dtype,
 )
-from kvcal.formats.vllm_dtypes.turboquant import (
+from kvcal.engines.vllm.dtypes.turboquant import (
     turboquant_fake_quant,
     turboquant_key_dequantize,
     turboquant_key_quantize,
@@ -110,7 +110,7 @@ def fake_quant_query(name: str, q: torch.Tensor, *, q_scale=1.0, num_kv_heads: i
 def check_head_dim(name: str, head_dim: int) -> None:
     """Refuse a ``head_dim`` the dtype ``name`` cannot store, as vLLM 0.33 would: nvfp4* packs blocks of
     :data:`NVFP4_BLOCK` (16) channels (a multiple of 16); turboquant_* rotates by a Hadamard matrix (a power of
-    two). The emulation would otherwise fail mid-run (:func:`nvfp4_quantize`, :func:`~kvcal.formats.vllm_dtypes.turboquant._rotate`) or the page
+    two). The emulation would otherwise fail mid-run (:func:`nvfp4_quantize`, :func:`~kvcal.engines.vllm.dtypes.turboquant._rotate`) or the page
     bytes come out wrong (:func:`head_slot_bytes`). Raises :class:`VllmDTypeError` naming the dtype and head_dim."""
     D = int(head_dim)
     if VLLM_DTYPE_FAMILIES.get(name) == "nvfp4" and D % NVFP4_BLOCK:

@@ -4,11 +4,11 @@
 side, x)``, ``num_layers``, ``sink_tokens``) plus ``fake_quant_query(layer, q, num_kv_heads)``,
 which :func:`kvcal.evaluate.plan_hook` applies to the post-RoPE queries — vLLM's FP8 query
 quantization with static ``q_scale`` for fp8/fp8_e4m3/nvfp4* caches. The numerics are
-:mod:`kvcal.formats.vllm_dtypes`; this module only routes layers and scales (torch only).
+:mod:`kvcal.engines.vllm.dtypes`; this module only routes layers and scales (torch only).
 
 Protocol A quantizes every key and value attention reads. That is what vLLM's decode steps see
 for every dtype; for a first-chunk prefill, turboquant attends to the raw K/V instead
-(:attr:`~kvcal.formats.vllm_dtypes.VllmKVDType.prefill_reads_cache`), so for turboquant these
+(:attr:`~kvcal.engines.vllm.dtypes.VllmKVDType.prefill_reads_cache`), so for turboquant these
 rows measure decode-time quality, not prefill logits.
 """
 
@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.formats.transforms import Transform
-from kvcal.formats.variants import Rounding
-from kvcal.formats.vllm_dtypes import (
+from kvcal.engines.vllm.dtypes import (
     TQ_PRESETS,
     VllmDTypeError,
     boundary_skip_layers,
@@ -30,6 +28,8 @@ from kvcal.formats.vllm_dtypes import (
     vllm_backend,
     vllm_dtype,
 )
+from kvcal.formats.transforms import Transform
+from kvcal.formats.variants import Rounding
 
 
 @dataclass
@@ -44,10 +44,10 @@ class VllmKVPlan:
     (kept in the model dtype: returned unchanged); vLLM's turboquant boundary layers are added
     unless ``add_boundary`` is False. ``quantize_query``: override whether queries are FP8
     (``None``: as vLLM does for the dtype on ``backend``). ``backend``: the attention backend whose
-    write path is emulated (:data:`~kvcal.formats.vllm_dtypes.VLLM_BACKENDS`: ``cuda``, the GPU
+    write path is emulated (:data:`~kvcal.engines.vllm.dtypes.VLLM_BACKENDS`: ``cuda``, the GPU
     kernels, default; ``cpu``, vLLM's CPU build: truncating FP8 writes, no query quantization,
     fp8* dtypes only). Raises
-    :class:`~kvcal.formats.vllm_dtypes.VllmDTypeError` (a ``ValueError``) for an unknown dtype,
+    :class:`~kvcal.engines.vllm.dtypes.VllmDTypeError` (a ``ValueError``) for an unknown dtype,
     scale lists of the wrong length or a layer index out of range."""
 
     kv_cache_dtype: str

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from kvcal.formats.vllm_dtypes.dispatch import check_head_dim
-from kvcal.formats.vllm_dtypes.registry import TQ_PRESETS, VllmDTypeError, vllm_dtype
+from kvcal.engines.vllm.dtypes.dispatch import check_head_dim
+from kvcal.engines.vllm.dtypes.registry import TQ_PRESETS, VllmDTypeError, vllm_dtype
 
 
 # ---- memory: the page vLLM allocates -------------------------------------------------------------

@@ -40,14 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.formats.fp8 import get_fp8_format
-from kvcal.formats.vllm_dtypes import (
+from kvcal.engines.vllm.dtypes import (
     FP8_E4M3_MAX,
     fp8_static_fake_quant,
     fp8_static_quantize,
     query_fp8_fake_quant,
     vllm_backend,
 )
+from kvcal.formats.fp8 import get_fp8_format
 from kvcal.search.guard import guarded_tensor_choice
 from kvcal.search.objectives import SequenceCache, sequence_caches
 from kvcal.search.static_scales import (
@@ -65,7 +65,7 @@ SUPPORTED_DTYPES = ("fp8", "fp8_e4m3")
 def query_codes(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
     """FP8 codes (as float32) vLLM attends with for queries ``q`` [H_q, T, D] and ``q_scale``
     ``[H_kv]`` (one per KV-head group; a per-tensor scale repeated) — ``e4m3(sat(q·(1/q_scale)))`` as
-    :func:`kvcal.formats.vllm_dtypes.query_fp8_fake_quant` writes it (its dequantized value divided by
+    :func:`kvcal.engines.vllm.dtypes.query_fp8_fake_quant` writes it (its dequantized value divided by
     the scale and rounded back to e4m3, which recovers the code exactly: the division is within 2 ulp of
     float32 and e4m3 codes are 2^20 ulp apart). float32 [H_q, T, D]."""
     h_kv = q_scale.numel()
@@ -76,7 +76,7 @@ def query_codes(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
 
 def key_codes(k: torch.Tensor, k_scale: torch.Tensor, backend: str = "cuda") -> torch.Tensor:
     """FP8 codes (as float32) vLLM stores for keys ``k`` [H_kv, T, D] with ``k_scale`` ``[H_kv]``:
-    :func:`kvcal.formats.vllm_dtypes.fp8_static_quantize` (``e4m3(sat(k / k_scale))``, rounded to nearest on
+    :func:`kvcal.engines.vllm.dtypes.fp8_static_quantize` (``e4m3(sat(k / k_scale))``, rounded to nearest on
     ``cuda``, truncated on ``cpu``)."""
     return fp8_static_quantize(k[None], k_scale.float(), backend=backend)[0].float()
 
@@ -234,7 +234,7 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
     per KV head / KV-head group, else one per tensor. ``quantize_query`` False: keys searched against exact
     queries (what the existing K/V search does) and ``q`` left at the absmax rule — for comparisons, and for
     a backend without query quantization. ``backend``: the write path scored for keys and values
-    (:data:`kvcal.formats.vllm_dtypes.VLLM_BACKENDS`; ``cpu`` truncates and quantizes no query, so it needs
+    (:data:`kvcal.engines.vllm.dtypes.VLLM_BACKENDS`; ``cpu`` truncates and quantizes no query, so it needs
     ``quantize_query`` False)."""
     H = k_head_absmax.numel()
     qa = group_absmax(q_head_absmax, H)
@@ -304,46 +304,6 @@ def vllm_metadata(rows: list[dict], kv_cache_dtype: str, per_head: bool, backend
     }
 
 
-def check_engine_options(engine, kv_cache_dtype, preset, bits, fmt, granularity=None) -> None:
-    """Validate ``kvcal calibrate --engine/--kv-cache-dtype`` against the other options (``granularity``: the
-    ``--granularity`` given, ``None`` if none); raises :class:`~kvcal.errors.KvcalError` with a one-line fix.
-    Calibrated dtypes: :data:`SUPPORTED_DTYPES` (static FP8 k/v/q scales) and
-    :data:`kvcal.search.vllm_nvfp4.SUPPORTED_DTYPES` (NVFP4 outer scales and q_scale, per tensor only)."""
-    from kvcal.errors import KvcalError
-    from kvcal.formats.vllm_dtypes import VllmDTypeError, vllm_dtype
-    from kvcal.search.vllm_nvfp4 import SUPPORTED_DTYPES as NVFP4_DTYPES
-
-    if engine != "vllm":
-        if engine is None:
-            raise KvcalError(f"--kv-cache-dtype {kv_cache_dtype} applies with --engine vllm; add --engine vllm")
-        raise KvcalError(f"--engine {engine!r}: kvcal calibrates for vllm only; use --engine vllm or drop --engine")
-    if kv_cache_dtype is None:
-        raise KvcalError("--engine vllm needs --kv-cache-dtype (the dtype vLLM will run), e.g. --kv-cache-dtype fp8")
-    try:
-        vllm_dtype(kv_cache_dtype)
-    except VllmDTypeError as e:
-        raise KvcalError(f"--kv-cache-dtype: {e}") from None
-    if kv_cache_dtype not in SUPPORTED_DTYPES + NVFP4_DTYPES:
-        raise KvcalError(f"--kv-cache-dtype {kv_cache_dtype}: kvcal calibrate --engine vllm calibrates "
-                         f"{'/'.join(SUPPORTED_DTYPES + NVFP4_DTYPES)} scales; measure {kv_cache_dtype} with kvcal "
-                         f"evaluate --vllm-dtype {kv_cache_dtype}")
-    if kv_cache_dtype in NVFP4_DTYPES:
-        extra = [o for o, v in (("--bits", bits is not None), ("--preset", preset is not None),
-                                ("--format", fmt is not None), ("--granularity head", granularity == "head")) if v]
-        if extra:
-            raise KvcalError(f"{', '.join(extra)} conflict{'s' if len(extra) == 1 else ''} with --engine vllm "
-                             f"--kv-cache-dtype {kv_cache_dtype}, which stores NVFP4 blocks with one static outer "
-                             f"scale per layer and side (vLLM loads per-tensor scales only); drop "
-                             f"{'it' if len(extra) == 1 else 'them'}")
-        return
-    extra = [o for o, v in (("--bits", bits is not None), ("--preset", preset not in (None, "fp8")),
-                            ("--format", fmt not in (None, "fp8_e4m3"))) if v]
-    if extra:
-        raise KvcalError(f"{', '.join(extra)} conflict{'s' if len(extra) == 1 else ''} with --engine vllm "
-                         f"--kv-cache-dtype {kv_cache_dtype}, which stores static fp8_e4m3 scales; drop "
-                         f"{'it' if len(extra) == 1 else 'them'}")
-
-
 def add_to_artifact(rows: list[dict], tensors: dict, meta: dict, kv_cache_dtype: str, per_head: bool,
                     num_kv_heads: int, backend: str = "cuda") -> None:
     """Record what :func:`search_vllm_fp8` chose beyond K/V in the artifact being written: the
@@ -373,5 +333,5 @@ def add_to_artifact(rows: list[dict], tensors: dict, meta: dict, kv_cache_dtype:
 
 
 __all__ = ["SUPPORTED_DTYPES", "query_codes", "key_codes", "joint_key_kl", "group_absmax", "choose_layer",
-           "choose_key_scale", "choose_query_scale", "check_engine_options", "add_to_artifact",
+           "choose_key_scale", "choose_query_scale", "add_to_artifact",
            "search_vllm_fp8", "q_scale_tensor", "vllm_metadata", "VllmFP8Choice"]

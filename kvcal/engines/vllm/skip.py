@@ -6,9 +6,9 @@ records them in the artifact's ``vllm`` metadata section (``skip_layers``, and h
 disclosure report states them.
 
 ``--skip-layers auto`` chooses them the way ``kvcal recommend`` does for one dtype — the same code, not a
-second path: :func:`kvcal.evaluate.vllm_probe.layer_sensitivity` (model-level KL when only layer ``l`` goes through
-the dtype, with the scales just calibrated: :func:`kvcal.evaluate.vllm_probe.vllm_scales`) on the calibration
-run's held-out samples, then :func:`kvcal.search.skip_layers.budget_skip_layers` (exact 0/1 knapsack under
+second path: :func:`kvcal.engines.vllm.probe.layer_sensitivity` (model-level KL when only layer ``l`` goes through
+the dtype, with the scales just calibrated: :func:`kvcal.engines.vllm.probe.vllm_scales`) on the calibration
+run's held-out samples, then :func:`kvcal.engines.vllm.skip_layers.budget_skip_layers` (exact 0/1 knapsack under
 ``--max-skip N`` and/or ``--max-bytes-per-token B``). Only the dtypes whose calibrated scales the probe can
 read (:data:`AUTO_DTYPES`) take ``auto``; an explicit list is recorded for any dtype.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 #: dtypes whose calibrated static scales :func:`choose_skip_layers_for_artifact` reads for the probe
-#: (:func:`kvcal.evaluate.vllm_probe.vllm_scales`): FP8 k/v/q scales, NVFP4 outer scales and q_scale.
+#: (:func:`kvcal.engines.vllm.probe.vllm_scales`): FP8 k/v/q scales, NVFP4 outer scales and q_scale.
 AUTO_DTYPES = ("fp8", "fp8_e4m3", "nvfp4")
 
 
@@ -47,10 +47,11 @@ def check_skip_config(engine: str | None, kv_cache_dtype: str | None, skip_layer
 def check_skip_model(skip_layers, kv_cache_dtype: str, model_config, max_skip: int | None,
                      max_bytes_per_token: int | None) -> None:
     """The checks that need the model's shape (``model_config``: a transformers config), run before the
-    weights load: :func:`kvcal.search.skip_layers.check_skip_layers`. Raises
+    weights load: :func:`kvcal.engines.vllm.skip_layers.check_skip_layers`. Raises
     :class:`~kvcal.errors.KvcalError`."""
-    from kvcal.formats.memory import model_shape, vllm_token_shares
-    from kvcal.search.skip_layers import check_skip_layers
+    from kvcal.engines.vllm.memory import vllm_token_shares
+    from kvcal.engines.vllm.skip_layers import check_skip_layers
+    from kvcal.formats.memory import model_shape
 
     if skip_layers is None:
         return
@@ -71,15 +72,16 @@ def choose_skip_layers_for_artifact(model, samples: list, probe_meta: dict, tens
     ``sensitivity`` (KL, nats), the ``probe`` (``probe_meta``: source, samples, tokens) and the
     ``selection`` rule. ``samples``: int64 token tensors ``[T_i]`` of the probe (held-out calibration
     samples); ``tensors``/``meta``: the artifact's tensors and metadata with ``meta["vllm"]`` already
-    written (:func:`kvcal.search.vllm_fp8.add_to_artifact`). Bytes per token as
-    :func:`kvcal.formats.vllm_dtypes.layer_bytes_per_token` counts vLLM's pages. Mutates ``meta``;
+    written (:func:`kvcal.engines.vllm.search_fp8.add_to_artifact`). Bytes per token as
+    :func:`kvcal.engines.vllm.dtypes.layer_bytes_per_token` counts vLLM's pages. Mutates ``meta``;
     returns the layers. Raises :class:`~kvcal.errors.KvcalError` when the probe has no samples."""
-    from kvcal.artifact.sections import vllm_section
+    from kvcal.engines.vllm.dtypes import boundary_skip_layers, layer_bytes_per_token
+    from kvcal.engines.vllm.memory import vllm_bytes_per_token, vllm_token_shares
+    from kvcal.engines.vllm.probe import layer_sensitivity, vllm_scales
+    from kvcal.engines.vllm.section import vllm_section
+    from kvcal.engines.vllm.skip_layers import budget_skip_layers
     from kvcal.errors import KvcalError
-    from kvcal.evaluate.vllm_probe import layer_sensitivity, vllm_scales
-    from kvcal.formats.memory import model_shape, vllm_bytes_per_token, vllm_token_shares
-    from kvcal.formats.vllm_dtypes import boundary_skip_layers, layer_bytes_per_token
-    from kvcal.search.skip_layers import budget_skip_layers
+    from kvcal.formats.memory import model_shape
 
     dtype = vllm_section(meta).kv_cache_dtype
     shares = vllm_token_shares(model.config)  # None unless the model has sliding-window layers

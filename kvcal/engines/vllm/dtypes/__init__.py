@@ -27,38 +27,37 @@ kernels dequantize in fp32); cast as needed.
                             (or raw e4m3 for k8); values: 3/4-bit min/max codes + fp16 scale/zero
 =========================  ==================================================================
 
-Details a CPU cannot settle (kernel arithmetic on a GPU) are named once, in the constants below,
-each with the alternative it excludes. Everything else is IEEE float32 arithmetic in the order
+Details a CPU cannot settle (kernel arithmetic on a GPU) are named once, in the constants of
+:mod:`~kvcal.engines.vllm.dtypes.choices`, each with the alternative it excludes. Everything else is IEEE float32 arithmetic in the order
 the kernels write it; torch on CPU rounds each float32 op correctly, which is what the tests'
 float64 re-statements (rounding to float32 after each op) reproduce.
 
-Modules: :mod:`~kvcal.formats.vllm_dtypes.registry` (the dtypes and backends, :class:`VllmDTypeError`),
-:mod:`~kvcal.formats.vllm_dtypes.common` (format constants, shared helpers), :mod:`~kvcal.formats.vllm_dtypes.fp8`
-(static FP8 and the FP8 query), :mod:`~kvcal.formats.vllm_dtypes.cpu` (the CPU backend's truncating FP8 write),
-:mod:`~kvcal.formats.vllm_dtypes.per_token_head` (fp8/int8/int4 per token-head),
-:mod:`~kvcal.formats.vllm_dtypes.nvfp4`, :mod:`~kvcal.formats.vllm_dtypes.turboquant`,
-:mod:`~kvcal.formats.vllm_dtypes.dispatch` (one entry point per dtype) and
-:mod:`~kvcal.formats.vllm_dtypes.pages` (the page bytes vLLM allocates). The GPU-only choices below stay
-here: the emulations read them from this package when they run, so setting one here takes effect.
+Modules: :mod:`~kvcal.engines.vllm.dtypes.registry` (the dtypes and backends, :class:`VllmDTypeError`),
+:mod:`~kvcal.engines.vllm.dtypes.common` (format constants, shared helpers), :mod:`~kvcal.engines.vllm.dtypes.fp8`
+(static FP8 and the FP8 query), :mod:`~kvcal.engines.vllm.dtypes.cpu` (the CPU backend's truncating FP8 write),
+:mod:`~kvcal.engines.vllm.dtypes.per_token_head` (fp8/int8/int4 per token-head),
+:mod:`~kvcal.engines.vllm.dtypes.nvfp4`, :mod:`~kvcal.engines.vllm.dtypes.turboquant`,
+:mod:`~kvcal.engines.vllm.dtypes.dispatch` (one entry point per dtype) and
+:mod:`~kvcal.engines.vllm.dtypes.pages` (the page bytes vLLM allocates); the GPU-only choices are in
+:mod:`~kvcal.engines.vllm.dtypes.choices` (the emulations read them from there when they run, so setting one there
+takes effect).
 """
 
 from __future__ import annotations
 
-import torch
-
-from kvcal.formats.vllm_dtypes.common import E2M1_MAX, FP8_E4M3_MAX, FP8_E5M2_MAX, NVFP4_BLOCK
-from kvcal.formats.vllm_dtypes.cpu import fp8_e4m3_truncate, fp8_e5m2_truncate
-from kvcal.formats.vllm_dtypes.dispatch import (
+from kvcal.engines.vllm.dtypes.common import E2M1_MAX, FP8_E4M3_MAX, FP8_E5M2_MAX, NVFP4_BLOCK
+from kvcal.engines.vllm.dtypes.cpu import fp8_e4m3_truncate, fp8_e5m2_truncate
+from kvcal.engines.vllm.dtypes.dispatch import (
     check_head_dim,
     fake_quant_kv,
     fake_quant_query,
     fake_quant_side,
 )
-from kvcal.formats.vllm_dtypes.fp8 import fp8_static_fake_quant, fp8_static_quantize, query_fp8_fake_quant
-from kvcal.formats.vllm_dtypes.nvfp4 import _ffma as _ffma  # tests check the FFMA emulation directly
-from kvcal.formats.vllm_dtypes.nvfp4 import e2m1_round, nvfp4_dequantize, nvfp4_fake_quant, nvfp4_quantize
-from kvcal.formats.vllm_dtypes.pages import boundary_skip_layers, head_slot_bytes, layer_bytes_per_token
-from kvcal.formats.vllm_dtypes.per_token_head import (
+from kvcal.engines.vllm.dtypes.fp8 import fp8_static_fake_quant, fp8_static_quantize, query_fp8_fake_quant
+from kvcal.engines.vllm.dtypes.nvfp4 import _ffma as _ffma  # tests check the FFMA emulation directly
+from kvcal.engines.vllm.dtypes.nvfp4 import e2m1_round, nvfp4_dequantize, nvfp4_fake_quant, nvfp4_quantize
+from kvcal.engines.vllm.dtypes.pages import boundary_skip_layers, head_slot_bytes, layer_bytes_per_token
+from kvcal.engines.vllm.dtypes.per_token_head import (
     int4_per_token_head_dequantize,
     int4_per_token_head_fake_quant,
     int4_per_token_head_quantize,
@@ -68,7 +67,7 @@ from kvcal.formats.vllm_dtypes.per_token_head import (
     rht,
     rht_signs,
 )
-from kvcal.formats.vllm_dtypes.registry import (
+from kvcal.engines.vllm.dtypes.registry import (
     BACKEND_ALIASES,
     TQ_PRESETS,
     VLLM_BACKENDS,
@@ -85,7 +84,7 @@ from kvcal.formats.vllm_dtypes.registry import (
     vllm_backend,
     vllm_dtype,
 )
-from kvcal.formats.vllm_dtypes.turboquant import (
+from kvcal.engines.vllm.dtypes.turboquant import (
     lloyd_max_centroids,
     turboquant_fake_quant,
     turboquant_key_dequantize,
@@ -94,44 +93,8 @@ from kvcal.formats.vllm_dtypes.turboquant import (
     turboquant_value_quantize,
 )
 
-# ---- choices only a GPU run can confirm (each used in exactly one place) ------------------------
-#: Static FP8 K/V store: ``x / scale`` (csrc ``scaled_convert`` and Triton
-#: ``reshape_and_cache_kernel_flash`` both divide). Alternative: ``"reciprocal"`` (x * (1/scale)).
-KV_FP8_STORE_OP = "divide"
-#: FP8 query quantization: ``x * (1/q_scale)`` as ``QuantFP8.forward_native``
-#: (``model_executor/layers/quantization/input_quant_fp8.py``) writes it; the CUDA custom op
-#: may divide. Alternative: ``"divide"``.
-QUERY_FP8_OP = "reciprocal"
-#: float32 → fp8 casts saturate to ±max (``cvt.rn.satfinite`` / ``__NV_SATFINITE``; Triton's
-#: fp8e4nv cast). torch's own cast does not saturate, so every cast here clamps first. On
-#: SM < 8.9 turboquant_k8v4 stores keys as Triton fp8e4b15 instead (not emulated).
-FP8_CAST_SATURATES = True
-#: int4_per_token_head's RHT: the PyTorch butterfly in float32 (vLLM's CPU tier). On CUDA SM80+
-#: vLLM uses the hadacore kernel, which rounds its input and output to bfloat16 first.
-INT4_RHT_WORK_DTYPE = torch.float32
-#: nvfp4 / nvfp4_4over6 store kernel (SM100: ``reshape_and_cache_nvfp4_kernel``, see
-#: :func:`nvfp4_quantize`): every reciprocal in it is ``reciprocal_approximate_ftz`` =
-#: ``rcp.approx.ftz.f32`` (SASS ``MUFU.RCP`` in the wheel's sm_100 cubin): 1/global scale, the
-#: output scale 1/(s·outer) and, for nvfp4_4over6, the error's dequantization multiplier
-#: 1/output scale. ``"ieee"`` emulates each as the correctly rounded float32 reciprocal; the PTX ISA
-#: bounds rcp.approx to 1 ulp, so the GPU may differ in the last bit (then a value lying on an E2M1
-#: rounding boundary, or a near-tie between the two 4over6 candidates, can go the other way). The
-#: constant 1/6 is not one of them: ptxas folded it to the correctly rounded 0x3E2AAAAB (``FMUL
-#: R, R, 0.16666667``). No other option is emulated; only a GPU run can settle this one.
-NVFP4_RCP = "ieee"
-#: Triton compiles with ``enable_fp_fusion=True`` by default, so ``a*b + c`` in a Triton kernel may
-#: run as one fused multiply-add (one rounding instead of two). Where that pattern appears —
-#: int8 per-token-head rounding (``x·inv ± 0.5``), int4 codes (``r·inv + zp``), turboquant value
-#: reads (``code·scale + zero``) — ``False`` emulates two IEEE roundings, ``True`` one (:func:`_fma`).
-#: They differ only for elements within one float32 ulp of a rounding boundary (or in the last
-#: bit of a turboquant value). Which one the GPU runs is for a GPU run to settle.
-TRITON_FP_FUSION = False
-
-
 __all__ = [
     "VLLM_VERSION", "VLLM_DTYPES", "VllmKVDType", "VllmDTypeError", "vllm_dtype", "TQ_PRESETS",
-    "KV_FP8_STORE_OP", "QUERY_FP8_OP", "FP8_CAST_SATURATES", "INT4_RHT_WORK_DTYPE", "NVFP4_RCP",
-    "TRITON_FP_FUSION",
     "fp8_static_quantize", "fp8_static_fake_quant", "query_fp8_fake_quant",
     "per_token_head_quantize", "per_token_head_fake_quant",
     "rht_signs", "rht", "int4_per_token_head_quantize", "int4_per_token_head_dequantize",

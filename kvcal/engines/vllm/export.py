@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from kvcal.artifact import vllm_section
 from kvcal.artifact.io import save_safetensors
+from kvcal.engines.vllm.section import vllm_section
 from kvcal.export.base import ExportContext, ExportError, Target, register, write_json
 from kvcal.export.checkpoint import SCALES_SHARD, merge_into_copy
-from kvcal.export.rules import VLLM_KV_QUANT_METHODS, is_kv_scale_name
+from kvcal.export.rules import KV_QUANT_METHODS, is_kv_scale_name
 
 
 def kv_cache_scheme(granularity: str) -> dict:
@@ -157,14 +157,14 @@ class VllmTarget(Target):
                 if old and old != scheme:
                     ctx.notes.append(f"config.json: replaced kv_cache_scheme {old}")
                 qc["kv_cache_scheme"] = scheme
-            elif method in VLLM_KV_QUANT_METHODS and p.granularity == "tensor":
+            elif method in KV_QUANT_METHODS and p.granularity == "tensor":
                 ctx.notes.append(f"config.json kept (quant_method={method} creates the KV scale parameters itself)")
             else:
                 raise ExportError(
                     f"--model-dir is quantized with quant_method={method!r}: vLLM would "
                     + ("not load per-head KV scales with it (needs compressed-tensors 'attn_head')"
-                       if method in VLLM_KV_QUANT_METHODS else
-                       f"create no KV scale parameters (only {', '.join(sorted(VLLM_KV_QUANT_METHODS))} do) and use 1.0")
+                       if method in KV_QUANT_METHODS else
+                       f"create no KV scale parameters (only {', '.join(sorted(KV_QUANT_METHODS))} do) and use 1.0")
                     + "; export with a compatible checkpoint or use the standalone export"
                 )
             want_q = bool(p.q)
@@ -196,7 +196,7 @@ class VllmTarget(Target):
                              f"--kv-cache-dtype {d or 'fp8'} --backend cpu` "
                              "(docs/serving.md#served-vs-predicted)")
         if sec and sec.skip_layers:  # calibrate --engine vllm --skip-layers: 16-bit layers
-            from kvcal.search.skip_layers import serve_skip_arg
+            from kvcal.engines.vllm.skip_layers import serve_skip_arg
 
             skip = list(sec.skip_layers)
             how = (sec.skip_layers_choice or {}).get("method")

@@ -256,5 +256,5 @@ def main(req_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python vllm_runner.py REQUEST.json RESULT.json")
+        sys.exit("usage: python runner.py REQUEST.json RESULT.json")
     main(sys.argv[1], sys.argv[2])

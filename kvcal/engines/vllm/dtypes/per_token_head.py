@@ -8,9 +8,8 @@ from functools import lru_cache
 
 import torch
 
-from kvcal.formats import vllm_dtypes as _pkg  # the GPU-only choices (package constants), read at call time
-from kvcal.formats.transforms import walsh_hadamard
-from kvcal.formats.vllm_dtypes.common import (
+from kvcal.engines.vllm.dtypes import choices as _choices  # the GPU-only choices, read at call time
+from kvcal.engines.vllm.dtypes.common import (
     _INT4_MIN_SCALE,
     _PER_TOKEN_HEAD_MIN_SCALE,
     _RHT_SEED,
@@ -19,7 +18,8 @@ from kvcal.formats.vllm_dtypes.common import (
     _check_4d,
     _fma,
 )
-from kvcal.formats.vllm_dtypes.registry import VllmDTypeError
+from kvcal.engines.vllm.dtypes.registry import VllmDTypeError
+from kvcal.formats.transforms import walsh_hadamard
 
 
 # ---- fp8 / int8 per token-head (dynamic) --------------------------------------------------------
@@ -74,7 +74,7 @@ def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     ``rht(rht(x), inverse=True) = b·x``). Computed in :data:`INT4_RHT_WORK_DTYPE`."""
     d = x.shape[-1]
     b = _largest_pow2_divisor(d)
-    y = x.to(_pkg.INT4_RHT_WORK_DTYPE).reshape(*x.shape[:-1], d // b, b)
+    y = x.to(_choices.INT4_RHT_WORK_DTYPE).reshape(*x.shape[:-1], d // b, b)
     s = rht_signs(b).to(y.dtype)
     y = walsh_hadamard(y) * s if inverse else walsh_hadamard(y * s)
     return y.reshape(x.shape)

@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from kvcal.formats import vllm_dtypes as _pkg  # the GPU-only choices (package constants), read at call time
-from kvcal.formats.vllm_dtypes.common import (
+from kvcal.engines.vllm.dtypes import choices as _choices  # the GPU-only choices, read at call time
+from kvcal.engines.vllm.dtypes.common import (
     E2M1_MAX,
     FP8_E4M3_MAX,
     NVFP4_BLOCK,
@@ -17,7 +17,7 @@ from kvcal.formats.vllm_dtypes.common import (
     _check_4d,
     _static_scale,
 )
-from kvcal.formats.vllm_dtypes.registry import VllmDTypeError
+from kvcal.engines.vllm.dtypes.registry import VllmDTypeError
 
 # ---- nvfp4 / nvfp4_4over6 ------------------------------------------------------------------------
 _E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -38,8 +38,8 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
 def _rcp(x: torch.Tensor) -> torch.Tensor:
     """``reciprocal_approximate_ftz`` (``rcp.approx.ftz.f32``) as :data:`NVFP4_RCP` says: the
     correctly rounded float32 ``1/x``. Callers keep ``x`` nonzero."""
-    if _pkg.NVFP4_RCP != "ieee":
-        raise VllmDTypeError(f"NVFP4_RCP={_pkg.NVFP4_RCP!r}: only 'ieee' is emulated")
+    if _choices.NVFP4_RCP != "ieee":
+        raise VllmDTypeError(f"NVFP4_RCP={_choices.NVFP4_RCP!r}: only 'ieee' is emulated")
     return 1.0 / x
 
 

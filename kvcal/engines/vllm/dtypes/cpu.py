@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.formats.vllm_dtypes.common import FP8_E4M3_MAX, FP8_E5M2_MAX
+from kvcal.engines.vllm.dtypes.common import FP8_E4M3_MAX, FP8_E5M2_MAX
 
 
 def _cpu_inv_scale(s: torch.Tensor) -> torch.Tensor:

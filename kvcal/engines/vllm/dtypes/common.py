@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.formats import vllm_dtypes as _pkg  # the GPU-only choices (package constants), read at call time
-from kvcal.formats.vllm_dtypes.registry import VllmDTypeError
+from kvcal.engines.vllm.dtypes import choices as _choices  # the GPU-only choices, read at call time
+from kvcal.engines.vllm.dtypes.registry import VllmDTypeError
 
 FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
@@ -46,7 +46,7 @@ def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
     """float32 ``a·b + c`` as :data:`TRITON_FP_FUSION` says the kernel computes it: two roundings, or
     one (the product of two float32 numbers is exact in float64, so only the float64 sum's rounding
     can differ from a true FMA — a tie after that rounding, probability ~2^-29)."""
-    if not _pkg.TRITON_FP_FUSION:
+    if not _choices.TRITON_FP_FUSION:
         return a * b + c
     bb = b.double() if isinstance(b, torch.Tensor) else b
     cc = c.double() if isinstance(c, torch.Tensor) else c
@@ -55,7 +55,7 @@ def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
 
 def _cast_fp8(y: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> torch.Tensor:
     """float32 → fp8 with round-to-nearest-even, saturating (see :data:`FP8_CAST_SATURATES`)."""
-    if _pkg.FP8_CAST_SATURATES:
+    if _choices.FP8_CAST_SATURATES:
         y = y.clamp(-fmt_max, fmt_max)
     return y.to(dtype)
 

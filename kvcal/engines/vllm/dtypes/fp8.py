@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.formats import vllm_dtypes as _pkg  # the GPU-only choices (package constants), read at call time
-from kvcal.formats.vllm_dtypes.common import (
+from kvcal.engines.vllm.dtypes import choices as _choices  # the GPU-only choices, read at call time
+from kvcal.engines.vllm.dtypes.common import (
     FP8_E4M3_MAX,
     FP8_E5M2_MAX,
     _cast_fp8,
@@ -14,8 +14,8 @@ from kvcal.formats.vllm_dtypes.common import (
     _f32,
     _static_scale,
 )
-from kvcal.formats.vllm_dtypes.cpu import _cpu_inv_scale, fp8_e4m3_truncate, fp8_e5m2_truncate
-from kvcal.formats.vllm_dtypes.registry import VllmBackend, VllmDTypeError, vllm_backend
+from kvcal.engines.vllm.dtypes.cpu import _cpu_inv_scale, fp8_e4m3_truncate, fp8_e5m2_truncate
+from kvcal.engines.vllm.dtypes.registry import VllmBackend, VllmDTypeError, vllm_backend
 
 # ---- fp8 / fp8_e4m3 / fp8_e5m2 (static scales) ---------------------------------------------------
 
@@ -41,7 +41,7 @@ def fp8_static_quantize(x: torch.Tensor, scale, *, e5m2: bool = False, backend: 
     if vllm_backend(backend).fp8_rounding == "truncate":
         y = xf * _cpu_inv_scale(s)
         return fp8_e5m2_truncate(y) if e5m2 else fp8_e4m3_truncate(y)
-    y = xf / s if _pkg.KV_FP8_STORE_OP == "divide" else xf * (1.0 / s)
+    y = xf / s if _choices.KV_FP8_STORE_OP == "divide" else xf * (1.0 / s)
     if e5m2:
         return _cast_fp8(y, FP8_E5M2_MAX, torch.float8_e5m2)
     return _cast_fp8(y, FP8_E4M3_MAX, torch.float8_e4m3fn)
@@ -80,5 +80,5 @@ def query_fp8_fake_quant(q: torch.Tensor, q_scale=1.0, num_kv_heads: int | None 
         s = s.repeat_interleave(Hq // num_kv_heads)
     s = _static_scale(s, Hq, "q_scale")
     qf = q.to(torch.float32)
-    y = qf * (1.0 / s) if _pkg.QUERY_FP8_OP == "reciprocal" else qf / s
+    y = qf * (1.0 / s) if _choices.QUERY_FP8_OP == "reciprocal" else qf / s
     return _cast_fp8(y, FP8_E4M3_MAX, torch.float8_e4m3fn).to(torch.float32) * s

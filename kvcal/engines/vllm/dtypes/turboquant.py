@@ -8,8 +8,7 @@ from functools import lru_cache
 
 import torch
 
-from kvcal.formats.transforms import walsh_hadamard
-from kvcal.formats.vllm_dtypes.common import (
+from kvcal.engines.vllm.dtypes.common import (
     _TQ_NC_EPS,
     _TQ_NORM_EPS,
     _TQ_VALUE_MIN_SCALE,
@@ -18,7 +17,8 @@ from kvcal.formats.vllm_dtypes.common import (
     _check_4d,
     _fma,
 )
-from kvcal.formats.vllm_dtypes.registry import TQ_PRESETS, VllmDTypeError
+from kvcal.engines.vllm.dtypes.registry import TQ_PRESETS, VllmDTypeError
+from kvcal.formats.transforms import walsh_hadamard
 
 
 # ---- turboquant ---------------------------------------------------------------------------------

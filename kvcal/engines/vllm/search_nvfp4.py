@@ -11,7 +11,7 @@ What vLLM does (0.33.0 wheel, paths inside ``vllm/``; line numbers of that relea
   ``bmm2_scale = v_scale`` (:2223-2231; fa2 prefill ``k_scale=`` / ``v_scale=`` :2446-2451). Per block the
   cache holds E2M1 values and an e4m3 block scale computed at write time with ``global_scale =
   1/outer`` (``ref_nvfp4_quant``, ``model_executor/layers/quantization/utils/nvfp4_emulation_utils.py``
-  :709-723), emulated by :func:`kvcal.formats.vllm_dtypes.nvfp4_quantize`.
+  :709-723), emulated by :func:`kvcal.engines.vllm.dtypes.nvfp4_quantize`.
 * **Per tensor only.** ``BaseKVCacheMethod.process_weights_after_loading``
   (``model_executor/layers/quantization/kv_cache.py`` :117-145) raises "Only support per-tensor scaling
   factor" for a non-scalar k/v scale; compressed-tensors ``attn_head`` scales reach FlashInfer as their
@@ -42,11 +42,11 @@ rounds (up: a coarser E2M1 grid; down: the block's largest values clip at 6). Bo
 data, so the scale is chosen by what attention sees:
 
 * keys: the attention KL of vLLM's scores ``(q̂c · k̂c) · scaling · q_scale · k_scale`` against the exact
-  attention on the real captured queries (:func:`kvcal.search.vllm_fp8.joint_key_kl`, with NVFP4 key codes
+  attention on the real captured queries (:func:`kvcal.engines.vllm.search_fp8.joint_key_kl`, with NVFP4 key codes
   ``e2m1 · block_scale`` from :func:`key_codes`);
 * values: the relative attention-output error ``Σ‖P(V̂−V)‖² / Σ‖PV‖²``
   (:meth:`kvcal.search.objectives.SequenceCache.value_error`);
-* ``q_scale``: FP8 queries as for ``--kv-cache-dtype fp8`` (:func:`kvcal.search.vllm_fp8.choose_query_scale`
+* ``q_scale``: FP8 queries as for ``--kv-cache-dtype fp8`` (:func:`kvcal.engines.vllm.search_fp8.choose_query_scale`
   with exact keys, then again against the chosen NVFP4 keys).
 
 Candidates (:func:`outer_candidates`): the amax rule, unity (1.0, vLLM's default), and the amax rule times
@@ -60,11 +60,17 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.formats.vllm_dtypes import E2M1_MAX, FP8_E4M3_MAX, NVFP4_BLOCK, nvfp4_fake_quant, nvfp4_quantize
+from kvcal.engines.vllm.dtypes import E2M1_MAX, FP8_E4M3_MAX, NVFP4_BLOCK, nvfp4_fake_quant, nvfp4_quantize
+from kvcal.engines.vllm.search_fp8 import (
+    VllmFP8Choice,
+    choose_query_scale,
+    group_absmax,
+    joint_key_kl,
+    query_codes,
+)
 from kvcal.search.guard import guarded_tensor_choice
 from kvcal.search.objectives import SequenceCache, sequence_caches
 from kvcal.search.static_scales import ScaleChoice
-from kvcal.search.vllm_fp8 import VllmFP8Choice, choose_query_scale, group_absmax, joint_key_kl, query_codes
 
 #: vLLM dtypes whose outer scales this module calibrates.
 SUPPORTED_DTYPES = ("nvfp4",)
@@ -98,7 +104,7 @@ def key_codes(k: torch.Tensor, outer: torch.Tensor | float) -> torch.Tensor:
     """What vLLM's attention multiplies the queries with for keys ``k`` [H_kv, T, D] stored as NVFP4 with
     outer scale ``outer``: ``e2m1 · block_scale`` per element (float32 [H_kv, T, D]), the outer scale left
     to the softmax scale (``bmm1_scale``). Exact in float32 (a 2-significant-bit E2M1 value times a
-    4-significant-bit e4m3 scale), so ``key_codes(k, o) · o`` is :func:`~kvcal.formats.vllm_dtypes.nvfp4_fake_quant`."""
+    4-significant-bit e4m3 scale), so ``key_codes(k, o) · o`` is :func:`~kvcal.engines.vllm.dtypes.nvfp4_fake_quant`."""
     H, T, D = k.shape
     e, s8 = nvfp4_quantize(k[None], float(outer) if not isinstance(outer, torch.Tensor) else outer.reshape(-1)[:1])
     return (e.reshape(H, T, D // NVFP4_BLOCK, NVFP4_BLOCK) * s8.float().reshape(H, T, D // NVFP4_BLOCK, 1)
@@ -200,7 +206,7 @@ def choose_layer(calib: list[SequenceCache], heldout: list[SequenceCache], q_hea
                  k_head_absmax: torch.Tensor, v_head_absmax: torch.Tensor,
                  quantize_query: bool = True) -> VllmNVFP4Choice:
     """One layer's ``q_scale`` and NVFP4 outer ``k_scale``/``v_scale`` for vLLM ``--kv-cache-dtype nvfp4``:
-    (1) ``q_scale`` with exact keys (:func:`kvcal.search.vllm_fp8.choose_query_scale`), (2) the key outer
+    (1) ``q_scale`` with exact keys (:func:`kvcal.engines.vllm.search_fp8.choose_query_scale`), (2) the key outer
     scale seeing those FP8 queries, (3) ``q_scale`` again against the chosen NVFP4 keys, (4) the value outer
     scale by the attention-output error. ``*_head_absmax``: calibration absmax per query head ``[H_q]`` and
     per KV head ``[H_kv]``. ``quantize_query`` False: keys searched against exact queries (the fa2 path) and
