@@ -14,7 +14,8 @@ Layers, lowest first::
     0 base      kvcal (package root: __version__), kvcal.errors, kvcal._layers, kvcal.options (option values,
                 environment variables), kvcal.outputs (output-path safety, atomic writes): pure Python
     1 formats   kvcal.formats           numeric formats, quantize/dequantize (torch only)
-    2 plan      kvcal.plan, kvcal.vllm_plan   per-layer plans built from formats
+    2 plan      kvcal.plan, kvcal.vllm_plan   per-layer plans built from formats;
+                kvcal.engines.llamacpp (llama.cpp cache emulation and plan, torch only)
     3 stages    kvcal.capture, kvcal.search, kvcal.kernels, and the inputs they read:
                 kvcal.corpus, kvcal.models, kvcal.weights, and kvcal.inputs (both resolved once: the preflight)
     4 products  kvcal.artifact, kvcal.runtime, kvcal.evaluate
@@ -30,7 +31,7 @@ from __future__ import annotations
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("kvcal", "kvcal.errors", "kvcal._layers", "kvcal.options", "kvcal.outputs")),
     ("formats", ("kvcal.formats",)),
-    ("plan", ("kvcal.plan", "kvcal.vllm_plan")),
+    ("plan", ("kvcal.plan", "kvcal.vllm_plan", "kvcal.engines.llamacpp")),
     ("stages", ("kvcal.capture", "kvcal.search", "kvcal.kernels", "kvcal.corpus", "kvcal.models",
                 "kvcal.weights", "kvcal.inputs")),
     ("products", ("kvcal.artifact", "kvcal.runtime", "kvcal.evaluate")),
