@@ -35,6 +35,7 @@ import os
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.formats.transforms import walsh_hadamard
 
 #: The environment variable that disables the rotation (``src/llama-kv-cache.cpp``).
 DISABLE_ENV = "LLAMA_ATTN_ROT_DISABLE"
@@ -93,16 +94,9 @@ def ggml_fwht(x: torch.Tensor, n: int) -> torch.Tensor:
         raise KvcalError("the Hadamard rotation takes a floating-point tensor")
     if x.dim() == 0 or x.shape[-1] % n:
         raise KvcalError(f"the last dimension ({tuple(x.shape)}) must be a multiple of the rotation size {n}")
-    shape = x.shape
     scale = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(math.sqrt(n), dtype=torch.float32)  # 1.0f/sqrtf(n)
-    y = x.float().reshape(-1, n) * scale
-    length = 1
-    while length < n:
-        y = y.reshape(-1, n // (2 * length), 2, length)
-        u, v = y[:, :, 0], y[:, :, 1]
-        y = torch.stack((u + v, u - v), dim=2)
-        length *= 2
-    return y.reshape(shape)
+    # kvcal's one Hadamard: the same f32 butterflies (stride 1, 2, ..., n/2), after ggml's scaling
+    return walsh_hadamard(x.float().reshape(-1, n) * scale).reshape(x.shape)
 
 
 __all__ = ["DISABLE_ENV", "V_ROT", "ggml_fwht", "k_rot_size", "rotation_default", "v_rot_size"]
