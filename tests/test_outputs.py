@@ -71,7 +71,7 @@ def test_evaluate_json_never_overwrites_an_input_or_a_foreign_file(tmp_path, tin
     notes = tmp_path / "notes.json"
     notes.write_text('{"mine": true}\n')
     base = ["evaluate", "--artifact", str(art), "--corpus", str(corpus), "--model", str(tiny_dir), "--context", "32",
-            "--windows", "1", "--no-baselines", "--quiet", "--decode-tokens", "2", "--greedy-tokens", "2",
+            "--windows", "2", "--no-baselines", "--quiet", "--decode-tokens", "2", "--greedy-tokens", "2",  # a bound needs 2
             "--accept", "kl_mean<=10"]
     scales = art / "kv_scales.safetensors"
     before = {p: _sha(p) for p in (scales, corpus, notes, art / "report.md")}

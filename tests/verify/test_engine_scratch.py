@@ -59,6 +59,9 @@ def user_tmp(tmp_path, monkeypatch):
     d.mkdir()
     monkeypatch.setenv("TMPDIR", str(d))
     monkeypatch.setattr(tempfile, "tempdir", str(d))
+    # torch inductor writes its default TORCHINDUCTOR_CACHE_DIR into os.environ once it has compiled anything in
+    # this process (torch._inductor.runtime.cache_dir_utils.cache_dir): a user who never set it starts without it
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     return d
 
 

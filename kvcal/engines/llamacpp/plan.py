@@ -1,0 +1,261 @@
+"""What attention reads under ``llama-server -fa on -ctk TYPE_K -ctv TYPE_V`` (CPU backend), as a kvcal plan, and
+the bytes llama.cpp allocates for that cache. torch only.
+
+:class:`LlamaCppKVPlan` has the interface kvcal's Protocol A evaluation uses for a plan
+(:func:`kvcal.evaluate.protocol_a.plan_hook`: ``fake_quant(layer, side, x)``, ``fake_quant_query(layer, q,
+num_kv_heads)``, ``num_layers``, ``sink_tokens``, ``first_quantized_layer()``; plus ``quantized_bits()`` and
+``describe()`` as :class:`~kvcal.vllm_plan.VllmKVPlan`). Sources (llama.cpp vendored by llama-cpp-python 0.3.36):
+
+* **Cache write.** K and V rows (one KV head × ``head_dim`` of one token) are rotated when the type is
+  quantized (:mod:`.rotation`) and converted by ``from_float`` of the cache type (:mod:`.quants`).
+* **How flash attention reads the cache on CPU** (``ggml_compute_forward_flash_attn_ext_f16_one_chunk``,
+  ``ggml/src/ggml-cpu/ops.cpp``): each query row is first converted with ``from_float`` of the K type's
+  ``vec_dot_type`` — ``q8_0`` for ``q8_0``/``q4_0``/``q5_0``/``iq4_nl`` keys, ``q8_1`` for ``q4_1``/``q5_1``
+  keys (same AVX path as the ``q8_0`` write), ``f16``/``bf16`` for ``f16``/``bf16`` keys — and the score is
+  ``kq_vec_dot`` (integer dot products per block times ``d_k·d_q``; ``_1`` keys add ``m_k · s_q``) times the
+  softmax scale, in f32; softmax is the online f32 form; quantized V rows are dequantized to f32
+  (``v_to_float`` = ``dequantize_row_<t>``) and accumulated in f32. When K and V are both ``f16`` (or
+  ``f32``) and a ubatch has at least ``GGML_FA_TILE_Q = 64`` query rows, ``ggml_compute_forward_flash_attn_ext_f16``
+  takes the tiled path instead (``..._ext_tiled``: keys widened to f32, the query kept f32).
+* **Without flash attention** a quantized V cache is refused (``llama_init_from_model``, ``src/llama-context.cpp``:
+  "quantized V cache requires flash_attn to be enabled"), so this plan always models ``-fa on``.
+
+This plan returns every tensor in the model's original basis: a rotated side comes back as
+``H · dequant(quant(H · x))`` and the query as ``H · dequant(q8(H · q))`` — ``H`` symmetric and its own inverse,
+so ``q̃ · k̃ = dequant(q8(Hq)) · dequant(quant(Hk))`` and ``P · ṽ = H · (P · dequant(quant(Hv)))`` are what the
+engine computes, and a K-only or V-only view (:func:`kvcal.evaluate.protocol_a.side_only`) stays correct.
+
+**Not emulated** (all at float32 rounding level, except the first): with an ``f16`` V cache and a quantized or
+``bf16`` K cache, or in decode steps, the engine accumulates ``P · V`` in an **fp16** accumulator
+(``VKQ16``, ``ggml_vec_mad_f16``), kvcal in f32; the fp16 rounding of ``q8_1``'s block sum ``s = fp16(d·Σq)``
+that multiplies ``m_k`` of ``q4_1``/``q5_1`` keys (kvcal uses ``fp16(d)·Σq``; relative difference
+<= 2^-11 of that term); the order of f32 sums (SIMD dot products, online softmax, the Hadamard back-rotation
+done on K/V instead of on the attention output); ARM / other SIMD quantizers.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcal.engines.llamacpp.quants import GGML_TYPES, QK, fake_quant, ggml_type
+from kvcal.engines.llamacpp.rotation import ggml_fwht, k_rot_size, rotation_default, v_rot_size
+from kvcal.errors import KvcalError
+
+#: Payload bits of one element of each cache type (metadata excluded), as kvcal's acceptance bars read them.
+PAYLOAD_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "iq4_nl": 4, "q5_0": 5, "q5_1": 5}
+
+#: ``GGML_FA_TILE_Q`` (``ggml/src/ggml-cpu/common.h``): query rows from which f16/f16 flash attention is tiled.
+FA_TILE_Q = 64
+
+
+def bits_per_value(type_name: str) -> float:
+    """Stored bits per cached element of ``type_name``, metadata included: ``8 · type_size / blck_size``
+    (``q8_0`` 8.5, ``q4_0``/``iq4_nl`` 4.5, ``q4_1`` 5, ``q5_0`` 5.5, ``q5_1`` 6, ``f16``/``bf16`` 16, ``f32`` 32).
+    ``KvcalError`` for an unknown type."""
+    t = ggml_type(type_name)
+    return 8.0 * t.type_size / t.blck_size
+
+
+@dataclass
+class LlamaCppKVPlan:
+    """Fake-quant plan for llama.cpp's ``-ctk type_k -ctv type_v`` with flash attention on (CPU backend).
+
+    ``type_k``/``type_v``: cache types (:data:`~kvcal.engines.llamacpp.quants.KV_CACHE_TYPES`). ``num_layers``:
+    decoder layers. ``rotation``: whether the quantized sides are Hadamard-rotated (``None``: llama.cpp's
+    default in this environment, on unless ``LLAMA_ATTN_ROT_DISABLE`` is set, :func:`.rotation_default`).
+    ``impl``: the CPU quantizer path for ``q8_0``/``q8_1`` (``"x86_avx"`` default, ``"ref"``; :mod:`.quants`).
+    ``quantize_query``: convert queries to the K type's ``vec_dot_type`` as flash attention does (default
+    True). ``prefill``: the emulated queries come in ubatches of at least 64 rows (teacher-forced windows,
+    prompt processing): with ``f16``/``f16`` (or ``f32``/``f32``) caches the tiled kernel keeps queries in f32;
+    ``False``: decode steps, where they are rounded to fp16. Raises ``KvcalError`` for an unknown type, an
+    unknown ``impl`` or ``num_layers < 1``."""
+
+    type_k: str
+    type_v: str
+    num_layers: int
+    rotation: bool | None = None
+    impl: str = "x86_avx"
+    quantize_query: bool = True
+    prefill: bool = True
+    sink_tokens: int = field(default=0, init=False)  # llama.cpp has no sink tokens
+    residual_window: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        self.k_type, self.v_type = ggml_type(self.type_k), ggml_type(self.type_v)
+        if self.impl not in ("x86_avx", "ref"):
+            raise KvcalError(f"unknown ggml CPU implementation {self.impl!r}; choose x86_avx or ref")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise KvcalError(f"num_layers must be an integer >= 1, got {self.num_layers!r}")
+        if self.rotation is None:
+            self.rotation = rotation_default()
+        self.rotation = bool(self.rotation)
+
+    # -- what attention reads ---------------------------------------------------------------------------------
+
+    def _rot(self, side: str, D: int) -> int:
+        t = self.k_type if side == "k" else self.v_type
+        if not (self.rotation and t.quantized):
+            return 0
+        return k_rot_size(D) if side == "k" else v_rot_size(D)
+
+    def _check_dim(self, t, D: int, what: str) -> None:
+        if t.quantized and D % QK:
+            raise KvcalError(f"{what} cache type {t.name} with block size {QK} does not divide head_dim={D} "
+                             "(llama.cpp refuses this context)")
+
+    def first_quantized_layer(self) -> int:
+        """``num_layers`` when nothing is changed (``f32`` K and V), else 0 (every layer is cached alike)."""
+        return self.num_layers if self.type_k == self.type_v == "f32" else 0
+
+    def fake_quant(self, layer: int, side: str, x: torch.Tensor) -> torch.Tensor:
+        """What attention reads of ``side`` (``"k"``/``"v"``) of ``layer`` for ``x`` ``[B, H_kv, S, D]``, in the
+        model's basis (rotated sides rotated back, module docstring); same shape and dtype. Raises
+        ``KvcalError`` for a bad side or layer, or a quantized type whose block does not divide ``D``."""
+        if side not in ("k", "v"):
+            raise KvcalError(f"side must be 'k' or 'v', got {side!r}")
+        if not 0 <= int(layer) < self.num_layers:
+            raise KvcalError(f"layer {layer} out of range for a plan of {self.num_layers} layers")
+        t = self.k_type if side == "k" else self.v_type
+        D = x.shape[-1]
+        self._check_dim(t, D, side.upper())
+        n = self._rot(side, D)
+        y = x.float()
+        if n:
+            y = ggml_fwht(y, n)
+        y = fake_quant(y, t.name, self.impl)
+        if n:
+            y = ggml_fwht(y, n)
+        return y.to(x.dtype)
+
+    def query_type(self) -> str:
+        """The type a query row is converted to before its dot products with the keys: the K type's
+        ``vec_dot_type`` (``q8_0``, ``q8_1``, ``f16``, ``bf16``), ``f32`` when queries stay f32 (``f32`` keys,
+        the tiled f16/f16 prefill path, or ``quantize_query=False``)."""
+        if not self.quantize_query or self.type_k == "f32":
+            return "f32"
+        if self.type_k == "f16" and self.prefill and self.type_v == "f16":
+            return "f32"  # ggml_compute_forward_flash_attn_ext_tiled: Q stays f32
+        return self.k_type.vec_dot_type
+
+    def fake_quant_query(self, layer: int, q: torch.Tensor, num_kv_heads: int | None = None) -> torch.Tensor:
+        """The query ``layer``'s flash attention uses for ``q`` ``[B, H_q, S, D]`` (post-RoPE), in the model's
+        basis: rotated with the K rotation when K is rotated, converted to :meth:`query_type`, rotated back;
+        same shape and dtype. ``num_kv_heads`` is unused (interface of
+        :func:`kvcal.evaluate.protocol_a.plan_hook`)."""
+        if not 0 <= int(layer) < self.num_layers:
+            raise KvcalError(f"layer {layer} out of range for a plan of {self.num_layers} layers")
+        qt = self.query_type()
+        if qt == "f32":
+            return q
+        n = self._rot("k", q.shape[-1])
+        y = q.float()
+        if n:
+            y = ggml_fwht(y, n)
+        y = fake_quant(y, qt, self.impl)
+        if n:
+            y = ggml_fwht(y, n)
+        return y.to(q.dtype)
+
+    def quantized_bits(self) -> list[int]:
+        """Payload bits of every block-quantized (layer, side): 8 (``q8_0``), 5 (``q5_*``), 4 (``q4_*``,
+        ``iq4_nl``); ``f16``/``bf16``/``f32`` sides are not listed."""
+        return [PAYLOAD_BITS[t] for _ in range(self.num_layers) for t in (self.type_k, self.type_v)
+                if t in PAYLOAD_BITS]
+
+    def serve_args(self) -> str:
+        """The ``llama-server`` arguments this plan models: ``-fa on -ctk TYPE_K -ctv TYPE_V``."""
+        return f"-fa on -ctk {self.type_k} -ctv {self.type_v}"
+
+    def describe(self) -> dict:
+        """JSON description: engine, types, rotation, query type, implementation and what is not emulated."""
+        return {"engine": "llamacpp", "type_k": self.type_k, "type_v": self.type_v, "flash_attn": True,
+                "rotation": self.rotation, "query_type": self.query_type(), "impl": self.impl,
+                "bits_per_value": {"k": bits_per_value(self.type_k), "v": bits_per_value(self.type_v)},
+                "not_emulated": ("fp16 P·V accumulation (f16 V with a non-f16 K, or decode steps)"
+                                 if self.type_v == "f16" and self.query_type() != "f32" else None)}
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+
+
+def _pad(x: int, n: int) -> int:
+    return (x + n - 1) // n * n  # GGML_PAD
+
+
+@dataclass(frozen=True)
+class LlamaCppKVBytes:
+    """The KV cache llama.cpp allocates: ``k_bytes``/``v_bytes`` (sums of ``ggml_nbytes`` of every layer's K/V
+    tensor, ``llama_kv_cache::size_k_bytes``/``size_v_bytes``), ``kv_size`` (cells per stream, the printed
+    "cells"), ``n_layers``, ``n_seq_max`` and ``n_stream`` (1 for a unified cache, else ``n_seq_max``),
+    ``type_k``/``type_v``."""
+
+    k_bytes: int
+    v_bytes: int
+    kv_size: int
+    n_layers: int
+    n_seq_max: int
+    n_stream: int
+    type_k: str
+    type_v: str
+
+    @property
+    def total(self) -> int:
+        """``k_bytes + v_bytes``."""
+        return self.k_bytes + self.v_bytes
+
+    def log_line(self) -> str:
+        """The line ``llama_kv_cache::llama_kv_cache`` logs for this cache, with its C formatting
+        (``"%7.2f MiB"`` of ``(float)bytes / (1024.0f*1024.0f)``: the byte count rounded to float32 first)."""
+        def mib(b: int) -> float:
+            return struct.unpack("f", struct.pack("f", float(b)))[0] / 1048576.0  # (float)size_t; / 2^20 exact
+
+        return (f"llama_kv_cache: size = {mib(self.total):7.2f} MiB ({self.kv_size:6d} cells, {self.n_layers:3d} "
+                f"layers, {self.n_seq_max:2d}/{self.n_stream} seqs), K ({self.type_k}): {mib(self.k_bytes):7.2f} "
+                f"MiB, V ({self.type_v}): {mib(self.v_bytes):7.2f} MiB")
+
+
+def kv_bytes(config, type_k: str, type_v: str, n_ctx: int, n_seq: int = 1, *, unified: bool = False
+             ) -> LlamaCppKVBytes:
+    """Bytes of the KV cache llama.cpp 0.3.36's vendored build allocates for a model of ``config`` (a
+    :class:`~kvcal.formats.memory.ModelShape`, an HF config dict or object) at context ``n_ctx`` (``-c``)
+    with ``n_seq`` parallel sequences (``-np``), ``unified`` (``--kv-unified``).
+
+    Rules (``llama_context::llama_context``, ``src/llama-context.cpp``): ``n_ctx`` is padded to a multiple of
+    256; a unified cache has ``n_ctx`` cells in one stream; otherwise ``n_ctx_seq = PAD(n_ctx / n_seq, 256)``
+    cells in each of ``n_seq`` streams. Per layer (``llama_kv_cache::llama_kv_cache``, ``src/llama-kv-cache.cpp``)
+    K is a ``type_k`` tensor ``[n_embd_k_gqa, kv_size, n_stream]`` and V likewise (with flash attention V is
+    not transposed; the size is the same), ``n_embd_k_gqa = H_kv · head_dim``; its bytes are
+    ``n_embd_k_gqa / blck_size · type_size · kv_size · n_stream``. (The backend buffer pads each tensor to
+    32 bytes, which these sizes already are, so the "KV buffer size" line shows the same total.) Raises
+    ``KvcalError`` for an unknown type, a non-positive ``n_ctx``/``n_seq``, a head size the type's block
+    does not divide, or a model with sliding-window layers (llama.cpp's iSWA cache is not modelled here)."""
+    from kvcal.formats.memory import model_shape
+
+    tk, tv = ggml_type(type_k), ggml_type(type_v)
+    for name, v in (("n_ctx", n_ctx), ("n_seq", n_seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise KvcalError(f"{name} must be a positive integer, got {v!r}")
+    try:
+        shape = model_shape(config)
+    except ValueError as e:
+        raise KvcalError(str(e)) from None
+    if shape.layer_windows:
+        raise KvcalError("models with sliding-window layers use llama.cpp's iSWA cache, which kvcal does not size yet")
+    n_ctx_pad = _pad(n_ctx, 256)
+    if unified:
+        kv_size, n_stream = n_ctx_pad, 1
+    else:
+        kv_size, n_stream = _pad(n_ctx_pad // n_seq, 256), n_seq
+    n_embd = shape.num_kv_heads * shape.head_dim
+    k_row, v_row = tk.row_bytes(n_embd), tv.row_bytes(n_embd)
+    if tk.quantized and shape.head_dim % tk.blck_size or tv.quantized and shape.head_dim % tv.blck_size:
+        raise KvcalError(f"cache types {type_k}/{type_v} need a head_dim divisible by 32, got {shape.head_dim}")
+    L = shape.num_layers
+    return LlamaCppKVBytes(L * k_row * kv_size * n_stream, L * v_row * kv_size * n_stream, kv_size, L, n_seq,
+                           n_stream, type_k, type_v)
+
+
+__all__ = ["FA_TILE_Q", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]

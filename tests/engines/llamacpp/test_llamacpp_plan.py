@@ -1,0 +1,199 @@
+"""``LlamaCppKVPlan`` (what flash attention reads under ``-fa on -ctk/-ctv``) and ``kv_bytes`` (what llama.cpp
+allocates), against hand computations and an independent float64 computation of one attention layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from helpers.llamacpp import q8_0_avx_block, sylvester
+
+from kvcal.engines.llamacpp import LlamaCppKVPlan, kv_bytes
+from kvcal.errors import KvcalError
+
+SMOLLM = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+          "hidden_size": 576}
+
+
+# -- memory --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t,n_ctx,side_bytes,line", [
+    # n_embd_k_gqa = 3 x 64 = 192; q8_0: 192/32 blocks x 34 B = 204 B per cell; f16: 384 B per cell; 30 layers
+    ("q8_0", 4096, 30 * 204 * 4096, "size =   47.81 MiB (  4096 cells,  30 layers,  1/1 seqs), "
+                                    "K (q8_0):   23.91 MiB, V (q8_0):   23.91 MiB"),
+    ("f16", 4096, 30 * 384 * 4096, "size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), "
+                                   "K (f16):   45.00 MiB, V (f16):   45.00 MiB"),
+    ("q8_0", 32768, 30 * 204 * 32768, "size =  382.50 MiB ( 32768 cells,  30 layers,  1/1 seqs), "
+                                      "K (q8_0):  191.25 MiB, V (q8_0):  191.25 MiB"),
+    ("f16", 32768, 30 * 384 * 32768, "size =  720.00 MiB ( 32768 cells,  30 layers,  1/1 seqs), "
+                                     "K (f16):  360.00 MiB, V (f16):  360.00 MiB"),
+])
+def test_smollm_cache_bytes_by_hand(t, n_ctx, side_bytes, line):
+    """SmolLM2-135M (30 layers, 3 KV heads x 64): bytes per side = 30 x 192 / blck x type_size x cells; the log
+    line's MiB figures worked by hand (25,067,520 B = 23.906 MiB -> "23.91"; 47,185,920 B = 45 MiB)."""
+    m = kv_bytes(SMOLLM, t, t, n_ctx)
+    assert (m.k_bytes, m.v_bytes, m.total) == (side_bytes, side_bytes, 2 * side_bytes)
+    assert m.log_line() == "llama_kv_cache: " + line
+
+
+def test_context_padding_and_streams():
+    """``n_ctx`` is padded to 256 (1000 -> 1024 cells); 3 non-unified sequences at 4096 get
+    PAD(4096 / 3 = 1365, 256) = 1536 cells in each of 3 streams; unified: 4096 cells, one stream; mixed K/V types
+    are sized per side (q4_0: 192/32 x 18 = 108 B per cell)."""
+    assert kv_bytes(SMOLLM, "q8_0", "q8_0", 1000).kv_size == 1024
+    m = kv_bytes(SMOLLM, "q8_0", "q4_0", 4096, 3)
+    assert (m.kv_size, m.n_stream, m.k_bytes, m.v_bytes) == (1536, 3, 30 * 204 * 1536 * 3, 30 * 108 * 1536 * 3)
+    assert "(  1536 cells,  30 layers,  3/3 seqs)" in m.log_line()
+    u = kv_bytes(SMOLLM, "q8_0", "q8_0", 4096, 3, unified=True)
+    assert (u.kv_size, u.n_stream, u.total) == (4096, 1, 2 * 30 * 204 * 4096)
+
+
+@pytest.mark.parametrize("args", [("q3_k", "f16", 4096), ("f16", "f16", 0), ("f16", "f16", 4096, 0)])
+def test_memory_bad_input(args):
+    """Unknown cache type, non-positive context or sequence count: one KvcalError."""
+    with pytest.raises(KvcalError):
+        kv_bytes(SMOLLM, *args)
+
+
+# -- the plan ------------------------------------------------------------------------------------------------
+
+def _tiny_llama(seed: int = 0):
+    """A random 2-layer Llama with head_dim 64 (llama.cpp rotates only multiples of 64), 2 query heads, 1 KV head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_plan_kl_is_positive_and_ordered():
+    """Protocol A on a tiny random Llama: each llama.cpp cache changes the logits (KL > 0), q4_0 K+V more than
+    q8_0 (a 16x coarser step), with and without the rotation; f16/f16 changes them far less than q8_0."""
+    from kvcal.evaluate.protocol_a import teacher_forced
+
+    model = _tiny_llama()
+    windows = torch.randint(1, 128, (2, 48), generator=torch.Generator().manual_seed(0))
+    plans = {f"{t}-{r}": LlamaCppKVPlan(t, t, 2, rotation=r) for t in ("q8_0", "q4_0") for r in (True, False)}
+    plans["f16"] = LlamaCppKVPlan("f16", "f16", 2)
+    res = teacher_forced(model, windows, plans, progress=False)
+    for r in (True, False):
+        assert 0 < res[f"q8_0-{r}"]["kl_mean"] < res[f"q4_0-{r}"]["kl_mean"]
+    assert res["f16"]["kl_mean"] < res["q8_0-True"]["kl_mean"]
+
+
+def _gguf_q4_0(x: np.ndarray) -> np.ndarray:
+    """gguf-py's numpy ``quantize_row_q4_0_ref`` + ``dequantize_row_q4_0`` (bit-exact with ggml's C, see
+    test_llamacpp_quants), rows of 64."""
+    flat = x.reshape(-1, 64).astype(np.float32)
+    return gguf_dequantize(gguf_quantize(flat, T.Q4_0), T.Q4_0).reshape(x.shape).astype(np.float64)
+
+
+def _q8_0_avx(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.shape, dtype=np.float64)
+    for idx in np.ndindex(*x.shape[:-1]):
+        for b in range(x.shape[-1] // 32):
+            d, q = q8_0_avx_block(x[idx][32 * b:32 * b + 32])
+            out[idx][32 * b:32 * b + 32] = np.float64(d) * q
+    return out
+
+
+def test_one_layer_equals_a_float64_computation():
+    """Layer 0 of the tiny Llama under ``-ctk q4_0 -ctv q4_0`` (rotation on): the attention output from the plan's
+    query, key and value equals a float64 computation written from the engine's description —
+    ``out = H · softmax(q8_0(Hq) · q4_0(Hk) / 8) · q4_0(Hv)`` with gguf-py's q4_0, the numpy AVX q8_0 and a float64
+    Sylvester ``H``. Inputs are the layer's real q/k/v snapped to a 1/64 grid so that ``Hx`` is exact in both
+    (sums of 64 values of < 2^15 units), making every quantization code identical. What remains is the plan's f32
+    back-rotation ``H·x̂`` (6 butterfly stages on values of two block scales): elementwise error
+    <= 6·2^-24·Σ|x̂_row|/8, asserted first; it moves each score by at most ``(Σ|Δq|·max|k| + Σ|Δk|·max|q|)/8``
+    and the output by at most ``2·max|Δs|·max|v| + max|Δv|``."""
+    from kvcal.capture.hooks import capture_kv
+    from kvcal.evaluate.protocol_a import plan_hook
+
+    model = _tiny_llama(1)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    got = {}
+    with torch.no_grad(), capture_kv(model, lambda i, q, k, v, m: got.setdefault(i, (q, k, v, m))):
+        model(ids, use_cache=False)
+    q, k, v, module = got[0]
+    q, k, v = ((t * 64).round() / 64 for t in (q, k, v))
+    plan = LlamaCppKVPlan("q4_0", "q4_0", 2, rotation=True)
+    qp, kp, vp = (t.double() for t in plan_hook(plan)(module, q, k, v, None, {}))
+
+    h = sylvester(64)
+    rot = lambda t: np.einsum("ij,...j->...i", h, t.double().numpy())  # noqa: E731  (exact on the grid)
+    q_hat, k_hat, v_hat = _q8_0_avx(rot(q).astype(np.float32)), _gguf_q4_0(rot(k)), _gguf_q4_0(rot(v))
+
+    def back(x):
+        return np.einsum("ij,...j->...i", h, x)
+
+    for mine, ref in ((qp, q_hat), (kp, k_hat), (vp, v_hat)):
+        tol = 6 * 2**-24 * np.abs(ref).sum(-1, keepdims=True) / 8
+        assert (np.abs(mine.numpy() - back(ref)) <= tol).all()
+
+    S = q.shape[2]
+    causal = np.triu(np.full((S, S), -np.inf), 1)
+
+    def attn(qq, kk, vv):  # [1, 2, S, 64] query heads share the one KV head
+        s = np.einsum("bhsd,btd->bhst", qq, kk[:, 0]) / 8 + causal
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return np.einsum("bhst,btd->bhsd", p, vv[:, 0])
+
+    ref_out = back(attn(q_hat, k_hat, v_hat))  # the engine rotates the output back
+    mine_out = attn(qp.numpy(), kp.numpy(), vp.numpy())
+    dq, dk, dv = (np.abs(a.numpy() - back(b)).max() for a, b in ((qp, q_hat), (kp, k_hat), (vp, v_hat)))
+    ds = (64 * dq * np.abs(k_hat).max() * 2 + 64 * dk * np.abs(q_hat).max() * 2) / 8  # |H x| <= 8·max|x| per element
+    bound = 2 * ds * 8 * np.abs(v_hat).max() + dv + 1e-12
+    assert np.abs(mine_out - ref_out).max() <= bound
+    assert np.abs(mine_out - ref_out).max() < 1e-4 * np.abs(ref_out).max()  # and the bound is a small one
+
+
+def test_query_type_follows_the_flash_attention_kernel():
+    """Q is converted to the K type's vec_dot_type (one_chunk kernel): q8_0 for q8_0/q4_0/q5_0/iq4_nl keys, q8_1
+    for q4_1/q5_1, fp16 for f16 keys with a quantized V or in decode steps; f32 in the tiled f16/f16 prefill."""
+    qt = {t: LlamaCppKVPlan(t, "q8_0", 1).query_type() for t in ("q8_0", "q4_0", "q5_0", "iq4_nl", "q4_1", "q5_1",
+                                                                    "f16", "f32")}
+    assert qt == {"q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "iq4_nl": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1",
+                  "f16": "f16", "f32": "f32"}
+    assert LlamaCppKVPlan("f16", "f16", 1).query_type() == "f32"
+    assert LlamaCppKVPlan("f16", "f16", 1, prefill=False).query_type() == "f16"
+    q = torch.randn(1, 2, 3, 64)
+    assert LlamaCppKVPlan("f16", "f16", 1).fake_quant_query(0, q) is q
+
+
+def test_rotation_default_and_env(monkeypatch):
+    """``rotation=None`` takes llama.cpp's default: on, off under ``LLAMA_ATTN_ROT_DISABLE=1``; an f16 side is
+    never rotated (only fp16 rounding: equal to ``x.half()``)."""
+    monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
+    assert LlamaCppKVPlan("q4_0", "q4_0", 1).rotation is True
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    assert LlamaCppKVPlan("q4_0", "q4_0", 1).rotation is False
+    x = torch.randn(1, 1, 4, 64)
+    assert torch.equal(LlamaCppKVPlan("q4_0", "f16", 1, rotation=True).fake_quant(0, "v", x), x.half().float())
+
+
+def test_plan_bits_and_serve_args():
+    """Payload bits per quantized (layer, side) and the llama-server arguments."""
+    p = LlamaCppKVPlan("q8_0", "q4_0", 2)
+    assert p.quantized_bits() == [8, 4, 8, 4]
+    assert LlamaCppKVPlan("f16", "q5_1", 1).quantized_bits() == [5]
+    assert p.serve_args() == "-fa on -ctk q8_0 -ctv q4_0"
+
+
+@pytest.mark.parametrize("call", [
+    lambda: LlamaCppKVPlan("q3_k", "f16", 1), lambda: LlamaCppKVPlan("f16", "f16", 0),
+    lambda: LlamaCppKVPlan("q8_0", "q8_0", 1, impl="neon"),
+    lambda: LlamaCppKVPlan("q8_0", "q8_0", 1).fake_quant(0, "k", torch.zeros(1, 1, 2, 48)),
+    lambda: LlamaCppKVPlan("q8_0", "q8_0", 1).fake_quant(1, "k", torch.zeros(1, 1, 2, 64)),
+    lambda: LlamaCppKVPlan("q8_0", "q8_0", 1).fake_quant(0, "q", torch.zeros(1, 1, 2, 64)),
+])
+def test_plan_bad_input(call):
+    """Unknown type or impl, no layers, a head_dim the block does not divide (llama.cpp refuses the context),
+    a layer out of range or a bad side: one KvcalError."""
+    with pytest.raises(KvcalError):
+        call()
