@@ -147,7 +147,8 @@ class MemoryResult:
     (tokens) and ``batch`` (sequences) of the total; ``bytes_16bit``: 16-bit K+V bytes per token.
     kvcal formats: ``kv`` (:class:`kvcal.formats.spec.KVCacheConfig`) and ``report``
     (:class:`kvcal.formats.memory.MemoryReport`). ``vllm:<dtype>``: ``vllm`` = ``{"dtype", "version",
-    "skip_layers", "bytes_per_token", "total", "block_size"}`` (pages as vLLM allocates them). ``peak``:
+    "skip_layers", "bytes_per_token", "total", "block_size"}`` (pages as vLLM allocates them). ``engine``: the
+    allocation of an engine that sizes its own cache (``llamacpp:<types>``: that engine's ``kv_memory`` dict). ``peak``:
     ``(bytes, tokens)`` where the cache needs more on the way to ``context`` than at it (sliding-window layers
     with token-group keys, :func:`kvcal.formats.memory.peak_cache_bytes`), else ``None``."""
 
@@ -161,9 +162,13 @@ class MemoryResult:
     report: object = None
     vllm: dict | None = None
     peak: tuple | None = None
+    engine: dict | None = None
 
     def to_dict(self) -> dict:
         """The ``kvcal memory --json`` document."""
+        if self.engine is not None:
+            return {"model_id": self.model, "format": self.format, "context": self.context, "batch": self.batch,
+                    "bytes_16bit_per_token": self.bytes_16bit, **{k: v for k, v in self.engine.items()}}
         if self.vllm is not None:
             v = self.vllm
             return {"model_id": self.model, "format": self.format, "vllm_version": v["version"],
@@ -221,6 +226,16 @@ def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sin
     shape = model_shape_of(model)
     b16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     engine_name, colon, engine_dtype = fmt.partition(":")
+    if colon and engine_name in with_attr("kv_memory"):  # <engine>:<types>: an engine that sizes its own cache
+        given = [name for name, v in (("--granularity", granularity is not None),
+                                      ("--group-size", group_size is not None),
+                                      ("--symmetric/--asymmetric", symmetric is not None),
+                                      ("--residual-window", bool(residual_window)), ("--sinks", bool(sinks)),
+                                      ("--skip-layers", skip_layers is not None)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not with --format {fmt}: its cache types fix the layout (blocks "
+                             "of 32 with their own scale, every layer, no 16-bit window); drop them")
+        return _memory_sized_by_engine(engine_name, model, shape, engine_dtype, context, batch, b16)
     if colon and engine_name in with_attr("cache_bytes"):  # <engine>:<dtype>: the pages that engine allocates
         given = [name for name, v in (("--granularity", granularity is not None),
                                       ("--group-size", group_size is not None),
@@ -272,6 +287,24 @@ def _memory(model, fmt, granularity, group_size, symmetric, residual_window, sin
     peak = peak_cache_bytes(shape, cfg, ctx, batch)
     return MemoryResult(model, fmt, shape, ctx, batch, b16, kv=cfg, report=rep,
                         peak=peak if peak[0] > rep.total else None)
+
+
+def _memory_sized_by_engine(name, model, shape, spec, context, batch, b16) -> MemoryResult:
+    """``kvcal memory --format <engine>:<spec>`` for an engine whose facade sizes its cache (``kv_memory``:
+    llama.cpp, :func:`kvcal.engines.llamacpp.plan.kv_memory`). ``context`` defaults to the model's max positions;
+    a longer one is allowed (llama.cpp allocates it and warns) and noted."""
+    from kvcal.engines import engine
+
+    ctx = context if context is not None else shape.max_position_embeddings
+    if ctx is None:
+        raise ValueError("the model config has no max_position_embeddings; pass --context")
+    if batch < 1 or ctx < 1:
+        raise ValueError(f"--batch and --context must be >= 1, got {batch} and {ctx}")
+    alloc = engine(name).kv_memory(shape, spec, ctx, batch)
+    if shape.max_position_embeddings is not None and ctx > shape.max_position_embeddings:
+        alloc["note"] = (f"context {ctx} is past the model's {shape.max_position_embeddings} trained positions: "
+                         f"{alloc['engine']} allocates it (and warns); quality there is not the model's")
+    return MemoryResult(model, f"{name}:{spec}", shape, ctx, batch, b16, engine=alloc)
 
 
 def _memory_engine(name, model, shape, dtype, skip_layers, context, batch, b16) -> MemoryResult:

@@ -191,6 +191,10 @@ class CacheOption:
     kv_config: object
     description: str
     source: str = "preset"
+    #: an engine that sizes its own cache (``llamacpp:<types>``): ``cache_bytes(context, batch)`` -> bytes that
+    #: engine allocates for ``batch`` sequences of ``context`` tokens, and its bytes per token; ``kv_config`` is None
+    cache_bytes: object = None
+    bytes_per_token: int | None = None
 
 
 @dataclass
@@ -262,11 +266,26 @@ def artifact_kv_config(meta: dict, tensors: dict | None = None):
 
 
 def resolve_option(name: str, shape) -> CacheOption:
-    """A preset name or an artifact directory -> :class:`CacheOption` (artifact shape checked)."""
+    """A preset name, an artifact directory or ``<engine>:<types>`` of an engine that sizes its own cache
+    (``llamacpp:q8_0``, ``llamacpp:q8_0,q4_0``: :func:`kvcal.engines.llamacpp.plan.kv_bytes` for ``-c B·T -np B``)
+    -> :class:`CacheOption` (artifact shape checked)."""
     from pathlib import Path
 
+    from kvcal.engines import engine, with_attr
     from kvcal.search.presets import named_cache_config
 
+    eng_name, colon, spec = name.partition(":")
+    if colon and eng_name in with_attr("kv_memory"):
+        eng = engine(eng_name)
+        tk, tv = eng.parse_pair(spec, what=f"--kv-config {eng_name}:")
+        eng.kv_bytes(shape, tk, tv, 256)  # refuses a model the engine's sizing does not cover, before any table
+
+        def cache_bytes(t: int, b: int, _e=eng, _k=tk, _v=tv) -> int:
+            return _e.kv_bytes(shape, _k, _v, b * t, b).total if t > 0 else 0
+
+        return CacheOption(name, None, f"{eng.DISPLAY_NAME} -ctk {tk} -ctv {tv} (blocks of 32, each with its fp16 "
+                           "scale; cells padded to 256 per sequence)", source=eng_name, cache_bytes=cache_bytes,
+                           bytes_per_token=eng.pair_bytes_per_token(shape, tk, tv))
     p = Path(name)
     named = named_cache_config(name)
     if named is not None:
@@ -290,6 +309,22 @@ def resolve_option(name: str, shape) -> CacheOption:
 
     raise KvcalError(f"--kv-config {name!r} is neither a preset ({', '.join(CACHE_CONFIG_NAMES)}) nor an artifact "
                      "directory")
+
+
+def _largest(fits) -> int:
+    """Largest ``n >= 0`` with ``fits(n)`` for a ``fits`` true up to some ``n`` and false after (0 if none)."""
+    if not fits(0):
+        return 0
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def max_context(shape, kv_config, batch: int, budget: int) -> int:
@@ -386,7 +421,7 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
     mmax = shape.max_position_embeddings
     options = []
     for o in opts:
-        bpt = bytes_per_token_exact(shape, o.kv_config)
+        bpt = o.bytes_per_token if o.cache_bytes is not None else bytes_per_token_exact(shape, o.kv_config)
         options.append({"name": o.name, "source": o.source, "description": o.description,
                         "bytes_per_token": float(bpt), "vs_16bit": float(b16 / bpt)})
     contexts = sorted({c for c in cfg.contexts if mmax is None or c <= mmax} | ({mmax} if mmax else set()))
@@ -394,14 +429,16 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
     for b in cfg.batches:
         row = {"batch": b}
         for o in opts:
-            fits = max_context(shape, o.kv_config, b, budget)
+            fits = (max_context(shape, o.kv_config, b, budget) if o.cache_bytes is None else
+                    _largest(lambda t, o=o: o.cache_bytes(t, b) <= budget))
             row[o.name] = {"max_context": min(fits, mmax) if mmax else fits, "fits": fits,
                            "capped": bool(mmax and fits > mmax)}
         max_ctx.append(row)
     for c in contexts:
         row = {"context": c}
         for o in opts:
-            row[o.name] = max_batch(shape, o.kv_config, c, budget)
+            row[o.name] = (max_batch(shape, o.kv_config, c, budget) if o.cache_bytes is None else
+                           _largest(lambda b, o=o: b == 0 or o.cache_bytes(c, b) <= budget))
         max_conc.append(row)
     notes = [
         f"weights: {params['total']:,} parameters x {WEIGHT_BYTES[cfg.weights_dtype]:g} bytes "
@@ -412,6 +449,10 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
         "windows/sinks, per-layer metadata); engines round to their page/block size, which can cost up to "
         "one block per sequence",
     ]
+    for o in opts:
+        if o.cache_bytes is not None:
+            notes.append(f"{o.name}: the bytes {o.description.split(' -ctk')[0]} allocates for B sequences of T "
+                         f"tokens (-c B*T -np B, one stream per sequence), cells padded to 256 per sequence (exact)")
     if shape.layer_windows:
         sl = shape.sliding_layers
         notes.append(f"{len(sl)} of {shape.num_layers} layers are sliding-window layers (W = {max(shape.layer_windows)}): "
@@ -458,8 +499,9 @@ def render_plan(plan: CapacityPlan) -> str:
         "",
         "cache precisions:",
     ]
+    w = max([10] + [len(o["name"]) for o in plan.options])
     for o in plan.options:
-        lines.append(f"  {o['name']:<10} {o['bytes_per_token']:>10g} B/token  ({o['vs_16bit']:.2f}x vs 16-bit)  "
+        lines.append(f"  {o['name']:<{w}} {o['bytes_per_token']:>10g} B/token  ({o['vs_16bit']:.2f}x vs 16-bit)  "
                      f"{o['description']}")
     lines += ["", "max context per sequence at each concurrency (N*(M): capped at the model max N; memory would fit M):"]
     rows = []

@@ -15,7 +15,8 @@ from kvcal.cli.common import count, main, user_errors
               help="A `kvcal calibrate` preset (fp8, int8, int4, int2, k4v2: their layouts, metadata included), a "
                    "layout (fp16, bf16, fp8_head, fp8_e5m2, int4_static, kivi4, kivi3, kivi2, nvfp4) or a storage "
                    "format (e.g. fp8_e4m3fnuz, int3) applied to K and V; or vllm:<--kv-cache-dtype> (e.g. "
-                   "vllm:turboquant_4bit_nc) for the pages vLLM 0.33 allocates.")
+                   "vllm:turboquant_4bit_nc) for the pages vLLM 0.33 allocates; or llamacpp:<-ctk type>[,<-ctv type>] "
+                   "(e.g. llamacpp:q8_0, llamacpp:q8_0,q4_0) for the cache llama.cpp allocates.")
 @click.option("--granularity", default=None,
               help="Override both sides: tensor, head, channel, token, token_group, channel_token_group.")
 @click.option("--group-size", default=None, type=count(1), help="Group size of grouped granularities (both sides).")
@@ -57,6 +58,17 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
             held = f"each holds at most W - 1 = {W - 1} tokens, as transformers' cache does"
         click.echo(f"layers: {len(sl)} sliding-window (W = {W}), {shape.num_layers - len(sl)} full-attention; {held}; "
                    "bytes per token below count every layer, the cache bytes count what each layer holds")
+    if res.engine is not None:  # an engine that sizes its own cache (llamacpp:<types>)
+        e = res.engine
+        click.echo(f"kv: {e['engine']} ({e['version']}) {e['setting']}")
+        click.echo(f"bytes per token: {e['bytes_per_token']} ({b16 / e['bytes_per_token']:.2f}x smaller than 16-bit "
+                   f"{b16})")
+        click.echo(f"cache bytes (context {res.context}, batch {res.batch}: {e['cells']} cells x {e['streams']} "
+                   f"stream(s)): {e['total']} ({e['total'] / 2**20:.2f} MiB), K {e['k_bytes']}, V {e['v_bytes']}")
+        click.echo(f"{e['engine']} prints: {e['log_line']}")
+        if e.get("note"):
+            click.echo(f"note: {e['note']}")
+        return
     if res.vllm is not None:
         v = res.vllm
         click.echo(f"kv: vLLM {v['version']} --kv-cache-dtype {v['dtype']}; layers at 16 bits: {v['skip_layers'] or 'none'}")

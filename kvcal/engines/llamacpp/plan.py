@@ -258,4 +258,45 @@ def kv_bytes(config, type_k: str, type_v: str, n_ctx: int, n_seq: int = 1, *, un
                            n_stream, type_k, type_v)
 
 
-__all__ = ["FA_TILE_Q", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
+def parse_pair(spec: str, what: str = "--format llamacpp:") -> tuple[str, str]:
+    """``(type_k, type_v)`` of a cache spec: ``"q8_0"`` (both sides, as ``-ctk q8_0 -ctv q8_0``) or
+    ``"q8_0,q4_0"`` (K then V, the order of ``-ctk``/``-ctv``). Raises ``KvcalError`` naming ``what`` and the
+    accepted types for anything else."""
+    parts = [p.strip() for p in str(spec).split(",")]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or not all(parts):
+        raise KvcalError(f"{what}{spec}: give one cache type (K and V) or two, K then V (e.g. q8_0 or q8_0,q4_0)")
+    for t in parts:
+        try:
+            ggml_type(t)
+        except KvcalError as e:
+            raise KvcalError(f"{what}{spec}: {e}") from None
+    return parts[0], parts[1]
+
+
+def pair_bytes_per_token(config, type_k: str, type_v: str) -> int:
+    """KV bytes one token takes in every layer of ``config``'s model (K and V, all KV heads) with this pair: the
+    row bytes of :func:`kv_bytes` (``n_embd_k_gqa / blck_size · type_size`` per layer and side), i.e. its total
+    per cell. Raises as :func:`kv_bytes`."""
+    b = kv_bytes(config, type_k, type_v, 256)
+    return b.total // b.kv_size
+
+
+def kv_memory(config, spec: str, context: int, batch: int = 1) -> dict:
+    """``kvcal memory --format llamacpp:<spec>``: what llama.cpp allocates for ``-c context -np batch`` (one stream
+    per sequence, llama.cpp's default without ``--kv-unified``) with the pair :func:`parse_pair` reads from
+    ``spec``: ``{"engine", "version", "type_k", "type_v", "setting" (the llama-server arguments), "bytes_per_token"
+    (:func:`pair_bytes_per_token`), "context", "batch", "cells" (per stream, after llama.cpp's padding to 256),
+    "streams", "k_bytes", "v_bytes", "total" (bytes), "log_line" (the ``llama_kv_cache: size = ...`` line it
+    prints)}``. Raises ``KvcalError`` as :func:`kv_bytes`."""
+    type_k, type_v = parse_pair(spec)
+    b = kv_bytes(config, type_k, type_v, context, batch)
+    return {"engine": "llama.cpp", "version": "llama-cpp-python 0.3.36", "type_k": type_k, "type_v": type_v,
+            "setting": f"-fa on -ctk {type_k} -ctv {type_v}", "bytes_per_token": pair_bytes_per_token(config, type_k,
+                                                                                                     type_v),
+            "context": context, "batch": batch, "cells": b.kv_size, "streams": b.n_stream, "k_bytes": b.k_bytes,
+            "v_bytes": b.v_bytes, "total": b.total, "log_line": b.log_line()}
+
+
+__all__ = ["FA_TILE_Q", "kv_memory", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
