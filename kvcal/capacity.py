@@ -430,7 +430,7 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
         row = {"batch": b}
         for o in opts:
             fits = (max_context(shape, o.kv_config, b, budget) if o.cache_bytes is None else
-                    _largest(lambda t, o=o: o.cache_bytes(t, b) <= budget))
+                    _largest(lambda t, o=o, b=b: o.cache_bytes(t, b) <= budget))
             row[o.name] = {"max_context": min(fits, mmax) if mmax else fits, "fits": fits,
                            "capped": bool(mmax and fits > mmax)}
         max_ctx.append(row)
@@ -438,7 +438,7 @@ def plan_capacity(model_config, cfg: PlanConfig, model_id: str = "model") -> Cap
         row = {"context": c}
         for o in opts:
             row[o.name] = (max_batch(shape, o.kv_config, c, budget) if o.cache_bytes is None else
-                           _largest(lambda b, o=o: b == 0 or o.cache_bytes(c, b) <= budget))
+                           _largest(lambda b, o=o, c=c: b == 0 or o.cache_bytes(c, b) <= budget))
         max_conc.append(row)
     notes = [
         f"weights: {params['total']:,} parameters x {WEIGHT_BYTES[cfg.weights_dtype]:g} bytes "
