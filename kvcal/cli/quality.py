@@ -144,9 +144,13 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
 @main.command("recommend")
 @click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
 @corpus_options
-@click.option("--engine", required=True, type=click.Choice(["vllm"]), help="Serving engine (vllm 0.33).")
+@click.option("--engine", required=True, type=click.Choice(["vllm", "llamacpp"]),
+              help="Serving engine: vllm (0.33) or llamacpp (llama.cpp of llama-cpp-python 0.3.36: -ctk/-ctv pairs).")
 @click.option("--out", required=True, type=click.Path(), help="New directory: deploy.md, deploy.json, artifact/ (fp8), artifact-fp8-head/ (fp8 per-KV-head) or "
                    "artifact-nvfp4/ (nvfp4) when chosen with calibrated scales.")
+@click.option("--cache-types", "cache_types", default=None,
+              help="--engine llamacpp: comma-separated cache types whose every K/V pair is measured "
+                   "[default: q4_0,iq4_nl,q4_1,q5_0,q5_1,q8_0,f16].")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing --out, only when it is a kvcal recommend output and git tracks none of it.")
 @click.option("--model", default=None, help="smollm2-135m (default), HF model dir, .gguf file, or cached hub id.")
@@ -182,8 +186,9 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
 def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model, accept, max_bytes_per_token,
                   max_skip, dtypes, context, windows, max_windows, probe_tokens, measure_all, no_per_head, eval_corpus,
                   device,
-                  quiet, backend="cuda", overwrite=False):
-    """Choose the vLLM KV-cache dtype and 16-bit layers to deploy, measured on your corpus; write the commands.
+                  quiet, backend="cuda", overwrite=False, cache_types=None):
+    """Choose the KV-cache configuration to deploy (vLLM: dtype and 16-bit layers; llama.cpp: -ctk/-ctv pair),
+    measured on your corpus; write the commands.
 
     Exit 0 with a configuration, 1 when none passes the bar within the budget, 2 on bad input."""
     from kvcal import api
@@ -196,6 +201,13 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
                 backend=backend, overwrite=overwrite)
     if dtypes is not None:  # --dtypes "" is refused, not the default menu
         opts["dtypes"] = split_list(dtypes, "--dtypes", "vLLM --kv-cache-dtype", "fp8,turboquant_4bit_nc")
+    if cache_types is not None:
+        if engine != "llamacpp":
+            from kvcal.errors import KvcalError
+
+            raise KvcalError(f"--cache-types: not with --engine {engine} (llama.cpp's -ctk/-ctv types; vLLM's menu "
+                             "is --dtypes)")
+        opts["cache_types"] = tuple(split_list(cache_types, "--cache-types", "llama.cpp cache type", "q8_0,q4_0"))
     # the corpus is checked before torch imports, then the options; --quiet silences the libraries after them
     doc = api.recommend(corpus, engine, out, log=click.echo, progress=not quiet,
                         check_outputs=(lambda cfg: quiet_libraries()) if quiet else None, **opts)

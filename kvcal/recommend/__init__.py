@@ -105,14 +105,17 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
     import shutil
 
     from kvcal.artifact import write_dir_atomically
-    from kvcal.engines import engine
+    from kvcal.engines import engine, names
     from kvcal.errors import KvcalError
     from kvcal.evaluate.accept import default_accept, parse_accept
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.formats.memory import model_shape
     from kvcal.inputs import preflight
     from kvcal.models import check_max_positions, load_model, load_tokenizer, resolve_model
+    from kvcal.recommend.pairs import is_pair_engine, recommend_pairs
 
+    if cfg.engine in names() and is_pair_engine(cfg.engine):  # chosen as a K and a V cache type (llama.cpp)
+        return recommend_pairs(cfg, log=log, progress=progress, model=model, tokenizer=tokenizer, corpus=corpus)
     eng = engine(cfg.engine)  # the engine's facade (kvcal.engines): dtypes, plans, pages, probe, serve line
     try:
         cfg = dataclasses.replace(cfg, backend=eng.backend(cfg.backend).name)

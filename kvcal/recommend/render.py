@@ -9,7 +9,12 @@ from kvcal.recommend.config import SCALES_DEFAULT
 def render_table(doc: dict) -> str:
     """The candidate table (one row per candidate, markdown); the scales column is the row's ``scales``
     (:func:`row_scales`); KL and ΔPPL with, in brackets, the one-sided bound the status was judged on
-    (:mod:`kvcal.evaluate.bounds`); ``windows`` the evaluation windows the row was measured on."""
+    (:mod:`kvcal.evaluate.bounds`); ``windows`` the evaluation windows the row was measured on. A pairs document
+    (``"menu": "pairs"``, :mod:`kvcal.recommend.pairs`) has its own table."""
+    if doc.get("menu") == "pairs":
+        from kvcal.recommend.pairs import render_pairs_table
+
+        return render_pairs_table(doc)
     lines = ["| dtype | scales | 16-bit layers | choice | bytes/token | vs 16-bit | windows | KL mean [bound] | "
              "ΔPPL [bound] | status |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---|"]

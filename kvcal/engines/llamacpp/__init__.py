@@ -58,6 +58,7 @@ LAZY: dict[str, tuple[str, str]] = {
     "parse_pair": ("plan", "parse_pair"),
     "pair_bytes_per_token": ("plan", "pair_bytes_per_token"),
     "kv_memory": ("plan", "kv_memory"),
+    "pair_plan": ("plan", "pair_plan"),
 }
 
 

@@ -278,9 +278,29 @@ def parse_pair(spec: str, what: str = "--format llamacpp:") -> tuple[str, str]:
 def pair_bytes_per_token(config, type_k: str, type_v: str) -> int:
     """KV bytes one token takes in every layer of ``config``'s model (K and V, all KV heads) with this pair: the
     row bytes of :func:`kv_bytes` (``n_embd_k_gqa / blck_size · type_size`` per layer and side), i.e. its total
-    per cell. Raises as :func:`kv_bytes`."""
-    b = kv_bytes(config, type_k, type_v, 256)
-    return b.total // b.kv_size
+    per cell. Every layer counts, sliding-window ones included (llama.cpp's iSWA cache holds fewer cells there,
+    which :func:`kv_bytes` refuses to size). Raises ``KvcalError`` for an unknown type or a head_dim a
+    quantized type's block of 32 does not divide."""
+    from kvcal.formats.memory import model_shape
+
+    shape = model_shape(config)
+    n_embd = shape.num_kv_heads * shape.head_dim
+    for t in (type_k, type_v):
+        tt = ggml_type(t)
+        if tt.quantized and shape.head_dim % tt.blck_size:
+            raise KvcalError(f"cache type {t} needs a head_dim divisible by {tt.blck_size}, got {shape.head_dim}")
+    return shape.num_layers * (ggml_type(type_k).row_bytes(n_embd) + ggml_type(type_v).row_bytes(n_embd))
+
+
+def pair_plan(type_k: str, type_v: str, num_layers: int, head_dim: int | None = None) -> LlamaCppKVPlan:
+    """The plan of ``-fa on -ctk type_k -ctv type_v`` (:class:`LlamaCppKVPlan`, llama.cpp's defaults: rotation as
+    the environment says, x86 AVX quantizers, queries converted); ``head_dim`` given: refused (``KvcalError``)
+    when a quantized type's block of 32 does not divide it, as llama.cpp refuses that context."""
+    plan = LlamaCppKVPlan(type_k, type_v, num_layers)
+    if head_dim is not None:
+        plan._check_dim(plan.k_type, head_dim, "K")
+        plan._check_dim(plan.v_type, head_dim, "V")
+    return plan
 
 
 def kv_memory(config, spec: str, context: int, batch: int = 1) -> dict:
@@ -299,4 +319,4 @@ def kv_memory(config, spec: str, context: int, batch: int = 1) -> dict:
             "v_bytes": b.v_bytes, "total": b.total, "log_line": b.log_line()}
 
 
-__all__ = ["FA_TILE_Q", "kv_memory", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
+__all__ = ["FA_TILE_Q", "kv_memory", "pair_plan", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
