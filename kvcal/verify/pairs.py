@@ -213,7 +213,11 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     for p, s in zip(pairs, served["pairs"], strict=True):
         r = rows.result(p)
         pred_w = r["per_window"]["kl_mean"]
-        pred_mm = rows_mm.result(p)["kl_mean"]
+        mm_r = rows_mm.result(p)
+        pred_mm = mm_r["kl_mean"]
+        # served against the matmul-emulated prediction too (its windows): how much of the gap that one emulated
+        # difference explains — reported, not judged
+        ag_mm = agreement(s["kl"][:nf], mm_r["per_window"]["kl_mean"]) if nf >= 2 else None
         pred_f = sum(pred_w[:nf]) / nf  # the same windows as the matmul-emulated prediction
         floor = abs(pred_mm - pred_f)
         ag = agreement(s["kl"], pred_w, floor)
@@ -231,12 +235,14 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
             "served_kl": sum(s["kl"]) / n, "predicted_kl": r["kl_mean"], "diff": ag["diff"], "tol": ag["tol"],
             "t_half_width": ag["tol"] - floor, "floor": floor, "predicted_kl_matmul_emulated": pred_mm,
             "floor_windows": nf, "resolve": ag["resolve"],
+            "served_kl_floor_windows": sum(s["kl"][:nf]) / nf, "matmul_emulated_agreement": ag_mm,
             "windows_needed": ag["windows_needed"], "verdict": verdict,
             "served_dnll": sum(a - b for a, b in zip(served_nll, ref_nll, strict=True)) / n,
             "predicted_dnll": sum(a - b for a, b in zip(r["per_window"]["nll"], r["per_window"]["ref_nll"],
                                                         strict=True)) / n,
             "served_top1_agree": sum(s["top1"]) / n,
-            "per_window": {"served_kl": s["kl"], "predicted_kl": pred_w},
+            "per_window": {"served_kl": s["kl"], "predicted_kl": pred_w,
+                           "predicted_kl_matmul_emulated": mm_r["per_window"]["kl_mean"]},
             "kv_log": {"served": s.get("kv_log"), "kvcal": want,
                        "match": (s.get("kv_log") == want) if s.get("kv_log") and want else None},
             "plan": plans[p].describe()})
@@ -272,13 +278,15 @@ def render_pairs(doc: dict) -> str:
              f"note: {e['display']} takes no calibrated scale: -ctk/-ctv pick a block format whose scales are "
              "computed as each row is written; what is verified is kvcal's emulation of each pair",
              "",
-             "| -ctk/-ctv | served KL | predicted KL | diff | tol (t + floor) | served ΔNLL | predicted ΔNLL "
-             "| KV size | served = predicted |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| -ctk/-ctv | served KL | predicted KL | diff | tol (t + floor) | predicted, matmuls as llama.cpp "
+             "| served ΔNLL | predicted ΔNLL | KV size | served = predicted |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in doc["rows"]:
         kv = r["kv_log"]["match"]
         lines.append(f"| {r['type_k']}/{r['type_v']} | {r['served_kl']:.3e} | {r['predicted_kl']:.3e} | "
                      f"{r['diff']:+.2e} | ±{r['tol']:.2e} ({r['t_half_width']:.1e} + {r['floor']:.1e}) | "
+                     f"{r['predicted_kl_matmul_emulated']:.3e} (served {r['served_kl_floor_windows']:.3e}, "
+                     f"{r['floor_windows']} windows) | "
                      f"{r['served_dnll']:+.4f} | {r['predicted_dnll']:+.4f} | "
                      f"{'as kvcal sizes it' if kv else 'not logged' if kv is None else 'DIFFERS'} | {r['verdict']} |")
     for r in doc["rows"]:
