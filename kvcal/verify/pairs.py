@@ -154,8 +154,6 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     else PASS."""
     import datetime as _dt
 
-    import torch
-
     from kvcal import __version__
     from kvcal.engines import engine, has
     from kvcal.evaluate.sequential import WindowedRows
@@ -201,7 +199,6 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     n = len(wins)
     nf = min(n, cfg.floor_windows or n)
     log(f"kvcal prediction: {len(pairs)} pairs x {n} windows; the floor's matmul-emulated prediction on {nf}")
-    torch.set_grad_enabled(False)
     rows = WindowedRows(model, wins)
     for p, plan in plans.items():
         rows.measure(p, plan, n)
