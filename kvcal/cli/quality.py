@@ -140,6 +140,46 @@ def evaluate_cmd(artifact, corpus, text_field, messages_field, split, model, con
         sys.exit(1)
 
 
+def _verify_pairs_cmd(engine_name, checkpoint, corpus, text_field, messages_field, split, engine_python, context,
+                      windows, json_path, timeout_s, model, cache_types, threads, floor_windows, other: dict):
+    """``kvcal verify --engine E`` for an engine without calibrated scales (:mod:`kvcal.verify.pairs`)."""
+    from kvcal.engines import engine, has
+
+    eng = engine(engine_name)  # an unknown name: one line naming the engines
+    if not has(engine_name, "parse_pair"):
+        raise KvcalError(f"--engine {engine_name}: kvcal verify serves vllm (a checkpoint) or llamacpp (cache-type "
+                         "pairs)")
+    bad = [o for o, v in other.items() if v is not None]
+    if checkpoint is not None:
+        bad.insert(0, f"CHECKPOINT ({checkpoint})")
+    if bad:
+        raise KvcalError(f"--engine {engine_name}: {', '.join(bad)} not taken: {eng.DISPLAY_NAME} takes no calibrated "
+                         "scale; pass --model M.gguf and --cache-types K/V,...")
+    if model is None:
+        raise KvcalError(f"--engine {engine_name}: --model is required (a .gguf file, or smollm2-135m)")
+    from kvcal.verify.pairs import PairsConfig, render_pairs, verify_pairs
+
+    cfg = PairsConfig(model=model, corpus=corpus, engine_python=engine_python, cache_types=cache_types,
+                      engine=engine_name, context=context, windows=windows, threads=threads,
+                      floor_windows=floor_windows, timeout_s=timeout_s, text_field=text_field,
+                      messages_field=messages_field, split=split)
+    if json_path:
+        from kvcal.outputs import check_output_file
+
+        check_output_file(json_path, "verification", {"--corpus": corpus}, KvcalError, "--json")
+    quiet_libraries()
+    doc = verify_pairs(cfg, log=click.echo)
+    click.echo(render_pairs(doc))
+    if json_path:
+        import json
+
+        from kvcal.outputs import write_file_atomically
+
+        click.echo(f"wrote {write_file_atomically(json_path, json.dumps(doc, indent=2), 'verification', {'--corpus': corpus}, KvcalError, '--json')}")
+    if not doc["agree"]:
+        sys.exit(1)
+
+
 # ---- recommend ---------------------------------------------------------------------------------
 @main.command("recommend")
 @click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
@@ -228,7 +268,7 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
 
 # ---- verify ------------------------------------------------------------------------------------
 @main.command("verify")
-@click.argument("checkpoint", type=click.Path())
+@click.argument("checkpoint", type=click.Path(), required=False)
 @click.option("--corpus", required=True, type=click.Path(), help=CORPUS_HELP)
 @corpus_options
 @click.option("--engine-python", default=None, envvar="KVCAL_ENGINE_PYTHON", show_envvar=True,
@@ -249,12 +289,35 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
                    "or a recommend output's chosen layers].")
 @click.option("--model-dir", default=None, type=click.Path(),
               help="With a kvcal recommend output as CHECKPOINT: the HF checkpoint its export line merges into.")
+@click.option("--engine", "engine_name", default=None,
+              help="vllm (default: serve CHECKPOINT) or llamacpp (serve --model with each --cache-types pair; "
+                   "llama.cpp takes no calibrated scale).")
+@click.option("--model", default=None, help="llamacpp: the .gguf llama.cpp serves (or smollm2-135m).")
+@click.option("--cache-types", "cache_types", default=None,
+              help="llamacpp: -ctk/-ctv pairs to verify, e.g. q8_0/q8_0,q4_0/q4_0,q8_0/q4_0.")
+@click.option("--threads", default=None, type=count(1), help="llamacpp: the engine's threads [default: all CPUs].")
+@click.option("--floor-windows", "floor_windows", default=None, type=count(1),
+              help="llamacpp: windows the tolerance floor's second prediction runs on [default: all].")
 @user_errors
 def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_python, context, windows, kv_cache_dtype,
-               backend, accept, json_path, timeout_s, skip_layers=None, model_dir=None):
+               backend, accept, json_path, timeout_s, skip_layers=None, model_dir=None, engine_name=None, model=None,
+               cache_types=None, threads=None, floor_windows=None):
     """Serve CHECKPOINT (a kvcal export) in the real engine on kvcal's evaluation windows, with the engine's
     16-bit cache as reference; print served vs predicted. Exit 1 when a row fails --accept, served differs
-    from predicted beyond the tolerance, or the scales were not applied."""
+    from predicted beyond the tolerance, or the scales were not applied. With --engine llamacpp: serve --model
+    with each --cache-types pair (no CHECKPOINT) and exit 1 when a pair's served KL differs from kvcal's
+    prediction beyond the tolerance."""
+    if engine_name not in (None, "vllm"):
+        return _verify_pairs_cmd(engine_name, checkpoint, corpus, text_field, messages_field, split, engine_python,
+                                 context, windows, json_path, timeout_s, model, cache_types, threads, floor_windows,
+                                 {"--kv-cache-dtype": kv_cache_dtype, "--backend": backend, "--accept": accept,
+                                  "--skip-layers": skip_layers, "--model-dir": model_dir})
+    given = [o for o, v in (("--model", model), ("--cache-types", cache_types), ("--threads", threads),
+                            ("--floor-windows", floor_windows)) if v is not None]
+    if given:
+        raise KvcalError(f"{', '.join(given)}: options of `kvcal verify --engine llamacpp`; vLLM serves CHECKPOINT")
+    if checkpoint is None:
+        raise click.UsageError("Missing argument 'CHECKPOINT'.")
 
     if accept is not None:  # the metrics verify measures, and a bar that can both pass and fail (kvcal.options)
         from kvcal.options import parse_bar

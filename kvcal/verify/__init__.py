@@ -28,7 +28,8 @@ an engine that refuses the model or the dtype on this CPU.
 Modules: :mod:`~kvcal.verify.config` (options, ``--accept``), :mod:`~kvcal.verify.checkpoint` (reading the
 checkpoint, its scale-free view, a recommend output), :mod:`~kvcal.verify.engine` (running the engine) and
 :mod:`~kvcal.verify.figures` (kvcal's prediction and the agreement test); :func:`verify` and :func:`render` are
-here.
+here. :mod:`~kvcal.verify.pairs` is ``kvcal verify --engine llamacpp``: an engine that takes no calibrated scale,
+verified per K/V cache-type pair (served KL vs kvcal's prediction).
 """
 
 from __future__ import annotations

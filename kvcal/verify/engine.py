@@ -90,7 +90,8 @@ def _inductor_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
-def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int = 1800) -> dict:
+def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int = 1800, runner: Path | None = None
+               ) -> dict:
     """Run :data:`RUNNER` in ``engine_python`` on ``request`` (module doc of :mod:`kvcal.engines.vllm.runner`); return its
     result. Raises :class:`KvcalError` with the engine's one-line refusal, a crash's last line, or a timeout.
 
@@ -98,7 +99,9 @@ def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int
     ``$TMPDIR``) go to a directory of this run (its ``TMPDIR``/``TEMP``/``TMP``), removed on every exit: a
     result, an error, ``timeout_s``, Ctrl-C or SIGTERM (the engine runs in its own process group, killed as a
     whole first). torch inductor's compile cache stays where it was (``TORCHINDUCTOR_CACHE_DIR``, if unset the
-    default under the user's temporary directory): a cache shared by runs, not a leftover of one."""
+    default under the user's temporary directory): a cache shared by runs, not a leftover of one. ``runner``:
+    another engine's script with the same contract (argv: request, result; ``{"error"}`` for a refusal), e.g.
+    ``kvcal.engines.engine("llamacpp").RUNNER``; default :data:`RUNNER`."""
     req, res = workdir / "request.json", workdir / "result.json"
     req.write_text(json.dumps(request))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -113,7 +116,7 @@ def run_engine(engine_python: Path, request: dict, workdir: Path, timeout_s: int
     env.update(TMPDIR=scratch, TEMP=scratch, TMP=scratch)
     try:
         try:
-            proc = subprocess.Popen([str(engine_python), str(RUNNER), str(req), str(res)], stdout=subprocess.PIPE,
+            proc = subprocess.Popen([str(engine_python), str(runner or RUNNER), str(req), str(res)], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env, cwd=str(workdir),
                                     start_new_session=True)
         except OSError as e:

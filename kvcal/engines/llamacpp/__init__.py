@@ -33,6 +33,11 @@ RUNNER = Path(__file__).resolve().parent / "runner.py"
 #: the ``-ctk``/``-ctv`` types ``kvcal recommend --engine llamacpp`` pairs by default, cheapest first
 #: (``bf16``/``f32`` are left out: never cheaper than ``f16``; ``--cache-types`` takes them)
 PAIR_TYPES = ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0", "f16")
+#: the module the engine's interpreter must import (checked before a run)
+PYTHON_MODULE = "llama_cpp"
+#: how to build the interpreter ``kvcal verify --engine llamacpp --engine-python`` takes (its own venv)
+BUILD_HINT = ("build llama-cpp-python's venv beside kvcal with `make llamacpp-venv` (then --engine-python "
+              ".venv-llamacpp/bin/python)")
 #: the pairs users run by folklore, compared with the calibrated choice in ``kvcal recommend``'s notes
 COMMON_PAIRS = (("q8_0", "q8_0"), ("q4_0", "q4_0"))
 
@@ -59,6 +64,8 @@ LAZY: dict[str, tuple[str, str]] = {
     "pair_bytes_per_token": ("plan", "pair_bytes_per_token"),
     "kv_memory": ("plan", "kv_memory"),
     "pair_plan": ("plan", "pair_plan"),
+    "MatmulInputs": ("plan", "MatmulInputs"),
+    "gguf_matmul_inputs": ("plan", "gguf_matmul_inputs"),
 }
 
 
@@ -90,5 +97,5 @@ def __getattr__(name: str):
     return getattr(_module(module), attr)
 
 
-__all__ = ["COMMON_PAIRS", "DISPLAY_NAME", "NAME", "PAIR_TYPES", "RUNNER", "VERSION",
+__all__ = ["BUILD_HINT", "COMMON_PAIRS", "DISPLAY_NAME", "NAME", "PAIR_TYPES", "PYTHON_MODULE", "RUNNER", "VERSION",
            "serve_line", *LAZY]

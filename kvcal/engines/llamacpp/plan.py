@@ -319,4 +319,75 @@ def kv_memory(config, spec: str, context: int, batch: int = 1) -> dict:
             "v_bytes": b.v_bytes, "total": b.total, "log_line": b.log_line()}
 
 
-__all__ = ["FA_TILE_Q", "kv_memory", "pair_plan", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
+# -- the weights' matmuls (what differs from kvcal's dequantized float32 model even with an unquantized cache) ---
+
+#: GGUF tensor kind of a llama-architecture block (``blk.{i}.<kind>.weight``) -> the transformers module under
+#: ``model.layers.{i}`` that runs its matmul (``gguf-py``'s tensor map for ``llama``)
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
+    """What llama.cpp's CPU backend converts the *input* of each weight matmul of the model in ``gguf_path`` to:
+    transformers module name (``model.layers.3.mlp.up_proj``, ``lm_head``) -> the ``vec_dot_type`` of the
+    weight's ggml type (``ggml_compute_forward_mul_mat``, ``ggml/src/ggml-cpu/ggml-cpu.c``: ``src1`` rows are
+    converted with ``from_float`` of ``type_traits_cpu[src0->type].vec_dot_type`` before the dot products):
+    ``q8_1`` for Q4_1/Q5_1 weights, ``q8_0`` for Q4_0/Q5_0/Q8_0/IQ4_NL, ``f16``/``bf16`` for F16/BF16, ``f32``
+    (nothing) for F32; K-quants (``q8_K``) and other types map to ``None`` (not emulated). The output matmul is
+    ``output.weight``, or ``token_embd.weight`` when the embeddings are tied. Reads the header with ``gguf``."""
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name.lower() for t in GGUFReader(str(gguf_path)).tensors}
+    vec = {n: t.vec_dot_type for n, t in GGML_TYPES.items() if n != "q8_1"}
+    out: dict[str, str] = {}
+    for name, ty in types.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight":
+            out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = vec.get(ty)
+    head = types.get("output.weight", types.get("token_embd.weight"))
+    if head is not None:
+        out["lm_head"] = vec.get(head)
+    return out
+
+
+class MatmulInputs:
+    """Context manager: ``model``'s weight matmuls take their input as llama.cpp's CPU backend converts it
+    (:func:`gguf_matmul_inputs`: a forward pre-hook on each ``nn.Linear`` named there rounds its input through
+    ``fake_quant`` of that type, blocks of 32 along the input features, x86 AVX path). kvcal's own model runs the
+    dequantized GGUF weights with float32 inputs; with these hooks the weights' products are llama.cpp's up to the
+    order of f32 sums (and the fp16 rounding of ``q8_1``'s block sum). Nothing else changes (norms, RoPE,
+    attention). ``emulated``/``left``: the module names hooked / found in the GGUF but not hooked (a type kvcal does
+    not emulate, or no such module)."""
+
+    def __init__(self, model, inputs: dict[str, str | None]):
+        self.model, self.inputs = model, dict(inputs)
+        self.emulated: dict[str, str] = {}
+        self.left: list[str] = []
+        self._handles = []
+
+    def __enter__(self):
+        mods = dict(self.model.named_modules())
+        for name, ty in self.inputs.items():
+            m = mods.get(name)
+            if m is None or ty is None or not isinstance(m, torch.nn.Linear) or m.in_features % QK:
+                self.left.append(name)
+                continue
+            if ty == "f32":
+                continue
+
+            def hook(mod, args, ty=ty):
+                return (fake_quant(args[0].float(), ty).to(args[0].dtype), *args[1:])
+
+            self._handles.append(m.register_forward_pre_hook(hook))
+            self.emulated[name] = ty
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+
+__all__ = ["FA_TILE_Q", "GGUF_LINEARS", "MatmulInputs", "gguf_matmul_inputs", "kv_memory", "pair_plan", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
