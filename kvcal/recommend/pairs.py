@@ -6,7 +6,11 @@ the 16-bit pair itself (the reference). Each pair runs as the engine's plan (``p
 write of ggml's block formats with the Hadamard rotation llama.cpp applies to quantized caches, and the query
 conversion its flash attention does, :class:`kvcal.engines.llamacpp.plan.LlamaCppKVPlan`) under Protocol A on the
 corpus's evaluation windows (:class:`kvcal.evaluate.sequential.WindowedRows`: one shared 16-bit reference), and is
-judged on one-sided Student-t bounds over windows (:func:`kvcal.evaluate.bounds.judge_bounded`). Rows are measured
+judged on one-sided Student-t bounds over windows (:func:`kvcal.evaluate.bounds.judge_bounded`). For a GGUF model the
+reference and every row run their weight matmuls as the engine does (the facade's ``MatmulInputs``: llama.cpp
+rounds each matmul's input to the weight type's ``vec_dot_type``), because the KL llama.cpp serves for a pair
+includes that re-rounding of every activation the cache error moves (measured by ``kvcal verify --engine
+llamacpp``: on the embedded Q4_1 model, ``q8_0``/``q8_0`` serves 16x the KL of float32 matmuls). Rows are measured
 cheapest first (bytes per token as the engine allocates them, then the order of the menu); a row whose bound
 straddles the bar gets more windows (doubling from ``windows`` up to ``max_windows``); once a row passes, dearer
 rows are left unmeasured (``measure_all`` measures them all). The chosen row is the cheapest PASS (ties: lower KL).
@@ -108,7 +112,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     import shlex
 
     from kvcal.artifact import write_dir_atomically
-    from kvcal.engines import engine
+    from kvcal.engines import engine, has
     from kvcal.evaluate.accept import DEFAULT_ACCEPT, parse_accept
     from kvcal.evaluate.bounds import INCONCLUSIVE, LEVEL, judge_bounded
     from kvcal.evaluate.sequential import WindowedRows
@@ -157,6 +161,16 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     doc: dict = {}
 
     def fill(staging: Path):
+        # the weights' matmuls as the engine runs them on this GGUF (llama.cpp rounds each matmul's input to the
+        # weight type's vec_dot_type): the served KL of a pair includes that re-rounding of every activation a cache
+        # error moves, which float32 matmuls would leave out (docs/serving.md, llama.cpp section)
+        if src.gguf_file and has(cfg.engine, "MatmulInputs"):
+            with eng.MatmulInputs(model, eng.gguf_matmul_inputs(Path(src.path) / src.gguf_file)) as mm:
+                measure(staging, mm)
+        else:
+            measure(staging, None)
+
+    def measure(staging: Path, mm):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=0, desc="recommend (windows)", unit="fwd", disable=not progress)
@@ -238,6 +252,18 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
                  f"per row: {n0} windows, doubled while undecided, at most {cap}), a FAIL the {LEVEL:.0%} opposite "
                  "bound outside it; rows measured cheapest first, none dearer than a PASS"
                  + (" (--measure-all: every row)" if cfg.measure_all else "")]
+        if mm is not None:
+            kinds = sorted(set(mm.emulated.values()))
+            notes.append(f"weight matmuls as {eng.DISPLAY_NAME} runs them on this GGUF: the input of "
+                         f"{len(mm.emulated)} matmuls rounded to their weight type's vec_dot_type "
+                         f"({', '.join(kinds) or 'none'}), in the reference run and in every pair's"
+                         + (f"; {len(mm.left)} not emulated ({', '.join(mm.left[:3])}"
+                            f"{', ...' if len(mm.left) > 3 else ''}: a weight type kvcal does not emulate), so "
+                            "the figures may understate what the engine serves" if mm.left else ""))
+        elif not src.gguf_file:
+            notes.append(f"the model is not a GGUF: its weight matmuls run in float32; {eng.DISPLAY_NAME} serving a "
+                         "quantized-weight GGUF of it rounds every matmul input and serves larger KLs for the "
+                         "high-precision pairs (docs/serving.md)")
         chosen = cands[best] if best is not None else None
         for i in common:
             c = cands[i]
@@ -278,6 +304,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
             "schema": SCHEMA, "menu": "pairs", "engine": cfg.engine, "engine_version": eng.VERSION,
             "model": serve_model, "passed": chosen is not None, "chosen": chosen, "commands": commands,
             "common": [cands[i]["dtype"] for i in common], "cache_types": list(types), "rotation": rot,
+            "matmul_inputs": None if mm is None else {"emulated": len(mm.emulated), "left": list(mm.left)},
             "max_bytes_per_token": cfg.max_bytes_per_token, "bytes_per_token_16bit": b16, "accept": accept,
             "data": {"evaluation": {"corpus": eval_info["path"], "windows": used, "windows_available": len(ev),
                                     "windows_first": n0, "windows_cap": cap, "forward_passes": rows.forwards,
