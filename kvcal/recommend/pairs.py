@@ -121,6 +121,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     from kvcal.inputs import preflight
     from kvcal.models import check_max_positions, load_model, load_tokenizer, resolve_model
     from kvcal.recommend.config import NOT_MEASURED, SCHEMA
+    from kvcal.recommend.render import render_pairs_markdown
 
     eng = engine(cfg.engine)
     corpora = check_pair_options(cfg, corpus)
@@ -312,46 +313,8 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
                      "bos_token_id": bos, "reference_ppl": rows.reference_ppl(used) if used else None},
             "candidates": cands, "notes": notes})
         (staging / "deploy.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (staging / "deploy.md").write_text(render_pairs_markdown(doc))
+        (staging / "deploy.md").write_text(render_pairs_markdown(doc))  # kvcal.recommend.render
 
     write_dir_atomically(Path(cfg.out), fill, overwrite=cfg.overwrite,
                          inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus}, kind="recommendation")
     return doc
-
-
-def render_pairs_table(doc: dict) -> str:
-    """The candidate table of a pairs document (markdown): K type, V type, bytes, windows, KL and ΔPPL with the
-    one-sided bound each status was judged on, status."""
-    from kvcal.recommend.render import _bound
-
-    lines = ["| -ctk | -ctv | bytes/token | vs 16-bit | windows | KL mean [bound] | ΔPPL [bound] | status |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    for c in sorted(doc["candidates"], key=lambda c: (c["bytes_per_token"], c["dtype"])):
-        b = c.get("bounds") or {}
-        kl = f"{c['kl_mean']:.3e}" + _bound(b, "kl_mean", "{:.3e}") if "kl_mean" in c else "-"
-        dp = f"{c['delta_ppl']:+.4f}" + _bound(b, "delta_ppl", "{:+.4f}") if "delta_ppl" in c else "-"
-        mark = " ← chosen" if doc["chosen"] is not None and c["dtype"] == doc["chosen"]["dtype"] else ""
-        common = " (common)" if c["dtype"] in doc.get("common", ()) else ""
-        lines.append(f"| {c['type_k']} | {c['type_v']} | {c['bytes_per_token']} | {c['vs_16bit']:.3f} | "
-                     f"{c.get('windows', '-')} | {kl} | {dp} | {c['status']}{common}{mark} |")
-    return "\n".join(lines)
-
-
-def render_pairs_markdown(doc: dict) -> str:
-    """``deploy.md`` of a pairs document: the chosen pair, its serve line, the table and the notes."""
-    from kvcal.engines import engine
-
-    name = engine(doc["engine"]).DISPLAY_NAME
-    out = [f"# kvcal recommend: {name} KV-cache deployment", ""]
-    c = doc["chosen"]
-    if c is None:
-        out += ["**No K/V cache-type pair passes the bar.**", ""]
-    else:
-        out += [f"**Deploy:** -ctk {c['type_k']} -ctv {c['type_v']} — {c['bytes_per_token']} bytes/token "
-                f"({c['vs_16bit']:.3f} of 16-bit), KL {c['kl_mean']:.3e}, ΔPPL {c['delta_ppl']:+.4f} on "
-                f"{c['windows']} windows of {doc['data']['evaluation']['context']} tokens.", "",
-                "```", doc["commands"]["serve"], "```", ""]
-    out += [f"Bar: `{doc['accept']}`. Model: `{doc['model']}` ({doc['engine_version']}).", "",
-            render_pairs_table(doc), "", "## Notes", ""]
-    out += [f"- {n}" for n in doc["notes"]]
-    return "\n".join(out) + "\n"

@@ -12,8 +12,6 @@ def render_table(doc: dict) -> str:
     (:mod:`kvcal.evaluate.bounds`); ``windows`` the evaluation windows the row was measured on. A pairs document
     (``"menu": "pairs"``, :mod:`kvcal.recommend.pairs`) has its own table."""
     if doc.get("menu") == "pairs":
-        from kvcal.recommend.pairs import render_pairs_table
-
         return render_pairs_table(doc)
     lines = ["| dtype | scales | 16-bit layers | choice | bytes/token | vs 16-bit | windows | KL mean [bound] | "
              "ΔPPL [bound] | status |",
@@ -81,5 +79,41 @@ def render_markdown(doc: dict) -> str:
             f"{d['evaluation']['corpus']}{ref}, each row on as many as its decision needed; 16-bit layers chosen by a "
             f"per-layer probe on {d['probe']['windows']} other windows. Acceptance: {doc['accept']}.", "",
             render_table(doc), ""]
+    out += [f"- {n}" for n in doc["notes"]]
+    return "\n".join(out) + "\n"
+
+
+def render_pairs_table(doc: dict) -> str:
+    """The candidate table of a pairs document (markdown): K type, V type, bytes, windows, KL and ΔPPL with the
+    one-sided bound each status was judged on, status."""
+    lines = ["| -ctk | -ctv | bytes/token | vs 16-bit | windows | KL mean [bound] | ΔPPL [bound] | status |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for c in sorted(doc["candidates"], key=lambda c: (c["bytes_per_token"], c["dtype"])):
+        b = c.get("bounds") or {}
+        kl = f"{c['kl_mean']:.3e}" + _bound(b, "kl_mean", "{:.3e}") if "kl_mean" in c else "-"
+        dp = f"{c['delta_ppl']:+.4f}" + _bound(b, "delta_ppl", "{:+.4f}") if "delta_ppl" in c else "-"
+        mark = " ← chosen" if doc["chosen"] is not None and c["dtype"] == doc["chosen"]["dtype"] else ""
+        common = " (common)" if c["dtype"] in doc.get("common", ()) else ""
+        lines.append(f"| {c['type_k']} | {c['type_v']} | {c['bytes_per_token']} | {c['vs_16bit']:.3f} | "
+                     f"{c.get('windows', '-')} | {kl} | {dp} | {c['status']}{common}{mark} |")
+    return "\n".join(lines)
+
+
+def render_pairs_markdown(doc: dict) -> str:
+    """``deploy.md`` of a pairs document: the chosen pair, its serve line, the table and the notes."""
+    from kvcal.engines import engine
+
+    name = engine(doc["engine"]).DISPLAY_NAME
+    out = [f"# kvcal recommend: {name} KV-cache deployment", ""]
+    c = doc["chosen"]
+    if c is None:
+        out += ["**No K/V cache-type pair passes the bar.**", ""]
+    else:
+        out += [f"**Deploy:** -ctk {c['type_k']} -ctv {c['type_v']} — {c['bytes_per_token']} bytes/token "
+                f"({c['vs_16bit']:.3f} of 16-bit), KL {c['kl_mean']:.3e}, ΔPPL {c['delta_ppl']:+.4f} on "
+                f"{c['windows']} windows of {doc['data']['evaluation']['context']} tokens.", "",
+                "```", doc["commands"]["serve"], "```", ""]
+    out += [f"Bar: `{doc['accept']}`. Model: `{doc['model']}` ({doc['engine_version']}).", "",
+            render_pairs_table(doc), "", "## Notes", ""]
     out += [f"- {n}" for n in doc["notes"]]
     return "\n".join(out) + "\n"
