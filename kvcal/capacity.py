@@ -338,18 +338,7 @@ def max_context(shape, kv_config, batch: int, budget: int) -> int:
     def fits(t: int) -> bool:
         return peak_cache_bytes(shape, kv_config, t, batch)[0] <= budget
 
-    if budget < 0 or not fits(0):
-        return 0
-    lo, hi = 0, 1
-    while fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # invariant: fits(lo), not fits(hi); the peak is non-decreasing in T
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return 0 if budget < 0 else _largest(fits)  # the peak is non-decreasing in T
 
 
 def max_batch(shape, kv_config, context: int, budget: int) -> int:

@@ -19,11 +19,8 @@ def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
     corpus files (format and fields, no tokenizer; ``corpus``: ``cfg.corpus`` already checked by the api's
     preflight, :class:`kvcal.inputs.CorpusInput`, not checked again). Returns the checked ``(corpus, eval
     corpus or None)`` (:class:`kvcal.inputs.CorpusInput`). Raises :class:`~kvcal.errors.KvcalError`."""
-    from kvcal.artifact import check_output_dir
     from kvcal.engines import engine, with_attr
     from kvcal.errors import KvcalError
-    from kvcal.inputs import check_corpus_input, corpus_input
-    from kvcal.options import parse_bar
 
     known = with_attr("Plan")  # the engines whose cache kvcal emulates
     if cfg.engine not in known:
@@ -43,7 +40,22 @@ def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
     if {"fp8", "fp8_e4m3"} <= set(cfg.dtypes):  # one dtype under two names: its outputs would mix them
         raise KvcalError("--dtypes names fp8 and fp8_e4m3, one vLLM dtype under two names (vllm/config/cache.py: "
                          "fp8 = fp8_e4m3); keep one spelling")
-    if cfg.accept is not None:  # only the metrics its rows carry, and a bar that can both pass and fail
+    if cfg.max_skip is not None and cfg.max_skip < 0:
+        raise KvcalError(f"--max-skip must be >= 0, got {cfg.max_skip}")
+    return check_common(cfg, corpus)
+
+
+def check_common(cfg: RecommendConfig, corpus=None) -> tuple:
+    """The checks every engine's recommend makes before a model loads: ``--accept`` (only the metrics a row carries,
+    a bar that can both pass and fail), ``--max-bytes-per-token``, ``--windows``/``--max-windows``, the output
+    directory and the corpus files (``corpus``: ``cfg.corpus`` already checked, not checked again). Returns the
+    checked ``(corpus, eval corpus or None)``. Raises :class:`~kvcal.errors.KvcalError` naming the option."""
+    from kvcal.artifact import check_output_dir
+    from kvcal.errors import KvcalError
+    from kvcal.inputs import check_corpus_input, corpus_input
+    from kvcal.options import parse_bar
+
+    if cfg.accept is not None:
         parse_bar(cfg.accept, RECOMMEND_METRICS, "kvcal recommend", why_not=dict.fromkeys(
             ("greedy_agree", "greedy_prefix"), "it generates no text: every candidate is judged teacher-forced"))
     if cfg.max_bytes_per_token is not None and cfg.max_bytes_per_token < 1:
@@ -51,8 +63,6 @@ def check_options(cfg: RecommendConfig, corpus=None) -> tuple:
     if cfg.windows < 1 or cfg.max_windows < cfg.windows:
         raise KvcalError(f"--max-windows {cfg.max_windows} is below --windows {cfg.windows}: a row gets --windows "
                          "windows first and at most --max-windows; give --max-windows >= --windows")
-    if cfg.max_skip is not None and cfg.max_skip < 0:
-        raise KvcalError(f"--max-skip must be >= 0, got {cfg.max_skip}")
     check_output_dir(cfg.out, cfg.overwrite, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus},
                      kind="recommendation")
     opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}

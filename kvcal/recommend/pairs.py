@@ -47,11 +47,9 @@ def check_pair_options(cfg, corpus=None) -> tuple:
     """The checks before any model loads: the cache types, options that belong to other engines (refused, not
     ignored), the bar, windows, output directory and corpus files. Returns ``(corpus, eval corpus or None)``
     checked (:class:`kvcal.inputs.CorpusInput`; ``corpus``: ``cfg.corpus`` already checked, not checked again). Raises :class:`KvcalError` naming the option."""
-    from kvcal.artifact import check_output_dir
     from kvcal.engines import engine
-    from kvcal.inputs import check_corpus_input, corpus_input
-    from kvcal.options import parse_bar
-    from kvcal.recommend.config import DEFAULT_MENU, RECOMMEND_METRICS
+    from kvcal.recommend.checks import check_common
+    from kvcal.recommend.config import DEFAULT_MENU
 
     eng = engine(cfg.engine)
     other = [name for name, given in (("--dtypes", tuple(cfg.dtypes) != DEFAULT_MENU),
@@ -71,19 +69,7 @@ def check_pair_options(cfg, corpus=None) -> tuple:
             raise KvcalError(f"--cache-types: {e}") from None
     if len(set(types)) != len(types):
         raise KvcalError(f"--cache-types {','.join(types)} names a type twice; give each once")
-    if cfg.accept is not None:
-        parse_bar(cfg.accept, RECOMMEND_METRICS, "kvcal recommend", why_not=dict.fromkeys(
-            ("greedy_agree", "greedy_prefix"), "it generates no text: every candidate is judged teacher-forced"))
-    if cfg.max_bytes_per_token is not None and cfg.max_bytes_per_token < 1:
-        raise KvcalError(f"--max-bytes-per-token must be >= 1, got {cfg.max_bytes_per_token}")
-    if cfg.windows < 1 or cfg.max_windows < cfg.windows:
-        raise KvcalError(f"--max-windows {cfg.max_windows} is below --windows {cfg.windows}: a row gets --windows "
-                         "windows first and at most --max-windows; give --max-windows >= --windows")
-    check_output_dir(cfg.out, cfg.overwrite, inputs={"--corpus": cfg.corpus, "--eval-corpus": cfg.eval_corpus},
-                     kind="recommendation")
-    opts = {"text_field": cfg.text_field, "messages_field": cfg.messages_field, "split": cfg.split}
-    return (corpus_input(cfg.corpus, corpus, **opts),
-            None if cfg.eval_corpus is None else check_corpus_input(cfg.eval_corpus, **opts))
+    return check_common(cfg, corpus)
 
 
 def cache_types(cfg) -> tuple[str, ...]:
