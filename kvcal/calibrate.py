@@ -210,13 +210,18 @@ def save_checkpoint(path: str, state: dict, inputs: dict | None = None) -> None:
 
 
 def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress: bool = True,
-              model=None, tokenizer=None, corpus=None) -> dict:
+              model=None, tokenizer=None, corpus=None, captures: dict | None = None) -> dict:
     """Run the whole calibration and write the artifact; returns ``{"out", "metadata", "table"}``.
 
     ``model`` / ``tokenizer``: already-loaded objects for ``cfg.model`` (tests, notebooks);
     loaded offline when None. ``corpus``: ``cfg.corpus`` already checked (:class:`kvcal.inputs.CorpusInput`,
-    :mod:`kvcal.api`'s preflight); checked here when None. Raises :class:`KvcalError` (bad corpus, model,
-    options, or output location); nothing is written unless the whole run succeeds.
+    :mod:`kvcal.api`'s preflight); checked here when None. ``captures``: a dict shared by several calls on the
+    same ``model`` (``kvcal recommend``'s per-tensor and per-KV-head fp8 calibrations): a capture is reused when
+    everything it depends on is equal (the token ids of every corpus sample, the held-out split, the model's
+    shape, batch, reservoirs, search tokens, seed, padding id, the first positions left out of the statistics),
+    else run and stored; the searches read a capture and never write it, so the artifact is the one a fresh
+    capture gives. Raises :class:`KvcalError` (bad corpus, model, options, or output location); nothing is
+    written unless the whole run succeeds.
     """
     from kvcal.corpus import format_shape, load_corpus
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
@@ -267,12 +272,25 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
                                               "reservoir", "heldout_reservoir", "search_tokens")}}
         ckpt = Checkpointing(checkpoint_path(out), cfg.checkpoint_every, cfg.resume,
                              hashlib.sha256(_json.dumps(fp, sort_keys=True).encode()).hexdigest(), save=save_checkpoint)
-    cap = run_capture(
-        model, corpus.samples, held_idx, num_layers=mmeta["num_layers"], num_kv_heads=mmeta["num_kv_heads"],
-        num_q_heads=int(conf.num_attention_heads), head_dim=head_dim_of(conf), batch_size=cfg.batch_size,
-        reservoir=cfg.reservoir, heldout_reservoir=cfg.heldout_reservoir, search_tokens=cfg.search_tokens,
-        seed=cfg.seed, pad_id=pad, progress=progress, stats_skip_first=skip, checkpoint=ckpt,
-    )
+    args = dict(num_layers=mmeta["num_layers"], num_kv_heads=mmeta["num_kv_heads"],
+                num_q_heads=int(conf.num_attention_heads), head_dim=head_dim_of(conf), batch_size=cfg.batch_size,
+                reservoir=cfg.reservoir, heldout_reservoir=cfg.heldout_reservoir, search_tokens=cfg.search_tokens,
+                seed=cfg.seed, pad_id=pad, stats_skip_first=skip)
+    key = None
+    if captures is not None:
+        import hashlib
+
+        ids = hashlib.sha256()
+        for smp in corpus.samples:
+            ids.update(str(smp.numel()).encode() + b":" + smp.to(torch.int64).numpy().tobytes())
+        key = (id(model), ids.hexdigest(), tuple(sorted(held_idx)), tuple(sorted(args.items())))
+    if captures is not None and ckpt is None and world == 1 and key in captures:
+        cap = captures[key]
+        log("capture: reused (the same model, corpus samples and capture settings as an earlier calibration)")
+    else:
+        cap = run_capture(model, corpus.samples, held_idx, progress=progress, checkpoint=ckpt, **args)
+        if captures is not None and ckpt is None and world == 1:
+            captures[key] = cap
     if rank != 0:
         finish_distributed()
         return {"out": str(out), "rank": rank}

@@ -197,3 +197,37 @@ def test_cli_out_is_an_existing_file(tmp_path):
     corpus.write_text(json.dumps({"text": "hello there"}) + "\n")
     r = CliRunner().invoke(main, ["calibrate", "--corpus", str(corpus), "--out", str(corpus), "--overwrite", "--quiet"])
     assert r.exit_code == 2 and "exists and is not a directory" in r.output
+
+
+def test_shared_capture_gives_the_fresh_capture_artifact(tmp_path, tmp_path_factory, shared_data, smollm_tokenizer,
+                                                         monkeypatch):
+    """recommend's calibrations share one capture (``captures``): the per-KV-head vLLM fp8 artifact calibrated
+    after a per-tensor one on the same capture equals, tensor for tensor and bit for bit, the one a fresh capture
+    gives; the capture runs once for the two, again for other capture settings (a tiny Llama: 2 layers)."""
+    from helpers.models import TINY_LLAMA_16, save_tiny_llama
+
+    import kvcal.calibrate as C
+    from kvcal.models import load_model
+
+    d = save_tiny_llama(tmp_path_factory, smollm_tokenizer, "tiny-shared-capture", vocab_size=49152, **TINY_LLAMA_16)
+    model = load_model(str(d))
+    calls = []
+    real = C.run_capture
+    monkeypatch.setattr(C, "run_capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    common = dict(corpus=str(shared_data / "wikitext2_valid.txt"), model=str(d), max_samples=8, max_seq_len=96,
+                  batch_size=2, reservoir=3, heldout_reservoir=2, max_queries=16, engine="vllm", kv_cache_dtype="fp8")
+    run = lambda out, captures=None, **kw: calibrate(  # noqa: E731
+        CalibrateConfig(out=str(tmp_path / out), **common, **kw), log=lambda s: None, progress=False,
+        model=model, tokenizer=smollm_tokenizer, captures=captures)
+    shared: dict = {}
+    run("tensor", shared)
+    run("head_shared", shared, granularity="head")
+    assert len(calls) == 1 and len(shared) == 1
+    run("head_fresh", granularity="head")
+    run("other", shared, search_tokens=64)  # another capture setting: captured again
+    assert len(calls) == 3 and len(shared) == 2
+    a, b = load_artifact(tmp_path / "head_shared"), load_artifact(tmp_path / "head_fresh")
+    assert sorted(a.tensors) == sorted(b.tensors) and a.tensors
+    for name in a.tensors:
+        assert torch.equal(a.tensors[name], b.tensors[name]), name
+    assert a.metadata["layers"] == b.metadata["layers"]

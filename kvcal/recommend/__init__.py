@@ -184,6 +184,10 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         calib = calibrations(cfg.dtypes)
         progress_bar = _RunBar(progress)
 
+        # one capture for every calibration (fp8 per tensor, nvfp4, the per-KV-head rescue; kvcal.calibrate): held
+        # until the rescue has run (its K/V/Q reservoirs: what one calibration holds at its peak)
+        captures: dict = {}
+
         def calibrate_one(cd: str, name: str, granularity: str | None = None) -> dict:
             from kvcal.calibrate import CalibrateConfig, calibrate
 
@@ -199,7 +203,8 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                                       engine=cfg.engine, kv_cache_dtype=cd,
                                       backend=None if cfg.backend == "cuda" else cfg.backend,
                                       **opts, **extra),
-                      log=lambda s: None, progress=False, model=model, tokenizer=tok, corpus=pre.corpus)
+                      log=lambda s: None, progress=False, model=model, tokenizer=tok, corpus=pre.corpus,
+                      captures=captures)
             return _artifact_scales(cd, staging / name, L)
 
         # fp8 is calibrated up front (vLLM's default 1.0 saturates keys beyond ±448); nvfp4 and the per-KV-head
@@ -349,6 +354,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             base = [cands[i] for i in base_i]
             if base and (cfg.measure_all or all(c.get("status") != "PASS" for c in base)):
                 hs = calibrate_one(fp8d, HEAD_ARTIFACT, granularity="head")
+                captures.clear()  # the last calibration that reads it
                 head_key = f"{fp8d} per-KV-head"
                 probe_groups({head_key: eng.Plan(fp8d, L, add_boundary=False, **{"backend": cfg.backend, **hs})})
                 artifact_of[head_key] = HEAD_ARTIFACT

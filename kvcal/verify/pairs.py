@@ -16,31 +16,29 @@ Pipeline (:func:`verify_pairs`):
    ``logits_all``, ``n_ctx = n_batch = n_ubatch =`` the window): the engine's ``f16``/``f16`` cache is the
    reference; per pair and window the served mean ``KL(P_ref ‖ P_pair)`` (nats per token) and the NLLs.
 3. Predict: kvcal's Protocol A KL of ``Plan(type_k, type_v, L)`` against kvcal's unquantized run of the same
-   model (the GGUF's weights dequantized, float32) on the same token ids
-   (:class:`kvcal.evaluate.sequential.WindowedRows`, per-window ``kl_mean``).
+   model (the GGUF's weights dequantized) on the same token ids (:class:`kvcal.evaluate.sequential.WindowedRows`,
+   per-window ``kl_mean``), with every weight matmul's input rounded as llama.cpp's CPU backend rounds it (the
+   facade's ``MatmulInputs``: ``ggml_compute_forward_mul_mat`` converts each input row to the weight type's
+   ``vec_dot_type`` — ``q8_1`` for Q4_1 weights, ``q8_0`` for Q8_0/Q4_0/Q5_0, ``q8_K`` for K-quants — before the dot
+   products). A cache error moves activations across those roundings, so on a quantized-weight GGUF the rounding
+   is part of what a cache type costs (``docs/results.md``, llama.cpp section). The float32-input prediction is
+   reported beside it (``--floor-windows`` windows).
 4. Judge each pair with :func:`kvcal.verify.figures.agreement` (tolerance below).
 
 **Tolerance** (``docs/serving.md#llamacpp-served-vs-predicted``). Per window ``w`` the paired difference
-``d_w = served_w − predicted_w`` (same windows, same tokens). Two things make ``d`` non-zero when the emulation is
-right: (a) the quantization errors of the two runs are different draws — llama.cpp's K/V values are not kvcal's,
-so each block rounds differently — which varies from window to window and averages out; the windows are
-independent samples of the corpus, so the mean ``d̄`` has the 99% paired t-interval
-``h = t_{0.995, N−1} · sd(d_w) / √N``; (b) what the two implementations do differently even without cache
-quantization, which can move every window the same way and which the interval does not absorb. (b) is, for a
-GGUF, the weight matmuls: llama.cpp's CPU backend converts each matmul's input row to the weight type's
-``vec_dot_type`` (``q8_1`` for Q4_1 weights, ``q8_0`` for Q8_0/Q4_0, ``ggml_compute_forward_mul_mat``) while kvcal
-multiplies the dequantized weights by float32 inputs, so the cached K/V and the attention outputs differ (on the
-embedded model the two *references* differ by a KL of the order of 10⁻² nats per token, far more than a q8_0 cache
-costs — which is why served and predicted are compared as KLs against each one's own reference, never as logits).
-The floor is *measured*, not chosen: kvcal repeats its prediction with that one difference emulated
-(the ``MatmulInputs`` hooks of the facade: every weight matmul's input rounded as llama.cpp rounds it) and
-``floor = |mean_w KL_pred,matmul(w) − mean_w KL_pred(w)|``, how far kvcal's own prediction moves when kvcal runs the
-matmuls as llama.cpp does. Tolerance ``= h + floor``; FAIL when ``|d̄| >`` tolerance. A pair that agrees is
-INCONCLUSIVE (agreeing, but not a test of the emulation) when the tolerance is not below the predicted KL itself
-(``resolve``: the check could not tell this cache from no cache quantization at all), else PASS. (A sharper
-``resolve`` — the prediction's change when one emulated detail, e.g. the Hadamard rotation, is left out — costs one
-more prediction per pair; not run.) Remaining differences not in the floor: f32 summation orders (random in sign:
-in ``h``).
+``d_w = served_w − predicted_w`` (same windows, same tokens). When the emulation is right, ``d`` is non-zero
+because the quantization errors of the two runs are different draws — llama.cpp's K/V values are not kvcal's to
+the last bit (f32 summation orders), so each block can round differently — which varies from window to window and
+averages out; the windows are independent samples of the corpus, so the mean ``d̄`` has the 99% paired t-interval
+``h = t_{0.995, N−1} · sd(d_w) / √N``, and the tolerance is ``h``. A missing emulation detail moves every window the
+same way and lands outside it. FAIL when ``|d̄| > h``. A pair that agrees is INCONCLUSIVE (agreeing, but not a test
+of the emulation) when the tolerance is not below the predicted KL itself (``resolve``: the check could not tell
+this cache from no cache quantization at all), else PASS.
+
+Where some weight matmul takes an input type kvcal does not emulate (listed in ``prediction.not_emulated``), the
+float32-input prediction is judged instead, with ``tolerance = h + floor`` and ``floor = |mean_w KL_pred,matmul(w)
+− mean_w KL_pred(w)|`` on ``--floor-windows`` windows: how far kvcal's prediction moves when the matmuls it can
+emulate run as llama.cpp runs them.
 """
 
 from __future__ import annotations
@@ -198,25 +196,31 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
                             cfg.timeout_s, runner=eng.RUNNER)
     n = len(wins)
     nf = min(n, cfg.floor_windows or n)
-    log(f"kvcal prediction: {len(pairs)} pairs x {n} windows; the floor's matmul-emulated prediction on {nf}")
-    rows = WindowedRows(model, wins)
-    for p, plan in plans.items():
-        rows.measure(p, plan, n)
-    with eng.MatmulInputs(model, eng.gguf_matmul_inputs(gguf)) as mm:
-        rows_mm = WindowedRows(model, wins[:nf])
+    inputs = eng.gguf_matmul_inputs(gguf)
+    with eng.MatmulInputs(model, inputs) as mm:
+        # every weight matmul's input rounded as llama.cpp rounds it: that prediction is the one judged, on every
+        # window; else the float32 one is, with the floor measured on ``nf`` windows
+        emulated = not mm.left
+        n_mm = n if emulated else nf
+        log(f"kvcal prediction, matmul inputs rounded as {eng.DISPLAY_NAME} rounds them: {len(pairs)} pairs x {n_mm} "
+            f"windows" + ("" if emulated else f" (not emulated: {len(mm.left)} matmuls, e.g. {mm.left[0]})"))
+        rows_mm = WindowedRows(model, wins[:n_mm])
         for p, plan in plans.items():
-            rows_mm.measure(p, plan, nf)
+            rows_mm.measure(p, plan, n_mm)
+    n_f = nf if emulated else n
+    log(f"kvcal prediction, float32 matmul inputs: {len(pairs)} pairs x {n_f} windows")
+    rows = WindowedRows(model, wins[:n_f])
+    for p, plan in plans.items():
+        rows.measure(p, plan, n_f)
+    judged, other = (rows_mm, rows) if emulated else (rows, rows_mm)
+    n_o = n_f if emulated else n_mm
     doc_rows = []
     for p, s in zip(pairs, served["pairs"], strict=True):
-        r = rows.result(p)
+        r, o = judged.result(p), other.result(p)
         pred_w = r["per_window"]["kl_mean"]
-        mm_r = rows_mm.result(p)
-        pred_mm = mm_r["kl_mean"]
-        # served against the matmul-emulated prediction too (its windows): how much of the gap that one emulated
-        # difference explains — reported, not judged
-        ag_mm = agreement(s["kl"][:nf], mm_r["per_window"]["kl_mean"]) if nf >= 2 else None
-        pred_f = sum(pred_w[:nf]) / nf  # the same windows as the matmul-emulated prediction
-        floor = abs(pred_mm - pred_f)
+        # the two predictions on the windows both ran on: the floor when the judged one is float32, else reported
+        f_o = sum(pred_w[:n_o]) / n_o
+        floor = 0.0 if emulated else abs(o["kl_mean"] - f_o)
         ag = agreement(s["kl"], pred_w, floor)
         # what the check must tell apart: this pair's cache from no quantization at all (the predicted KL itself)
         resolve_check(ag, r["kl_mean"], n, floor)
@@ -227,19 +231,22 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
         except KvcalError:
             pass
         served_nll, ref_nll = s["nll"], served["reference"]["nll"]
+        mm_r, f_r = (r, o) if emulated else (o, r)
         doc_rows.append({
             "type_k": p[0], "type_v": p[1], "setting": eng.serve_line("MODEL.gguf", *p),
+            "prediction": "matmul-emulated" if emulated else "float32",
             "served_kl": sum(s["kl"]) / n, "predicted_kl": r["kl_mean"], "diff": ag["diff"], "tol": ag["tol"],
-            "t_half_width": ag["tol"] - floor, "floor": floor, "predicted_kl_matmul_emulated": pred_mm,
-            "floor_windows": nf, "resolve": ag["resolve"],
-            "served_kl_floor_windows": sum(s["kl"][:nf]) / nf, "matmul_emulated_agreement": ag_mm,
-            "windows_needed": ag["windows_needed"], "verdict": verdict,
+            "t_half_width": ag["tol"] - floor, "floor": floor,
+            "predicted_kl_matmul_emulated": mm_r["kl_mean"], "predicted_kl_float32": f_r["kl_mean"],
+            "other_windows": n_o, "served_kl_other_windows": sum(s["kl"][:n_o]) / n_o,
+            "resolve": ag["resolve"], "windows_needed": ag["windows_needed"], "verdict": verdict,
             "served_dnll": sum(a - b for a, b in zip(served_nll, ref_nll, strict=True)) / n,
             "predicted_dnll": sum(a - b for a, b in zip(r["per_window"]["nll"], r["per_window"]["ref_nll"],
                                                         strict=True)) / n,
             "served_top1_agree": sum(s["top1"]) / n,
             "per_window": {"served_kl": s["kl"], "predicted_kl": pred_w,
-                           "predicted_kl_matmul_emulated": mm_r["per_window"]["kl_mean"]},
+                           "predicted_kl_matmul_emulated": mm_r["per_window"]["kl_mean"],
+                           "predicted_kl_float32": f_r["per_window"]["kl_mean"]},
             "kv_log": {"served": s.get("kv_log"), "kvcal": want,
                        "match": (s.get("kv_log") == want) if s.get("kv_log") and want else None},
             "plan": plans[p].describe()})
@@ -258,9 +265,12 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
         "model": {"id": src.model_id, "gguf": str(gguf), "layers": L},
         "corpus": {**corpus_info, "context": cfg.context, "windows": n, "bos_token_id": bos},
         "reference": {"served_ppl": math.exp(sum(ref["nll"]) / n),
-                      "predicted_ppl": rows.reference_ppl(n)},
-        "floor": {"what": "|kvcal's predicted KL with llama.cpp's matmul input rounding emulated - without|",
-                  "windows": nf, "matmul_inputs": sorted(set(mm.emulated.values())), "not_emulated": mm.left},
+                      "predicted_ppl": judged.reference_ppl(n)},
+        "prediction": {"judged": "matmul-emulated" if emulated else "float32",
+                       "matmul_inputs": sorted(set(mm.emulated.values())), "not_emulated": mm.left,
+                       "other_windows": n_o,
+                       "floor": None if emulated else "|kvcal's predicted KL with llama.cpp's matmul input rounding "
+                                                      "emulated - without|"},
         "confidence": CONFIDENCE, "rows": doc_rows, "verdict": verdict, "agree": verdict != "FAIL",
         "passed": verdict == "PASS",
     }
@@ -268,22 +278,30 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
 
 def render_pairs(doc: dict) -> str:
     """The table ``kvcal verify --engine llamacpp`` prints, and its notes."""
-    e, c = doc["engine"], doc["corpus"]
+    e, c, pr = doc["engine"], doc["corpus"], doc["prediction"]
+    mm = pr["judged"] == "matmul-emulated"
     lines = [f"engine: {e['display']} ({e['version']}, flash attention, {e['threads']} threads), reference "
              f"{e['reference']}; model {doc['model']['id']}; {c['windows']} x {c['context']} tokens of {c['path']}; "
              f"PPL served {doc['reference']['served_ppl']:.4f}, kvcal {doc['reference']['predicted_ppl']:.4f}",
              f"note: {e['display']} takes no calibrated scale: -ctk/-ctv pick a block format whose scales are "
              "computed as each row is written; what is verified is kvcal's emulation of each pair",
+             f"predicted: kvcal's KL with every weight matmul's input rounded as {e['display']} rounds it "
+             f"({', '.join(pr['matmul_inputs']) or 'none'})" if mm else
+             f"predicted: kvcal's KL with float32 matmul inputs ({len(pr['not_emulated'])} of the model's matmuls take "
+             f"inputs kvcal does not emulate, e.g. {(pr['not_emulated'] or ['-'])[0]}); the floor is how far "
+             "emulating the others moves it",
              "",
-             "| -ctk/-ctv | served KL | predicted KL | diff | tol (t + floor) | predicted, matmuls as llama.cpp "
-             "| served ΔNLL | predicted ΔNLL | KV size | served = predicted |",
+             "| -ctk/-ctv | served KL | predicted KL | diff | tol | "
+             + ("float32 prediction" if mm else "predicted, matmuls as llama.cpp") + " | served ΔNLL | predicted ΔNLL "
+             "| KV size | served = predicted |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in doc["rows"]:
         kv = r["kv_log"]["match"]
+        tol = f"±{r['tol']:.2e}" + ("" if mm else f" ({r['t_half_width']:.1e} + floor {r['floor']:.1e})")
+        o = r["predicted_kl_float32"] if mm else r["predicted_kl_matmul_emulated"]
         lines.append(f"| {r['type_k']}/{r['type_v']} | {r['served_kl']:.3e} | {r['predicted_kl']:.3e} | "
-                     f"{r['diff']:+.2e} | ±{r['tol']:.2e} ({r['t_half_width']:.1e} + {r['floor']:.1e}) | "
-                     f"{r['predicted_kl_matmul_emulated']:.3e} (served {r['served_kl_floor_windows']:.3e}, "
-                     f"{r['floor_windows']} windows) | "
+                     f"{r['diff']:+.2e} | {tol} | {o:.3e} (served {r['served_kl_other_windows']:.3e}, "
+                     f"{r['other_windows']} windows) | "
                      f"{r['served_dnll']:+.4f} | {r['predicted_dnll']:+.4f} | "
                      f"{'as kvcal sizes it' if kv else 'not logged' if kv is None else 'DIFFERS'} | {r['verdict']} |")
     for r in doc["rows"]:
@@ -295,10 +313,9 @@ def render_pairs(doc: dict) -> str:
         if r["kv_log"]["match"] is False:
             lines.append(f"note: {r['type_k']}/{r['type_v']}: llama.cpp logged `{r['kv_log']['served']}`, kvcal "
                          f"sizes `{r['kv_log']['kvcal']}`")
-    f = doc["floor"]
-    lines.append(f"tolerance: {int(doc['confidence'] * 100)}% paired t-interval over windows + floor (kvcal's "
-                 f"prediction with llama.cpp's matmul input rounding ({', '.join(f['matmul_inputs']) or 'none'}) "
-                 f"emulated, on {f['windows']} windows); docs/serving.md#llamacpp-served-vs-predicted")
+    lines.append(f"tolerance: {int(doc['confidence'] * 100)}% paired t-interval over windows"
+                 + ("" if mm else f" + floor (on {pr['other_windows']} windows)")
+                 + "; docs/serving.md#llamacpp-served-vs-predicted")
     lines.append("verify: " + doc["verdict"])
     return "\n".join(lines)
 

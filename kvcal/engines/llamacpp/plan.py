@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.engines.llamacpp.quants import GGML_TYPES, QK, fake_quant, ggml_type
+from kvcal.engines.llamacpp.quants import GGML_TYPES, K_QUANT_WEIGHTS, QK, QK_K, fake_quant, ggml_type
 from kvcal.engines.llamacpp.rotation import ggml_fwht, k_rot_size, rotation_default, v_rot_size
 from kvcal.errors import KvcalError
 
@@ -333,13 +333,14 @@ def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
     transformers module name (``model.layers.3.mlp.up_proj``, ``lm_head``) -> the ``vec_dot_type`` of the
     weight's ggml type (``ggml_compute_forward_mul_mat``, ``ggml/src/ggml-cpu/ggml-cpu.c``: ``src1`` rows are
     converted with ``from_float`` of ``type_traits_cpu[src0->type].vec_dot_type`` before the dot products):
-    ``q8_1`` for Q4_1/Q5_1 weights, ``q8_0`` for Q4_0/Q5_0/Q8_0/IQ4_NL, ``f16``/``bf16`` for F16/BF16, ``f32``
-    (nothing) for F32; K-quants (``q8_K``) and other types map to ``None`` (not emulated). The output matmul is
+    ``q8_1`` for Q4_1/Q5_1 weights, ``q8_0`` for Q4_0/Q5_0/Q8_0/IQ4_NL, ``q8_K`` for the K-quants Q2_K..Q6_K,
+    ``f16``/``bf16`` for F16/BF16, ``f32`` (nothing) for F32; other types map to ``None`` (not emulated). The output matmul is
     ``output.weight``, or ``token_embd.weight`` when the embeddings are tied. Reads the header with ``gguf``."""
     from gguf import GGUFReader
 
     types = {t.name: t.tensor_type.name.lower() for t in GGUFReader(str(gguf_path)).tensors}
     vec = {n: t.vec_dot_type for n, t in GGML_TYPES.items() if n != "q8_1"}
+    vec.update({k: "q8_K" for k in K_QUANT_WEIGHTS})
     out: dict[str, str] = {}
     for name, ty in types.items():
         parts = name.split(".")
@@ -354,7 +355,7 @@ def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
 class MatmulInputs:
     """Context manager: ``model``'s weight matmuls take their input as llama.cpp's CPU backend converts it
     (:func:`gguf_matmul_inputs`: a forward pre-hook on each ``nn.Linear`` named there rounds its input through
-    ``fake_quant`` of that type, blocks of 32 along the input features, x86 AVX path). kvcal's own model runs the
+    ``fake_quant`` of that type, blocks of 32 (256 for ``q8_K``) along the input features, x86 AVX path). kvcal's own model runs the
     dequantized GGUF weights with float32 inputs; with these hooks the weights' products are llama.cpp's up to the
     order of f32 sums (and the fp16 rounding of ``q8_1``'s block sum). Nothing else changes (norms, RoPE,
     attention). ``emulated``/``left``: the module names hooked / found in the GGUF but not hooked (a type kvcal does
@@ -370,7 +371,8 @@ class MatmulInputs:
         mods = dict(self.model.named_modules())
         for name, ty in self.inputs.items():
             m = mods.get(name)
-            if m is None or ty is None or not isinstance(m, torch.nn.Linear) or m.in_features % QK:
+            if m is None or ty is None or not isinstance(m, torch.nn.Linear) or m.in_features % (
+                    QK_K if ty == "q8_K" else QK):
                 self.left.append(name)
                 continue
             if ty == "f32":

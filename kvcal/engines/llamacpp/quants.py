@@ -60,6 +60,13 @@ GROUP_MAX_EPS = 1e-15
 
 IMPLS = ("x86_avx", "ref")
 
+#: Elements per ``q8_K`` block (``QK_K``, ``ggml-common.h``): the type llama.cpp's CPU backend converts a matmul's
+#: input to when the weight is a K-quant (``q2_K`` .. ``q6_K``; ``type_traits_cpu[t].vec_dot_type``).
+QK_K = 256
+
+#: weight types (lower case, as ``gguf``'s ``GGMLQuantizationType`` names them) whose matmul input is ``q8_K``
+K_QUANT_WEIGHTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+
 
 @dataclass(frozen=True)
 class GgmlType:
@@ -255,10 +262,39 @@ def dequantize(b: Blocks) -> torch.Tensor:
     return y.reshape(*y.shape[:-2], y.shape[-2] * QK)
 
 
+def fake_quant_q8_K(x: torch.Tensor) -> torch.Tensor:
+    """What a ``q8_K`` row holds for ``x`` ``[..., D]`` (``D % 256 == 0``), as float32 of the same shape: per block
+    of 256, ``iscale = -127 / max`` (``max`` the signed element of largest magnitude), codes
+    ``min(127, nearest_int(iscale · x))`` (``nearest_int``: the 1.5·2²³ trick, ties to even), ``d = 1 / iscale``
+    stored as f32, value ``d · code`` (``quantize_row_q8_K_ref``, ``ggml-quants.c``, which the x86 backend's
+    ``quantize_row_q8_K`` calls; the AVX2 ``ggml_quantize_mat_q8_K_4x8`` of ``arch/x86/repack.cpp`` takes the same
+    magnitude ``127 / amax`` and only its sign can differ on a ± tie, which leaves ``d · code`` unchanged since
+    rounding to even is odd-symmetric). A block of zeros stays zero. Raises ``KvcalError`` for a last dimension
+    that is not a positive multiple of 256, or NaN/Inf input."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise KvcalError("q8_K quantization takes a floating-point tensor")
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % QK_K:
+        raise KvcalError(f"q8_K quantizes rows in blocks of {QK_K}: the last dimension must be a positive multiple "
+                         f"of {QK_K}, got shape {tuple(x.shape)}")
+    x = x.float()
+    if not bool(torch.isfinite(x).all()):
+        raise KvcalError("q8_K quantization got NaN or Inf values (ggml's block scale is undefined then)")
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // QK_K, QK_K)
+    mx = _signed_absmax(xb)
+    nz = mx != 0
+    iscale = torch.where(nz, torch.full_like(mx, -127.0) / torch.where(nz, mx, 1.0), 0.0)
+    q = torch.round(xb * iscale).clamp(max=127)
+    d = torch.where(nz, torch.ones_like(iscale) / torch.where(nz, iscale, 1.0), 0.0)
+    return (d * q).reshape(x.shape)
+
+
 def fake_quant(x: torch.Tensor, type_name: str, impl: str = "x86_avx") -> torch.Tensor:
     """What a row of ggml type ``type_name`` holds for ``x`` ``[..., D]``, as float32 of the same shape:
-    ``dequantize(quantize(x))`` for block types (``D % 32 == 0``), the fp16 / bf16 rounding (to nearest even)
-    for ``f16`` / ``bf16``, ``x`` as float32 for ``f32``. Raises ``KvcalError`` as :func:`quantize`."""
+    ``dequantize(quantize(x))`` for block types (``D % 32 == 0``), :func:`fake_quant_q8_K` for ``q8_K``
+    (``D % 256 == 0``), the fp16 / bf16 rounding (to nearest even) for ``f16`` / ``bf16``, ``x`` as float32 for
+    ``f32``. Raises ``KvcalError`` as :func:`quantize`."""
+    if type_name == "q8_K":
+        return fake_quant_q8_K(x)
     t = ggml_type(type_name, cache=False)
     if t.quantized:
         return dequantize(quantize(x, type_name, impl))
@@ -272,5 +308,5 @@ def fake_quant(x: torch.Tensor, type_name: str, impl: str = "x86_avx") -> torch.
     return x
 
 
-__all__ = ["GGML_TYPES", "IQ4_NL_VALUES", "KV_CACHE_TYPES", "QK", "Blocks", "GgmlType", "dequantize", "fake_quant",
-           "ggml_type", "quantize"]
+__all__ = ["GGML_TYPES", "IQ4_NL_VALUES", "K_QUANT_WEIGHTS", "KV_CACHE_TYPES", "QK", "QK_K", "Blocks", "GgmlType",
+           "dequantize", "fake_quant", "fake_quant_q8_K", "ggml_type", "quantize"]

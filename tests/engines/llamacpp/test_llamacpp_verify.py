@@ -5,8 +5,8 @@ Claims: the runner's per-window KL(ref || pair), NLLs and top-1 agreement equal 
 logits; it passes each pair's ggml type ids, ``flash_attn``, ``logits_all`` and ``n_ctx = n_batch = n_ubatch =`` the
 window to ``Llama``; it reports llama.cpp's ``llama_kv_cache: size`` log line; an engine Python without
 ``llama_cpp`` is refused in one line. The engine tier serves 2 windows x 256 tokens with 2 pairs and checks the
-document, that served = predicted does not FAIL, and that kvcal's prediction with llama.cpp's matmul input rounding
-emulated is the nearer one for q8_0/q8_0."""
+document, that served = predicted does not FAIL, that the judged prediction is the one with llama.cpp's matmul input
+rounding emulated (every matmul of the embedded GGUF is), and that it is the nearer one for q8_0/q8_0."""
 
 from __future__ import annotations
 
@@ -225,6 +225,10 @@ def test_engine_tier_verify_smollm(tmp_path):
         assert r["verdict"] != "FAIL", render_pairs(doc)
         assert r["kv_log"]["match"] in (True, None), r["kv_log"]
     assert "served = predicted" in render_pairs(doc)
-    # llama.cpp rounds every weight matmul's input to q8 (Q4_1/Q8_0 weights): with that emulated, kvcal's q8_0/q8_0
-    # prediction lands near the served KL; without it, far below (2 x 256 tokens: 3.87e-3 served, 3.83e-3 and 2.4e-4)
-    assert abs(q8["served_kl"] - q8["predicted_kl_matmul_emulated"]) < abs(q8["served_kl"] - q8["predicted_kl"])
+    # llama.cpp rounds every weight matmul's input to q8 (Q4_1/Q8_0 weights): kvcal emulates that for every matmul
+    # of this GGUF, so that prediction is the one judged (tolerance: the t-interval alone); it lands near the served
+    # KL, the float32-input one far below (2 x 256 tokens: 3.87e-3 served, 3.83e-3 and 2.4e-4)
+    assert doc["prediction"]["judged"] == "matmul-emulated" and doc["prediction"]["not_emulated"] == []
+    assert q8["prediction"] == "matmul-emulated" and q8["floor"] == 0.0 and q8["tol"] == q8["t_half_width"]
+    assert q8["predicted_kl"] == q8["predicted_kl_matmul_emulated"]
+    assert abs(q8["served_kl"] - q8["predicted_kl"]) < abs(q8["served_kl"] - q8["predicted_kl_float32"])
