@@ -243,7 +243,9 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
             kinds = sorted(set(mm.emulated.values()))
             notes.append(f"weight matmuls as {eng.DISPLAY_NAME} runs them on this GGUF: the input of "
                          f"{len(mm.emulated)} matmuls rounded to their weight type's vec_dot_type "
-                         f"({', '.join(kinds) or 'none'}), in the reference run and in every pair's"
+                         f"({', '.join(kinds) or 'none'})"
+                         + (f" and GELU through ggml's fp16 table ({len(mm.activations)} layers)" if mm.activations
+                            else "") + ", in the reference run and in every pair's"
                          + (f"; {len(mm.left)} not emulated ({', '.join(mm.left[:3])}"
                             f"{', ...' if len(mm.left) > 3 else ''}: a weight type kvcal does not emulate), so "
                             "the figures may understate what the engine serves" if mm.left else ""))

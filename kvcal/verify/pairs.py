@@ -268,6 +268,7 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
                       "predicted_ppl": judged.reference_ppl(n)},
         "prediction": {"judged": "matmul-emulated" if emulated else "float32",
                        "matmul_inputs": sorted(set(mm.emulated.values())), "not_emulated": mm.left,
+                       "gelu_f16_table": len(mm.activations),
                        "other_windows": n_o,
                        "floor": None if emulated else "|kvcal's predicted KL with llama.cpp's matmul input rounding "
                                                       "emulated - without|"},
@@ -286,7 +287,9 @@ def render_pairs(doc: dict) -> str:
              f"note: {e['display']} takes no calibrated scale: -ctk/-ctv pick a block format whose scales are "
              "computed as each row is written; what is verified is kvcal's emulation of each pair",
              f"predicted: kvcal's KL with every weight matmul's input rounded as {e['display']} rounds it "
-             f"({', '.join(pr['matmul_inputs']) or 'none'})" if mm else
+             f"({', '.join(pr['matmul_inputs']) or 'none'})"
+             + (f", GELU through ggml's fp16 table ({pr['gelu_f16_table']} layers)" if pr.get("gelu_f16_table") else "")
+             if mm else
              f"predicted: kvcal's KL with float32 matmul inputs ({len(pr['not_emulated'])} of the model's matmuls take "
              f"inputs kvcal does not emulate, e.g. {(pr['not_emulated'] or ['-'])[0]}); the floor is how far "
              "emulating the others moves it",

@@ -352,19 +352,47 @@ def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
     return out
 
 
+_GELU_TABLE: list[torch.Tensor] = []
+
+
+def gelu_f16_table() -> torch.Tensor:
+    """``ggml_table_gelu_f16`` (``ggml_cpu_init``, ``ggml/src/ggml-cpu/ggml-cpu.c``): float16 ``[65536]``, entry
+    ``i`` = ``fp16(ggml_gelu_f32(fp32(fp16 bits i)))`` with ``ggml_gelu_f32(x) = 0.5·x·(1 + tanh(√(2/π)·x·(1 +
+    0.044715·x·x)))`` in f32 (``vec.h``; torch's ``tanh`` may differ from C ``tanhf`` by an f32 ulp, which moves
+    an entry only when it falls on an fp16 rounding boundary). Built once."""
+    if not _GELU_TABLE:
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        c, a = torch.tensor(0.79788456080286535587989211986876, dtype=torch.float32), torch.tensor(0.044715)
+        y = torch.tensor(0.5) * x * (torch.tensor(1.0) + torch.tanh(c * x * (torch.tensor(1.0) + a * x * x)))
+        _GELU_TABLE.append(y.to(torch.float16))
+    return _GELU_TABLE[0]
+
+
+def gelu_f16(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) as llama.cpp's CPU backend computes it (``ggml_vec_gelu_f32`` /
+    ``ggml_vec_geglu_f32``, ``vec.h``, built with ``GGML_GELU_FP16``): ``0`` for ``x <= -10``, ``x`` for ``x >= 10``,
+    else the :func:`gelu_f16_table` entry of ``fp16(x)`` as float32. ``x`` any float tensor; float32 out."""
+    x = x.float()
+    t = gelu_f16_table()[x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF].float()
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, t))
+
+
 class MatmulInputs:
-    """Context manager: ``model``'s weight matmuls take their input as llama.cpp's CPU backend converts it
-    (:func:`gguf_matmul_inputs`: a forward pre-hook on each ``nn.Linear`` named there rounds its input through
-    ``fake_quant`` of that type, blocks of 32 (256 for ``q8_K``) along the input features, x86 AVX path). kvcal's own model runs the
-    dequantized GGUF weights with float32 inputs; with these hooks the weights' products are llama.cpp's up to the
-    order of f32 sums (and the fp16 rounding of ``q8_1``'s block sum). Nothing else changes (norms, RoPE,
-    attention). ``emulated``/``left``: the module names hooked / found in the GGUF but not hooked (a type kvcal does
-    not emulate, or no such module)."""
+    """Context manager: ``model`` runs the arithmetic llama.cpp's CPU backend runs where it differs from kvcal's
+    float32 model even with an unquantized cache. (1) Weight matmuls take their input as the backend converts
+    it (:func:`gguf_matmul_inputs`: a forward pre-hook on each ``nn.Linear`` named there rounds its input through
+    ``fake_quant`` of that type, blocks of 32 (256 for ``q8_K``) along the input features, x86 AVX path); with
+    these hooks the weights' products are llama.cpp's up to the order of f32 sums (and the fp16 rounding of
+    ``q8_1``'s block sum). (2) GELU-tanh activations (transformers' ``GELUTanh``: Gemma's ``gelu_pytorch_tanh``)
+    go through ggml's fp16 table (:func:`gelu_f16`, a forward hook). Nothing else changes (norms, RoPE,
+    attention). ``emulated``: the matmul module names hooked -> input type; ``left``: the names found in the GGUF
+    but not hooked (a type kvcal does not emulate, or no such module); ``activations``: the GELU modules hooked."""
 
     def __init__(self, model, inputs: dict[str, str | None]):
         self.model, self.inputs = model, dict(inputs)
         self.emulated: dict[str, str] = {}
         self.left: list[str] = []
+        self.activations: list[str] = []
         self._handles = []
 
     def __enter__(self):
@@ -383,6 +411,10 @@ class MatmulInputs:
 
             self._handles.append(m.register_forward_pre_hook(hook))
             self.emulated[name] = ty
+        for name, m in mods.items():
+            if type(m).__name__ == "GELUTanh":
+                self._handles.append(m.register_forward_hook(lambda mod, args, out: gelu_f16(args[0]).to(out.dtype)))
+                self.activations.append(name)
         return self
 
     def __exit__(self, *exc):
@@ -392,4 +424,4 @@ class MatmulInputs:
         return False
 
 
-__all__ = ["FA_TILE_Q", "GGUF_LINEARS", "MatmulInputs", "gguf_matmul_inputs", "kv_memory", "pair_plan", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
+__all__ = ["FA_TILE_Q", "GGUF_LINEARS", "MatmulInputs", "gelu_f16", "gelu_f16_table", "gguf_matmul_inputs", "kv_memory", "pair_plan", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]

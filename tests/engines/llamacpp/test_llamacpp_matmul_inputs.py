@@ -137,3 +137,42 @@ def test_gguf_matmul_inputs_gemma3_k_quants():
         assert got[f"model.layers.{i}.mlp.down_proj"] == want
     assert got["model.layers.0.self_attn.q_proj"] == "q8_0" and got["lm_head"] == "q8_0"
     assert None not in got.values()
+
+
+def test_gelu_f16_table_against_float64():
+    from kvcal.engines.llamacpp.plan import gelu_f16, gelu_f16_table
+
+    t = gelu_f16_table()
+    x16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = x16.double()
+    ok = torch.isfinite(x) & (x.abs() < 10)
+    g64 = 0.5 * x * (1 + torch.tanh(np.sqrt(2 / np.pi) * x * (1 + 0.044715 * x * x)))
+    # ggml computes each entry in f32, then rounds it to fp16. The f32 error: 1 + tanh(.) is formed with an absolute
+    # error of a few f32 ulps of 1 (at x near -4, tanh ~ -1 and the sum cancels, so only an absolute bound holds),
+    # times 0.5|x|; here 4 ulps (2^-23 each). The fp16 rounding adds half an fp16 ulp of the value.
+    u16 = torch.exp2(torch.floor(torch.log2(g64.abs().clamp(min=2.0 ** -14))) - 10)
+    bound = u16 / 2 + 0.5 * x.abs() * 4 * 2.0 ** -23
+    assert bool(((t.double() - g64).abs() <= bound)[ok].all())
+    # hand-worked: gelu(1) = 0.841192 -> fp16 0.84131 (1723 x 2^-11); the ends pass x through or give 0
+    xs = torch.tensor([1.0, -10.0, -10.5, 10.0, 12.25])
+    assert torch.equal(gelu_f16(xs), torch.tensor([1723 * 2.0 ** -11, 0.0, 0.0, 10.0, 12.25]))
+
+
+def test_matmul_inputs_hooks_gelu_tanh_modules():
+    from transformers.activations import GELUTanh
+
+    from kvcal.engines.llamacpp.plan import gelu_f16
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act_fn = GELUTanh()
+
+        def forward(self, x):
+            return self.act_fn(x)
+
+    m, x = M(), torch.linspace(-12, 12, 1001)
+    with MatmulInputs(m, {}) as mm:
+        got = m(x)
+    assert mm.activations == ["act_fn"] and torch.equal(got, gelu_f16(x))
+    assert torch.equal(m(x), torch.nn.functional.gelu(x, approximate="tanh"))
