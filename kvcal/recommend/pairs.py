@@ -118,9 +118,8 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     L = shp.num_layers
     types = cache_types(cfg)
     menu = pair_menu(types)
-    try:
-        for k, v in menu:
-            eng.pair_plan(k, v, L, head_dim=shp.head_dim)  # a head_dim a type cannot hold, before the model loads
+    try:  # a head_dim a type cannot hold is refused before the model loads
+        plans = {(k, v): eng.pair_plan(k, v, L, head_dim=shp.head_dim) for k, v in menu}
     except KvcalError as e:
         raise KvcalError(f"--cache-types: {e}") from None
     b16 = eng.pair_bytes_per_token(shp, "f16", "f16")
@@ -176,7 +175,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
         for k, v in menu:
             nb = eng.pair_bytes_per_token(shp, k, v)
             cands.append({"type_k": k, "type_v": v, "dtype": f"{k}/{v}", "bytes_per_token": nb,
-                          "vs_16bit": nb / b16, "criteria": accept, "_plan": eng.pair_plan(k, v, L)})
+                          "vs_16bit": nb / b16, "criteria": accept, "_plan": plans[(k, v)]})
 
         def judge_row(i: int, n: int):
             c = cands[i]

@@ -102,9 +102,7 @@ class LlamaCppKVPlan:
         return k_rot_size(D) if side == "k" else v_rot_size(D)
 
     def _check_dim(self, t, D: int, what: str) -> None:
-        if t.quantized and D % QK:
-            raise KvcalError(f"{what} cache type {t.name} with block size {QK} does not divide head_dim={D} "
-                             "(llama.cpp refuses this context)")
+        check_head_dim(t.name, D, what)
 
     def first_quantized_layer(self) -> int:
         """``num_layers`` when nothing is changed (``f32`` K and V), else 0 (every layer is cached alike)."""
@@ -249,13 +247,23 @@ def kv_bytes(config, type_k: str, type_v: str, n_ctx: int, n_seq: int = 1, *, un
         kv_size, n_stream = n_ctx_pad, 1
     else:
         kv_size, n_stream = _pad(n_ctx_pad // n_seq, 256), n_seq
+    check_head_dim(type_k, shape.head_dim, "K")
+    check_head_dim(type_v, shape.head_dim, "V")
     n_embd = shape.num_kv_heads * shape.head_dim
     k_row, v_row = tk.row_bytes(n_embd), tv.row_bytes(n_embd)
-    if tk.quantized and shape.head_dim % tk.blck_size or tv.quantized and shape.head_dim % tv.blck_size:
-        raise KvcalError(f"cache types {type_k}/{type_v} need a head_dim divisible by 32, got {shape.head_dim}")
     L = shape.num_layers
     return LlamaCppKVBytes(L * k_row * kv_size * n_stream, L * v_row * kv_size * n_stream, kv_size, L, n_seq,
                            n_stream, type_k, type_v)
+
+
+def check_head_dim(type_name: str, head_dim: int, side: str) -> None:
+    """Refuse (``KvcalError``) a cache type whose block does not divide ``head_dim``: llama.cpp quantizes each
+    head's row in blocks of 32 and refuses such a context (``llama_init_from_model``, ``src/llama-context.cpp``:
+    ``n_embd_head_k % blck_size``). ``side``: ``"K"`` or ``"V"``, named in the message."""
+    t = ggml_type(type_name)
+    if t.quantized and head_dim % t.blck_size:
+        raise KvcalError(f"{side} cache type {t.name} with block size {t.blck_size} does not divide "
+                         f"head_dim={head_dim} (llama.cpp refuses this context)")
 
 
 def parse_pair(spec: str, what: str = "--format llamacpp:") -> tuple[str, str]:
@@ -285,10 +293,8 @@ def pair_bytes_per_token(config, type_k: str, type_v: str) -> int:
 
     shape = model_shape(config)
     n_embd = shape.num_kv_heads * shape.head_dim
-    for t in (type_k, type_v):
-        tt = ggml_type(t)
-        if tt.quantized and shape.head_dim % tt.blck_size:
-            raise KvcalError(f"cache type {t} needs a head_dim divisible by {tt.blck_size}, got {shape.head_dim}")
+    check_head_dim(type_k, shape.head_dim, "K")
+    check_head_dim(type_v, shape.head_dim, "V")
     return shape.num_layers * (ggml_type(type_k).row_bytes(n_embd) + ggml_type(type_v).row_bytes(n_embd))
 
 
@@ -424,4 +430,4 @@ class MatmulInputs:
         return False
 
 
-__all__ = ["FA_TILE_Q", "GGUF_LINEARS", "MatmulInputs", "gelu_f16", "gelu_f16_table", "gguf_matmul_inputs", "kv_memory", "pair_plan", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]
+__all__ = ["FA_TILE_Q", "check_head_dim", "GGUF_LINEARS", "MatmulInputs", "gelu_f16", "gelu_f16_table", "gguf_matmul_inputs", "kv_memory", "pair_plan", "parse_pair", "pair_bytes_per_token", "GGML_TYPES", "PAYLOAD_BITS", "LlamaCppKVBytes", "LlamaCppKVPlan", "bits_per_value", "kv_bytes"]

@@ -197,3 +197,20 @@ def test_plan_bad_input(call):
     a layer out of range or a bad side: one KvcalError."""
     with pytest.raises(KvcalError):
         call()
+
+
+def test_head_dim_refused_alike_by_every_entry():
+    """head_dim 48 is not a multiple of a quantized type's block of 32: llama.cpp refuses the context
+    (``src/llama-context.cpp``), and so do kvcal's byte counts and its plan, with one message naming the side; f16
+    sides pass (block 1)."""
+    from transformers import LlamaConfig
+
+    from kvcal.engines.llamacpp.plan import kv_bytes, pair_bytes_per_token, pair_plan
+
+    cfg = LlamaConfig(hidden_size=96, num_attention_heads=2, num_key_value_heads=1, head_dim=48, num_hidden_layers=2)
+    for call in (lambda: kv_bytes(cfg, "f16", "q4_0", 512), lambda: pair_bytes_per_token(cfg, "f16", "q4_0"),
+                 lambda: pair_plan("f16", "q4_0", 2, head_dim=48)):
+        with pytest.raises(KvcalError, match=r"^V cache type q4_0 with block size 32 does not divide head_dim=48 "):
+            call()
+    # f16/f16: 2 layers x (48 x 2 bytes) x 2 sides per token, hand-counted
+    assert pair_bytes_per_token(cfg, "f16", "f16") == 2 * 2 * 48 * 2
