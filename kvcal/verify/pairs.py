@@ -277,6 +277,14 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     }
 
 
+def _kv_cell(kv: dict) -> str:
+    if kv["match"] is not None:
+        return "as kvcal sizes it" if kv["match"] else "DIFFERS"
+    if kv["served"] and not kv["kvcal"]:
+        return "kvcal does not size it"  # kv_bytes refuses a cache it cannot size (iSWA: sliding-window layers)
+    return "not logged"
+
+
 def render_pairs(doc: dict) -> str:
     """The table ``kvcal verify --engine llamacpp`` prints, and its notes."""
     e, c, pr = doc["engine"], doc["corpus"], doc["prediction"]
@@ -299,14 +307,13 @@ def render_pairs(doc: dict) -> str:
              "| KV size | served = predicted |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in doc["rows"]:
-        kv = r["kv_log"]["match"]
         tol = f"±{r['tol']:.2e}" + ("" if mm else f" ({r['t_half_width']:.1e} + floor {r['floor']:.1e})")
         o = r["predicted_kl_float32"] if mm else r["predicted_kl_matmul_emulated"]
         lines.append(f"| {r['type_k']}/{r['type_v']} | {r['served_kl']:.3e} | {r['predicted_kl']:.3e} | "
                      f"{r['diff']:+.2e} | {tol} | {o:.3e} (served {r['served_kl_other_windows']:.3e}, "
                      f"{r['other_windows']} windows) | "
                      f"{r['served_dnll']:+.4f} | {r['predicted_dnll']:+.4f} | "
-                     f"{'as kvcal sizes it' if kv else 'not logged' if kv is None else 'DIFFERS'} | {r['verdict']} |")
+                     f"{_kv_cell(r['kv_log'])} | {r['verdict']} |")
     for r in doc["rows"]:
         if r["verdict"] == "INCONCLUSIVE":
             need = r.get("windows_needed")

@@ -42,7 +42,7 @@ llama_log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctype
 _cb = []
 def llama_log_set(cb, ud):
     _cb[:] = [cb]
-V = 50
+V = int(os.environ.get("FAKE_VOCAB", "50"))
 def fake_scores(tk, tv, tokens):
     rng = np.random.default_rng(1000 + int(np.sum(tokens)))
     base = rng.standard_normal((len(tokens), V)).astype(np.float32) * 3
@@ -232,3 +232,50 @@ def test_engine_tier_verify_smollm(tmp_path):
     assert q8["prediction"] == "matmul-emulated" and q8["floor"] == 0.0 and q8["tol"] == q8["t_half_width"]
     assert q8["predicted_kl"] == q8["predicted_kl_matmul_emulated"]
     assert abs(q8["served_kl"] - q8["predicted_kl"]) < abs(q8["served_kl"] - q8["predicted_kl_float32"])
+
+
+def _fake_engine_python(tmp_path) -> Path:
+    """An executable that runs this Python with the fake ``llama_cpp`` importable (run_engine drops PYTHONPATH)."""
+    w = tmp_path / "fake-python"
+    w.write_text(f"#!/bin/sh\nPYTHONPATH={_fake(tmp_path)} exec {sys.executable} \"$@\"\n")
+    w.chmod(0o755)
+    return w
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+def test_verify_pairs_judgement_by_hand(tmp_path, monkeypatch, smollm_model, emulated):
+    """The whole of verify_pairs with the fake engine (its served KLs are arbitrary) and kvcal's real prediction on
+    the embedded model: which prediction is judged, and the tolerance and verdict recomputed from the document's
+    per-window figures with scipy's t quantile. Every matmul of the embedded GGUF is emulated, so the matmul-emulated
+    prediction is judged with the t-interval alone; with one matmul's type unknown (patched), the float32 one is,
+    with the floor |mean matmul-emulated - mean float32| over --floor-windows."""
+    from scipy import stats
+
+    from kvcal.verify.pairs import render_pairs, verify_pairs
+
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_VOCAB", str(smollm_model.config.vocab_size))  # the runner indexes logits by token id
+    if not emulated:
+        real = ENG.gguf_matmul_inputs
+        monkeypatch.setattr(ENG, "gguf_matmul_inputs",
+                            lambda p: {**real(p), "model.layers.0.mlp.down_proj": None})
+    cfg = PairsConfig(model="smollm2-135m", corpus=str(CORPUS), engine_python=str(_fake_engine_python(tmp_path)),
+                      cache_types="q8_0/q8_0", context=48, windows=3, threads=1, floor_windows=2)
+    doc = verify_pairs(cfg, log=lambda *_: None, model=smollm_model)
+    (r,) = doc["rows"]
+    pw = r["per_window"]
+    judged = pw["predicted_kl_matmul_emulated"] if emulated else pw["predicted_kl_float32"]
+    assert doc["prediction"]["judged"] == r["prediction"] == ("matmul-emulated" if emulated else "float32")
+    assert (doc["prediction"]["not_emulated"] == []) == emulated
+    assert pw["predicted_kl"] == judged and len(judged) == 3
+    assert len(pw["predicted_kl_float32" if emulated else "predicted_kl_matmul_emulated"]) == 2
+    d = np.array(pw["served_kl"]) - np.array(judged)
+    h = stats.t.ppf(0.995, 2) * d.std(ddof=1) / np.sqrt(3)
+    floor = 0.0 if emulated else abs(np.mean(pw["predicted_kl_matmul_emulated"]) - np.mean(judged[:2]))
+    assert r["floor"] == pytest.approx(floor, rel=1e-12, abs=1e-15)
+    assert r["tol"] == pytest.approx(h + floor, rel=1e-9)
+    assert r["diff"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+    want = "FAIL" if abs(d.mean()) > h + floor else "PASS" if h + floor < np.mean(judged) else "INCONCLUSIVE"
+    assert r["verdict"] == want
+    out = render_pairs(doc)
+    assert ("every weight matmul's input rounded" in out) == emulated and ("+ floor" in out) != emulated
