@@ -54,6 +54,8 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
             in_flight = engine(res.format.partition(":")[0]).MAX_NUM_BATCHED_TOKENS
             held = (f"vLLM reserves min(W - 1 + {in_flight} in-flight tokens, context) + 1 block "
                     "for each (max_num_batched_tokens default)")
+        elif res.engine is not None:
+            held = "llama.cpp keeps them in a cache of their own (its cells below)"
         else:
             held = f"each holds at most W - 1 = {W - 1} tokens, as transformers' cache does"
         click.echo(f"layers: {len(sl)} sliding-window (W = {W}), {shape.num_layers - len(sl)} full-attention; {held}; "
@@ -63,9 +65,13 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
         click.echo(f"kv: {e['engine']} ({e['version']}) {e['setting']}")
         click.echo(f"bytes per token: {e['bytes_per_token']} ({b16 / e['bytes_per_token']:.2f}x smaller than 16-bit "
                    f"{b16})")
-        click.echo(f"cache bytes (context {res.context}, batch {res.batch}: {e['cells']} cells x {e['streams']} "
+        cells = (f"{e['cells']} cells (full-attention layers) and {e['swa_cells']} (sliding-window layers, llama.cpp's "
+                 "iSWA cache with llama-server's defaults: no --swa-full, -ub 512)") if e.get("swa_cells") else \
+            f"{e['cells']} cells"
+        click.echo(f"cache bytes (context {res.context}, batch {res.batch}: {cells} x {e['streams']} "
                    f"stream(s)): {e['total']} ({e['total'] / 2**20:.2f} MiB), K {e['k_bytes']}, V {e['v_bytes']}")
-        click.echo(f"{e['engine']} prints: {e['log_line']}")
+        for line in e["log_line"].splitlines():
+            click.echo(f"{e['engine']} prints: {line}")
         if e.get("note"):
             click.echo(f"note: {e['note']}")
         return

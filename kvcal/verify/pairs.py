@@ -227,7 +227,9 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
         verdict = "FAIL" if not ag["ok"] else "PASS" if ag["decided"] else "INCONCLUSIVE"
         want = None
         try:
-            want = eng.kv_bytes(model.config, p[0], p[1], cfg.context).log_line()
+            # llama-cpp-python: one ubatch of the window, llama_context_default_params' swa_full (true)
+            want = "\n".join(eng.kv_bytes(model.config, p[0], p[1], cfg.context, n_ubatch=cfg.context,
+                                          swa_full=True).log_lines())
         except KvcalError:
             pass
         served_nll, ref_nll = s["nll"], served["reference"]["nll"]
@@ -281,7 +283,7 @@ def _kv_cell(kv: dict) -> str:
     if kv["match"] is not None:
         return "as kvcal sizes it" if kv["match"] else "DIFFERS"
     if kv["served"] and not kv["kvcal"]:
-        return "kvcal does not size it"  # kv_bytes refuses a cache it cannot size (iSWA: sliding-window layers)
+        return "kvcal does not size it"  # kv_bytes refuses a cache it cannot size (e.g. every layer sliding)
     return "not logged"
 
 

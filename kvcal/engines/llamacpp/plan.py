@@ -188,7 +188,9 @@ class LlamaCppKVBytes:
     """The KV cache llama.cpp allocates: ``k_bytes``/``v_bytes`` (sums of ``ggml_nbytes`` of every layer's K/V
     tensor, ``llama_kv_cache::size_k_bytes``/``size_v_bytes``), ``kv_size`` (cells per stream, the printed
     "cells"), ``n_layers``, ``n_seq_max`` and ``n_stream`` (1 for a unified cache, else ``n_seq_max``),
-    ``type_k``/``type_v``."""
+    ``type_k``/``type_v``. ``swa``: for a model with sliding-window and full-attention layers (llama.cpp's iSWA
+    cache, ``src/llama-kv-cache-iswa.cpp``), this object is the full-attention ("non-SWA") cache and ``swa`` the
+    sliding-window layers' cache, a second ``llama_kv_cache`` with its own cells and log line; else ``None``."""
 
     k_bytes: int
     v_bytes: int
@@ -198,25 +200,41 @@ class LlamaCppKVBytes:
     n_stream: int
     type_k: str
     type_v: str
+    swa: LlamaCppKVBytes | None = None
 
     @property
     def total(self) -> int:
-        """``k_bytes + v_bytes``."""
-        return self.k_bytes + self.v_bytes
+        """Bytes of every cache: ``k_bytes + v_bytes``, plus the sliding-window cache's when there is one."""
+        return self.k_bytes + self.v_bytes + (self.swa.total if self.swa else 0)
+
+    @property
+    def k_total(self) -> int:
+        """K bytes of every cache (``k_bytes`` plus the sliding-window cache's)."""
+        return self.k_bytes + (self.swa.k_bytes if self.swa else 0)
+
+    @property
+    def v_total(self) -> int:
+        """V bytes of every cache (``v_bytes`` plus the sliding-window cache's)."""
+        return self.v_bytes + (self.swa.v_bytes if self.swa else 0)
+
+    def log_lines(self) -> list[str]:
+        """Every ``llama_kv_cache: size = ...`` line llama.cpp logs for this allocation, in its order (the
+        full-attention cache first, then the sliding-window one)."""
+        return [self.log_line()] + (self.swa.log_lines() if self.swa else [])
 
     def log_line(self) -> str:
-        """The line ``llama_kv_cache::llama_kv_cache`` logs for this cache, with its C formatting
+        """The line ``llama_kv_cache::llama_kv_cache`` logs for this cache (not its ``swa`` one), with its C formatting
         (``"%7.2f MiB"`` of ``(float)bytes / (1024.0f*1024.0f)``: the byte count rounded to float32 first)."""
         def mib(b: int) -> float:
             return struct.unpack("f", struct.pack("f", float(b)))[0] / 1048576.0  # (float)size_t; / 2^20 exact
 
-        return (f"llama_kv_cache: size = {mib(self.total):7.2f} MiB ({self.kv_size:6d} cells, {self.n_layers:3d} "
+        return (f"llama_kv_cache: size = {mib(self.k_bytes + self.v_bytes):7.2f} MiB ({self.kv_size:6d} cells, {self.n_layers:3d} "
                 f"layers, {self.n_seq_max:2d}/{self.n_stream} seqs), K ({self.type_k}): {mib(self.k_bytes):7.2f} "
                 f"MiB, V ({self.type_v}): {mib(self.v_bytes):7.2f} MiB")
 
 
-def kv_bytes(config, type_k: str, type_v: str, n_ctx: int, n_seq: int = 1, *, unified: bool = False
-             ) -> LlamaCppKVBytes:
+def kv_bytes(config, type_k: str, type_v: str, n_ctx: int, n_seq: int = 1, *, unified: bool = False,
+             n_ubatch: int = 512, swa_full: bool = False) -> LlamaCppKVBytes:
     """Bytes of the KV cache llama.cpp 0.3.36's vendored build allocates for a model of ``config`` (a
     :class:`~kvcal.formats.memory.ModelShape`, an HF config dict or object) at context ``n_ctx`` (``-c``)
     with ``n_seq`` parallel sequences (``-np``), ``unified`` (``--kv-unified``).
@@ -227,21 +245,32 @@ def kv_bytes(config, type_k: str, type_v: str, n_ctx: int, n_seq: int = 1, *, un
     K is a ``type_k`` tensor ``[n_embd_k_gqa, kv_size, n_stream]`` and V likewise (with flash attention V is
     not transposed; the size is the same), ``n_embd_k_gqa = H_kv · head_dim``; its bytes are
     ``n_embd_k_gqa / blck_size · type_size · kv_size · n_stream``. (The backend buffer pads each tensor to
-    32 bytes, which these sizes already are, so the "KV buffer size" line shows the same total.) Raises
-    ``KvcalError`` for an unknown type, a non-positive ``n_ctx``/``n_seq``, a head size the type's block
-    does not divide, or a model with sliding-window layers (llama.cpp's iSWA cache is not modelled here)."""
+    32 bytes, which these sizes already are, so the "KV buffer size" line shows the same total.)
+
+    A model with sliding-window and full-attention layers (Gemma 2/3) gets llama.cpp's iSWA cache
+    (``llama_kv_cache_iswa``, ``src/llama-kv-cache-iswa.cpp``): the full-attention layers in a cache of the size
+    above, the sliding-window layers (window ``n_swa``) in a second one of
+    ``PAD(min(size, n_swa · (unified ? n_seq : 1) + n_ubatch), 256)`` cells — or the full size with
+    ``swa_full`` (``--swa-full``; llama-server's default is off, ``n_ubatch`` 512; llama-cpp-python leaves
+    ``llama_context_default_params``' ``swa_full = true``). Raises ``KvcalError`` for an unknown type, a
+    non-positive ``n_ctx``/``n_seq``/``n_ubatch``, a head size the type's block does not divide, or a model whose
+    every layer slides or whose sliding layers have different windows (not sized here)."""
     from kvcal.formats.memory import model_shape
 
     tk, tv = ggml_type(type_k), ggml_type(type_v)
-    for name, v in (("n_ctx", n_ctx), ("n_seq", n_seq)):
+    for name, v in (("n_ctx", n_ctx), ("n_seq", n_seq), ("n_ubatch", n_ubatch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise KvcalError(f"{name} must be a positive integer, got {v!r}")
     try:
         shape = model_shape(config)
     except ValueError as e:
         raise KvcalError(str(e)) from None
-    if shape.layer_windows:
-        raise KvcalError("models with sliding-window layers use llama.cpp's iSWA cache, which kvcal does not size yet")
+    swa_layers = shape.sliding_layers
+    windows = {shape.layer_windows[i] for i in swa_layers}
+    if swa_layers and (len(swa_layers) == shape.num_layers or len(windows) > 1):
+        raise KvcalError("kvcal sizes llama.cpp's iSWA cache for models with full-attention layers and one sliding "
+                         f"window; this model has {len(swa_layers)} of {shape.num_layers} layers sliding, windows "
+                         f"{sorted(windows)}")
     n_ctx_pad = _pad(n_ctx, 256)
     if unified:
         kv_size, n_stream = n_ctx_pad, 1
@@ -251,9 +280,16 @@ def kv_bytes(config, type_k: str, type_v: str, n_ctx: int, n_seq: int = 1, *, un
     check_head_dim(type_v, shape.head_dim, "V")
     n_embd = shape.num_kv_heads * shape.head_dim
     k_row, v_row = tk.row_bytes(n_embd), tv.row_bytes(n_embd)
-    L = shape.num_layers
-    return LlamaCppKVBytes(L * k_row * kv_size * n_stream, L * v_row * kv_size * n_stream, kv_size, L, n_seq,
-                           n_stream, type_k, type_v)
+
+    def cache(n_layers: int, size: int, swa=None) -> LlamaCppKVBytes:
+        return LlamaCppKVBytes(n_layers * k_row * size * n_stream, n_layers * v_row * size * n_stream, size,
+                               n_layers, n_seq, n_stream, type_k, type_v, swa)
+
+    if not swa_layers:
+        return cache(shape.num_layers, kv_size)
+    n_swa = windows.pop()
+    size_swa = kv_size if swa_full else _pad(min(kv_size, n_swa * (n_seq if unified else 1) + n_ubatch), 256)
+    return cache(shape.num_layers - len(swa_layers), kv_size, cache(len(swa_layers), size_swa))
 
 
 def check_head_dim(type_name: str, head_dim: int, side: str) -> None:
@@ -314,15 +350,17 @@ def kv_memory(config, spec: str, context: int, batch: int = 1) -> dict:
     per sequence, llama.cpp's default without ``--kv-unified``) with the pair :func:`parse_pair` reads from
     ``spec``: ``{"engine", "version", "type_k", "type_v", "setting" (the llama-server arguments), "bytes_per_token"
     (:func:`pair_bytes_per_token`), "context", "batch", "cells" (per stream, after llama.cpp's padding to 256),
-    "streams", "k_bytes", "v_bytes", "total" (bytes), "log_line" (the ``llama_kv_cache: size = ...`` line it
-    prints)}``. Raises ``KvcalError`` as :func:`kv_bytes`."""
+    "streams", "k_bytes", "v_bytes", "total" (bytes, every cache), "log_line" (the ``llama_kv_cache: size = ...``
+    line it prints; two, newline-separated, for an iSWA cache), "swa_cells" (the sliding-window cache's cells per
+    stream, or ``None``)}``. Raises ``KvcalError`` as :func:`kv_bytes`."""
     type_k, type_v = parse_pair(spec)
     b = kv_bytes(config, type_k, type_v, context, batch)
     return {"engine": "llama.cpp", "version": "llama-cpp-python 0.3.36", "type_k": type_k, "type_v": type_v,
             "setting": f"-fa on -ctk {type_k} -ctv {type_v}", "bytes_per_token": pair_bytes_per_token(config, type_k,
                                                                                                      type_v),
-            "context": context, "batch": batch, "cells": b.kv_size, "streams": b.n_stream, "k_bytes": b.k_bytes,
-            "v_bytes": b.v_bytes, "total": b.total, "log_line": b.log_line()}
+            "context": context, "batch": batch, "cells": b.kv_size, "streams": b.n_stream, "k_bytes": b.k_total,
+            "v_bytes": b.v_total, "total": b.total, "log_line": "\n".join(b.log_lines()),
+            "swa_cells": b.swa.kv_size if b.swa else None}
 
 
 # -- the weights' matmuls (what differs from kvcal's dequantized float32 model even with an unquantized cache) ---

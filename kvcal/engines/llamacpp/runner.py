@@ -23,13 +23,13 @@ token ``t+1``: per window, the mean over its ``T-1`` positions of the NLL of the
 reference run, of ``KL(P_ref || P_pair)`` (nats, float64 over the full vocabulary), and top-1 agreement. The
 reference's log-probabilities (float32, as computed from float32 logits) go to a scratch file (``scratch_dir``,
 default: the result's folder) read back chunk by chunk, and are removed at exit. llama.cpp's own log (its
-``llama_log_set`` callback, replaced here) is kept for the line ``llama_kv_cache: size = ...`` that states the cache
-it allocated (``kv_log``) and for the last error it printed.
+``llama_log_set`` callback, replaced here) is kept for the lines ``llama_kv_cache: size = ...`` that state the caches
+it allocated (``kv_log``: newline-joined, two for an iSWA cache) and for the last error it printed.
 
 Result::
 
     {"llama_cpp_version": "0.3.36", "n_ctx": T, "windows": N, "tokens_per_window": T - 1, "vocab": V,
-     "reference": {"type_k", "type_v", "nll": [N], "kv_log": LINE or null, "load_s", "eval_s"},
+     "reference": {"type_k", "type_v", "nll": [N], "kv_log": LINES or null, "load_s", "eval_s"},
      "pairs": [{"type_k", "type_v", "nll": [N], "kl": [N], "top1": [N], "kv_log", "load_s", "eval_s"}, ...],
      "peak_rss_mb": ...}
 """
@@ -115,7 +115,7 @@ class _Log:
 
     def kv_line(self, since: int) -> str | None:
         got = [ln for ln in self.lines(since) if ln.startswith("llama_kv_cache: size")]
-        return got[-1] if got else None
+        return "\n".join(got) if got else None  # two for an iSWA cache (full-attention, then sliding-window)
 
     def last_error(self, since: int) -> str | None:
         got = [ln for ln in self.lines(since) if any(w in ln.lower() for w in ("error", "failed", "requires",

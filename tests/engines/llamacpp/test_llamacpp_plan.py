@@ -214,3 +214,50 @@ def test_head_dim_refused_alike_by_every_entry():
             call()
     # f16/f16: 2 layers x (48 x 2 bytes) x 2 sides per token, hand-counted
     assert pair_bytes_per_token(cfg, "f16", "f16") == 2 * 2 * 48 * 2
+
+
+def _gemma3_like(**kw):
+    from transformers import Gemma3TextConfig
+
+    # Gemma 3 270M's cache shape: 18 layers (every 6th full attention: 5, 11, 17), 1 KV head, head_dim 256, window 512
+    return Gemma3TextConfig(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                            hidden_size=640, sliding_window=512, **kw)
+
+
+def test_kv_bytes_iswa_by_hand():
+    """llama.cpp's iSWA cache (src/llama-kv-cache-iswa.cpp): the 3 full-attention layers in n_ctx_seq cells, the 15
+    sliding ones in PAD(min(size, n_swa * (unified ? n_seq : 1) + n_ubatch), 256) cells, or the full size with
+    swa_full; a q8_0 row of 256 values is 8 blocks x 34 B = 272 B. Worked by hand."""
+    from kvcal.engines.llamacpp.plan import kv_bytes, kv_memory
+
+    cfg = _gemma3_like()
+    b = kv_bytes(cfg, "q8_0", "q8_0", 4096)  # llama-server defaults: -ub 512, no --swa-full
+    assert (b.n_layers, b.kv_size, b.swa.n_layers, b.swa.kv_size) == (3, 4096, 15, 1024)  # min(4096, 512 + 512)
+    assert b.k_bytes == 3 * 272 * 4096 and b.swa.k_bytes == 15 * 272 * 1024
+    assert b.total == 2 * (3 * 272 * 4096 + 15 * 272 * 1024) == 15_040_512
+    assert b.log_lines() == [
+        "llama_kv_cache: size =    6.38 MiB (  4096 cells,   3 layers,  1/1 seqs), K (q8_0):    3.19 MiB, V (q8_0):    3.19 MiB",
+        "llama_kv_cache: size =    7.97 MiB (  1024 cells,  15 layers,  1/1 seqs), K (q8_0):    3.98 MiB, V (q8_0):    3.98 MiB"]
+    # 32k: the sliding cache stays at 1024 cells
+    assert kv_bytes(cfg, "q8_0", "q8_0", 32768).total == 2 * (3 * 272 * 32768 + 15 * 272 * 1024)
+    # llama-cpp-python (swa_full true) at 512 with -ub 512: the line llama.cpp logged serving Gemma 3 (docs/results.md)
+    s = kv_bytes(cfg, "q8_0", "q8_0", 512, n_ubatch=512, swa_full=True)
+    assert s.log_lines()[1] == ("llama_kv_cache: size =    3.98 MiB (   512 cells,  15 layers,  1/1 seqs), "
+                                "K (q8_0):    1.99 MiB, V (q8_0):    1.99 MiB")
+    # 4 sequences: per stream PAD(8192 / 4, 256) = 2048 cells, sliding min(2048, 512 + 512) = 1024;
+    # unified: 8192 cells in one stream, sliding PAD(min(8192, 512 * 4 + 512), 256) = 2560
+    p = kv_bytes(cfg, "q8_0", "q4_0", 8192, 4)
+    assert (p.kv_size, p.n_stream, p.swa.kv_size) == (2048, 4, 1024)
+    assert p.v_total == 4 * (3 * 144 * 2048 + 15 * 144 * 1024)  # q4_0 row: 8 x 18 B
+    u = kv_bytes(cfg, "q8_0", "q8_0", 8192, 4, unified=True)
+    assert (u.kv_size, u.n_stream, u.swa.kv_size) == (8192, 1, 2560)
+    m = kv_memory(cfg, "q8_0", 4096)
+    assert (m["total"], m["k_bytes"], m["cells"], m["swa_cells"]) == (15_040_512, 7_520_256, 4096, 1024)
+    assert m["log_line"].splitlines() == b.log_lines()
+
+
+def test_kv_bytes_refuses_all_sliding_models():
+    from kvcal.engines.llamacpp.plan import kv_bytes
+
+    with pytest.raises(KvcalError, match="18 of 18 layers sliding"):
+        kv_bytes(_gemma3_like(layer_types=["sliding_attention"] * 18), "q8_0", "q8_0", 4096)

@@ -55,6 +55,7 @@ class Llama:
         if _cb:
             _cb[0](1, b"llama_kv_cache: size =    1.00 MiB ( ", None)
             _cb[0](5, b"256 cells)\nother line\n", None)
+            _cb[0](1, b"llama_kv_cache: size =    2.00 MiB ( 512 cells)\n", None)
         self.kw = kw
         self.scores = np.zeros((kw["n_ctx"], V), dtype=np.float32)
     def reset(self):
@@ -111,7 +112,9 @@ def test_runner_kl_nll_top1_match_float64_and_arguments(tmp_path):
             assert got["kl"][i] == pytest.approx(kl, rel=1e-6)
             assert got["nll"][i] == pytest.approx(-lp[np.arange(39), np.array(w[1:])].mean(), rel=1e-9)
             assert got["top1"][i] == pytest.approx((lr.argmax(-1) == lp.argmax(-1)).mean())
-        assert got["kv_log"] == "llama_kv_cache: size =    1.00 MiB ( 256 cells)"
+        # every kv line, in order (an iSWA cache logs two)
+        assert got["kv_log"] == ("llama_kv_cache: size =    1.00 MiB ( 256 cells)\n"
+                                 "llama_kv_cache: size =    2.00 MiB ( 512 cells)")
     calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert [(c["type_k"], c["type_v"]) for c in calls] == [(1, 1), (8, 8), (2, 20)]
     for c in calls:
