@@ -23,6 +23,7 @@ for bad options, inputs or output locations.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -215,12 +216,12 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
 
     ``model`` / ``tokenizer``: already-loaded objects for ``cfg.model`` (tests, notebooks);
     loaded offline when None. ``corpus``: ``cfg.corpus`` already checked (:class:`kvcal.inputs.CorpusInput`,
-    :mod:`kvcal.api`'s preflight); checked here when None. ``captures``: a dict shared by several calls on the
-    same ``model`` (``kvcal recommend``'s per-tensor and per-KV-head fp8 calibrations): a capture is reused when
-    everything it depends on is equal (the token ids of every corpus sample, the held-out split, the model's
-    shape, batch, reservoirs, search tokens, seed, padding id, the first positions left out of the statistics),
-    else run and stored; the searches read a capture and never write it, so the artifact is the one a fresh
-    capture gives. Raises :class:`KvcalError` (bad corpus, model, options, or output location); nothing is
+    :mod:`kvcal.api`'s preflight); checked here when None. ``captures``: a dict shared by several calls
+    (``kvcal recommend``'s fp8, nvfp4 and per-KV-head calibrations): a capture is reused when everything it
+    depends on is equal (the model's weights fingerprint and config, the token ids of every corpus sample, the
+    held-out split, the model's shape, batch, reservoirs, search tokens, seed, padding id, the first positions
+    left out of the statistics), else run and stored; the searches read a capture and never write it, so the
+    artifact's scales are the ones a fresh capture gives (its recorded capture time is the first run's). Raises :class:`KvcalError` (bad corpus, model, options, or output location); nothing is
     written unless the whole run succeeds.
     """
     from kvcal.corpus import format_shape, load_corpus
@@ -283,7 +284,9 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
         ids = hashlib.sha256()
         for smp in corpus.samples:
             ids.update(str(smp.numel()).encode() + b":" + smp.to(torch.int64).numpy().tobytes())
-        key = (id(model), ids.hexdigest(), tuple(sorted(held_idx)), tuple(sorted(args.items())))
+        key = (json.dumps(mmeta["weights"], sort_keys=True), mmeta["config_sha256"], ids.hexdigest(),
+               tuple(sorted(held_idx)),
+               tuple(sorted(args.items())))
     if captures is not None and ckpt is None and world == 1 and key in captures:
         cap = captures[key]
         log("capture: reused (the same model, corpus samples and capture settings as an earlier calibration)")

@@ -66,7 +66,7 @@ def memory_cmd(model, fmt, granularity, group_size, symmetric, residual_window, 
         click.echo(f"bytes per token: {e['bytes_per_token']} ({b16 / e['bytes_per_token']:.2f}x smaller than 16-bit "
                    f"{b16})")
         cells = (f"{e['cells']} cells (full-attention layers) and {e['swa_cells']} (sliding-window layers, llama.cpp's "
-                 "iSWA cache with llama-server's defaults: no --swa-full, -ub 512)") if e.get("swa_cells") else \
+                 "iSWA cache with -ub 512 and no --swa-full, llama-server's defaults)") if e.get("swa_cells") else \
             f"{e['cells']} cells"
         click.echo(f"cache bytes (context {res.context}, batch {res.batch}: {cells} x {e['streams']} "
                    f"stream(s)): {e['total']} ({e['total'] / 2**20:.2f} MiB), K {e['k_bytes']}, V {e['v_bytes']}")

@@ -298,7 +298,7 @@ def recommend_cmd(corpus, text_field, messages_field, split, engine, out, model,
 @click.option("--threads", default=None, type=count(1), help="llamacpp: the engine's threads [default: all CPUs].")
 @click.option("--floor-windows", "floor_windows", default=None, type=count(1),
               help="llamacpp: windows the float32-input prediction runs on (reported; the floor when some "
-                   "matmul input is not emulated) [default: all].")
+                   "matmul input is not emulated) [default: 2, or all when it is the floor].")
 @user_errors
 def verify_cmd(checkpoint, corpus, text_field, messages_field, split, engine_python, context, windows, kv_cache_dtype,
                backend, accept, json_path, timeout_s, skip_layers=None, model_dir=None, engine_name=None, model=None,

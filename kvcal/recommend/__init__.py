@@ -184,8 +184,8 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
         calib = calibrations(cfg.dtypes)
         progress_bar = _RunBar(progress)
 
-        # one capture for every calibration (fp8 per tensor, nvfp4, the per-KV-head rescue; kvcal.calibrate): held
-        # until the rescue has run (its K/V/Q reservoirs: what one calibration holds at its peak)
+        # one capture for every calibration (fp8 per tensor, nvfp4, the per-KV-head rescue; kvcal.calibrate), its K/V/Q
+        # reservoirs held only while a later calibration may still read them
         captures: dict = {}
 
         def calibrate_one(cd: str, name: str, granularity: str | None = None) -> dict:
@@ -218,6 +218,9 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                         scales[d], artifact_of[d] = sc, name
             else:
                 lazy.append((cd, uses, name))
+        rescue = cfg.backend == "cuda" and cfg.per_head and any(d in ("fp8", "fp8_e4m3") for d in scales)
+        if not (lazy or rescue):
+            captures.clear()  # no later calibration can read it
         ev_rows = WindowedRows(model, ev, on_forward=progress_bar.tick)
         n0 = min(cfg.windows, len(ev))
         cap = max(n0, min(cfg.max_windows, len(ev)))
@@ -341,6 +344,8 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                     continue
                 scales[d], artifact_of[d] = calibrate_one(cd, name), name
                 screen(add_group(d, SCALES_CALIBRATED, scales[d], sets_of(d, d)), d)
+        if not rescue:
+            captures.clear()
         # the per-KV-head FP8 rescue (vLLM: compressed-tensors strategy attn_head, FlashAttention-3): calibrated
         # and measured when per-tensor FP8 without 16-bit layers does not pass on its bound
         fp8d = next((d for d in menu if d in ("fp8", "fp8_e4m3") and d in scales), None)
@@ -354,7 +359,6 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
             base = [cands[i] for i in base_i]
             if base and (cfg.measure_all or all(c.get("status") != "PASS" for c in base)):
                 hs = calibrate_one(fp8d, HEAD_ARTIFACT, granularity="head")
-                captures.clear()  # the last calibration that reads it
                 head_key = f"{fp8d} per-KV-head"
                 probe_groups({head_key: eng.Plan(fp8d, L, add_boundary=False, **{"backend": cfg.backend, **hs})})
                 artifact_of[head_key] = HEAD_ARTIFACT
@@ -367,6 +371,7 @@ def recommend(cfg: RecommendConfig, log: Callable[[str], None] = print, progress
                              "backend (Hopper GPUs) only")
             elif base:
                 notes.append(f"per-KV-head {fp8d} not calibrated: per-tensor {fp8d} without 16-bit layers passes")
+        captures.clear()  # every calibration has run
         # cheapest first, adding windows where a bound straddles the bar (doubling, up to the cap); once a row
         # passes, every dearer row is left unmeasured
         best = None

@@ -22,7 +22,7 @@ Pipeline (:func:`verify_pairs`):
    ``vec_dot_type`` — ``q8_1`` for Q4_1 weights, ``q8_0`` for Q8_0/Q4_0/Q5_0, ``q8_K`` for K-quants — before the dot
    products). A cache error moves activations across those roundings, so on a quantized-weight GGUF the rounding
    is part of what a cache type costs (``docs/results.md``, llama.cpp section). The float32-input prediction is
-   reported beside it (``--floor-windows`` windows).
+   reported beside it (``--floor-windows`` windows, default 2).
 4. Judge each pair with :func:`kvcal.verify.figures.agreement` (tolerance below).
 
 **Tolerance** (``docs/serving.md#llamacpp-served-vs-predicted``). Per window ``w`` the paired difference
@@ -195,12 +195,13 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
                                             "pairs": [list(p) for p in pairs], "threads": threads}, Path(td),
                             cfg.timeout_s, runner=eng.RUNNER)
     n = len(wins)
-    nf = min(n, cfg.floor_windows or n)
     inputs = eng.gguf_matmul_inputs(gguf)
     with eng.MatmulInputs(model, inputs) as mm:
         # every weight matmul's input rounded as llama.cpp rounds it: that prediction is the one judged, on every
-        # window; else the float32 one is, with the floor measured on ``nf`` windows
+        # window (the float32 one, only reported, on --floor-windows, default 2); else the float32 one is, with
+        # the floor measured on --floor-windows (default all)
         emulated = not mm.left
+        nf = min(n, cfg.floor_windows or (2 if emulated else n))
         n_mm = n if emulated else nf
         log(f"kvcal prediction, matmul inputs rounded as {eng.DISPLAY_NAME} rounds them: {len(pairs)} pairs x {n_mm} "
             f"windows" + ("" if emulated else f" (not emulated: {len(mm.left)} matmuls, e.g. {mm.left[0]})"))
@@ -323,8 +324,9 @@ def render_pairs(doc: dict) -> str:
                          f"the predicted KL itself ({r['resolve']:.2e}: it cannot tell this cache from none); "
                          + (f"about {need} windows would decide it" if need else "more windows would not decide it"))
         if r["kv_log"]["match"] is False:
-            lines.append(f"note: {r['type_k']}/{r['type_v']}: llama.cpp logged `{r['kv_log']['served']}`, kvcal "
-                         f"sizes `{r['kv_log']['kvcal']}`")
+            lines.append(f"note: {r['type_k']}/{r['type_v']}: llama.cpp logged "
+                         + " / ".join(f"`{x}`" for x in r['kv_log']['served'].splitlines()) + "; kvcal sizes "
+                         + " / ".join(f"`{x}`" for x in r['kv_log']['kvcal'].splitlines()))
     lines.append(f"tolerance: {int(doc['confidence'] * 100)}% paired t-interval over windows"
                  + ("" if mm else f" + floor (on {pr['other_windows']} windows)")
                  + "; docs/serving.md#llamacpp-served-vs-predicted")

@@ -347,7 +347,8 @@ def pair_plan(type_k: str, type_v: str, num_layers: int, head_dim: int | None = 
 
 def kv_memory(config, spec: str, context: int, batch: int = 1) -> dict:
     """``kvcal memory --format llamacpp:<spec>``: what llama.cpp allocates for ``-c context -np batch`` (one stream
-    per sequence, llama.cpp's default without ``--kv-unified``) with the pair :func:`parse_pair` reads from
+    per sequence, llama.cpp's default without ``--kv-unified``; ``-np`` must be given: llama-server without it
+    runs 4 slots in one unified cache, ``tools/server/server.cpp``) with the pair :func:`parse_pair` reads from
     ``spec``: ``{"engine", "version", "type_k", "type_v", "setting" (the llama-server arguments), "bytes_per_token"
     (:func:`pair_bytes_per_token`), "context", "batch", "cells" (per stream, after llama.cpp's padding to 256),
     "streams", "k_bytes", "v_bytes", "total" (bytes, every cache), "log_line" (the ``llama_kv_cache: size = ...``
@@ -356,7 +357,7 @@ def kv_memory(config, spec: str, context: int, batch: int = 1) -> dict:
     type_k, type_v = parse_pair(spec)
     b = kv_bytes(config, type_k, type_v, context, batch)
     return {"engine": "llama.cpp", "version": "llama-cpp-python 0.3.36", "type_k": type_k, "type_v": type_v,
-            "setting": f"-fa on -ctk {type_k} -ctv {type_v}", "bytes_per_token": pair_bytes_per_token(config, type_k,
+            "setting": f"-fa on -ctk {type_k} -ctv {type_v} -c {context} -np {batch}", "bytes_per_token": pair_bytes_per_token(config, type_k,
                                                                                                      type_v),
             "context": context, "batch": batch, "cells": b.kv_size, "streams": b.n_stream, "k_bytes": b.k_total,
             "v_bytes": b.v_total, "total": b.total, "log_line": "\n".join(b.log_lines()),
@@ -378,7 +379,9 @@ def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
     weight's ggml type (``ggml_compute_forward_mul_mat``, ``ggml/src/ggml-cpu/ggml-cpu.c``: ``src1`` rows are
     converted with ``from_float`` of ``type_traits_cpu[src0->type].vec_dot_type`` before the dot products):
     ``q8_1`` for Q4_1/Q5_1 weights, ``q8_0`` for Q4_0/Q5_0/Q8_0/IQ4_NL, ``q8_K`` for the K-quants Q2_K..Q6_K,
-    ``f16``/``bf16`` for F16/BF16, ``f32`` (nothing) for F32; other types map to ``None`` (not emulated). The output matmul is
+    ``f16``/``bf16`` for F16/BF16, ``f32`` (nothing) for F32; other types map to ``None`` (not emulated). A
+    quantized ``blk.*`` weight outside :data:`GGUF_LINEARS` (MoE experts, shared experts, ...) appears as
+    ``"gguf:<tensor name>" -> None`` so that :class:`MatmulInputs` reports it as not emulated. The output matmul is
     ``output.weight``, or ``token_embd.weight`` when the embeddings are tied. Reads the header with ``gguf``."""
     from gguf import GGUFReader
 
@@ -390,6 +393,8 @@ def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
         parts = name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight":
             out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = vec.get(ty)
+        elif parts[0] == "blk" and parts[-1] == "weight" and ty not in ("f32", "f16", "bf16"):
+            out[f"gguf:{name}"] = None  # a quantized weight kvcal maps to no module (MoE experts, ...): not emulated
     head = types.get("output.weight", types.get("token_embd.weight"))
     if head is not None:
         out["lm_head"] = vec.get(head)
@@ -397,6 +402,10 @@ def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
 
 
 _GELU_TABLE: list[torch.Tensor] = []
+
+#: transformers activation classes computing the tanh-approximated GELU, which llama.cpp's CPU backend runs through
+#: its fp16 table (``activations.py``: ``gelu_pytorch_tanh``, ``gelu_new``, ``gelu_fast``)
+GELU_TANH_MODULES = ("GELUTanh", "NewGELUActivation", "FastGELUActivation")
 
 
 def gelu_f16_table() -> torch.Tensor:
@@ -428,9 +437,10 @@ class MatmulInputs:
     ``fake_quant`` of that type, blocks of 32 (256 for ``q8_K``) along the input features, x86 AVX path); with
     these hooks the weights' products are llama.cpp's up to the order of f32 sums (and the fp16 rounding of
     ``q8_1``'s block sum). (2) GELU-tanh activations (transformers' ``GELUTanh``: Gemma's ``gelu_pytorch_tanh``)
-    go through ggml's fp16 table (:func:`gelu_f16`, a forward hook). Nothing else changes (norms, RoPE,
+    (:data:`GELU_TANH_MODULES`) go through ggml's fp16 table (:func:`gelu_f16`, a forward hook). Nothing else changes (norms, RoPE,
     attention). ``emulated``: the matmul module names hooked -> input type; ``left``: the names found in the GGUF
-    but not hooked (a type kvcal does not emulate, or no such module); ``activations``: the GELU modules hooked."""
+    but not hooked (a type kvcal does not emulate, or no such module) and every ``nn.Linear`` of the model the
+    map does not name; ``activations``: the GELU modules hooked."""
 
     def __init__(self, model, inputs: dict[str, str | None]):
         self.model, self.inputs = model, dict(inputs)
@@ -455,8 +465,10 @@ class MatmulInputs:
 
             self._handles.append(m.register_forward_pre_hook(hook))
             self.emulated[name] = ty
+        # a Linear of the model the GGUF map does not name runs unrounded here: not emulated either
+        self.left += [n for n, m in mods.items() if isinstance(m, torch.nn.Linear) and n not in self.inputs]
         for name, m in mods.items():
-            if type(m).__name__ == "GELUTanh":
+            if type(m).__name__ in GELU_TANH_MODULES:
                 self._handles.append(m.register_forward_hook(lambda mod, args, out: gelu_f16(args[0]).to(out.dtype)))
                 self.activations.append(name)
         return self

@@ -159,7 +159,7 @@ def _inv(d: torch.Tensor) -> torch.Tensor:
 
 
 def _signed_absmax(xb: torch.Tensor) -> torch.Tensor:
-    """The signed element of largest magnitude of each block ``[..., nb, 32] -> [..., nb, 1]``, the first one
+    """The signed element of largest magnitude of each block ``[..., nb, B] -> [..., nb, 1]``, the first one
     on ties (ggml's ``if (amax < fabsf(v))`` scan; ``torch.argmax`` returns the first maximum)."""
     return xb.gather(-1, xb.abs().argmax(-1, keepdim=True))
 
@@ -269,7 +269,8 @@ def fake_quant_q8_K(x: torch.Tensor) -> torch.Tensor:
     stored as f32, value ``d · code`` (``quantize_row_q8_K_ref``, ``ggml-quants.c``, which the x86 backend's
     ``quantize_row_q8_K`` calls; the AVX2 ``ggml_quantize_mat_q8_K_4x8`` of ``arch/x86/repack.cpp`` takes the same
     magnitude ``127 / amax`` and only its sign can differ on a ± tie, which leaves ``d · code`` unchanged since
-    rounding to even is odd-symmetric). A block of zeros stays zero. Raises ``KvcalError`` for a last dimension
+    rounding to even is odd-symmetric). A block of zeros, or one whose ``-127 / max`` overflows f32 (``amax <
+    127 / FLT_MAX``), dequantizes to zeros, as ggml's does. Raises ``KvcalError`` for a last dimension
     that is not a positive multiple of 256, or NaN/Inf input."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise KvcalError("q8_K quantization takes a floating-point tensor")
@@ -281,8 +282,11 @@ def fake_quant_q8_K(x: torch.Tensor) -> torch.Tensor:
         raise KvcalError("q8_K quantization got NaN or Inf values (ggml's block scale is undefined then)")
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // QK_K, QK_K)
     mx = _signed_absmax(xb)
-    nz = mx != 0
-    iscale = torch.where(nz, torch.full_like(mx, -127.0) / torch.where(nz, mx, 1.0), 0.0)
+    # a zero block, or one so small that -127/max overflows to inf: ggml's codes come out 0 (nearest_int of inf or
+    # NaN keeps no low bits) and d = 1/inf = 0, so the block dequantizes to zeros
+    raw = torch.full_like(mx, -127.0) / torch.where(mx != 0, mx, 1.0)
+    nz = (mx != 0) & torch.isfinite(raw)
+    iscale = torch.where(nz, raw, 0.0)
     q = torch.round(xb * iscale).clamp(max=127)
     d = torch.where(nz, torch.ones_like(iscale) / torch.where(nz, iscale, 1.0), 0.0)
     return (d * q).reshape(x.shape)

@@ -176,3 +176,42 @@ def test_matmul_inputs_hooks_gelu_tanh_modules():
         got = m(x)
     assert mm.activations == ["act_fn"] and torch.equal(got, gelu_f16(x))
     assert torch.equal(m(x), torch.nn.functional.gelu(x, approximate="tanh"))
+
+
+def test_q8_K_block_too_small_for_its_scale_is_zeros():
+    # amax < 127 / FLT_MAX: -127/max overflows to inf; ggml's nearest_int of inf/NaN keeps no low bits (codes 0)
+    # and d = 1/inf = 0, so the block holds zeros (a NaN here would poison the whole window)
+    x = torch.zeros(512)
+    x[0], x[1], x[300] = 1e-38, -3e-39, 2.0
+    got = Q.fake_quant_q8_K(x)
+    assert torch.equal(got[:256], torch.zeros(256)) and got[300] == 2.0
+
+
+def test_matmul_inputs_reports_what_it_does_not_round(tmp_path):
+    """A Linear the map does not name, and a quantized GGUF weight that maps to no module (MoE experts), are both
+    reported as not emulated (so verify judges the float32 prediction with a floor instead of claiming the whole
+    model is emulated)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    rng = np.random.default_rng(0)
+    for name, ty in (("blk.0.attn_q.weight", T.Q8_0), ("blk.0.ffn_gate_exps.weight", T.Q8_0),
+                     ("blk.0.attn_norm.weight", T.F32)):
+        a = rng.standard_normal((64, 64) if ty != T.F32 else (64,)).astype(np.float32)
+        if ty == T.F32:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, quantize(a, ty), raw_dtype=ty)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = gguf_matmul_inputs(tmp_path / "m.gguf")
+    assert got == {"model.layers.0.self_attn.q_proj": "q8_0", "gguf:blk.0.ffn_gate_exps.weight": None}
+    m = _Tiny()
+    with MatmulInputs(m, {"up": "q8_K"}) as mm:
+        pass
+    assert mm.emulated == {"up": "q8_K"} and sorted(mm.left) == ["down", "odd"]  # named by no GGUF tensor

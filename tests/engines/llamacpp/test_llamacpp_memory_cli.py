@@ -35,7 +35,8 @@ def test_memory_mixed_pair_and_sequences():
                               "--json"]))
     assert (doc["type_k"], doc["type_v"], doc["cells"], doc["streams"]) == ("q8_0", "q4_0", 1024, 4)
     assert (doc["k_bytes"], doc["v_bytes"]) == (L * ROW["q8_0"] * 4096, L * ROW["q4_0"] * 4096)
-    assert doc["setting"] == "-fa on -ctk q8_0 -ctv q4_0"
+    # -np explicit: llama-server without it runs 4 slots in one unified cache (tools/server/server.cpp)
+    assert doc["setting"] == "-fa on -ctk q8_0 -ctv q4_0 -c 4096 -np 4"
 
 
 @pytest.mark.parametrize("args,words", [

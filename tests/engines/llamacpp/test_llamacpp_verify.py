@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -240,7 +241,8 @@ def test_engine_tier_verify_smollm(tmp_path):
 def _fake_engine_python(tmp_path) -> Path:
     """An executable that runs this Python with the fake ``llama_cpp`` importable (run_engine drops PYTHONPATH)."""
     w = tmp_path / "fake-python"
-    w.write_text(f"#!/bin/sh\nPYTHONPATH={_fake(tmp_path)} exec {sys.executable} \"$@\"\n")
+    w.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(_fake(tmp_path)))} exec {shlex.quote(sys.executable)} "
+                 '"$@"\n')
     w.chmod(0o755)
     return w
 
