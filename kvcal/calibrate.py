@@ -221,8 +221,9 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
     depends on is equal (the model's weights fingerprint and config, the token ids of every corpus sample, the
     held-out split, the model's shape, batch, reservoirs, search tokens, seed, padding id, the first positions
     left out of the statistics), else run and stored; the searches read a capture and never write it, so the
-    artifact's scales are the ones a fresh capture gives (its recorded capture time is the first run's). Raises :class:`KvcalError` (bad corpus, model, options, or output location); nothing is
-    written unless the whole run succeeds.
+    artifact's scales are the ones a fresh capture gives (its recorded capture time is the first run's).
+    Raises :class:`KvcalError` (bad corpus, model, options, or output location); nothing is written unless the
+    whole run succeeds.
     """
     from kvcal.corpus import format_shape, load_corpus
     from kvcal.models import head_dim_of, load_model, load_tokenizer, model_metadata
@@ -278,21 +279,20 @@ def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print, progress
                 reservoir=cfg.reservoir, heldout_reservoir=cfg.heldout_reservoir, search_tokens=cfg.search_tokens,
                 seed=cfg.seed, pad_id=pad, stats_skip_first=skip)
     key = None
-    if captures is not None:
+    if captures is not None and ckpt is None and world == 1:  # a checkpointed or distributed capture is never shared
         import hashlib
 
         ids = hashlib.sha256()
         for smp in corpus.samples:
             ids.update(str(smp.numel()).encode() + b":" + smp.to(torch.int64).numpy().tobytes())
         key = (json.dumps(mmeta["weights"], sort_keys=True), mmeta["config_sha256"], ids.hexdigest(),
-               tuple(sorted(held_idx)),
-               tuple(sorted(args.items())))
-    if captures is not None and ckpt is None and world == 1 and key in captures:
+               tuple(sorted(held_idx)), tuple(sorted(args.items())))
+    if key is not None and key in captures:
         cap = captures[key]
         log("capture: reused (the same model, corpus samples and capture settings as an earlier calibration)")
     else:
         cap = run_capture(model, corpus.samples, held_idx, progress=progress, checkpoint=ckpt, **args)
-        if captures is not None and ckpt is None and world == 1:
+        if key is not None:
             captures[key] = cap
     if rank != 0:
         finish_distributed()

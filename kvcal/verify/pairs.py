@@ -213,14 +213,13 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     rows = WindowedRows(model, wins[:n_f])
     for p, plan in plans.items():
         rows.measure(p, plan, n_f)
-    judged, other = (rows_mm, rows) if emulated else (rows, rows_mm)
-    n_o = n_f if emulated else n_mm
+    judged, other = (rows_mm, rows) if emulated else (rows, rows_mm)  # ``other`` ran on the first nf windows
     doc_rows = []
     for p, s in zip(pairs, served["pairs"], strict=True):
         r, o = judged.result(p), other.result(p)
         pred_w = r["per_window"]["kl_mean"]
         # the two predictions on the windows both ran on: the floor when the judged one is float32, else reported
-        f_o = sum(pred_w[:n_o]) / n_o
+        f_o = sum(pred_w[:nf]) / nf
         floor = 0.0 if emulated else abs(o["kl_mean"] - f_o)
         ag = agreement(s["kl"], pred_w, floor)
         # what the check must tell apart: this pair's cache from no quantization at all (the predicted KL itself)
@@ -241,7 +240,7 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
             "served_kl": sum(s["kl"]) / n, "predicted_kl": r["kl_mean"], "diff": ag["diff"], "tol": ag["tol"],
             "t_half_width": ag["tol"] - floor, "floor": floor,
             "predicted_kl_matmul_emulated": mm_r["kl_mean"], "predicted_kl_float32": f_r["kl_mean"],
-            "other_windows": n_o, "served_kl_other_windows": sum(s["kl"][:n_o]) / n_o,
+            "other_windows": nf, "served_kl_other_windows": sum(s["kl"][:nf]) / nf,
             "resolve": ag["resolve"], "windows_needed": ag["windows_needed"], "verdict": verdict,
             "served_dnll": sum(a - b for a, b in zip(served_nll, ref_nll, strict=True)) / n,
             "predicted_dnll": sum(a - b for a, b in zip(r["per_window"]["nll"], r["per_window"]["ref_nll"],
@@ -272,7 +271,7 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
         "prediction": {"judged": "matmul-emulated" if emulated else "float32",
                        "matmul_inputs": sorted(set(mm.emulated.values())), "not_emulated": mm.left,
                        "gelu_f16_table": len(mm.activations),
-                       "other_windows": n_o,
+                       "other_windows": nf,
                        "floor": None if emulated else "|kvcal's predicted KL with llama.cpp's matmul input rounding "
                                                       "emulated - without|"},
         "confidence": CONFIDENCE, "rows": doc_rows, "verdict": verdict, "agree": verdict != "FAIL",
