@@ -4,6 +4,8 @@ Hugging Face checkpoint (:func:`save_hf_checkpoint`)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 from pathlib import Path
@@ -64,6 +66,29 @@ def _load_tokenizer(model: str | ModelSource | None):
                              "model's tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
 
+@contextlib.contextmanager
+def gguf_bar_follows_transformers():
+    """Within this block, transformers' GGUF de-quantization bar ("Converting and de-quantizing GGUF tensors...",
+    ``transformers/modeling_gguf_pytorch_utils.py``, a bare ``tqdm.auto.tqdm`` that ignores
+    ``transformers.utils.logging.disable_progress_bar()``) shows only while transformers' progress bars are enabled:
+    ``--quiet`` silences it with the others. Restores the module's ``tqdm`` on exit."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers and gguf are dependencies
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def load_model(
     model: str | ModelSource | None,
     device: str = "cpu",
@@ -89,8 +114,9 @@ def load_model(
     if device_map:
         kw["device_map"] = device_map
     try:
-        m, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, attn_implementation="sdpa",
-                                                       output_loading_info=True, **kw)
+        with gguf_bar_follows_transformers():
+            m, info = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, attn_implementation="sdpa",
+                                                           output_loading_info=True, **kw)
     except Exception as e:
         raise ModelLoadError(f"cannot load model {src.model_id}: {type(e).__name__}: {e}") from None
     check_loading_info(info, src.model_id)

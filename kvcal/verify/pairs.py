@@ -259,7 +259,8 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
         "schema": SCHEMA, "kvcal_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "engine": {"name": cfg.engine, "display": eng.DISPLAY_NAME, "python": str(engine_python),
-                   "version": served.get("llama_cpp_version"), "threads": served.get("threads"),
+                   "version": served.get("llama_cpp_version"), "emulated": eng.VERSION,
+                   "threads": served.get("threads"),
                    "reference": f"{ref['type_k']}/{ref['type_v']}", "flash_attn": True,
                    "calibrated_scales": False,
                    "seconds": {"reference": ref.get("eval_s"),
@@ -303,6 +304,10 @@ def render_pairs(doc: dict) -> str:
              f"predicted: kvcal's KL with float32 matmul inputs ({len(pr['not_emulated'])} of the model's matmuls take "
              f"inputs kvcal does not emulate, e.g. {(pr['not_emulated'] or ['-'])[0]}); the floor is how far "
              "emulating the others moves it",
+             *([] if f"llama-cpp-python {e['version']}" == e.get("emulated", "") else
+               [f"note: kvcal emulates {e['display']} as {e.get('emulated')} vendors it; this engine is "
+                f"llama-cpp-python {e['version']}: a row outside its tolerance may be the two builds' difference, "
+                "not kvcal's emulation of the pair"]),
              "",
              "| -ctk/-ctv | served KL | predicted KL | diff | tol | "
              + ("float32 prediction" if mm else "predicted, matmuls as llama.cpp") + " | served ΔNLL | predicted ΔNLL "

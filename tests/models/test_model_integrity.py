@@ -352,3 +352,25 @@ def test_calibrate_refuses_max_seq_len_above_max_positions(tmp_path):
     with pytest.raises(KvcalError, match="max_position_embeddings 128"):
         _calibrate(tmp_path, d, out="o2", max_seq_len=512)
     assert not (tmp_path / "o2").exists()
+
+
+def test_quiet_silences_the_gguf_dequantization_bar(capsys):
+    """transformers' GGUF loop uses a bare ``tqdm`` that ignores ``disable_progress_bar()``: inside
+    ``gguf_bar_follows_transformers`` it draws nothing once transformers' bars are off (``--quiet``), draws as before
+    while they are on, and the module's own ``tqdm`` is back afterwards."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from kvcal.models.load import gguf_bar_follows_transformers
+
+    original = gguf_utils.tqdm  # the name kvcal swaps; a transformers that renames it fails here, not silently
+    was = hf_logging.is_progress_bar_enabled()
+    try:
+        for enabled in (False, True):
+            (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+            with gguf_bar_follows_transformers():
+                assert sum(gguf_utils.tqdm(range(5), desc="Converting and de-quantizing GGUF tensors...")) == 10
+            assert ("Converting" in capsys.readouterr().err) == enabled
+            assert gguf_utils.tqdm is original
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

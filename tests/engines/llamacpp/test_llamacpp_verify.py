@@ -229,6 +229,7 @@ def test_engine_tier_verify_smollm(tmp_path):
         assert r["verdict"] != "FAIL", render_pairs(doc)
         assert r["kv_log"]["match"] in (True, None), r["kv_log"]
     assert "served = predicted" in render_pairs(doc)
+    assert "two builds' difference" not in render_pairs(doc)  # the venv make llamacpp-venv builds is the emulated one
     # llama.cpp rounds every weight matmul's input to q8 (Q4_1/Q8_0 weights): kvcal emulates that for every matmul
     # of this GGUF, so that prediction is the one judged (tolerance: the t-interval alone); it lands near the served
     # KL, the float32-input one far below (2 x 256 tokens: 3.87e-3 served, 3.83e-3 and 2.4e-4)
@@ -284,3 +285,6 @@ def test_verify_pairs_judgement_by_hand(tmp_path, monkeypatch, smollm_model, emu
     assert r["verdict"] == want
     out = render_pairs(doc)
     assert ("every weight matmul's input rounded" in out) == emulated and ("+ floor" in out) != emulated
+    # the fake engine calls itself llama-cpp-python fake-0.0: the output says the served build is not the emulated one
+    assert doc["engine"]["emulated"] == ENG.VERSION == "llama-cpp-python 0.3.36"
+    assert "this engine is llama-cpp-python fake-0.0: a row outside its tolerance may be the two builds'" in out
