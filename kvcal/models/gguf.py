@@ -14,10 +14,11 @@ from kvcal.weights import format_ranges
 _GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def gguf_header(path: Path) -> tuple[dict, list[str]]:
+def gguf_header(path: Path, with_types: bool = False) -> tuple:
     """Scalar metadata and tensor names of a GGUF file (v2/v3), read from its header only.
 
-    Returns ``(fields, tensor_names)``: ``fields`` maps each key to its value for scalar and string
+    Returns ``(fields, tensor_names)``, or ``(fields, tensor_names, tensor_types)`` with ``with_types`` (each
+    tensor's ``ggml_type`` id, int): ``fields`` maps each key to its value for scalar and string
     values (arrays such as the vocabulary are skipped, not decoded). Format: GGUF spec
     (ggml ``docs/gguf.md``): magic ``GGUF``, u32 version, u64 tensor count, u64 key-value count, the
     key-value pairs, then per tensor its name, dims, type and offset. About 100x faster than
@@ -83,16 +84,30 @@ def gguf_header(path: Path) -> tuple[dict, list[str]]:
                     if key == "tokenizer.ggml.tokens" and t == 9:  # the vocabulary's length, not its strings
                         fields["kvcal.tokens_count"] = struct.unpack_from("<Q", buf, pos + 4)[0]
                     skip_value(t)
-            names = []
+            names, types = [], []
             for _ in range(n_tensors):
                 names.append(string())
                 n_dims = take("<I")
-                pos += 8 * n_dims + 4 + 8  # dims (u64 each), type (u32), offset (u64)
-            return fields, names
+                pos += 8 * n_dims  # dims (u64 each)
+                types.append(take("<I"))  # ggml_type
+                pos += 8  # offset (u64)
+            return (fields, names, types) if with_types else (fields, names)
     except ModelLoadError:
         raise
     except (OSError, ValueError, struct.error) as e:
         raise fail(f"{type(e).__name__}: {e}") from None
+
+
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    """Tensor name -> ggml type name, lower case (``"q4_1"``, ``"q6_k"``, ``"f32"``; the names of ``gguf``'s
+    ``GGMLQuantizationType``, ``type<id>`` for an id it does not know) of every tensor of the GGUF at ``path``, from
+    its header (:func:`gguf_header`): what ``gguf.GGUFReader(path).tensors`` reports, without decoding the
+    vocabulary. Raises :class:`ModelLoadError` for a file that is not a readable GGUF."""
+    from gguf import GGMLQuantizationType
+
+    _, names, types = gguf_header(Path(path), with_types=True)
+    known = {t.value: t.name.lower() for t in GGMLQuantizationType}
+    return {n: known.get(t, f"type{t}") for n, t in zip(names, types, strict=True)}
 
 
 def check_gguf_tensors(path: Path) -> None:

@@ -106,6 +106,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     from kvcal.formats.memory import model_shape
     from kvcal.inputs import preflight
     from kvcal.models import check_max_positions, load_model, load_tokenizer, resolve_model
+    from kvcal.models.gguf import gguf_tensor_types
     from kvcal.recommend.config import NOT_MEASURED, SCHEMA
     from kvcal.recommend.render import render_pairs_markdown
 
@@ -151,7 +152,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
         # weight type's vec_dot_type): the served KL of a pair includes that re-rounding of every activation a cache
         # error moves, which float32 matmuls would leave out (docs/serving.md, llama.cpp section)
         if src.gguf_file and has(cfg.engine, "MatmulInputs"):
-            with eng.MatmulInputs(model, eng.gguf_matmul_inputs(Path(src.path) / src.gguf_file)) as mm:
+            with eng.MatmulInputs(model, eng.gguf_matmul_inputs(gguf_tensor_types(Path(src.path) / src.gguf_file))) as mm:
                 measure(staging, mm)
         else:
             measure(staging, None)

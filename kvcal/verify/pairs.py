@@ -158,6 +158,7 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.inputs import corpus_input
     from kvcal.models import load_model, load_tokenizer, max_positions
+    from kvcal.models.gguf import gguf_tensor_types
     from kvcal.verify.engine import run_engine
     from kvcal.verify.figures import CONFIDENCE, agreement, resolve_check
 
@@ -195,7 +196,7 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
                                             "pairs": [list(p) for p in pairs], "threads": threads}, Path(td),
                             cfg.timeout_s, runner=eng.RUNNER)
     n = len(wins)
-    inputs = eng.gguf_matmul_inputs(gguf)
+    inputs = eng.gguf_matmul_inputs(gguf_tensor_types(gguf))
     with eng.MatmulInputs(model, inputs) as mm:
         # every weight matmul's input rounded as llama.cpp rounds it: that prediction is the one judged, on every
         # window (the float32 one, only reported, on --floor-windows, default 2); else the float32 one is, with

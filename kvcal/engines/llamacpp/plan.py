@@ -373,8 +373,10 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "ffn_down": "mlp.down_proj"}
 
 
-def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
-    """What llama.cpp's CPU backend converts the *input* of each weight matmul of the model in ``gguf_path`` to:
+def gguf_matmul_inputs(tensor_types: dict[str, str]) -> dict[str, str]:
+    """What llama.cpp's CPU backend converts the *input* of each weight matmul of a GGUF model to, from its
+    ``tensor_types`` (tensor name -> lower-case ggml type name, as :func:`kvcal.models.gguf.gguf_tensor_types`
+    reads them from the file's header):
     transformers module name (``model.layers.3.mlp.up_proj``, ``lm_head``) -> the ``vec_dot_type`` of the
     weight's ggml type (``ggml_compute_forward_mul_mat``, ``ggml/src/ggml-cpu/ggml-cpu.c``: ``src1`` rows are
     converted with ``from_float`` of ``type_traits_cpu[src0->type].vec_dot_type`` before the dot products):
@@ -382,10 +384,8 @@ def gguf_matmul_inputs(gguf_path) -> dict[str, str]:
     ``f16``/``bf16`` for F16/BF16, ``f32`` (nothing) for F32; other types map to ``None`` (not emulated). A
     quantized ``blk.*`` weight outside :data:`GGUF_LINEARS` (MoE experts, shared experts, ...) appears as
     ``"gguf:<tensor name>" -> None`` so that :class:`MatmulInputs` reports it as not emulated. The output matmul is
-    ``output.weight``, or ``token_embd.weight`` when the embeddings are tied. Reads the header with ``gguf``."""
-    from gguf import GGUFReader
-
-    types = {t.name: t.tensor_type.name.lower() for t in GGUFReader(str(gguf_path)).tensors}
+    ``output.weight``, or ``token_embd.weight`` when the embeddings are tied."""
+    types = tensor_types
     vec = {n: t.vec_dot_type for n, t in GGML_TYPES.items() if n != "q8_1"}
     vec.update({k: "q8_K" for k in K_QUANT_WEIGHTS})
     out: dict[str, str] = {}

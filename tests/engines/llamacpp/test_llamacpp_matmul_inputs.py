@@ -18,6 +18,7 @@ from gguf import GGUFReader
 from kvcal.engines.llamacpp import quants as Q
 from kvcal.engines.llamacpp.plan import MatmulInputs, gguf_matmul_inputs
 from kvcal.errors import KvcalError, ModelLoadError
+from kvcal.models.gguf import gguf_tensor_types
 
 
 def _q8_K_np(x: np.ndarray) -> np.ndarray:
@@ -105,6 +106,7 @@ def test_matmul_inputs_hooks_round_the_named_inputs_then_leave():
 
 
 def _gguf_types(path):
+    """The gguf library's own reading of each tensor's type (decodes the whole header, vocabulary included)."""
     return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
 
 
@@ -114,7 +116,9 @@ def test_gguf_matmul_inputs_smollm2():
     src = resolve_model("smollm2-135m")
     path = f"{src.path}/{src.gguf_file}"
     types = _gguf_types(path)
-    got = gguf_matmul_inputs(path)
+    # kvcal's header read gives every tensor the type the gguf library's reader gives it
+    assert gguf_tensor_types(path) == {n: t.lower() for n, t in types.items()}
+    got = gguf_matmul_inputs(gguf_tensor_types(path))
     # ggml-cpu.c type_traits_cpu: Q4_1 -> vec_dot_type Q8_1, Q8_0 -> Q8_0 (tied embeddings: lm_head is token_embd)
     assert types["blk.0.attn_q.weight"] == "Q4_1" and types["token_embd.weight"] == "Q8_0"
     assert got["model.layers.0.self_attn.q_proj"] == "q8_1" and got["model.layers.29.mlp.down_proj"] == "q8_1"
@@ -129,7 +133,8 @@ def test_gguf_matmul_inputs_gemma3_k_quants():
     except ModelLoadError as e:
         pytest.skip(f"Gemma 3 GGUF not installed (`make gemma`): {e}")
     types = _gguf_types(path)
-    got = gguf_matmul_inputs(path)
+    assert gguf_tensor_types(path) == {n: t.lower() for n, t in types.items()}
+    got = gguf_matmul_inputs(gguf_tensor_types(path))
     # Q4_K_M: attn_output Q4_K and ffn_down Q4_K/Q6_K take q8_K inputs; Q5_0/Q8_0 weights take q8_0
     assert types["blk.0.attn_output.weight"] == "Q4_K" and got["model.layers.0.self_attn.o_proj"] == "q8_K"
     for i in range(18):
@@ -209,7 +214,10 @@ def test_matmul_inputs_reports_what_it_does_not_round(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    got = gguf_matmul_inputs(tmp_path / "m.gguf")
+    assert gguf_tensor_types(tmp_path / "m.gguf") == {"blk.0.attn_q.weight": "q8_0",
+                                                     "blk.0.ffn_gate_exps.weight": "q8_0",
+                                                     "blk.0.attn_norm.weight": "f32"}
+    got = gguf_matmul_inputs(gguf_tensor_types(tmp_path / "m.gguf"))
     assert got == {"model.layers.0.self_attn.q_proj": "q8_0", "gguf:blk.0.ffn_gate_exps.weight": None}
     m = _Tiny()
     with MatmulInputs(m, {"up": "q8_K"}) as mm:

@@ -264,7 +264,7 @@ def test_verify_pairs_judgement_by_hand(tmp_path, monkeypatch, smollm_model, emu
     if not emulated:
         real = ENG.gguf_matmul_inputs
         monkeypatch.setattr(ENG, "gguf_matmul_inputs",
-                            lambda p: {**real(p), "model.layers.0.mlp.down_proj": None})
+                            lambda types: {**real(types), "model.layers.0.mlp.down_proj": None})
     cfg = PairsConfig(model="smollm2-135m", corpus=str(CORPUS), engine_python=str(_fake_engine_python(tmp_path)),
                       cache_types="q8_0/q8_0", context=48, windows=3, threads=1, floor_windows=2)
     doc = verify_pairs(cfg, log=lambda *_: None, model=smollm_model)
