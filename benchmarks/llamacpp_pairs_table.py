@@ -2,7 +2,7 @@
 documents (``--json``, schema ``kvcal-verify-pairs/1``): the table of docs/results.md (issue 41).
 
 Each row is one pair as one verify run measured it: bytes per token (every layer, K and V, the payload plus the block
-scales llama.cpp stores: ``L · H_kv · head_dim · (bits_k + bits_v) / 8``), served KL and ΔNLL (llama.cpp against its
+scales llama.cpp stores: ``pair_bytes_per_token``), served KL and ΔNLL (llama.cpp against its
 own ``f16``/``f16`` run), kvcal's predicted KL and ΔNLL on the same windows, the tolerance and the verdict verify gave.
 Rows are ordered by bytes, then served KL. Documents must be of one model and corpus; a pair in two documents is
 listed from the one with more windows.
@@ -44,16 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("docs", nargs="+", type=Path, help="kvcal verify --engine llamacpp --json documents")
     ap.add_argument("--model", required=True, help="the --model those runs served (for its shape: bytes per token)")
     a = ap.parse_args(argv)
-    from kvcal.engines.llamacpp.plan import bits_per_value
-    from kvcal.formats.memory import model_shape
+    from kvcal.engines.llamacpp.plan import pair_bytes_per_token
     from kvcal.models.config import load_model_config
 
     doc, rows = rows_of(a.docs)
-    shape = model_shape(load_model_config(a.model))
-    per_side = shape.num_layers * shape.num_kv_heads * shape.head_dim
+    config = load_model_config(a.model)
 
     def nbytes(r):
-        return per_side * (bits_per_value(r["type_k"]) + bits_per_value(r["type_v"])) / 8
+        return pair_bytes_per_token(config, r["type_k"], r["type_v"])
 
     rows.sort(key=lambda r: (nbytes(r), r["served_kl"]))
     print(f"model {doc['model']['id']}; corpus {doc['corpus']['path']}; engine {doc['engine']['display']} "

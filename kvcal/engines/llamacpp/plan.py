@@ -385,17 +385,16 @@ def gguf_matmul_inputs(tensor_types: dict[str, str]) -> dict[str, str]:
     quantized ``blk.*`` weight outside :data:`GGUF_LINEARS` (MoE experts, shared experts, ...) appears as
     ``"gguf:<tensor name>" -> None`` so that :class:`MatmulInputs` reports it as not emulated. The output matmul is
     ``output.weight``, or ``token_embd.weight`` when the embeddings are tied."""
-    types = tensor_types
     vec = {n: t.vec_dot_type for n, t in GGML_TYPES.items() if n != "q8_1"}
     vec.update({k: "q8_K" for k in K_QUANT_WEIGHTS})
     out: dict[str, str] = {}
-    for name, ty in types.items():
+    for name, ty in tensor_types.items():
         parts = name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight":
             out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = vec.get(ty)
         elif parts[0] == "blk" and parts[-1] == "weight" and ty not in ("f32", "f16", "bf16"):
             out[f"gguf:{name}"] = None  # a quantized weight kvcal maps to no module (MoE experts, ...): not emulated
-    head = types.get("output.weight", types.get("token_embd.weight"))
+    head = tensor_types.get("output.weight", tensor_types.get("token_embd.weight"))
     if head is not None:
         out["lm_head"] = vec.get(head)
     return out
