@@ -98,6 +98,13 @@ def gguf_header(path: Path, with_types: bool = False) -> tuple:
         raise fail(f"{type(e).__name__}: {e}") from None
 
 
+def gguf_architecture(path: Path) -> str | None:
+    """``general.architecture`` of the GGUF at ``path`` (``"llama"``, ``"gemma3"``; ``None`` when the header has
+    none), from its header (:func:`gguf_header`). Raises :class:`ModelLoadError` for a file that is not a
+    readable GGUF."""
+    return gguf_header(Path(path))[0].get("general.architecture")
+
+
 def gguf_tensor_types(path: Path) -> dict[str, str]:
     """Tensor name -> ggml type name, lower case (``"q4_1"``, ``"q6_k"``, ``"f32"``; the names of ``gguf``'s
     ``GGMLQuantizationType``, ``type<id>`` for an id it does not know) of every tensor of the GGUF at ``path``, from

@@ -92,7 +92,8 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     {"export": None, "serve"} | None, "common": [rows of the engine's COMMON_PAIRS], "candidates": [{"type_k",
     "type_v", "dtype" ("K/V"), "bytes_per_token", "vs_16bit", "criteria", "status", "failed", "kl_mean",
     "delta_ppl", "ppl", "top1_agree", "kl_p999", "windows", "bounds", "windows_needed", "per_window"}], "accept",
-    "rotation", "data", "notes"}``. ``model``/``tokenizer``: loaded objects (tests); ``corpus``: ``cfg.corpus``
+    "rotation", "kq_interleaved" (each query/key head quantized in llama.cpp's interleaved order of a llama GGUF,
+    :func:`kvcal.engines.llamacpp.plan.kq_interleaved`), "data", "notes"}``. ``model``/``tokenizer``: loaded objects (tests); ``corpus``: ``cfg.corpus``
     already checked. Raises :class:`KvcalError` for bad input, before the model loads."""
     import json
     import shlex
@@ -106,7 +107,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     from kvcal.formats.memory import model_shape
     from kvcal.inputs import preflight
     from kvcal.models import check_max_positions, load_model, load_tokenizer, resolve_model
-    from kvcal.models.gguf import gguf_tensor_types
+    from kvcal.models.gguf import gguf_architecture, gguf_tensor_types
     from kvcal.recommend.config import NOT_MEASURED, SCHEMA
     from kvcal.recommend.render import render_pairs_markdown
 
@@ -119,8 +120,15 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     L = shp.num_layers
     types = cache_types(cfg)
     menu = pair_menu(types)
+    # llama.cpp's order of each query/key head: a llama GGUF (or a checkpoint converted to one) interleaves it
+    src0 = pre.model.source
+    if src0 is not None and getattr(src0, "gguf_file", None):
+        order = {"architecture": gguf_architecture(Path(src0.path) / src0.gguf_file)}
+    else:
+        text = pre.model.text_config
+        order = {"model_type": text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)}
     try:  # a head_dim a type cannot hold is refused before the model loads
-        plans = {(k, v): eng.pair_plan(k, v, L, head_dim=shp.head_dim) for k, v in menu}
+        plans = {(k, v): eng.pair_plan(k, v, L, head_dim=shp.head_dim, **order) for k, v in menu}
     except KvcalError as e:
         raise KvcalError(f"--cache-types: {e}") from None
     b16 = eng.pair_bytes_per_token(shp, "f16", "f16")
@@ -285,7 +293,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
             if not src.gguf_file:
                 notes.append(f"{cfg.model} is not a GGUF file: {eng.DISPLAY_NAME} serves GGUF; convert it "
                              "(llama.cpp's convert_hf_to_gguf.py) and pass that file to -m")
-        rot = cands[0]["_plan"].rotation
+        rot, order = cands[0]["_plan"].rotation, cands[0]["_plan"].kq_interleaved
         for c in cands:
             c.pop("_plan", None)
         used = max((c.get("windows", 0) for c in cands), default=0)
@@ -293,6 +301,7 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
             "schema": SCHEMA, "menu": "pairs", "engine": cfg.engine, "engine_version": eng.VERSION,
             "model": serve_model, "passed": chosen is not None, "chosen": chosen, "commands": commands,
             "common": [cands[i]["dtype"] for i in common], "cache_types": list(types), "rotation": rot,
+            "kq_interleaved": order,
             "matmul_inputs": None if mm is None else {"emulated": len(mm.emulated), "left": list(mm.left)},
             "max_bytes_per_token": cfg.max_bytes_per_token, "bytes_per_token_16bit": b16, "accept": accept,
             "data": {"evaluation": {"corpus": eval_info["path"], "windows": used, "windows_available": len(ev),

@@ -5,7 +5,7 @@ llama.cpp loads no KV-cache scale from a model file: ``-ctk``/``-ctv`` pick a gg
 fp16 scale is computed when a row is written. There is no checkpoint to verify, only kvcal's *emulation* of each
 pair's cache (:class:`kvcal.engines.llamacpp.plan.LlamaCppKVPlan`), which is what ``kvcal recommend --engine
 llamacpp`` ranks pairs by. This module reaches the engine only through its facade
-(``kvcal.engines.engine(name)``: ``RUNNER``, ``Plan``, ``parse_pair``, ``kv_bytes``, ``gguf_matmul_inputs``,
+(``kvcal.engines.engine(name)``: ``RUNNER``, ``pair_plan``, ``parse_pair``, ``kv_bytes``, ``gguf_matmul_inputs``,
 ``MatmulInputs``, ``BUILD_HINT``).
 
 Pipeline (:func:`verify_pairs`):
@@ -15,7 +15,8 @@ Pipeline (:func:`verify_pairs`):
 2. Serve them in the engine's own Python (its ``RUNNER``, a subprocess: llama-cpp-python, ``flash_attn`` on,
    ``logits_all``, ``n_ctx = n_batch = n_ubatch =`` the window): the engine's ``f16``/``f16`` cache is the
    reference; per pair and window the served mean ``KL(P_ref ‖ P_pair)`` (nats per token) and the NLLs.
-3. Predict: kvcal's Protocol A KL of ``Plan(type_k, type_v, L)`` against kvcal's unquantized run of the same
+3. Predict: kvcal's Protocol A KL of ``pair_plan(type_k, type_v, L, architecture=...)`` (the GGUF's
+   ``general.architecture`` sets the order llama.cpp holds each query/key head in) against kvcal's unquantized run of the same
    model (the GGUF's weights dequantized) on the same token ids (:class:`kvcal.evaluate.sequential.WindowedRows`,
    per-window ``kl_mean``), with every weight matmul's input rounded as llama.cpp's CPU backend rounds it (the
    facade's ``MatmulInputs``: ``ggml_compute_forward_mul_mat`` converts each input row to the weight type's
@@ -158,12 +159,12 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.inputs import corpus_input
     from kvcal.models import load_model, load_tokenizer, max_positions
-    from kvcal.models.gguf import gguf_tensor_types
+    from kvcal.models.gguf import gguf_architecture, gguf_tensor_types
     from kvcal.verify.engine import run_engine
     from kvcal.verify.figures import CONFIDENCE, agreement, resolve_check
 
     eng = engine(cfg.engine)
-    if not (has(cfg.engine, "RUNNER") and has(cfg.engine, "parse_pair") and has(cfg.engine, "Plan")):
+    if not (has(cfg.engine, "RUNNER") and has(cfg.engine, "parse_pair") and has(cfg.engine, "pair_plan")):
         raise KvcalError(f"--engine {cfg.engine}: kvcal cannot serve cache-type pairs in {eng.DISPLAY_NAME}")
     pairs = parse_pairs(cfg.cache_types, eng)
     src, gguf = _gguf(cfg.model)
@@ -187,7 +188,9 @@ def verify_pairs(cfg: PairsConfig, log=print, model=None) -> dict:
     if model is None:
         model = load_model(src)
     L = model.config.num_hidden_layers
-    plans = {p: eng.Plan(p[0], p[1], L) for p in pairs}  # refuses a head size a type's block does not divide
+    # llama.cpp's order of each query/key head (interleaved in a llama GGUF): what its blocks of 32 hold
+    arch = gguf_architecture(gguf)
+    plans = {p: eng.pair_plan(p[0], p[1], L, architecture=arch) for p in pairs}
     threads = cfg.threads or os.cpu_count() or 1
     log(f"engine: {eng.DISPLAY_NAME} f16/f16 + {len(pairs)} pairs x {len(wins)} windows x {cfg.context} tokens in "
         f"{engine_python}")

@@ -104,7 +104,9 @@ def test_recommend_pairs_end_to_end(tiny_dir, tmp_path):
     ids, _ = corpus_stream(str(CHAT), tok)
     windows = cut_windows(ids, 64, ch["windows"])
     model = load_model(str(tiny_dir))
-    plan = engine("llamacpp").pair_plan(ch["type_k"], ch["type_v"], L)
+    # a llama checkpoint: llama.cpp's converter interleaves each query/key head, and recommend says it did
+    assert model.config.model_type == "llama" and doc["kq_interleaved"] is True
+    plan = engine("llamacpp").pair_plan(ch["type_k"], ch["type_v"], L, model_type="llama")
     res = teacher_forced(model, windows, {"x": plan}, progress=False)
     assert res["x"]["kl_mean"] == pytest.approx(ch["kl_mean"], rel=1e-12)  # same forward; float64 window sums
     assert res["x"]["delta_ppl"] == pytest.approx(ch["delta_ppl"], rel=1e-9, abs=1e-9)

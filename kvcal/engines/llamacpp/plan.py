@@ -70,8 +70,11 @@ class LlamaCppKVPlan:
     ``quantize_query``: convert queries to the K type's ``vec_dot_type`` as flash attention does (default
     True). ``prefill``: the emulated queries come in ubatches of at least 64 rows (teacher-forced windows,
     prompt processing): with ``f16``/``f16`` (or ``f32``/``f32``) caches the tiled kernel keeps queries in f32;
-    ``False``: decode steps, where they are rounded to fp16. Raises ``KvcalError`` for an unknown type, an
-    unknown ``impl`` or ``num_layers < 1``."""
+    ``False``: decode steps, where they are rounded to fp16. ``kq_interleaved``: llama.cpp holds each query and
+    key head in the interleaved order of its GGUF (:func:`kq_interleaved`; element ``j`` of a head is the model's
+    element ``(j % 2) · D/2 + j // 2``): the plan permutes a head into that order before the rotation and the
+    block quantizer, and back after, so each block of 32 holds the elements llama.cpp's block holds. Raises
+    ``KvcalError`` for an unknown type, an unknown ``impl`` or ``num_layers < 1``."""
 
     type_k: str
     type_v: str
@@ -80,6 +83,7 @@ class LlamaCppKVPlan:
     impl: str = "x86_avx"
     quantize_query: bool = True
     prefill: bool = True
+    kq_interleaved: bool = False
     sink_tokens: int = field(default=0, init=False)  # llama.cpp has no sink tokens
     residual_window: int = field(default=0, init=False)
 
@@ -120,12 +124,16 @@ class LlamaCppKVPlan:
         D = x.shape[-1]
         self._check_dim(t, D, side.upper())
         n = self._rot(side, D)
-        y = x.float()
+        if not (n or t.quantized):
+            return fake_quant(x.float(), t.name, self.impl).to(x.dtype)  # f16/bf16/f32: elementwise, order-free
+        perm = side == "k" and self.kq_interleaved
+        y = _to_gguf_order(x.float()) if perm else x.float()
         if n:
             y = ggml_fwht(y, n)
         y = fake_quant(y, t.name, self.impl)
         if n:
             y = ggml_fwht(y, n)
+        y = _from_gguf_order(y) if perm else y
         return y.to(x.dtype)
 
     def query_type(self) -> str:
@@ -149,12 +157,13 @@ class LlamaCppKVPlan:
         if qt == "f32":
             return q
         n = self._rot("k", q.shape[-1])
-        y = q.float()
+        y = _to_gguf_order(q.float()) if self.kq_interleaved else q.float()
         if n:
             y = ggml_fwht(y, n)
         y = fake_quant(y, qt, self.impl)
         if n:
             y = ggml_fwht(y, n)
+        y = _from_gguf_order(y) if self.kq_interleaved else y
         return y.to(q.dtype)
 
     def quantized_bits(self) -> list[int]:
@@ -171,9 +180,50 @@ class LlamaCppKVPlan:
         """JSON description: engine, types, rotation, query type, implementation and what is not emulated."""
         return {"engine": "llamacpp", "type_k": self.type_k, "type_v": self.type_v, "flash_attn": True,
                 "rotation": self.rotation, "query_type": self.query_type(), "impl": self.impl,
+                "kq_interleaved": self.kq_interleaved,
                 "bits_per_value": {"k": bits_per_value(self.type_k), "v": bits_per_value(self.type_v)},
                 "not_emulated": ("fp16 P·V accumulation (f16 V with a non-f16 K, or decode steps)"
                                  if self.type_v == "f16" and self.query_type() != "f32" else None)}
+
+
+#: GGUF architectures whose query/key weights llama.cpp's converter permutes for its interleaved ("normal") RoPE
+#: and transformers' GGUF loader permutes back (``LlamaTensorProcessor._reverse_permute_weights``,
+#: ``transformers/modeling_gguf_pytorch_utils.py``; ``permute`` in llama.cpp's ``conversion/llama.py``,
+#: ``LLAMA_ROPE_TYPE_NORM`` for ``LLM_ARCH_LLAMA`` in ``src/llama-model.cpp``). Every other architecture
+#: transformers loads keeps one order in both (NeoX-style RoPE on rotate-half heads, e.g. Gemma, Qwen).
+KQ_INTERLEAVED_ARCHS = ("llama",)
+
+#: transformers ``model_type`` -> the GGUF architecture llama.cpp's converter writes for it, where kvcal relies on it
+#: (``LlamaModel`` registers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``:
+#: ``conversion/llama.py``)
+CONVERTED_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama"}
+
+
+def kq_interleaved(architecture: str | None = None, model_type: str | None = None) -> bool:
+    """Whether llama.cpp holds a query/key head in another order than the transformers model kvcal runs: for a GGUF
+    of ``architecture`` (``general.architecture``), True for :data:`KQ_INTERLEAVED_ARCHS`; for a transformers
+    checkpoint of ``model_type`` (served after llama.cpp's converter), True when :data:`CONVERTED_ARCH` maps it
+    there. In such a GGUF the converter stored head element ``h · D/2 + i`` of the original model at ``2i + h``
+    (``h`` in {0, 1}), so llama.cpp's blocks of 32 hold both RoPE halves of 16 rotary pairs, not 32 elements of one
+    half."""
+    if architecture is None and model_type is not None:
+        architecture = CONVERTED_ARCH.get(model_type)
+    return architecture in KQ_INTERLEAVED_ARCHS
+
+
+def _gguf_perm(D: int, device) -> torch.Tensor:
+    j = torch.arange(D, device=device)
+    return (j % 2) * (D // 2) + j // 2  # GGUF element j <- model element (j % 2)·D/2 + j // 2
+
+
+def _to_gguf_order(x: torch.Tensor) -> torch.Tensor:
+    """Heads ``[..., D]`` in the model's (rotate-half) order -> llama.cpp's interleaved order (:func:`kq_interleaved`)."""
+    return x.index_select(-1, _gguf_perm(x.shape[-1], x.device))
+
+
+def _from_gguf_order(y: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_gguf_order`."""
+    return y.index_select(-1, torch.argsort(_gguf_perm(y.shape[-1], y.device)))
 
 
 # -- memory ----------------------------------------------------------------------------------------------------
@@ -334,11 +384,15 @@ def pair_bytes_per_token(config, type_k: str, type_v: str) -> int:
     return shape.num_layers * (ggml_type(type_k).row_bytes(n_embd) + ggml_type(type_v).row_bytes(n_embd))
 
 
-def pair_plan(type_k: str, type_v: str, num_layers: int, head_dim: int | None = None) -> LlamaCppKVPlan:
+def pair_plan(type_k: str, type_v: str, num_layers: int, head_dim: int | None = None, *,
+              architecture: str | None = None, model_type: str | None = None) -> LlamaCppKVPlan:
     """The plan of ``-fa on -ctk type_k -ctv type_v`` (:class:`LlamaCppKVPlan`, llama.cpp's defaults: rotation as
-    the environment says, x86 AVX quantizers, queries converted); ``head_dim`` given: refused (``KvcalError``)
-    when a quantized type's block of 32 does not divide it, as llama.cpp refuses that context."""
-    plan = LlamaCppKVPlan(type_k, type_v, num_layers)
+    the environment says, x86 AVX quantizers, queries converted) for a GGUF of ``architecture``
+    (``general.architecture``) or a transformers checkpoint of ``model_type`` (they set ``kq_interleaved``,
+    :func:`kq_interleaved`); ``head_dim`` given: refused (``KvcalError``) when a quantized type's block of 32 does
+    not divide it, as llama.cpp refuses that context."""
+    plan = LlamaCppKVPlan(type_k, type_v, num_layers,
+                          kq_interleaved=kq_interleaved(architecture, model_type))
     if head_dim is not None:
         plan._check_dim(plan.k_type, head_dim, "K")
         plan._check_dim(plan.v_type, head_dim, "V")

@@ -261,3 +261,106 @@ def test_kv_bytes_refuses_all_sliding_models():
 
     with pytest.raises(KvcalError, match="18 of 18 layers sliding"):
         kv_bytes(_gemma3_like(layer_types=["sliding_attention"] * 18), "q8_0", "q8_0", 4096)
+
+
+# -- the order llama.cpp holds a query/key head in (llama GGUFs) ---------------------------------------------------
+
+def _converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """``LlamaModel.permute`` of llama.cpp's ``conversion/llama.py``, restated: the rows of a q/k projection as the
+    GGUF stores them (so that llama.cpp's "normal" RoPE on consecutive pairs equals the checkpoint's rotate-half)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope(x: np.ndarray, pos: int, interleaved: bool) -> np.ndarray:
+    """float64 RoPE of one head ``[D]`` at ``pos`` (base 10000): pairs ``(2i, 2i+1)`` (ggml's NORM mode) or
+    ``(i, i + D/2)`` (transformers' rotate-half), angle ``pos · 10000^(-2i/D)``."""
+    D = x.shape[-1]
+    ang = pos * 10000.0 ** (-2 * np.arange(D // 2) / D)
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = (x[0::2], x[1::2]) if interleaved else (x[:D // 2], x[D // 2:])
+    ra, rb = a * c - b * s, a * s + b * c
+    out = np.empty_like(x)
+    if interleaved:
+        out[0::2], out[1::2] = ra, rb
+    else:
+        out[:D // 2], out[D // 2:] = ra, rb
+    return out
+
+
+def test_kq_interleaved_is_the_converters_order():
+    """The permutation the plan applies for a llama GGUF is the one llama.cpp's converter writes: a key head
+    projected with the permuted weight and roped in NORM mode equals the checkpoint's rotate-half-roped head put in
+    the plan's GGUF order (float64, both sides exact up to rounding of the same products: tolerance 1e-12 on
+    values of order 10)."""
+    from kvcal.engines.llamacpp.plan import _from_gguf_order, _to_gguf_order
+
+    rng = np.random.default_rng(0)
+    n_kv, D, hidden = 3, 64, 32
+    w = rng.standard_normal((n_kv * D, hidden))
+    x = rng.standard_normal(hidden)
+    k_model = (w @ x).reshape(n_kv, D)
+    k_gguf = (_converter_permute(w, n_kv) @ x).reshape(n_kv, D)
+    for h in range(n_kv):
+        want = _rope(k_gguf[h], 7, interleaved=True)
+        got = _to_gguf_order(torch.from_numpy(_rope(k_model[h], 7, interleaved=False))).numpy()
+        assert np.abs(got - want).max() <= 1e-12
+    t = torch.from_numpy(k_model)
+    assert torch.equal(_from_gguf_order(_to_gguf_order(t)), t)
+
+
+def test_kq_interleaved_quantizes_the_gguf_blocks():
+    """With ``kq_interleaved`` a key head is quantized in llama.cpp's blocks: for the head ``x_m = m`` (m = 0..63,
+    no rotation, q8_0 reference path) block 0 holds model elements 0..15 and 32..47 (amax 47), block 1 holds 16..31
+    and 48..63 (amax 63) — each element's value is ``fp16(amax/127) · round(m · 127/amax)``, written out here in
+    float32 as ``quantize_row_q8_0_ref``. The model's own blocks (0..31, 32..63) give other values; the query
+    (q8_0 for q4_0 keys) follows the same order; values are never permuted."""
+    x = torch.arange(64, dtype=torch.float32).reshape(1, 1, 1, 64)
+    plan = LlamaCppKVPlan("q8_0", "q8_0", 1, rotation=False, impl="ref", kq_interleaved=True)
+    want = np.empty(64)
+    for m in range(64):
+        amax = np.float32(47 if m % 32 < 16 else 63)
+        d = np.float32(amax / np.float32(127))
+        idm = np.float32(np.float32(1) / d)
+        want[m] = np.float64(np.float16(d)) * np.round(np.float32(np.float32(m) * idm))
+    got = plan.fake_quant(0, "k", x).reshape(64).double().numpy()
+    assert np.array_equal(got, want)
+    plain = LlamaCppKVPlan("q8_0", "q8_0", 1, rotation=False, impl="ref").fake_quant(0, "k", x)
+    assert not torch.equal(plain, plan.fake_quant(0, "k", x))
+    plain_v = LlamaCppKVPlan("q8_0", "q8_0", 1, rotation=False, impl="ref").fake_quant(0, "v", x)
+    assert torch.equal(plan.fake_quant(0, "v", x), plain_v)
+    q_plan = LlamaCppKVPlan("q4_0", "q4_0", 1, rotation=False, impl="ref", kq_interleaved=True)
+    assert np.array_equal(q_plan.fake_quant_query(0, x).reshape(64).double().numpy(), want)
+
+
+def test_kq_interleaved_with_rotation_equals_gguf_py_in_gguf_order():
+    """Rotation on, q4_0 keys (the engine's path): the plan's key equals, in the model's order, ``H · q4_0(H ·
+    k_gguf)`` computed from the GGUF-ordered head with gguf-py's q4_0 and a float64 Sylvester ``H``. Inputs on a
+    1/64 grid keep ``H·k`` exact in both, so every code is identical; what remains is the plan's f32
+    back-rotation, bounded elementwise by 6·2^-24·Σ|x̂|/8 as in the one-layer test above."""
+    from kvcal.engines.llamacpp.plan import _from_gguf_order, _to_gguf_order
+
+    k = (torch.randn(1, 3, 5, 64, generator=torch.Generator().manual_seed(3)) * 64).round() / 64
+    plan = LlamaCppKVPlan("q4_0", "q8_0", 1, rotation=True, kq_interleaved=True)
+    h = sylvester(64)
+    kg = _to_gguf_order(k).double().numpy()
+    ref_g = _gguf_q4_0(np.einsum("ij,...j->...i", h, kg))
+    back = np.einsum("ij,...j->...i", h, ref_g)
+    want = _from_gguf_order(torch.from_numpy(back)).numpy()
+    tol = 6 * 2**-24 * np.abs(ref_g).sum(-1, keepdims=True) / 8
+    got = plan.fake_quant(0, "k", k).double().numpy()
+    assert (np.abs(got - want) <= tol).all()
+    # the model's own order quantizes other blocks: a difference far above that bound
+    other = LlamaCppKVPlan("q4_0", "q8_0", 1, rotation=True).fake_quant(0, "k", k).double().numpy()
+    assert np.abs(other - want).max() > 100 * tol.max()
+
+
+def test_kq_interleaved_follows_the_architecture():
+    """llama GGUFs (and llama/mistral/mixtral checkpoints, which the converter writes as llama) are interleaved;
+    Gemma 3 and an unknown architecture keep the model's order; ``pair_plan`` passes it on."""
+    from kvcal.engines.llamacpp.plan import kq_interleaved, pair_plan
+
+    assert kq_interleaved("llama") and kq_interleaved(model_type="mistral") and kq_interleaved(model_type="llama")
+    assert not kq_interleaved("gemma3") and not kq_interleaved(model_type="gemma3_text") and not kq_interleaved()
+    assert pair_plan("q4_0", "q4_0", 2, architecture="llama").kq_interleaved
+    assert not pair_plan("q4_0", "q4_0", 2, architecture="gemma3").kq_interleaved
+    assert pair_plan("q4_0", "q4_0", 2, architecture="llama").describe()["kq_interleaved"] is True
