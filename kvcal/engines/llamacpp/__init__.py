@@ -17,6 +17,8 @@ first use (the facade itself imports nothing). Modules, lowest floor first:
                             ``llama_kv_cache`` allocates, its log line) (plan floor)
 ``runner``                  the script ``kvcal verify --engine llamacpp`` runs in llama-cpp-python's own Python;
                             imports no kvcal
+``layer_runner``            captures one attention layer as llama.cpp runs it (query, key, value, cache bytes,
+                            flash-attention output) in the engine's own Python; imports no kvcal
 ==========================  =========================================================================================
 """
 
@@ -30,6 +32,9 @@ DISPLAY_NAME = "llama.cpp"
 VERSION = "llama-cpp-python 0.3.36"
 #: the script ``kvcal verify`` runs with the engine's interpreter (:func:`kvcal.verify.engine.run_engine`)
 RUNNER = Path(__file__).resolve().parent / "runner.py"
+#: the script that captures one attention layer as llama.cpp runs it (its query, key, value, cache bytes and
+#: flash-attention output), run by the engine's own Python (``diagnostics/llamacpp_layer_check.py``, the engine tier)
+LAYER_RUNNER = Path(__file__).resolve().parent / "layer_runner.py"
 #: the ``-ctk``/``-ctv`` types ``kvcal recommend --engine llamacpp`` pairs by default, cheapest first
 #: (``bf16``/``f32`` are left out: never cheaper than ``f16``; ``--cache-types`` takes them)
 PAIR_TYPES = ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0", "f16")
@@ -97,5 +102,6 @@ def __getattr__(name: str):
     return getattr(_module(module), attr)
 
 
-__all__ = ["BUILD_HINT", "COMMON_PAIRS", "DISPLAY_NAME", "NAME", "PAIR_TYPES", "PYTHON_MODULE", "RUNNER", "VERSION",
+__all__ = ["BUILD_HINT", "COMMON_PAIRS", "DISPLAY_NAME", "LAYER_RUNNER", "NAME", "PAIR_TYPES", "PYTHON_MODULE", "RUNNER",
+           "VERSION",
            "serve_line", *LAZY]
