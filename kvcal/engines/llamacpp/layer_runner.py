@@ -62,7 +62,7 @@ def read_f32(t: GgmlTensor):
     import numpy as np
 
     ne, nb = list(t.ne), list(t.nb)
-    extent = sum((n - 1) * s for n, s in zip(ne, nb)) + 4
+    extent = sum((n - 1) * s for n, s in zip(ne, nb, strict=True)) + 4
     buf = (ctypes.c_char * extent).from_address(t.data)
     return np.ndarray(tuple(ne[::-1]), dtype=np.float32, buffer=buf, strides=tuple(nb[::-1])).copy()
 
