@@ -11,9 +11,11 @@ K/V cache bytes and the flash-attention output) and asks, for each ``-ctk/-ctv``
    and without the permutation);
 2. **cache write**: do kvcal's rotation and block quantizer, applied to llama.cpp's own ``Kcur``/``Vcur``, give the
    values llama.cpp's cache holds (its bytes dequantized by gguf-py)? (count of differing elements: 0 = bit-exact);
-3. **query**: does kvcal's rotation give the query flash attention read? (max abs difference);
+3. **query**: does kvcal's rotation give the query flash attention read? (max abs difference, after the scale a
+   model applies to the query before attention, ``q_fa_scale``: 1 for Llama, 1/16 for Gemma 3 270M);
 4. **attention**: does the plan's attention (its query conversion, K/V cache, float64 softmax and sums) on
-   llama.cpp's inputs give llama.cpp's flash-attention output (rotated back)? (max abs difference / max |output|).
+   llama.cpp's inputs give llama.cpp's flash-attention output (rotated back)? (max abs difference / max |output|;
+   ``cache_effect_rel``: the same figure for unquantized attention, i.e. what the cache moves the output by).
 
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python diagnostics/llamacpp_layer_check.py \\
         --engine-python .venv-llamacpp/bin/python --model smollm2-135m --pairs q4_0/q4_0,q8_0/f16 --layer 0
@@ -113,7 +115,13 @@ def check_pair(model, arch: str, gguf: Path, tokens: list[int], pair: tuple[str,
         out[f"{side}_cache_elements"] = int(want.size)
     # 3. the query flash attention read
     n = plan._rot("k", D)
-    out["q_fa_max_abs_diff"] = float(((ggml_fwht(ql, n) if n else ql) - torch.from_numpy(got["q_fa"]).transpose(0, 1)).abs().max())
+    qr, qfa = (ggml_fwht(ql, n) if n else ql), torch.from_numpy(got["q_fa"]).transpose(0, 1)
+    # a model that scales the query after RoPE (Gemma: 1/sqrt(query_pre_attn_scalar), kq_scale 1) hands flash
+    # attention the scaled query: the scale is read off, then the rest must be exact
+    big = qr.abs() > 1e-3 * qr.abs().max()
+    scale = float((qfa[big] / qr[big]).median())
+    out["q_fa_scale"] = scale
+    out["q_fa_max_abs_diff"] = float((qr * scale - qfa).abs().max())
     # 4. attention output on llama.cpp's inputs, in the model's basis
     to_m = _from_gguf_order if plan.kq_interleaved else (lambda t: t)
     qh = plan.fake_quant_query(layer, to_m(ql).permute(1, 0, 2)[None]).double()[0].permute(1, 0, 2)
@@ -124,6 +132,9 @@ def check_pair(model, arch: str, gguf: Path, tokens: list[int], pair: tuple[str,
     nv = plan._rot("v", D)
     fa_m = (ggml_fwht(fa, nv) if nv else fa).double().numpy()
     out["attn_rel_err"] = float(np.abs(mine_o - fa_m).max() / np.abs(fa_m).max())
+    # what the cache itself moves the output by (same inputs, no quantization): the scale attn_rel_err is read on
+    ref_o = attention64(to_m(ql).double().numpy(), to_m(kl).double().numpy(), vl.double().numpy(), ql.shape[1] // Hkv)
+    out["cache_effect_rel"] = float(np.abs(ref_o - fa_m).max() / np.abs(fa_m).max())
     return out
 
 

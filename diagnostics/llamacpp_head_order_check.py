@@ -1,0 +1,120 @@
+"""Served (llama.cpp) KL of every -ctk/-ctv pair against kvcal's prediction with and without llama.cpp's key/query
+head order, on the same windows (not part of CI; the figures in docs/results.md "head order").
+
+A llama GGUF stores each query/key head interleaved (llama.cpp's converter permutes the projections for its
+consecutive-pair RoPE; transformers' loader permutes them back), so llama.cpp's blocks of 32 hold other elements
+than kvcal's model order (:func:`kvcal.engines.llamacpp.plan.kq_interleaved`). This script serves every pair once
+(``kvcal/engines/llamacpp/runner.py`` in llama-cpp-python's venv) and predicts each twice (``kq_interleaved`` False
+and True, every weight matmul's input rounded as llama.cpp rounds it), judging each with verify's paired t-interval.
+
+    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python diagnostics/llamacpp_head_order_check.py \\
+        --engine-python .venv-llamacpp/bin/python --model smollm2-135m --windows 6 --json out.json
+    .venv/bin/python diagnostics/llamacpp_head_order_check.py --table out.json     # the docs/results.md table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TYPES = ["f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"]
+
+
+def table(doc: dict) -> str:
+    """The markdown table and summary of a run's JSON (docs/results.md): per pair served KL, predicted KL in the GGUF's
+    head order (what kvcal predicts now) and in the model's order (before), each with verify's diff, tolerance and
+    verdict; then how often served exceeds predicted (keys quantized: the pairs the order changes)."""
+    import math
+    import statistics
+
+    from scipy import stats
+
+    from kvcal.verify.figures import agreement
+
+    n = len(doc["served"]["pairs"][0]["kl"])
+    out = ["| -ctk/-ctv | served KL | predicted, GGUF order | diff | tolerance | verdict | predicted, model order | diff "
+           "| tolerance | verdict |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    summ = {0: [], 1: []}
+    for p in doc["served"]["pairs"]:
+        pair, s = f"{p['type_k']}/{p['type_v']}", p["kl"]
+        cells = [pair, f"{sum(s) / n:.3e}"]
+        for il in (1, 0):
+            pw = doc["pred"][f"{pair}/{il}"]
+            ag = agreement(s, pw)
+            ok = "PASS" if ag["ok"] else "**FAIL**"
+            cells += [f"{sum(pw) / n:.3e}", f"{ag['diff']:+.2e}", f"±{ag['tol']:.2e}", ok]
+            summ[il].append((p["type_k"] != "f16", sum(s) / sum(pw), ag["ok"], ag["diff"] / ag["tol"]))
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    for il, name in ((1, "GGUF order"), (0, "model order")):
+        rows = [r for r in summ[il] if r[0]]
+        above = sum(r[1] > 1 for r in rows)
+        lr = [math.log(r[1]) for r in rows]
+        out.append(f"- {name}: {sum(r[2] for r in summ[il])} of {len(summ[il])} PASS; quantized-K pairs: served above "
+                   f"predicted in {above} of {len(rows)} (two-sided binomial p {stats.binomtest(above, len(rows)).pvalue:.2f}), "
+                   f"median served/predicted {statistics.median(r[1] for r in rows):.3f}, sd of log(served/predicted) "
+                   f"{statistics.stdev(lr):.3f}, rms diff/tolerance {math.sqrt(statistics.mean(r[3] ** 2 for r in rows)):.2f}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(table(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine-python", required=True)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--corpus", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/wikitext2_valid.txt"))
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=6)
+    ap.add_argument("--pairs", help="K/V,K/V,... (default: all 48 ordered pairs)")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    from kvcal.engines import engine
+    from kvcal.engines.llamacpp.plan import LlamaCppKVPlan
+    from kvcal.evaluate.sequential import WindowedRows
+    from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
+    from kvcal.models import load_model, load_tokenizer
+    from kvcal.models.gguf import gguf_tensor_types
+    from kvcal.verify.engine import run_engine
+    from kvcal.verify.figures import agreement
+    from kvcal.verify.pairs import _gguf
+
+    pairs = ([tuple(p.split("/")) for p in a.pairs.split(",")] if a.pairs else
+             [(k, v) for k in TYPES for v in TYPES if (k, v) != ("f16", "f16")])
+    eng = engine("llamacpp")
+    src, gguf = _gguf(a.model)
+    tok = load_tokenizer(src)
+    ids, _ = corpus_stream(a.corpus, tok)
+    wins = cut_windows(ids, a.context, a.windows, bos=served_bos(tok))[:a.windows]
+    n = len(wins)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as td:
+        served = run_engine(Path(a.engine_python).absolute(), {"gguf": str(gguf), "windows": wins.tolist(),
+                            "reference": ["f16", "f16"], "pairs": [list(p) for p in pairs], "threads": 2}, Path(td),
+                            7200, runner=eng.RUNNER)
+    print(f"served {len(pairs)} pairs x {n} windows in {time.time() - t0:.0f}s", flush=True)
+    model = load_model(src)
+    L = model.config.num_hidden_layers
+    doc = {"model": a.model, "context": a.context, "windows": n, "served": served, "pred": {}}
+    with eng.MatmulInputs(model, eng.gguf_matmul_inputs(gguf_tensor_types(gguf))):
+        rows = WindowedRows(model, wins)
+        for p, s in zip(pairs, served["pairs"], strict=True):
+            for il in (False, True):
+                rows.measure((p, il), LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il), n)
+                pw = rows.result((p, il))["per_window"]["kl_mean"]
+                doc["pred"][f"{p[0]}/{p[1]}/{int(il)}"] = pw
+                ag = agreement(s["kl"], pw)
+                print(f"{p[0]}/{p[1]} interleaved={int(il)} served {sum(s['kl']) / n:.4e} predicted {sum(pw) / n:.4e} "
+                      f"diff {ag['diff']:+.2e} tol {ag['tol']:.2e} {'ok' if ag['ok'] else 'FAIL'} "
+                      f"({time.time() - t0:.0f}s)", flush=True)
+            Path(a.json).write_text(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
