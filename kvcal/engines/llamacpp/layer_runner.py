@@ -83,21 +83,14 @@ def read_rows(t: GgmlTensor, n_cells: int):
 
 
 def main(argv: list[str]) -> int:
-    from runner import GGML_TYPE_IDS, type_id  # this folder's runner.py (sys.path[0] of a script)
+    from runner import (  # this folder's runner.py (sys.path[0] of a script)
+        GGML_TYPE_IDS,
+        open_request,
+        type_id,
+    )
 
-    req_path, out = argv[1], argv[2]
-    with open(req_path) as f:
-        req = json.load(f)
-    try:
-        import numpy as np
-    except ImportError as e:
-        _fail(out, f"numpy is not importable in this Python ({e})")
-    try:
-        import llama_cpp
-        import llama_cpp.llama_cpp as lib
-        from llama_cpp import Llama
-    except ImportError as e:
-        _fail(out, f"llama_cpp is not importable in this Python ({e}); build it with `make llamacpp-venv`")
+    req, out, np, llama_cpp, Llama = open_request(argv, _fail)
+    lib = llama_cpp.llama_cpp
     tokens = [int(x) for x in req["tokens"]]
     T, L = len(tokens), int(req.get("layer", 0))
     want = {f"Qcur-{L}": "q", f"Kcur-{L}": "k", f"Vcur-{L}": "v", f"kqv_out-{L}": "kqv_out"}

@@ -123,20 +123,28 @@ class _Log:
         return got[-1] if got else None
 
 
-def main(argv: list[str]) -> int:
+def open_request(argv: list[str], fail=None):
+    """``(request, output path, numpy, llama_cpp, Llama)`` of a runner's command line (``argv[1]`` the JSON request,
+    ``argv[2]`` the output); ``fail(out, message)`` (default :func:`_fail`) reports numpy or llama_cpp missing."""
+    fail = fail or _fail
     req_path, out = argv[1], argv[2]
     with open(req_path) as f:
         req = json.load(f)
     try:
         import numpy as np
     except ImportError as e:
-        _fail(out, f"numpy is not importable in this Python ({e})")
+        fail(out, f"numpy is not importable in this Python ({e})")
     try:
         import llama_cpp
         from llama_cpp import Llama
     except ImportError as e:
-        _fail(out, f"llama_cpp is not importable in this Python ({e}); build llama-cpp-python's venv with "
-                   "`make llamacpp-venv`")
+        fail(out, f"llama_cpp is not importable in this Python ({e}); build llama-cpp-python's venv with "
+                  "`make llamacpp-venv`")
+    return req, out, np, llama_cpp, Llama
+
+
+def main(argv: list[str]) -> int:
+    req, out, np, llama_cpp, Llama = open_request(argv)
     log = _Log(llama_cpp.llama_cpp if hasattr(llama_cpp, "llama_cpp") else llama_cpp)
     windows = np.asarray(req["windows"], dtype=np.int64)
     N, T = windows.shape
