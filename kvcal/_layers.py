@@ -30,8 +30,8 @@ Layers, lowest first::
                 engines' section, probe  the artifact section an engine's calibration writes, its probe
     5 front     kvcal.export, kvcal.report, kvcal.api, kvcal.calibrate, kvcal.capacity,
                 kvcal.inspect, kvcal.recommend, kvcal.verify
-                engines' facade (__init__), calibrate, skip, export*, loader, runner (runs in the engine's
-                Python, imports no kvcal)
+                engines' facade (__init__), calibrate, skip, export*, loader, runner and *_runner (run in the
+                engine's Python, import no kvcal)
     6 cli       kvcal.cli, kvcal.__main__
 """
 
@@ -63,7 +63,7 @@ ENGINE_MODULES: tuple[tuple[str, str], ...] = (
     ("search_*", "stages"), ("skip_layers", "stages"),
     ("section", "products"), ("probe", "products"),
     ("calibrate", "front"), ("skip", "front"), ("export", "front"), ("export_*", "front"), ("loader", "front"),
-    ("runner", "front"),
+    ("runner", "front"), ("*_runner", "front"),
 )
 
 
