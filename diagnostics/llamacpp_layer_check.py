@@ -63,17 +63,12 @@ def cache_values(rows: np.ndarray, type_id: int, D: int) -> np.ndarray:
 
 def kvcal_side(plan, layer: int, x: torch.Tensor, side: str) -> torch.Tensor:
     """What the plan writes for ``x`` ``[T, H, D]`` in llama.cpp's order, rotated as stored (no back-rotation)."""
-    from kvcal.engines.llamacpp.quants import dequantize, quantize
+    from kvcal.engines.llamacpp.quants import fake_quant
     from kvcal.engines.llamacpp.rotation import ggml_fwht
 
     t = plan.k_type if side == "k" else plan.v_type
     n = plan._rot(side, x.shape[-1])
-    y = ggml_fwht(x, n) if n else x
-    if t.quantized:
-        return dequantize(quantize(y, t.name, plan.impl))
-    from kvcal.engines.llamacpp.quants import fake_quant
-
-    return fake_quant(y, t.name)
+    return fake_quant(ggml_fwht(x, n) if n else x, t.name, plan.impl)
 
 
 def attention64(q, k, v, n_rep: int) -> np.ndarray:

@@ -123,12 +123,12 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     # llama.cpp's order of each query/key head: a llama GGUF (or a checkpoint converted to one) interleaves it
     src0 = pre.model.source
     if src0 is not None and getattr(src0, "gguf_file", None):
-        order = {"architecture": gguf_architecture(Path(src0.path) / src0.gguf_file)}
+        head_order = {"architecture": gguf_architecture(Path(src0.path) / src0.gguf_file)}
     else:
         text = pre.model.text_config
-        order = {"model_type": text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)}
+        head_order = {"model_type": text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)}
     try:  # a head_dim a type cannot hold is refused before the model loads
-        plans = {(k, v): eng.pair_plan(k, v, L, head_dim=shp.head_dim, **order) for k, v in menu}
+        plans = {(k, v): eng.pair_plan(k, v, L, head_dim=shp.head_dim, **head_order) for k, v in menu}
     except KvcalError as e:
         raise KvcalError(f"--cache-types: {e}") from None
     b16 = eng.pair_bytes_per_token(shp, "f16", "f16")

@@ -128,18 +128,20 @@ class LlamaCppKVPlan:
         t = self.k_type if side == "k" else self.v_type
         D = x.shape[-1]
         self._check_dim(t, D, side.upper())
-        n = self._rot(side, D)
-        if not (n or t.quantized):
-            return fake_quant(x.float(), t.name, self.impl).to(x.dtype)  # f16/bf16/f32: elementwise, order-free
-        perm = side == "k" and self.kq_interleaved
+        return self._through(x, t.name, self._rot(side, D), side == "k")
+
+    def _through(self, x: torch.Tensor, type_name: str, n: int, is_kq: bool) -> torch.Tensor:
+        """``x`` ``[..., D]`` as the engine holds it in ``type_name``, back in the model's basis and dtype: put into
+        llama.cpp's head order (a query/key of a ``kq_interleaved`` plan, when blocks make the order matter),
+        rotated by the size-``n`` Hadamard (``n = 0``: none), converted, rotated and ordered back."""
+        perm = is_kq and self.kq_interleaved and ggml_type(type_name, cache=False).quantized
         y = _to_gguf_order(x.float()) if perm else x.float()
         if n:
             y = ggml_fwht(y, n)
-        y = fake_quant(y, t.name, self.impl)
+        y = fake_quant(y, type_name, self.impl)
         if n:
             y = ggml_fwht(y, n)
-        y = _from_gguf_order(y) if perm else y
-        return y.to(x.dtype)
+        return (_from_gguf_order(y) if perm else y).to(x.dtype)
 
     def query_type(self) -> str:
         """The type a query row is converted to before its dot products with the keys: the K type's
@@ -161,15 +163,7 @@ class LlamaCppKVPlan:
         qt = self.query_type()
         if qt == "f32":
             return q
-        n = self._rot("k", q.shape[-1])
-        y = _to_gguf_order(q.float()) if self.kq_interleaved else q.float()
-        if n:
-            y = ggml_fwht(y, n)
-        y = fake_quant(y, qt, self.impl)
-        if n:
-            y = ggml_fwht(y, n)
-        y = _from_gguf_order(y) if self.kq_interleaved else y
-        return y.to(q.dtype)
+        return self._through(q, qt, self._rot("k", q.shape[-1]), True)
 
     def quantized_bits(self) -> list[int]:
         """Payload bits of every block-quantized (layer, side): 8 (``q8_0``), 5 (``q5_*``), 4 (``q4_*``,

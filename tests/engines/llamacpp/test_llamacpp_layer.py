@@ -17,6 +17,7 @@ from test_llamacpp_verify import CORPUS, engine_python
 
 from kvcal.engines import engine
 from kvcal.engines.llamacpp.plan import _from_gguf_order, _to_gguf_order, pair_plan
+from kvcal.engines.llamacpp.quants import fake_quant, quantize
 from kvcal.engines.llamacpp.rotation import ggml_fwht
 
 T = 64  # tokens: one ubatch, one block of flash-attention rows
@@ -90,8 +91,6 @@ def test_layer0_as_llamacpp_runs_it(layer0, type_k, type_v):
         rows = got[f"{side}_cache"]
         want = gguf_dequantize(rows.reshape(T * Hkv, -1), GGMLQuantizationType(int(got[f"{side}_type"])))
         assert int(got[f"{side}_type"]) == GGMLQuantizationType[t.name.upper()].value
-        from kvcal.engines.llamacpp.quants import fake_quant
-
         mine = fake_quant(ggml_fwht(x, plan._rot(side, D)), t.name, plan.impl).numpy().reshape(T * Hkv, D)
         assert np.array_equal(mine, want), f"{side}: {(mine != want).sum()} of {mine.size} values differ"
     assert torch.equal(ggml_fwht(ql, plan._rot("k", D)), torch.from_numpy(got["q_fa"]).transpose(0, 1))
@@ -111,8 +110,6 @@ def test_layer0_as_llamacpp_runs_it(layer0, type_k, type_v):
         # the plan's dot product m_k · fp16(d)·Σ codes: per block at most 2^-10 · |m_k · s_q| apart (two fp16
         # roundings, each <= 2^-11 relative), times the softmax scale; softmax moves each output by at most
         # 2 · max|Δscore| · max|v| (first order)
-        from kvcal.engines.llamacpp.quants import quantize
-
         kb = quantize(ggml_fwht(kl, plan._rot("k", D)), plan.k_type.name)
         qb = quantize(ggml_fwht(ql, plan._rot("k", D)), "q8_1")
         m_k = kb.m.double().abs().numpy()  # [T, Hkv, nb]
