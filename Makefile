@@ -72,9 +72,14 @@ demo: venv
 	  --out demo_out/smollm2-135m-fp8 --overwrite
 
 # the unit suite, then the engine tier (a real vLLM and a real llama.cpp; each skipped with the reason printed where
-# this machine cannot run it)
-test: venv engine-venv llamacpp-venv-try
-	$(PY) -m pytest -q -x -rs --durations=15
+# this machine cannot run it). llama.cpp compiles (about 8 CPU-minutes from nothing) while everything but
+# tests/engines/llamacpp/ runs, which leaves a core idle most of the time; that directory runs once the build ends.
+test: venv engine-venv
+	@$(MAKE) --no-print-directory llamacpp-venv-try > .llamacpp-try.out 2>&1 & build=$$!; \
+	$(PY) -m pytest -q -x -rs --durations=15 --ignore=tests/engines/llamacpp; rc=$$?; \
+	wait $$build; cat .llamacpp-try.out; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	$(PY) -m pytest -q -x -rs --durations=5 tests/engines/llamacpp
 
 lint: venv
 	$(VENV)/bin/ruff check kvcal tests benchmarks diagnostics

@@ -3,7 +3,8 @@
 # .venv, never inside it: `kvcal verify --engine llamacpp --engine-python VENV/bin/python` runs
 # kvcal/engines/llamacpp/runner.py there (numpy + llama_cpp only).
 # The registry publishes llama-cpp-python as an sdist: pip compiles llama.cpp (CPU backend) from it: 462 CPU-seconds
-# without the multimodal library (2026-12-06, AVX-512 EPYC), 4-8 min wall on 2 cores. KVCAL_LLAMACPP_WHEEL=path/to/llama_cpp_python-0.3.36-*.whl installs a wheel built before instead.
+# without the multimodal library (2026-12-06, AVX-512 EPYC), 4-8 min wall on 2 cores.
+# KVCAL_LLAMACPP_WHEEL=path/to/llama_cpp_python-0.3.36-*.whl installs a wheel built before instead.
 # Usage: engines/build_llamacpp_venv.sh VENV_DIR [PYTHON]
 set -euo pipefail
 VENV="$1"
