@@ -127,6 +127,10 @@ def recommend_pairs(cfg, log: Callable[[str], None] = print, progress: bool = Tr
     else:
         text = pre.model.text_config
         head_order = {"model_type": text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)}
+    try:  # a checkpoint whose conversion kvcal has not read: its head order would be a guess
+        eng.pair_plan("f16", "f16", L, **head_order)
+    except KvcalError as e:
+        raise KvcalError(f"--model {cfg.model}: {e}") from None
     try:  # a head_dim a type cannot hold is refused before the model loads
         plans = {(k, v): eng.pair_plan(k, v, L, head_dim=shp.head_dim, **head_order) for k, v in menu}
     except KvcalError as e:

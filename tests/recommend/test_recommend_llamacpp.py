@@ -129,6 +129,23 @@ def test_recommend_pairs_refusals(tmp_path, args, words):
     assert not out.exists()
 
 
+def test_checkpoint_of_an_unread_conversion_is_refused(tmp_path, smollm_tokenizer):
+    """A checkpoint whose llama.cpp conversion kvcal has not read (Granite: ``conversion/granite.py`` permutes q/k in
+    one class and not in another) would have its blocks of 32 guessed: exit 2, one line naming --model, the
+    model_type and the fix (the .gguf), before weights load (config only), no output directory."""
+    from transformers import GraniteConfig
+
+    d = tmp_path / "granite"
+    GraniteConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512).save_pretrained(d)
+    smollm_tokenizer.save_pretrained(d)
+    out = tmp_path / "rec"
+    r = run(["--corpus", CHAT, "--model", d, "--out", out, "--cache-types", "q8_0"])
+    assert r.exit_code == 2, r.output
+    assert f"--model {d}: model_type 'granite'" in r.output and "pass the .gguf" in r.output
+    assert "Traceback" not in r.output and not out.exists()
+
+
 def test_nothing_passes_says_what_is_closest(tiny_dir, tmp_path):
     """A bar no pair can meet (KL <= 1e-12): exit 1, every pair measured (none passed), and a note naming the pair
     whose KL bound is lowest and the 16-bit cache as the safe choice."""

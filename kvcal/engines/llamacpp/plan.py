@@ -187,26 +187,43 @@ class LlamaCppKVPlan:
 
 #: GGUF architectures whose query/key weights llama.cpp's converter permutes for its interleaved ("normal") RoPE
 #: and transformers' GGUF loader permutes back (``LlamaTensorProcessor._reverse_permute_weights``,
-#: ``transformers/modeling_gguf_pytorch_utils.py``; ``permute`` in llama.cpp's ``conversion/llama.py``,
-#: ``LLAMA_ROPE_TYPE_NORM`` for ``LLM_ARCH_LLAMA`` in ``src/llama-model.cpp``). Every other architecture
-#: transformers loads keeps one order in both (NeoX-style RoPE on rotate-half heads, e.g. Gemma, Qwen).
+#: ``transformers/modeling_gguf_pytorch_utils.py``, the only processor that does; ``permute`` in llama.cpp's
+#: ``conversion/llama.py``, ``LLAMA_ROPE_TYPE_NORM`` for ``LLM_ARCH_LLAMA`` in ``src/llama-model.cpp``). Every other
+#: architecture transformers loads from a GGUF keeps the GGUF's order in the model kvcal runs.
 KQ_INTERLEAVED_ARCHS = ("llama",)
 
-#: transformers ``model_type`` -> the GGUF architecture llama.cpp's converter writes for it, where kvcal relies on it
-#: (``LlamaModel`` registers ``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``:
-#: ``conversion/llama.py``)
-CONVERTED_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama"}
+#: transformers ``model_type`` -> whether llama.cpp's converter (llama-cpp-python 0.3.36's ``conversion/``) stores its
+#: query/key heads permuted, i.e. in another order than the checkpoint: ``LlamaModel`` with ``undo_permute``
+#: (``conversion/llama.py``: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``MixtralForCausalLM``,
+#: ``SmolLM3ForCausalLM``) and ``OlmoModel`` (``conversion/olmo.py``) permute; ``Olmo2Model``, and the converters of
+#: ``gemma.py``, ``qwen.py``, ``phi.py`` (``Phi3ForCausalLM``), ``stablelm.py``, ``starcoder.py``, ``falcon.py``,
+#: ``gptneox.py`` copy q/k as they are (rotate-half RoPE in both). A ``model_type`` not listed is refused
+#: (:func:`kq_interleaved`), never guessed.
+CONVERTED_KQ_INTERLEAVED = {
+    "llama": True, "mistral": True, "mixtral": True, "smollm3": True, "olmo": True,
+    "olmo2": False, "olmo3": False, "gemma": False, "gemma2": False, "gemma3": False, "gemma3_text": False,
+    "qwen2": False, "qwen3": False, "qwen2_moe": False, "qwen3_moe": False, "phi3": False, "stablelm": False,
+    "starcoder2": False, "falcon": False, "gpt_neox": False,
+}
 
 
 def kq_interleaved(architecture: str | None = None, model_type: str | None = None) -> bool:
     """Whether llama.cpp holds a query/key head in another order than the transformers model kvcal runs: for a GGUF
-    of ``architecture`` (``general.architecture``), True for :data:`KQ_INTERLEAVED_ARCHS`; for a transformers
-    checkpoint of ``model_type`` (served after llama.cpp's converter), True when :data:`CONVERTED_ARCH` maps it
-    there. In such a GGUF the converter stored head element ``h · D/2 + i`` of the original model at ``2i + h``
-    (``h`` in {0, 1}), so llama.cpp's blocks of 32 hold both RoPE halves of 16 rotary pairs, not 32 elements of one
-    half."""
+    of ``architecture`` (``general.architecture``; kvcal loads it through transformers), True for
+    :data:`KQ_INTERLEAVED_ARCHS`; for a transformers checkpoint of ``model_type`` (served after llama.cpp's
+    converter), :data:`CONVERTED_KQ_INTERLEAVED`; neither given: False. In such a GGUF the converter stored head
+    element ``h · D/2 + i`` of the original model at ``2i + h`` (``h`` in {0, 1}), so llama.cpp's blocks of 32 hold
+    both RoPE halves of 16 rotary pairs, not 32 elements of one half.
+
+    Raises ``KvcalError`` for a ``model_type`` whose conversion kvcal has not read (the blocks would be guessed):
+    pass the .gguf llama.cpp serves instead, whose header decides."""
     if architecture is None and model_type is not None:
-        architecture = CONVERTED_ARCH.get(model_type)
+        if model_type not in CONVERTED_KQ_INTERLEAVED:
+            raise KvcalError(
+                f"model_type {model_type!r}: kvcal does not know whether llama.cpp's converter reorders its "
+                "query/key heads (which elements share a block of 32); pass the .gguf that llama.cpp serves as "
+                "--model (its general.architecture decides)")
+        return CONVERTED_KQ_INTERLEAVED[model_type]
     return architecture in KQ_INTERLEAVED_ARCHS
 
 

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from helpers.llamacpp import q8_0_avx_block, sylvester
+from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from kvcal.engines.llamacpp import LlamaCppKVPlan, kv_bytes
 from kvcal.errors import KvcalError
@@ -356,11 +357,35 @@ def test_kq_interleaved_with_rotation_equals_gguf_py_in_gguf_order():
 
 def test_kq_interleaved_follows_the_architecture():
     """llama GGUFs (and llama/mistral/mixtral checkpoints, which the converter writes as llama) are interleaved;
-    Gemma 3 and an unknown architecture keep the model's order; ``pair_plan`` passes it on."""
+    Gemma 3 keeps the model's order; a checkpoint whose conversion kvcal has not read is refused, not guessed;
+    ``pair_plan`` passes it on."""
     from kvcal.engines.llamacpp.plan import kq_interleaved, pair_plan
 
     assert kq_interleaved("llama") and kq_interleaved(model_type="mistral") and kq_interleaved(model_type="llama")
     assert not kq_interleaved("gemma3") and not kq_interleaved(model_type="gemma3_text") and not kq_interleaved()
+    with pytest.raises(KvcalError, match="model_type 'granite': .*pass the .gguf that llama.cpp serves"):
+        kq_interleaved(model_type="granite")
+    with pytest.raises(KvcalError, match="model_type 'granite'"):
+        pair_plan("q8_0", "q8_0", 2, model_type="granite")
     assert pair_plan("q4_0", "q4_0", 2, architecture="llama").kq_interleaved
     assert not pair_plan("q4_0", "q4_0", 2, architecture="gemma3").kq_interleaved
     assert pair_plan("q4_0", "q4_0", 2, architecture="llama").describe()["kq_interleaved"] is True
+
+
+@pytest.mark.parametrize("arch", sorted(set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"}))
+def test_kq_interleaved_is_what_transformers_gguf_loader_undoes(arch):
+    """For every GGUF architecture transformers loads (the model kvcal runs from a .gguf), kvcal calls the heads
+    interleaved exactly when transformers' tensor processor reorders ``attn_q``/``attn_k`` rows while loading
+    (run here on a [2 heads x 8, 3] weight of distinct integers; the same rows come back in the same order when it
+    does not); a transformers upgrade that changes this fails here."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from kvcal.engines.llamacpp.plan import kq_interleaved
+
+    proc = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config={"num_attention_heads": 2, "num_key_value_heads": 2})
+    w = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    reordered = []
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):
+        got = proc.process(w.copy(), name).weights
+        reordered.append(got.shape == w.shape and not np.array_equal(got, w))
+    assert reordered[0] == reordered[1] == kq_interleaved(arch)
