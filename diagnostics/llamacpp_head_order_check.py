@@ -10,6 +10,9 @@ and True, every weight matmul's input rounded as llama.cpp rounds it), judging e
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python diagnostics/llamacpp_head_order_check.py \\
         --engine-python .venv-llamacpp/bin/python --model smollm2-135m --windows 6 --json out.json
     .venv/bin/python diagnostics/llamacpp_head_order_check.py --table out.json     # the docs/results.md table
+
+``--compare accumulator --served out.json --pairs q8_0/f16,...`` predicts the pairs of an earlier run again with the
+fp16 ``P · V`` accumulator emulated and not (``emulate_f16_accumulator``), against the same served figures.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import time
 from pathlib import Path
 
 TYPES = ["f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"]
+
+#: --compare: the plan switch each pair is predicted both ways with (True, False), and the table's labels
+LABELS = {"order": ("GGUF order", "model order"), "accumulator": ("fp16 P·V accumulator", "f32 attention")}
 
 
 def table(doc: dict) -> str:
@@ -36,11 +42,14 @@ def table(doc: dict) -> str:
     from kvcal.verify.figures import agreement
 
     n = len(doc["served"]["pairs"][0]["kl"])
-    out = ["| -ctk/-ctv | served KL | predicted, GGUF order | diff | tolerance | verdict | predicted, model order | diff "
+    on, off = LABELS[doc.get("compare", "order")]
+    out = [f"| -ctk/-ctv | served KL | predicted, {on} | diff | tolerance | verdict | predicted, {off} | diff "
            "| tolerance | verdict |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     summ = {0: [], 1: []}
     for p in doc["served"]["pairs"]:
         pair, s = f"{p['type_k']}/{p['type_v']}", p["kl"]
+        if f"{pair}/1" not in doc["pred"]:
+            continue
         cells = [pair, f"{sum(s) / n:.3e}"]
         for il in (1, 0):
             pw = doc["pred"][f"{pair}/{il}"]
@@ -50,8 +59,10 @@ def table(doc: dict) -> str:
             summ[il].append((p["type_k"] != "f16", sum(s) / sum(pw), ag["ok"], ag["diff"] / ag["tol"]))
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
-    for il, name in ((1, "GGUF order"), (0, "model order")):
+    for il, name in ((1, on), (0, off)):
         rows = [r for r in summ[il] if r[0]]
+        if len(rows) < 2:
+            continue
         above = sum(r[1] > 1 for r in rows)
         lr = [math.log(r[1]) for r in rows]
         out.append(f"- {name}: {sum(r[2] for r in summ[il])} of {len(summ[il])} PASS; quantized-K pairs: served above "
@@ -66,20 +77,23 @@ def main(argv=None) -> int:
         print(table(json.loads(Path(sys.argv[2]).read_text())))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine-python", required=True)
+    ap.add_argument("--engine-python", help="llama-cpp-python's interpreter (not with --served)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--corpus", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/wikitext2_valid.txt"))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--windows", type=int, default=6)
     ap.add_argument("--pairs", help="K/V,K/V,... (default: all 48 ordered pairs)")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--compare", choices=sorted(LABELS), default="order",
+                    help="order: kq_interleaved on/off; accumulator: emulate_f16_accumulator on/off (GGUF order)")
+    ap.add_argument("--served", help="reuse the served run of an earlier --json output (same model, windows, pairs)")
     a = ap.parse_args(argv)
     from kvcal.engines import engine
-    from kvcal.engines.llamacpp.plan import LlamaCppKVPlan
+    from kvcal.engines.llamacpp.plan import LlamaCppKVPlan, kq_interleaved
     from kvcal.evaluate.sequential import WindowedRows
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
     from kvcal.models import load_model, load_tokenizer
-    from kvcal.models.gguf import gguf_tensor_types
+    from kvcal.models.gguf import gguf_architecture, gguf_tensor_types
     from kvcal.verify.engine import run_engine
     from kvcal.verify.figures import agreement
     from kvcal.verify.pairs import _gguf
@@ -93,23 +107,33 @@ def main(argv=None) -> int:
     wins = cut_windows(ids, a.context, a.windows, bos=served_bos(tok))[:a.windows]
     n = len(wins)
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as td:
-        served = run_engine(Path(a.engine_python).absolute(), {"gguf": str(gguf), "windows": wins.tolist(),
-                            "reference": ["f16", "f16"], "pairs": [list(p) for p in pairs], "threads": 2}, Path(td),
-                            7200, runner=eng.RUNNER)
-    print(f"served {len(pairs)} pairs x {n} windows in {time.time() - t0:.0f}s", flush=True)
+    if a.served:
+        served = json.loads(Path(a.served).read_text())["served"]
+        keep = {f"{k}/{v}" for k, v in pairs}
+        served = {**served, "pairs": [p for p in served["pairs"] if f"{p['type_k']}/{p['type_v']}" in keep]}
+        if (served["windows"], served["n_ctx"]) != (n, a.context) or len(served["pairs"]) != len(pairs):
+            raise SystemExit(f"--served {a.served}: other windows, context or pairs than this run's")
+    else:
+        with tempfile.TemporaryDirectory() as td:
+            served = run_engine(Path(a.engine_python).absolute(), {"gguf": str(gguf), "windows": wins.tolist(),
+                                "reference": ["f16", "f16"], "pairs": [list(p) for p in pairs], "threads": 2},
+                                Path(td), 7200, runner=eng.RUNNER)
+        print(f"served {len(pairs)} pairs x {n} windows in {time.time() - t0:.0f}s", flush=True)
     model = load_model(src)
     L = model.config.num_hidden_layers
-    doc = {"model": a.model, "context": a.context, "windows": n, "served": served, "pred": {}}
+    doc = {"model": a.model, "context": a.context, "windows": n, "served": served, "pred": {}, "compare": a.compare}
+    il_order = kq_interleaved(gguf_architecture(gguf))
     with eng.MatmulInputs(model, eng.gguf_matmul_inputs(gguf_tensor_types(gguf))):
         rows = WindowedRows(model, wins)
         for p, s in zip(pairs, served["pairs"], strict=True):
             for il in (False, True):
-                rows.measure((p, il), LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il), n)
+                plan = (LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il) if a.compare == "order" else
+                        LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il_order, emulate_f16_accumulator=il))
+                rows.measure((p, il), plan, n)
                 pw = rows.result((p, il))["per_window"]["kl_mean"]
                 doc["pred"][f"{p[0]}/{p[1]}/{int(il)}"] = pw
                 ag = agreement(s["kl"], pw)
-                print(f"{p[0]}/{p[1]} interleaved={int(il)} served {sum(s['kl']) / n:.4e} predicted {sum(pw) / n:.4e} "
+                print(f"{p[0]}/{p[1]} {a.compare}={int(il)} served {sum(s['kl']) / n:.4e} predicted {sum(pw) / n:.4e} "
                       f"diff {ag['diff']:+.2e} tol {ag['tol']:.2e} {'ok' if ag['ok'] else 'FAIL'} "
                       f"({time.time() - t0:.0f}s)", flush=True)
             Path(a.json).write_text(json.dumps(doc))

@@ -20,7 +20,8 @@ Layers, lowest first::
                 environment variables), kvcal.outputs (output-path safety, atomic writes), kvcal.engines (the
                 registry of engines: found by name, imported with importlib): pure Python
     1 formats   kvcal.formats           numeric formats, quantize/dequantize (torch only)
-                engines' dtypes/, quants, rotation, memory   each engine's cache writes and the pages it allocates
+                engines' dtypes/, quants, rotation, attention, memory   each engine's cache writes, the kernel
+                                        arithmetic it reads them with, and the pages it allocates
     2 plan      kvcal.plan              per-layer plans built from formats
                 engines' plan           the fake-quant plan of an engine's dtype
     3 stages    kvcal.capture, kvcal.search, kvcal.kernels, and the inputs they read:
@@ -59,6 +60,7 @@ ENGINES_PACKAGE = "kvcal.engines"
 #: facade, which reaches every module of the package) is on the front floor.
 ENGINE_MODULES: tuple[tuple[str, str], ...] = (
     ("dtypes", "formats"), ("memory", "formats"), ("quants", "formats"), ("rotation", "formats"),
+    ("attention", "formats"),
     ("plan", "plan"),
     ("search_*", "stages"), ("skip_layers", "stages"),
     ("section", "products"), ("probe", "products"),

@@ -39,11 +39,24 @@ def _original_fn(module, impl: str):
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
+class AttentionOutput:
+    """What a callback returns to replace the attention computation itself (an engine whose kernel rounds
+    differently from the model's attention, e.g. llama.cpp's fp16 ``P · V`` accumulator): ``output`` ``[B, S_q,
+    H_q, D_v]`` in the model's dtype, as an attention function returns it."""
+
+    __slots__ = ("output",)
+
+    def __init__(self, output: torch.Tensor):
+        self.output = output
+
+
 def _hook_fn(module, query, key, value, attention_mask, **kwargs):
     if not _ACTIVE:
         raise RuntimeError("kvcal attention hook called outside of an attention_hook() context")
     callback, impl = _ACTIVE[-1]
     out = callback(module, query, key, value, attention_mask, kwargs)
+    if isinstance(out, AttentionOutput):
+        return out.output, None
     if out is not None and len(out) == 3:  # (query, key, value): e.g. an engine's query quantization
         query, key, value = out
     elif out is not None:
@@ -88,8 +101,8 @@ def attention_hook(model, callback: Callable) -> Iterator[None]:
 
     ``query`` ``[B, H_q, S_q, D]`` post-RoPE; ``key``/``value`` ``[B, H_kv, S_kv, D]`` as cached
     (post-RoPE keys). ``module.layer_idx`` names the layer. Return ``None`` to leave K/V
-    unchanged, a ``(key, value)`` pair to replace what attention reads, or a ``(query, key,
-    value)`` triple to replace the query too. The model's attention
+    unchanged, a ``(key, value)`` pair to replace what attention reads, a ``(query, key,
+    value)`` triple to replace the query too, or an :class:`AttentionOutput` to replace the attention output. The model's attention
     implementation is restored on exit, also on error. Raises ``RuntimeError`` if the model does
     not use transformers' attention-function interface.
     """

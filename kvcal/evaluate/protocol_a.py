@@ -33,19 +33,23 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from kvcal.capture.hooks import attention_hook
+from kvcal.capture.hooks import AttentionOutput, attention_hook
 
 
 def plan_hook(plan) -> Callable:
     """Attention-hook callback that fake-quantizes K and V of every layer with ``plan``
     (a :class:`~kvcal.plan.KVPlan`), and the post-RoPE query too when the plan has
     ``fake_quant_query(layer, q, num_kv_heads)`` (:class:`~kvcal.engines.vllm.plan.VllmKVPlan`: vLLM's
-    FP8 query quantization)."""
+    FP8 query quantization). A plan whose ``own_attention()`` is True computes the attention itself with
+    ``attention(module, q, k, v, mask, kwargs)`` on those tensors (llama.cpp's fp16 ``P · V`` accumulator)."""
+
+    own = getattr(plan, "attention", None) if getattr(plan, "own_attention", lambda: False)() else None
 
     def cb(module, q, k, v, mask, kwargs):
         i = module.layer_idx
         if hasattr(plan, "fake_quant_query"):
-            return plan.fake_quant_query(i, q, k.shape[1]), plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
+            q, k, v = plan.fake_quant_query(i, q, k.shape[1]), plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
+            return AttentionOutput(own(module, q, k, v, mask, kwargs)) if own is not None else (q, k, v)
         return plan.fake_quant(i, "k", k), plan.fake_quant(i, "v", v)
 
     return cb

@@ -29,10 +29,12 @@ This plan returns every tensor in the model's original basis: a rotated side com
 so ``q̃ · k̃ = dequant(q8(Hq)) · dequant(quant(Hk))`` and ``P · ṽ = H · (P · dequant(quant(Hv)))`` are what the
 engine computes, and a K-only or V-only view (:func:`kvcal.evaluate.protocol_a.side_only`) stays correct.
 
-**Not emulated** (all at float32 rounding level, except the first two): with an ``f16`` V cache and a quantized
-or ``bf16`` K cache, or in decode steps, the engine accumulates ``P · V`` in an **fp16** accumulator
-(``VKQ16``, ``ggml_vec_mad_f16``), kvcal in f32 (layer 0, 512 tokens: 3.4e-3 relative output error on SmolLM2
-``q8_0/f16``, about half of what its ``q8_0`` keys move the output by); the fp16 rounding of ``q8_1``'s block sum
+**fp16 accumulator.** With an ``f16`` V cache and a quantized or ``bf16`` K cache (or in decode steps) the engine
+accumulates ``P · V`` in **fp16** (``VKQ16``, ``ggml_vec_mad_f16``); the plan computes that attention itself
+(:meth:`LlamaCppKVPlan.attention`, :mod:`.attention`), where the model's f32 attention would be 3.4e-3 relative
+off at layer 0 (SmolLM2 ``q8_0/f16``, 512 tokens, about half of what its ``q8_0`` keys move the output by).
+
+**Not emulated** (all at float32 rounding level, except the first): the fp16 rounding of ``q8_1``'s block sum
 ``s = fp16(d·Σq)`` that multiplies ``m_k`` of ``q4_1``/``q5_1`` keys (kvcal uses ``fp16(d)·Σq``; relative
 difference <= 2^-10 of that term; 5e-4 relative output error on Gemma 3 ``q4_1/q5_1``); the order of f32 sums (SIMD dot products, online softmax, the Hadamard back-rotation
 done on K/V instead of on the attention output); ARM / other SIMD quantizers.
@@ -78,7 +80,9 @@ class LlamaCppKVPlan:
     ``False``: decode steps, where they are rounded to fp16. ``kq_interleaved``: llama.cpp holds each query and
     key head in the interleaved order of its GGUF (:func:`kq_interleaved`; element ``j`` of a head is the model's
     element ``(j % 2) · D/2 + j // 2``): the plan permutes a head into that order before the rotation and the
-    block quantizer, and back after, so each block of 32 holds the elements llama.cpp's block holds. Raises
+    block quantizer, and back after, so each block of 32 holds the elements llama.cpp's block holds.
+    ``emulate_f16_accumulator``: where llama.cpp accumulates ``P · V`` in fp16 (:meth:`own_attention`), compute
+    attention that way (:meth:`attention`; default True; False: the model's f32 attention). Raises
     ``KvcalError`` for an unknown type, an unknown ``impl`` or ``num_layers < 1``."""
 
     type_k: str
@@ -89,6 +93,7 @@ class LlamaCppKVPlan:
     quantize_query: bool = True
     prefill: bool = True
     kq_interleaved: bool = False
+    emulate_f16_accumulator: bool = True
     sink_tokens: int = field(default=0, init=False)  # llama.cpp has no sink tokens
     residual_window: int = field(default=0, init=False)
 
@@ -165,6 +170,29 @@ class LlamaCppKVPlan:
             return q
         return self._through(q, qt, self._rot("k", q.shape[-1]), True)
 
+    def own_attention(self) -> bool:
+        """Whether llama.cpp accumulates ``P · V`` in fp16 for this plan (``VKQ16``: an ``f16`` V cache read by the
+        one-chunk kernel, i.e. unless K is ``f16`` too in a prefill ubatch, which the tiled kernel runs in f32), and
+        the plan emulates it (``emulate_f16_accumulator``): then :meth:`attention` replaces the model's attention."""
+        return bool(self.emulate_f16_accumulator and self.type_v == "f16"
+                    and not (self.type_k == "f16" and self.prefill))
+
+    def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, kwargs: dict) -> torch.Tensor:
+        """Attention as llama.cpp's CPU kernel computes it with an fp16 accumulator
+        (:func:`~kvcal.engines.llamacpp.attention.flash_attn_f16_accumulator`), from what it reads: ``q``
+        ``[B, H_q, S_q, D]`` (:meth:`fake_quant_query`), ``k``/``v`` ``[B, H_kv, S_k, D]`` (:meth:`fake_quant`),
+        the model's ``mask`` (:func:`~kvcal.engines.llamacpp.attention.allowed_keys`) and ``kwargs`` (``scaling``,
+        ``softcap``) of transformers' attention-function call on ``module``. Returns ``[B, S_q, H_q, D]`` in
+        ``q``'s dtype. Raises ``ValueError`` for a mask carrying a positional bias."""
+        from kvcal.engines.llamacpp.attention import allowed_keys, flash_attn_f16_accumulator
+
+        scale = kwargs.get("scaling")
+        if scale is None:
+            scale = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
+        allowed = allowed_keys(mask, q.shape[2], k.shape[2])
+        out = flash_attn_f16_accumulator(q, k, v, allowed, float(scale), kwargs.get("softcap"))
+        return out.transpose(1, 2).to(q.dtype)
+
     def quantized_bits(self) -> list[int]:
         """Payload bits of every block-quantized (layer, side): 8 (``q8_0``), 5 (``q5_*``), 4 (``q4_*``,
         ``iq4_nl``); ``f16``/``bf16``/``f32`` sides are not listed."""
@@ -181,8 +209,10 @@ class LlamaCppKVPlan:
                 "rotation": self.rotation, "query_type": self.query_type(), "impl": self.impl,
                 "kq_interleaved": self.kq_interleaved,
                 "bits_per_value": {"k": bits_per_value(self.type_k), "v": bits_per_value(self.type_v)},
+                "f16_accumulator": self.own_attention(),
                 "not_emulated": ("fp16 P·V accumulation (f16 V with a non-f16 K, or decode steps)"
-                                 if self.type_v == "f16" and self.query_type() != "f32" else None)}
+                                 if self.type_v == "f16" and not (self.type_k == "f16" and self.prefill)
+                                 and not self.own_attention() else None)}
 
 
 #: GGUF architectures whose query/key weights llama.cpp's converter permutes for its interleaved ("normal") RoPE

@@ -117,3 +117,41 @@ def test_layer0_as_llamacpp_runs_it(layer0, type_k, type_v):
         ds = 2.0**-10 * np.einsum("thb,shb->hts", s_q, np.repeat(m_k, n_rep, axis=1)).max() / np.sqrt(D)
         bound += 2 * ds * np.abs(vh).max()
     assert np.abs(mine_o - served_o).max() <= bound
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("type_k", ["q8_0", "q4_0"])
+def test_layer0_f16_values_accumulate_in_fp16(layer0, type_k):
+    """An ``f16`` V cache with a quantized K: llama.cpp's kernel accumulates ``P · V`` in fp16, rounding the
+    accumulator at every key. The plan's own attention (``own_attention``) replays those roundings; the f32
+    attention does not. Each of the f32 attention's differences is the sum of every step's rounding (rms about
+    sqrt(n)·2^-11/sqrt(3) of the accumulator over n keys); the emulation differs only where a float32-level
+    difference in a score or an exp (about 1e-7 relative, against an fp16 step of 2^-10) moves one rounding,
+    a few in 10^4 steps: its rms difference is far below, bound here at a quarter of the f32 attention's (the
+    ratio expected is about 2·sqrt(1e-7/2^-10), 0.02); its largest difference at one fp16 step of the output."""
+    ctx = layer0
+    plan = pair_plan(type_k, "f16", ctx["L"], architecture=ctx["arch"])
+    assert plan.own_attention()
+    got = _served_layer(ctx, type_k, "f16")
+    ql, kl, vl = (torch.from_numpy(got[n]) for n in ("q", "k", "v"))  # [T, H, D], llama.cpp's order
+    D = kl.shape[-1]
+    q = plan.fake_quant_query(0, _from_gguf_order(ql).transpose(0, 1)[None])
+    k = plan.fake_quant(0, "k", _from_gguf_order(kl).transpose(0, 1)[None])
+    v = plan.fake_quant(0, "v", vl.transpose(0, 1)[None])
+    served = torch.from_numpy(got["kqv_out"].reshape(T, -1, D)).double()  # [T, H_q, D]; f16 V is not rotated
+
+    class _Mod:
+        scaling = D**-0.5
+
+    emul = plan.attention(_Mod(), q, k, v, None, {})[0].double()  # [T, H_q, D]
+    n_rep = q.shape[1] // k.shape[1]
+    f32 = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(n_rep, 1), v.double().repeat_interleave(n_rep, 1), is_causal=True,
+        scale=D**-0.5)[0].transpose(0, 1)
+
+    def rms(a):
+        return float(a.pow(2).mean().sqrt())
+
+    e_emul, e_f32 = rms(emul - served), rms(f32 - served)
+    assert e_f32 > 0 and e_emul <= 0.25 * e_f32, (e_emul, e_f32)
+    assert float((emul - served).abs().max()) <= 2.0**-10 * float(served.abs().max())
