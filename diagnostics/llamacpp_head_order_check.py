@@ -27,7 +27,8 @@ from pathlib import Path
 TYPES = ["f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"]
 
 #: --compare: the plan switch each pair is predicted both ways with (True, False), and the table's labels
-LABELS = {"order": ("GGUF order", "model order"), "accumulator": ("fp16 P·V accumulator", "f32 attention")}
+LABELS = {"order": ("GGUF order", "model order"), "accumulator": ("fp16 P·V accumulator", "f32 attention"),
+          "reference": ("f16/f16 reference", "unquantized reference")}
 
 
 def table(doc: dict) -> str:
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", help="K/V,K/V,... (default: all 48 ordered pairs)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--compare", choices=sorted(LABELS), default="order",
-                    help="order: kq_interleaved on/off; accumulator: emulate_f16_accumulator on/off (GGUF order)")
+                    help="order: kq_interleaved on/off; accumulator: emulate_f16_accumulator on/off (GGUF order); "
+                    "reference: kvcal's reference run under llama.cpp's f16/f16 plan or unquantized")
     ap.add_argument("--served", help="reuse the served run of an earlier --json output (same model, windows, pairs)")
     a = ap.parse_args(argv)
     from kvcal.engines import engine
@@ -109,8 +111,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     if a.served:
         served = json.loads(Path(a.served).read_text())["served"]
-        keep = {f"{k}/{v}" for k, v in pairs}
-        served = {**served, "pairs": [p for p in served["pairs"] if f"{p['type_k']}/{p['type_v']}" in keep]}
+        by_pair = {f"{p['type_k']}/{p['type_v']}": p for p in served["pairs"]}
+        served = {**served, "pairs": [by_pair[f"{k}/{v}"] for k, v in pairs if f"{k}/{v}" in by_pair]}
         if (served["windows"], served["n_ctx"]) != (n, a.context) or len(served["pairs"]) != len(pairs):
             raise SystemExit(f"--served {a.served}: other windows, context or pairs than this run's")
     else:
@@ -125,8 +127,19 @@ def main(argv=None) -> int:
     il_order = kq_interleaved(gguf_architecture(gguf))
     with eng.MatmulInputs(model, eng.gguf_matmul_inputs(gguf_tensor_types(gguf))):
         rows = WindowedRows(model, wins)
+        ref16 = WindowedRows(model, wins, reference_plan=LlamaCppKVPlan("f16", "f16", L, kq_interleaved=il_order))
         for p, s in zip(pairs, served["pairs"], strict=True):
             for il in (False, True):
+                if a.compare == "reference":
+                    ref16.measure(p, LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il_order), n) if il else \
+                        rows.measure(p, LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il_order), n)
+                    pw = (ref16 if il else rows).result(p)["per_window"]["kl_mean"]
+                    doc["pred"][f"{p[0]}/{p[1]}/{int(il)}"] = pw
+                    ag = agreement(s["kl"], pw)
+                    print(f"{p[0]}/{p[1]} reference={int(il)} served {sum(s['kl']) / n:.4e} predicted "
+                          f"{sum(pw) / n:.4e} diff {ag['diff']:+.2e} tol {ag['tol']:.2e} ({time.time() - t0:.0f}s)",
+                          flush=True)
+                    continue
                 plan = (LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il) if a.compare == "order" else
                         LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il_order, emulate_f16_accumulator=il))
                 rows.measure((p, il), plan, n)

@@ -26,11 +26,13 @@ class WindowedRows:
 
     ``cache_bytes``: most bytes of reference log-probabilities kept (float32 ``[T, V]`` per window).
     ``on_forward``: called after every forward pass (a progress bar's update). ``forwards``: forward passes
-    run so far (reference ones included)."""
+    run so far (reference ones included). ``reference_plan``: the plan the reference runs under (default
+    ``None``: the model's own cache, unquantized)."""
 
     def __init__(self, model, windows: torch.Tensor, cache_bytes: int = 4 << 30,
-                 on_forward: Callable[[], None] | None = None):
+                 on_forward: Callable[[], None] | None = None, reference_plan=None):
         self.model, self.windows = model, windows
+        self.reference_plan = reference_plan
         self.cache_bytes = int(cache_bytes)
         self.on_forward = on_forward or (lambda: None)
         self.forwards = 0
@@ -55,7 +57,7 @@ class WindowedRows:
     def _reference(self, w: int) -> torch.Tensor:
         if w in self._cached:
             return self._cached[w]
-        logp = self._forward(w, None)
+        logp = self._forward(w, self.reference_plan)
         if w == self._ref_done:  # windows are first reached in order (every row measures a prefix)
             self._ref.add(logp, logp, self.windows[w : w + 1, 1:])
             self._ref_done += 1
