@@ -28,7 +28,7 @@ TYPES = ["f16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"]
 
 #: --compare: the plan switch each pair is predicted both ways with (True, False), and the table's labels
 LABELS = {"order": ("GGUF order", "model order"), "accumulator": ("fp16 P·V accumulator", "f32 attention"),
-          "reference": ("f16/f16 reference", "unquantized reference")}
+          "reference": ("f16/f16 reference", "unquantized reference"), "none": ("kvcal's plan", "")}
 
 
 def table(doc: dict) -> str:
@@ -43,6 +43,8 @@ def table(doc: dict) -> str:
     from kvcal.verify.figures import agreement
 
     n = len(doc["served"]["pairs"][0]["kl"])
+    if doc.get("compare") == "none":
+        return _single_table(doc, n, agreement)
     on, off = LABELS[doc.get("compare", "order")]
     out = [f"| -ctk/-ctv | served KL | predicted, {on} | diff | tolerance | verdict | predicted, {off} | diff "
            "| tolerance | verdict |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
@@ -73,6 +75,32 @@ def table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _single_table(doc: dict, n: int, agreement) -> str:
+    """``--compare none``: per pair bytes per token, served and predicted KL, verify's diff/tolerance/verdict, served
+    and predicted ΔNLL (each against its own reference), rows by bytes; then the count of PASS and of served above
+    predicted."""
+    out = ["| -ctk/-ctv | bytes/token | served KL | predicted KL | diff | tolerance | served ΔNLL | predicted ΔNLL "
+           "| verdict |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    rows = []
+    for p in doc["served"]["pairs"]:
+        pair = f"{p['type_k']}/{p['type_v']}"
+        if f"{pair}/1" not in doc["pred"]:
+            continue
+        s, pw = p["kl"], doc["pred"][f"{pair}/1"]
+        nll, ref = doc["pred_nll"][f"{pair}/1"]
+        ref_s = doc["served"]["reference"]["nll"]
+        ag = agreement(s, pw)
+        rows.append((doc["bytes_per_token"][pair], sum(s) / n, pair, sum(pw) / n, ag,
+                     (sum(p["nll"]) - sum(ref_s)) / n, (sum(nll) - sum(ref)) / n))
+    rows.sort()
+    for b, sk, pair, pk, ag, dn_s, dn_p in rows:
+        out.append(f"| {pair} | {b:,} | {sk:.3e} | {pk:.3e} | {ag['diff']:+.2e} | ±{ag['tol']:.2e} | {dn_s:+.4f} | "
+                   f"{dn_p:+.4f} | {'PASS' if ag['ok'] else '**FAIL**'} |")
+    above = sum(r[1] > r[3] for r in rows)
+    out += ["", f"{sum(r[4]['ok'] for r in rows)} of {len(rows)} PASS; served above predicted in {above} of {len(rows)}"]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--table":
         print(table(json.loads(Path(sys.argv[2]).read_text())))
@@ -87,13 +115,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--compare", choices=sorted(LABELS), default="order",
                     help="order: kq_interleaved on/off; accumulator: emulate_f16_accumulator on/off (GGUF order); "
-                    "reference: kvcal's reference run under llama.cpp's f16/f16 plan or unquantized")
+                    "reference: kvcal's reference run under llama.cpp's f16/f16 plan or unquantized; none: only "
+                    "the plan kvcal builds now (its table adds bytes and ΔNLL)")
     ap.add_argument("--served", help="reuse the served run of an earlier --json output (same model, windows, pairs)")
     a = ap.parse_args(argv)
     from kvcal.engines import engine
     from kvcal.engines.llamacpp.plan import LlamaCppKVPlan, kq_interleaved
     from kvcal.evaluate.sequential import WindowedRows
     from kvcal.evaluate.windows import corpus_stream, cut_windows, served_bos
+    from kvcal.formats.memory import model_shape
     from kvcal.models import load_model, load_tokenizer
     from kvcal.models.gguf import gguf_architecture, gguf_tensor_types
     from kvcal.verify.engine import run_engine
@@ -125,28 +155,30 @@ def main(argv=None) -> int:
     L = model.config.num_hidden_layers
     doc = {"model": a.model, "context": a.context, "windows": n, "served": served, "pred": {}, "compare": a.compare}
     il_order = kq_interleaved(gguf_architecture(gguf))
+    shp = model_shape(model.config)
+    doc["bytes_per_token"] = {f"{k}/{v}": eng.pair_bytes_per_token(shp, k, v) for k, v in pairs}
     with eng.MatmulInputs(model, eng.gguf_matmul_inputs(gguf_tensor_types(gguf))):
         rows = WindowedRows(model, wins)
         ref16 = WindowedRows(model, wins, reference_plan=LlamaCppKVPlan("f16", "f16", L, kq_interleaved=il_order))
+
+        def variants(k: str, v: str) -> list:
+            """(1/0, the rows measuring it, plan) of each prediction --compare asks for."""
+            now = LlamaCppKVPlan(k, v, L, kq_interleaved=il_order)
+            return {"order": [(1, rows, now), (0, rows, LlamaCppKVPlan(k, v, L, kq_interleaved=not il_order))],
+                    "accumulator": [(1, rows, now), (0, rows, LlamaCppKVPlan(k, v, L, kq_interleaved=il_order,
+                                                                             emulate_f16_accumulator=False))],
+                    "reference": [(1, ref16, now), (0, rows, now)],
+                    "none": [(1, rows, now)]}[a.compare]
+
         for p, s in zip(pairs, served["pairs"], strict=True):
-            for il in (False, True):
-                if a.compare == "reference":
-                    ref16.measure(p, LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il_order), n) if il else \
-                        rows.measure(p, LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il_order), n)
-                    pw = (ref16 if il else rows).result(p)["per_window"]["kl_mean"]
-                    doc["pred"][f"{p[0]}/{p[1]}/{int(il)}"] = pw
-                    ag = agreement(s["kl"], pw)
-                    print(f"{p[0]}/{p[1]} reference={int(il)} served {sum(s['kl']) / n:.4e} predicted "
-                          f"{sum(pw) / n:.4e} diff {ag['diff']:+.2e} tol {ag['tol']:.2e} ({time.time() - t0:.0f}s)",
-                          flush=True)
-                    continue
-                plan = (LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il) if a.compare == "order" else
-                        LlamaCppKVPlan(p[0], p[1], L, kq_interleaved=il_order, emulate_f16_accumulator=il))
-                rows.measure((p, il), plan, n)
-                pw = rows.result((p, il))["per_window"]["kl_mean"]
-                doc["pred"][f"{p[0]}/{p[1]}/{int(il)}"] = pw
+            for il, rw, plan in variants(*p):
+                rw.measure((p, il), plan, n)
+                r = rw.result((p, il))["per_window"]
+                pw = r["kl_mean"]
+                doc["pred"][f"{p[0]}/{p[1]}/{il}"] = pw
+                doc.setdefault("pred_nll", {})[f"{p[0]}/{p[1]}/{il}"] = [r["nll"], r["ref_nll"]]
                 ag = agreement(s["kl"], pw)
-                print(f"{p[0]}/{p[1]} {a.compare}={int(il)} served {sum(s['kl']) / n:.4e} predicted {sum(pw) / n:.4e} "
+                print(f"{p[0]}/{p[1]} {a.compare}={il} served {sum(s['kl']) / n:.4e} predicted {sum(pw) / n:.4e} "
                       f"diff {ag['diff']:+.2e} tol {ag['tol']:.2e} {'ok' if ag['ok'] else 'FAIL'} "
                       f"({time.time() - t0:.0f}s)", flush=True)
             Path(a.json).write_text(json.dumps(doc))
