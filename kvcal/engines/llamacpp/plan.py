@@ -174,8 +174,10 @@ class LlamaCppKVPlan:
         """Whether llama.cpp accumulates ``P · V`` in fp16 for this plan (``VKQ16``: an ``f16`` V cache read by the
         one-chunk kernel, i.e. unless K is ``f16`` too in a prefill ubatch, which the tiled kernel runs in f32), and
         the plan emulates it (``emulate_f16_accumulator``): then :meth:`attention` replaces the model's attention."""
-        return bool(self.emulate_f16_accumulator and self.type_v == "f16"
-                    and not (self.type_k == "f16" and self.prefill))
+        return bool(self.emulate_f16_accumulator and self._engine_accumulates_in_f16())
+
+    def _engine_accumulates_in_f16(self) -> bool:
+        return self.type_v == "f16" and not (self.type_k == "f16" and self.prefill)
 
     def attention(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, kwargs: dict) -> torch.Tensor:
         """Attention as llama.cpp's CPU kernel computes it with an fp16 accumulator
@@ -211,8 +213,7 @@ class LlamaCppKVPlan:
                 "bits_per_value": {"k": bits_per_value(self.type_k), "v": bits_per_value(self.type_v)},
                 "f16_accumulator": self.own_attention(),
                 "not_emulated": ("fp16 P·V accumulation (f16 V with a non-f16 K, or decode steps)"
-                                 if self.type_v == "f16" and not (self.type_k == "f16" and self.prefill)
-                                 and not self.own_attention() else None)}
+                                 if self._engine_accumulates_in_f16() and not self.own_attention() else None)}
 
 
 #: GGUF architectures whose query/key weights llama.cpp's converter permutes for its interleaved ("normal") RoPE
